@@ -1,0 +1,15 @@
+"""offplan's planner: safetensors headers + a YAML policy -> an explicit per-parameter plan.
+
+Pure Python: it never imports torch and never reads weight data.
+"""
+from .build import build, build_file
+from .checkpoint import Checkpoint, TensorInfo, open_checkpoint
+from .errors import (BudgetError, CheckpointError, InputError, ModelMismatchError, OffplanError,
+                     PlanFileError, PolicyError, StalePlanError)
+from .plan import Plan, dumps, load_plan, loads, write_atomic
+from .policy import Placement, Policy, load_policy
+
+__all__ = ["build", "build_file", "Checkpoint", "TensorInfo", "open_checkpoint", "BudgetError",
+           "CheckpointError", "InputError", "ModelMismatchError", "OffplanError", "PlanFileError",
+           "PolicyError", "StalePlanError", "Plan", "dumps", "load_plan", "loads", "write_atomic",
+           "Placement", "Policy", "load_policy"]

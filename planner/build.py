@@ -1,0 +1,74 @@
+"""`plan build`: policy + checkpoint headers -> Plan. The one place the steps are wired together."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from .checkpoint import Checkpoint, open_checkpoint
+from .errors import PolicyError
+from .graph import build_graph
+from .patterns import closest
+from .placement import decide
+from .plan import Plan, Summary, relpath
+from .policy import Placement, Policy, load_policy
+
+
+def default_output(policy_path: Path) -> Path:
+    """`qwen3.policy.yaml` -> `qwen3.plan.yaml`, beside the policy."""
+    name = policy_path.name
+    for suffix in (".policy.yaml", ".policy.yml", ".yaml", ".yml"):
+        if name.endswith(suffix):
+            name = name[: -len(suffix)]
+            break
+    return policy_path.with_name(name + ".plan.yaml")
+
+
+def check_patterns(policy: Policy, names: list[str]) -> None:
+    """Every pattern of the policy must match some tensor: vLLM ignores typos silently."""
+    problems = []
+    for where, pattern in policy.all_patterns():
+        if not any(pattern.matches(n) for n in names):
+            near = [] if pattern.regex else closest(pattern.text, names)
+            hint = f"; did you mean {' or '.join(repr(n) for n in near)}?" if near else ""
+            problems.append(f"{where}: {pattern.text!r} matches no tensor of the checkpoint{hint}")
+    if problems:
+        raise PolicyError(f"{policy.path}: patterns that match nothing", problems)
+
+
+def build(policy: Policy, plan_dir: Path, checkpoint: Checkpoint | None = None) -> Plan:
+    """Plan `policy` for a plan file that will live in `plan_dir` (paths are stored relative to it)."""
+    ckpt = checkpoint or open_checkpoint(policy.checkpoint)
+    names = list(ckpt.tensors)
+    check_patterns(policy, names)
+    graph = build_graph(names, policy.stacks)
+    d = decide(graph, ckpt.tensors, policy)
+    totals = {p: 0 for p in Placement}
+    for name, place in d.params.items():
+        totals[place] += ckpt.tensors[name].nbytes
+    summary = Summary(totals[Placement.GPU], totals[Placement.UVA], totals[Placement.PREFETCH],
+                      d.prefetch.pool_bytes if d.prefetch else 0)
+    ckpt_ref = ckpt.index if ckpt.index is not None else ckpt.root / next(iter(ckpt.tensors.values())).shard
+    ckpt_path = relpath(ckpt.root if ckpt.index is not None and ckpt.index.name.endswith(
+        "model.safetensors.index.json") else ckpt_ref, plan_dir)
+    return Plan(
+        checkpoint_path=ckpt_path,
+        checkpoint_fingerprint=ckpt.fingerprint,
+        tensors=len(ckpt.tensors),
+        total_bytes=ckpt.total_bytes,
+        policy_path=relpath(policy.path, plan_dir),
+        policy_fingerprint=policy.fingerprint,
+        backend=d.backend,
+        budget_bytes=policy.budget_bytes,
+        stacks=graph.stacks,
+        tied_embeddings=graph.tied_embeddings,
+        summary=summary,
+        layers=d.layers,
+        prefetch=d.prefetch,
+        params=d.params,
+        notes=d.notes,
+    )
+
+
+def build_file(policy_path: str | Path, output: str | Path | None = None) -> tuple[Plan, Path]:
+    policy = load_policy(policy_path)
+    out = Path(output) if output else default_output(Path(policy_path))
+    return build(policy, out.parent), out

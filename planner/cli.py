@@ -1,0 +1,171 @@
+"""The `plan` command. `main(argv)` returns the exit code; tests call it directly.
+
+Exit codes: 0 success; 1 bad input (one message, no traceback, nothing
+written); 2 "differs" for `diff --detailed-exitcode` and "stale" for `check`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from . import report
+from .build import build, default_output
+from .checkpoint import open_checkpoint
+from .errors import OffplanError
+from .plan import dumps, load_plan, write_atomic
+from .policy import load_policy
+
+EXAMPLES = """examples:
+  plan build plans/examples/qwen3-moe.policy.yaml       # writes qwen3-moe.plan.yaml beside it
+  plan show plans/examples/qwen3-moe.plan.yaml
+  plan diff old.plan.yaml new.plan.yaml --detailed-exitcode
+  plan check plans/examples/qwen3-moe.plan.yaml         # exit 2 if the checkpoint or policy changed
+"""
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="plan", formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EXAMPLES,
+        description="Plan, review and apply the offloading of LLM weights to pinned host memory.")
+    sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def cmd(name, help):
+        p = sub.add_parser(name, help=help, description=help)
+        p.add_argument("--json", action="store_true", help="print machine-readable JSON")
+        return p
+
+    p = cmd("build", "read a policy and the checkpoint's headers; write the plan")
+    p.add_argument("policy", metavar="POLICY", help="policy YAML (see schemas/policy.schema.json)")
+    p.add_argument("-o", "--output", metavar="PLAN",
+                   help="where to write the plan (default: NAME.plan.yaml beside NAME.policy.yaml; - for stdout)")
+    p = cmd("show", "per-layer table, totals, and the footprint against the budget")
+    p.add_argument("plan", metavar="PLAN")
+    p = cmd("diff", "what moved where between two plans, in bytes")
+    p.add_argument("old", metavar="OLD")
+    p.add_argument("new", metavar="NEW")
+    p.add_argument("--detailed-exitcode", action="store_true",
+                   help="exit 0 if the plans are the same, 2 if they differ, 1 on error")
+    p = cmd("validate", "check a policy (schema, patterns against the checkpoint) or a plan file")
+    p.add_argument("file", metavar="FILE")
+    p = cmd("check", "is the plan stale? exit 0 if current, 2 if its checkpoint or policy changed")
+    p.add_argument("plan", metavar="PLAN")
+    p = cmd("apply", "load the plan's checkpoint with transformers, per the plan, and generate")
+    p.add_argument("plan", metavar="PLAN")
+    p.add_argument("--prompt", default="The capital of France is", help="prompt for a greedy generation")
+    p.add_argument("--max-new-tokens", type=int, default=16, metavar="N")
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return _COMMANDS[args.command](args)
+    except OffplanError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+def _emit(args, data, text: str) -> None:
+    print(json.dumps(data, indent=2) if args.json else text)
+
+
+def _build(args) -> int:
+    policy = load_policy(args.policy)
+    for w in policy.warnings:
+        print(f"warning: {w}", file=sys.stderr)
+    to_stdout = args.output == "-"
+    out = Path(args.output) if args.output and not to_stdout else default_output(Path(args.policy))
+    plan = build(policy, Path.cwd() if to_stdout else out.parent)
+    text = dumps(plan)
+    if to_stdout:
+        sys.stdout.write(text)
+        return 0
+    write_atomic(out, text)
+    data = {"plan": str(out), **report.show_data(plan)}
+    s = plan.summary
+    _emit(args, data, f"wrote {out}: {plan.tensors} tensors, backend {plan.backend}; "
+          f"GPU {report.human(s.gpu_footprint_bytes)} (incl. {report.human(s.prefetch_buffer_bytes)} "
+          f"prefetch buffers), host {report.human(s.uva_bytes + s.prefetch_bytes)}"
+          + "".join(f"\nnote: {n}" for n in plan.notes))
+    return 0
+
+
+def _show(args) -> int:
+    plan = load_plan(args.plan)
+    _emit(args, report.show_data(plan), report.show_text(plan))
+    return 0
+
+
+def _diff(args) -> int:
+    d = report.diff_data(load_plan(args.old), load_plan(args.new))
+    _emit(args, d, report.diff_text(d))
+    return 2 if args.detailed_exitcode and not d["same"] else 0
+
+
+def _validate(args) -> int:
+    path = Path(args.file)
+    head = path.read_text(errors="replace")[:4096] if path.is_file() else ""
+    if "\nparams:" in head or head.startswith("params:") or "offplan plan" in head:
+        plan = load_plan(path)
+        _emit(args, {"file": str(path), "kind": "plan", "valid": True, "tensors": plan.tensors},
+              f"{path}: valid plan ({plan.tensors} tensors, backend {plan.backend})")
+        return 0
+    policy = load_policy(path)
+    for w in policy.warnings:
+        print(f"warning: {w}", file=sys.stderr)
+    plan = build(policy, path.parent)
+    _emit(args, {"file": str(path), "kind": "policy", "valid": True, "backend": plan.backend},
+          f"{path}: valid policy (checkpoint {plan.checkpoint_path}, {plan.tensors} tensors; "
+          f"it plans backend {plan.backend})")
+    return 0
+
+
+def _check(args) -> int:
+    plan_path = Path(args.plan)
+    plan = load_plan(plan_path)
+    problems = []
+    ckpt_dir = plan.checkpoint_dir(plan_path)
+    ckpt = open_checkpoint(ckpt_dir)
+    if ckpt.fingerprint != plan.checkpoint_fingerprint:
+        problems.append(f"the checkpoint {ckpt_dir} changed since the plan was built "
+                        f"(fingerprint {ckpt.fingerprint[:19]}..., the plan has "
+                        f"{plan.checkpoint_fingerprint[:19]}...)")
+    policy_path = plan_path.parent / plan.policy_path
+    if policy_path.is_file():
+        policy = load_policy(policy_path)
+        if policy.fingerprint != plan.policy_fingerprint:
+            problems.append(f"the policy {policy_path} changed since the plan was built")
+    else:
+        problems.append(f"the policy {policy_path} named by the plan is gone")
+    data = {"plan": str(plan_path), "stale": bool(problems), "problems": problems}
+    if problems:
+        text = f"{plan_path}: STALE\n" + "\n".join(f"  - {p}" for p in problems) + \
+            f"\n  rebuild it: plan build {policy_path} -o {plan_path}"
+        if args.json:
+            print(json.dumps(data, indent=2))
+        else:
+            print(text, file=sys.stderr)
+        return 2
+    _emit(args, data, f"{plan_path}: up to date with {ckpt_dir} and {policy_path}")
+    return 0
+
+
+def _apply(args) -> int:
+    try:
+        from runtime.cli import apply_command
+    except ImportError as e:
+        raise OffplanError(f"plan apply needs the runtime's dependencies ({e.name}); "
+                           "install them: pip install 'offplan[runtime]'") from None
+    return apply_command(args)
+
+
+_COMMANDS = {"build": _build, "show": _show, "diff": _diff, "validate": _validate,
+             "check": _check, "apply": _apply}
+
+

@@ -1,0 +1,149 @@
+"""The layer graph: which tensors form the repeated stacks, and in what order things run.
+
+Algorithm. A tensor name's *stack prefix* is everything before its first
+all-digit segment (`model.layers.12.mlp...` -> `model.layers`, layer 12). A
+prefix seen with two or more distinct numbers is a stack (`transformer.h`,
+`blocks`, `language_model.model.layers`, `vision_tower...encoder.layers`).
+When that guess is wrong (a model with `norms.0`/`norms.1`, or two stacks of
+which only one should be offloaded), the policy's `stacks:` key names the
+prefixes to use and the rest is treated as ordinary modules.
+
+Every other tensor belongs to the module that owns it (its name without the
+last segment). The execution order, a chain in a networkx DiGraph, is:
+embedding-like modules, then the stacks (vision/audio/encoder stacks first,
+then the rest in the order they appear), each in numeric order (10 after 9),
+then the remaining modules (final norms), then the head. Within a layer,
+tensors are in natural order (numbers compared as numbers), which is the
+stable order used everywhere a layer's tensors are walked.
+
+Limits: the order is inferred from names only. Modules that run between two
+stacks (a VLM's projector) are put after the stacks; this only affects the
+order in which the plan lists them, never where they are placed.
+"""
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import networkx as nx
+
+from .errors import PolicyError
+from .patterns import closest
+
+_EMBED = re.compile(r"(^|\.)(embed\w*|wte|wpe|tok_embeddings|word_embeddings|patch_embed\w*)(\.|$)")
+_HEAD = re.compile(r"(^|\.)(lm_head|output|head)$")
+_EARLY_STACK = re.compile(r"vision|visual|audio|encoder")
+
+
+def natural_key(name: str) -> str:
+    """Sort key that orders `layers.10` after `layers.9`: numeric segments zero-padded.
+
+    A string key (not a tuple) because comparing strings is what makes sorting
+    90k names fast; segments of up to 12 digits compare numerically.
+    """
+    return ".".join([p.rjust(12, "0") if p.isdigit() else p for p in name.split(".")])
+
+
+@dataclass(frozen=True)
+class Layer:
+    """A node of the layer graph: one layer of a stack, or one other module."""
+
+    name: str  # "model.layers.7" or "model.embed_tokens"
+    kind: str  # "embed" | "layer" | "module" | "head"
+    params: tuple[str, ...]  # full tensor names, natural order
+    stack: str | None = None  # "model.layers" for stack layers
+    index: int | None = None  # 7 for "model.layers.7"
+
+    def local(self, param: str) -> str:
+        """The tensor's name within this layer (`mlp.down_proj.weight`)."""
+        return param[len(self.name) + 1:]
+
+
+@dataclass(frozen=True)
+class LayerGraph:
+    layers: tuple[Layer, ...]  # execution order
+    stacks: tuple[str, ...]
+    tied_embeddings: bool
+    graph: nx.DiGraph
+
+    def stack_layers(self) -> list[Layer]:
+        return [l for l in self.layers if l.kind == "layer"]
+
+
+_FIRST_NUMBER = re.compile(r"^(.*?)\.(\d+)\.")
+
+
+def _stack_of(name: str) -> tuple[str, int, int] | None:
+    """`model.layers.12.mlp.w` -> ("model.layers", 12, len("model.layers.12")), or None."""
+    m = _FIRST_NUMBER.match(name)
+    return (m[1], int(m[2]), m.end(2)) if m else None
+
+
+def build_graph(names: Iterable[str], stacks: Iterable[str] | None = None) -> LayerGraph:
+    """Group tensor names into layers and order them for execution (see module doc)."""
+    names = list(names)
+    found: dict[str, set[int]] = {}
+    hits = [_stack_of(n) for n in names]
+    for hit in hits:
+        if hit:
+            found.setdefault(hit[0], set()).add(hit[1])
+    detected = [p for p, idx in found.items() if len(idx) >= 2]
+    if stacks is None:
+        chosen = detected
+    else:
+        chosen = list(stacks)
+        missing = [p for p in chosen if p not in found]
+        if missing:
+            raise PolicyError("stacks: no tensor lives under these prefixes", [
+                f"{p!r}" + _did_you_mean(p, list(found)) for p in missing])
+    chosen_set = set(chosen)
+
+    by_layer: dict[str, list[str]] = {}
+    where: dict[str, tuple[str, str | None, int | None]] = {}
+    for name, hit in zip(names, hits):
+        if hit and hit[0] in chosen_set:
+            node = name[: hit[2]]
+            if node not in where:
+                where[node] = ("layer", hit[0], hit[1])
+        else:
+            node = name.rpartition(".")[0] or name
+            if node not in where:
+                kind = "embed" if _EMBED.search(node) else "head" if _HEAD.search(node) else "module"
+                where[node] = (kind, None, None)
+        by_layer.setdefault(node, []).append(name)
+
+    first_seen = {p: i for i, p in enumerate(chosen)}
+    stack_rank = {p: (0 if _EARLY_STACK.search(p) else 1, first_seen[p]) for p in chosen}
+    group_rank = {"embed": 0, "layer": 1, "module": 2, "head": 3}
+
+    def order(node: str) -> tuple:
+        kind, stack, index = where[node]
+        if kind == "layer":
+            return (1, stack_rank[stack], index)
+        return (group_rank[kind], (0, 0), 0)
+
+    nodes = sorted(by_layer, key=lambda n: (order(n), natural_key(n)))
+    layers = tuple(
+        Layer(n, where[n][0], tuple(sorted(by_layer[n], key=natural_key)), where[n][1], where[n][2])
+        for n in nodes
+    )
+    graph = nx.DiGraph()
+    graph.add_nodes_from((l.name, {"layer": l}) for l in layers)
+    nx.add_path(graph, [l.name for l in layers])
+    has_embed = any(l.kind == "embed" for l in layers)
+    has_head = any(l.kind == "head" and "lm_head" in l.name for l in layers)
+    return LayerGraph(layers, tuple(sorted(chosen, key=stack_rank.get)), has_embed and not has_head, graph)
+
+
+def execution_order(graph: LayerGraph, selected: Iterable[str]) -> list[str]:
+    """The selected layer names in the order the graph runs them."""
+    selected = set(selected)
+    return [n for n in nx.topological_sort(graph.graph) if n in selected]
+
+
+def _did_you_mean(word: str, options: list[str]) -> str:
+    near = closest(word, options) if options else []
+    if near:
+        return f": did you mean {' or '.join(repr(n) for n in near)}?"
+    return f" (detected: {', '.join(sorted(options)[:5]) or 'none'})"

@@ -1,0 +1,248 @@
+"""Deciding placements: a pure function from (layer graph, tensor sizes, policy) to placements.
+
+Order. Everything walks the layer graph's execution order, and within a layer
+the natural order of tensor names (`graph.natural_key`): that is the
+"stable order" in which vLLM's per-parameter UVA walk is reproduced.
+
+Steps:
+1. Rules, first match wins, fix a tensor's placement before anything else.
+2. Candidates for the backend are the remaining tensors of the layer stacks;
+   embeddings, final norms and the head stay on the GPU unless a rule moves them.
+3. The backend: `auto` is prefetch if `prefetch.group_size > 0`, else uva if
+   `uva.offload_gib > 0` or a budget is set, else nothing.
+4. If a budget is set and the whole checkpoint fits it, the backend offloads
+   nothing and the plan says so.
+5. uva: walk the candidates (only those matching `uva.params`, if given) and
+   offload each one while the offloaded total is below `offload_gib` GiB (so
+   the last one may overshoot, as in vLLM); with no amount, offload until the
+   GPU footprint is within the budget.
+6. prefetch: stack position i (counted over all stacks, in order) is offloaded
+   iff `i % group_size >= group_size - num_in_group`; within it, the tensors
+   matching `prefetch.params` (all, if none given). With no group_size, the
+   fewest layers, spread evenly over the layers that have candidates, such
+   that GPU bytes plus the buffer pool fit the budget.
+7. The prefetch pool: the k-th prefetched layer uses slot k mod S, where
+   S = min(step, prefetched layers) (vLLM allocates `step` slots; extra ones
+   would never be used). Each slot holds one buffer per distinct
+   (name within the layer, dtype, shape). A layer's copy starts after the
+   forward of the previous user of its slot, cyclically; for step | layers
+   that is the layer `step` positions earlier, exactly vLLM's schedule.
+
+Example: group_size 8, num_in_group 2 over 61 layers offloads layers
+6, 7, 14, 15, 22, 23, 30, 31, 38, 39, 46, 47, 54, 55.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from .checkpoint import TensorInfo
+from .errors import BudgetError, PolicyError
+from .graph import Layer, LayerGraph
+from .patterns import matches_any
+from .plan import Buffer, LayerBytes, PrefetchSchedule, Transfer
+from .policy import GIB, Backend, Placement, Policy
+
+GPU, UVA, PREFETCH = Placement.GPU, Placement.UVA, Placement.PREFETCH
+
+
+@dataclass(frozen=True)
+class Decision:
+    backend: str  # "none" | "uva" | "prefetch"
+    params: dict[str, Placement]  # execution order
+    prefetch: PrefetchSchedule | None
+    layers: tuple[LayerBytes, ...]
+    notes: tuple[str, ...]
+
+
+def gib(n: float) -> str:
+    return f"{n / GIB:.2f} GiB"
+
+
+def _ceil_gib(n: int) -> float:
+    return math.ceil(n / GIB * 100) / 100
+
+
+def resolve_backend(policy: Policy) -> tuple[str, str]:
+    """The backend that will run, and why (for the plan's notes)."""
+    b = policy.backend
+    if b is Backend.PREFETCH:
+        return "prefetch", "backend: prefetch"
+    if b is Backend.UVA:
+        return "uva", "backend: uva"
+    if policy.prefetch.group_size > 0:
+        return "prefetch", "backend auto chose prefetch: prefetch.group_size is set"
+    if policy.uva.offload_gib > 0:
+        return "uva", "backend auto chose uva: uva.offload_gib is set"
+    if policy.budget_gib is not None:
+        return "uva", "backend auto chose uva: budget_gib is set"
+    return "none", "backend auto offloads nothing: no offload amount or budget is set"
+
+
+def decide(graph: LayerGraph, tensors: Mapping[str, TensorInfo], policy: Policy) -> Decision:
+    size = {n: t.nbytes for n, t in tensors.items()}
+    place = {n: GPU for layer in graph.layers for n in layer.params}
+    fixed: set[str] = set()
+    if policy.rules:
+        for name in place:
+            rule = next((r for r in policy.rules if matches_any(r.patterns, name)), None)
+            if rule is not None:
+                place[name] = rule.place
+                fixed.add(name)
+    stack = graph.stack_layers()
+    backend, why = resolve_backend(policy)
+    notes = [why]
+    budget = policy.budget_bytes
+    step = policy.prefetch.step
+    total = sum(size.values())
+
+    if backend != "none" and budget is not None and total <= budget:
+        notes.append(f"the whole checkpoint ({gib(total)}) fits budget_gib {policy.budget_gib}: "
+                     "nothing offloaded (offloading would only cost speed)")
+        backend = "none"
+    elif backend == "uva":
+        _uva(stack, fixed, place, size, tensors, policy, graph)
+    elif backend == "prefetch":
+        _prefetch(stack, fixed, place, size, tensors, policy, graph)
+
+    schedule = make_schedule(graph, place, tensors, step)
+    if schedule is not None and step < 1:
+        raise PolicyError(f"{policy.path}: prefetch.step must be >= 1: rules place tensors on prefetch")
+    footprint = sum(size[n] for n, p in place.items() if p is GPU) + (schedule.pool_bytes if schedule else 0)
+    if budget is not None and footprint > budget:
+        raise BudgetError(_over_budget_message(policy, backend, footprint, place, size, graph))
+    if graph.tied_embeddings:
+        notes.append("tied embeddings: the checkpoint has no lm_head tensor; the head reuses the embedding")
+    layers = []
+    for l in graph.layers:
+        by = {GPU: 0, UVA: 0, PREFETCH: 0}
+        for n in l.params:
+            by[place[n]] += size[n]
+        layers.append(LayerBytes(l.name, by[GPU], by[UVA], by[PREFETCH]))
+    return Decision(backend, place, schedule, tuple(layers), tuple(notes))
+
+
+def _uva(stack, fixed, place, size, tensors, policy, graph) -> None:
+    pats = policy.uva.params
+    cands = [n for l in stack for n in l.params if n not in fixed and (not pats or matches_any(pats, n))]
+    if policy.uva.offload_gib > 0:
+        limit = policy.uva.offload_gib * GIB
+        done = 0
+        for n in cands:
+            if done >= limit:
+                break
+            place[n] = UVA
+            done += size[n]
+        return
+    if policy.budget_bytes is None:
+        return
+    sched = make_schedule(graph, place, tensors, policy.prefetch.step)
+    gpu = sum(size[n] for n, p in place.items() if p is GPU) + (sched.pool_bytes if sched else 0)
+    for n in cands:
+        if gpu <= policy.budget_bytes:
+            break
+        place[n] = UVA
+        gpu -= size[n]
+
+
+def _prefetch(stack, fixed, place, size, tensors, policy, graph) -> None:
+    pre = policy.prefetch
+    pats = pre.params
+
+    def chosen(layer: Layer) -> list[str]:
+        return [n for n in layer.params if n not in fixed and (not pats or matches_any(pats, n))]
+
+    if pre.group_size > 0:
+        g, k = pre.group_size, pre.num_in_group
+        for i, layer in enumerate(stack):
+            if i % g >= g - k:
+                for n in chosen(layer):
+                    place[n] = PREFETCH
+        return
+    if policy.budget_bytes is None:
+        return
+    eligible = [(l, chosen(l)) for l in stack]
+    eligible = [(l, c) for l, c in eligible if c]
+    if not eligible:
+        return
+    # Per-layer facts, so trying every count n costs O(layers), not O(tensors).
+    keyed = [{(l.local(n), tensors[n].dtype, tensors[n].shape): size[n] for n in c} for l, c in eligible]
+    moved = [sum(size[n] for n in c) for _, c in eligible]
+    rule_units = [l for l in graph.layers if any(place[n] is PREFETCH for n in l.params)]
+    rule_keys = {(l.local(n), tensors[n].dtype, tensors[n].shape): size[n]
+                 for l in rule_units for n in l.params if place[n] is PREFETCH}
+    base = sum(size[n] for n, p in place.items() if p is GPU)
+    count = len(eligible)
+    best = None
+    for want in range(1, count + 1):
+        idx = spread(count, want)
+        keys = dict(rule_keys)
+        for i in idx:
+            keys.update(keyed[i])
+        units = len({eligible[i][0].name for i in idx} | {l.name for l in rule_units})
+        pool = min(pre.step, units) * sum(keys.values())
+        footprint = base - sum(moved[i] for i in idx) + pool
+        if footprint <= policy.budget_bytes:
+            best = idx
+            break
+    for i in best if best is not None else range(count):
+        for n in eligible[i][1]:
+            place[n] = PREFETCH
+
+
+def spread(count: int, want: int) -> list[int]:
+    """`want` of `count` positions, evenly spaced, each the last of its share.
+
+    spread(32, 4) -> [7, 15, 23, 31], what group_size 8, num_in_group 1 gives.
+    """
+    return [(k + 1) * count // want - 1 for k in range(want)]
+
+
+def make_schedule(graph: LayerGraph, place: Mapping[str, Placement],
+                  tensors: Mapping[str, TensorInfo], step: int) -> PrefetchSchedule | None:
+    """Slots, buffers and copy triggers for the layers holding prefetched tensors."""
+    units = [l for l in graph.layers if any(place[n] is PREFETCH for n in l.params)]
+    if not units:
+        return None
+    buffers: dict[tuple, Buffer] = {}
+    for l in units:
+        for n in l.params:
+            if place[n] is PREFETCH:
+                t = tensors[n]
+                key = (l.local(n), t.dtype, t.shape)
+                if key not in buffers:
+                    buffers[key] = Buffer(key[0], t.dtype, t.shape, t.nbytes)
+    count = len(units)
+    slots = max(1, min(step, count))
+    schedule = []
+    for k, l in enumerate(units):
+        prev = k - slots if k >= slots else k + slots * ((count - 1 - k) // slots)
+        schedule.append(Transfer(l.name, k % slots, units[prev].name))
+    slot_bytes = sum(b.bytes for b in buffers.values())
+    return PrefetchSchedule(max(step, 1), slots, slot_bytes, tuple(buffers.values()), tuple(schedule))
+
+
+def _over_budget_message(policy: Policy, backend: str, footprint: int, place, size, graph) -> str:
+    budget = policy.budget_bytes
+    pinned: dict[str, int] = {}
+    stack_names = {l.name for l in graph.stack_layers()}
+    for l in graph.layers:
+        b = sum(size[n] for n in l.params if place[n] is GPU and l.name not in stack_names)
+        if b:
+            pinned[l.name] = b
+    top = sorted(pinned.items(), key=lambda kv: -kv[1])[:5]
+    pinned_text = ", ".join(f"{n} {gib(b)}" for n, b in top) or "nothing"
+    head = (f"{policy.path}: the plan needs {gib(footprint)} of GPU memory but budget_gib is "
+            f"{policy.budget_gib}; budget_gib: {_ceil_gib(footprint)} is the smallest that fits this policy.")
+    if backend == "uva" and policy.uva.offload_gib > 0:
+        fix = (f"uva.offload_gib: {policy.uva.offload_gib} offloads too little: raise it, or remove it "
+               "and let budget_gib decide how much to offload.")
+    elif backend == "prefetch" and policy.prefetch.group_size > 0:
+        fix = (f"prefetch.group_size {policy.prefetch.group_size} / num_in_group "
+               f"{policy.prefetch.num_in_group} offloads too few layers: raise num_in_group, or remove "
+               "group_size and let budget_gib decide.")
+    else:
+        fix = ("Even with every candidate offloaded it does not fit. Move more to host memory with a "
+               "rule (for example `rules: [{match: [embed_tokens], place: uva}]`), or raise budget_gib.")
+    return f"{head}\n  Pinned to the GPU outside the layer stacks: {pinned_text}.\n  {fix}"

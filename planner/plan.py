@@ -1,0 +1,273 @@
+"""The plan file: typed in memory, deterministic YAML on disk.
+
+A plan holds names, not modules: every checkpoint tensor exactly once, in
+execution order, with its placement, plus the summaries a reviewer reads
+(per-layer bytes, the prefetch schedule) and the fingerprints `plan check` and
+the runtime compare against. `dumps(loads(text)) == text` byte for byte, and
+the same inputs give the same bytes (no timestamps, no dict-order surprises).
+
+Paths inside a plan are relative to the plan file's directory, so a plan
+committed next to its policy stays valid in any clone.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from . import yamlio
+from .errors import PlanFileError
+from .policy import Placement
+
+FORMAT_VERSION = 1
+HEADER = (
+    "# offplan plan: written by `plan build`, applied exactly by the runtime. Do not edit by hand.\n"
+    "# Review: `plan show`; compare: `plan diff OLD NEW`; staleness: `plan check`.\n"
+)
+
+
+@dataclass(frozen=True)
+class LayerBytes:
+    name: str
+    gpu: int = 0
+    uva: int = 0
+    prefetch: int = 0
+
+
+@dataclass(frozen=True)
+class Buffer:
+    """One buffer of a prefetch slot: a tensor name within the layer, its dtype and shape."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    bytes: int
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """Copy `layer`'s prefetched tensors into `slot` once `after`'s forward has run.
+
+    `after` is the previous user of the slot (cyclically), so a copy never
+    overwrites a buffer that a layer still has to read. The runtime also issues
+    every transfer once at load, so the first forward finds its layers ready.
+    """
+
+    layer: str
+    slot: int
+    after: str
+
+
+@dataclass(frozen=True)
+class PrefetchSchedule:
+    step: int
+    slots: int
+    slot_bytes: int
+    buffers: tuple[Buffer, ...]
+    schedule: tuple[Transfer, ...]
+
+    @property
+    def pool_bytes(self) -> int:
+        return self.slots * self.slot_bytes
+
+
+@dataclass(frozen=True)
+class Summary:
+    gpu_bytes: int
+    uva_bytes: int
+    prefetch_bytes: int
+    prefetch_buffer_bytes: int
+
+    @property
+    def gpu_footprint_bytes(self) -> int:
+        return self.gpu_bytes + self.prefetch_buffer_bytes
+
+
+@dataclass(frozen=True)
+class Plan:
+    checkpoint_path: str  # relative to the plan file's directory
+    checkpoint_fingerprint: str
+    tensors: int
+    total_bytes: int
+    policy_path: str  # relative to the plan file's directory
+    policy_fingerprint: str
+    backend: str  # what ran: "none", "uva" or "prefetch"
+    budget_bytes: int | None
+    stacks: tuple[str, ...]
+    tied_embeddings: bool
+    summary: Summary
+    layers: tuple[LayerBytes, ...]
+    prefetch: PrefetchSchedule | None
+    params: dict[str, Placement]  # execution order
+    notes: tuple[str, ...] = field(default=())
+
+    def checkpoint_dir(self, plan_file: str | Path) -> Path:
+        return Path(plan_file).parent / self.checkpoint_path
+
+
+# ---------------------------------------------------------------- writing
+
+_PLAIN = re.compile(r"^[A-Za-z_][A-Za-z0-9_./\-]*$")
+_RESERVED = {"true", "false", "null", "yes", "no", "on", "off", "y", "n", "~"}
+
+
+def _s(value: str) -> str:
+    if _PLAIN.match(value) and value.lower() not in _RESERVED:
+        return value
+    return json.dumps(value, ensure_ascii=False)
+
+
+def _v(value) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, str):
+        return _s(value)
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_v(v) for v in value) + "]"
+    raise TypeError(value)
+
+
+def _flow(**items) -> str:
+    return "{" + ", ".join(f"{k}: {_v(v)}" for k, v in items.items()) + "}"
+
+
+def dumps(plan: Plan) -> str:
+    s = plan.summary
+    out = [HEADER, f"format_version: {FORMAT_VERSION}\n",
+           "checkpoint:\n",
+           f"  path: {_s(plan.checkpoint_path)}\n",
+           f"  fingerprint: {_s(plan.checkpoint_fingerprint)}\n",
+           f"  tensors: {plan.tensors}\n",
+           f"  bytes: {plan.total_bytes}\n",
+           "policy:\n",
+           f"  path: {_s(plan.policy_path)}\n",
+           f"  fingerprint: {_s(plan.policy_fingerprint)}\n",
+           f"backend: {plan.backend}\n",
+           f"budget_bytes: {_v(plan.budget_bytes)}\n",
+           f"stacks: {_v(list(plan.stacks))}\n",
+           f"tied_embeddings: {_v(plan.tied_embeddings)}\n",
+           "summary:\n",
+           f"  gpu_bytes: {s.gpu_bytes}\n",
+           f"  uva_bytes: {s.uva_bytes}\n",
+           f"  prefetch_bytes: {s.prefetch_bytes}\n",
+           f"  prefetch_buffer_bytes: {s.prefetch_buffer_bytes}\n",
+           f"  gpu_footprint_bytes: {s.gpu_footprint_bytes}\n"]
+    out.append("notes:" + (" []\n" if not plan.notes else "\n"))
+    out += [f"  - {_s(n)}\n" for n in plan.notes]
+    out.append("layers:\n")
+    out += [f"  - {_flow(name=l.name, gpu=l.gpu, uva=l.uva, prefetch=l.prefetch)}\n" for l in plan.layers]
+    p = plan.prefetch
+    if p is None:
+        out.append("prefetch: null\n")
+    else:
+        out += ["prefetch:\n", f"  step: {p.step}\n", f"  slots: {p.slots}\n",
+                f"  slot_bytes: {p.slot_bytes}\n", "  buffers:\n"]
+        out += [f"    - {_flow(name=b.name, dtype=b.dtype, shape=list(b.shape), bytes=b.bytes)}\n"
+                for b in p.buffers]
+        out.append("  schedule:\n")
+        out += [f"    - {_flow(layer=t.layer, slot=t.slot, after=t.after)}\n" for t in p.schedule]
+    out.append("params:\n")
+    out += [f"  {_s(name)}: {place.value}\n" for name, place in plan.params.items()]
+    return "".join(out)
+
+
+def write_atomic(path: str | Path, text: str) -> None:
+    """Write via a temp file in the same directory and rename: never half a file."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent or ".")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+# ---------------------------------------------------------------- reading
+
+def loads(text: str, path: str | Path = "<plan>") -> Plan:
+    """Parse and schema-check a plan; raises PlanFileError with `file:line:column`s."""
+    path = Path(path)
+    doc = yamlio.parse(path, text, PlanFileError)
+    if not isinstance(doc.data, dict) or "params" not in doc.data:
+        raise PlanFileError(f"{path}: not an offplan plan (no `params:` mapping); build one with "
+                            "`plan build POLICY`")
+    yamlio.validate(doc, "plan.schema.json", PlanFileError, f"{path}: the plan is invalid")
+    d = doc.data
+    p = d["prefetch"]
+    prefetch = None if p is None else PrefetchSchedule(
+        p["step"], p["slots"], p["slot_bytes"],
+        tuple(Buffer(b["name"], b["dtype"], tuple(b["shape"]), b["bytes"]) for b in p["buffers"]),
+        tuple(Transfer(t["layer"], t["slot"], t["after"]) for t in p["schedule"]))
+    s = d["summary"]
+    plan = Plan(
+        checkpoint_path=d["checkpoint"]["path"],
+        checkpoint_fingerprint=d["checkpoint"]["fingerprint"],
+        tensors=d["checkpoint"]["tensors"],
+        total_bytes=d["checkpoint"]["bytes"],
+        policy_path=d["policy"]["path"],
+        policy_fingerprint=d["policy"]["fingerprint"],
+        backend=d["backend"],
+        budget_bytes=d["budget_bytes"],
+        stacks=tuple(d["stacks"]),
+        tied_embeddings=d["tied_embeddings"],
+        summary=Summary(s["gpu_bytes"], s["uva_bytes"], s["prefetch_bytes"], s["prefetch_buffer_bytes"]),
+        layers=tuple(LayerBytes(**l) for l in d["layers"]),
+        prefetch=prefetch,
+        params={k: Placement(v) for k, v in d["params"].items()},
+        notes=tuple(d["notes"]),
+    )
+    problems = _consistency(plan)
+    if problems:
+        raise PlanFileError(f"{path}: the plan is inconsistent (edited by hand?); rebuild it "
+                            "with `plan build`", problems)
+    return plan
+
+
+def load_plan(path: str | Path) -> Plan:
+    text = yamlio.read(Path(path), PlanFileError, "plan")
+    return loads(text, path)
+
+
+def _consistency(plan: Plan) -> list[str]:
+    problems = []
+    if len(plan.params) != plan.tensors:
+        problems.append(f"checkpoint.tensors is {plan.tensors} but params lists {len(plan.params)}")
+    totals = {p: 0 for p in Placement}
+    for l in plan.layers:
+        totals[Placement.GPU] += l.gpu
+        totals[Placement.UVA] += l.uva
+        totals[Placement.PREFETCH] += l.prefetch
+    s = plan.summary
+    for place, got in ((Placement.GPU, s.gpu_bytes), (Placement.UVA, s.uva_bytes),
+                       (Placement.PREFETCH, s.prefetch_bytes)):
+        if totals[place] != got:
+            problems.append(f"summary.{place.value}_bytes is {got} but the layers add up to {totals[place]}")
+    pool = plan.prefetch.pool_bytes if plan.prefetch else 0
+    if pool != s.prefetch_buffer_bytes:
+        problems.append(f"summary.prefetch_buffer_bytes is {s.prefetch_buffer_bytes} but the "
+                        f"prefetch section sizes the pool at {pool}")
+    if plan.prefetch:
+        names = {l.name for l in plan.layers}
+        for t in plan.prefetch.schedule:
+            if t.layer not in names or t.after not in names:
+                problems.append(f"prefetch.schedule names unknown layer {t.layer} / {t.after}")
+            if not 0 <= t.slot < plan.prefetch.slots:
+                problems.append(f"prefetch.schedule: {t.layer} uses slot {t.slot} of {plan.prefetch.slots}")
+    return problems
+
+
+def relpath(target: Path, start_dir: Path) -> str:
+    """`target` relative to `start_dir` when possible, in POSIX form."""
+    try:
+        return Path(os.path.relpath(target.resolve(), start_dir.resolve())).as_posix()
+    except ValueError:  # another drive on Windows
+        return target.resolve().as_posix()

@@ -1,0 +1,148 @@
+"""The policy file (format 1): YAML -> JSON Schema -> frozen dataclasses.
+
+Nothing past `load_policy` sees raw YAML. Cross-field checks follow vLLM's
+offload config: `num_in_group <= group_size`, `step >= 1` whenever prefetch is
+on. Settings for a backend that will not run are kept but warned about.
+"""
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+
+from . import yamlio
+from .errors import PolicyError
+from .patterns import Pattern, compile_pattern
+
+GIB = 2**30
+
+
+class Placement(Enum):
+    """Where one parameter lives at run time."""
+
+    GPU = "gpu"  # resident in GPU memory
+    UVA = "uva"  # pinned host memory, read in place through a zero-copy CUDA view
+    PREFETCH = "prefetch"  # pinned host memory, copied ahead of use into static GPU buffers
+
+    __hash__ = object.__hash__  # members are singletons; Enum's own hash is slow Python code
+
+
+class Backend(Enum):
+    AUTO = "auto"
+    UVA = "uva"
+    PREFETCH = "prefetch"
+
+
+@dataclass(frozen=True)
+class Rule:
+    patterns: tuple[Pattern, ...]
+    place: Placement
+
+
+@dataclass(frozen=True)
+class UvaPolicy:
+    offload_gib: float = 0
+    params: tuple[Pattern, ...] = ()
+
+
+@dataclass(frozen=True)
+class PrefetchPolicy:
+    group_size: int = 0
+    num_in_group: int = 1
+    step: int = 1
+    params: tuple[Pattern, ...] = ()
+
+
+@dataclass(frozen=True)
+class Policy:
+    path: Path
+    fingerprint: str  # sha256 of the policy file's bytes
+    checkpoint: Path  # resolved against the policy's directory
+    checkpoint_text: str  # as written in the policy
+    backend: Backend = Backend.AUTO
+    budget_gib: float | None = None
+    stacks: tuple[str, ...] | None = None
+    uva: UvaPolicy = UvaPolicy()
+    prefetch: PrefetchPolicy = PrefetchPolicy()
+    rules: tuple[Rule, ...] = ()
+    warnings: tuple[str, ...] = field(default=(), compare=False)
+
+    @property
+    def budget_bytes(self) -> int | None:
+        return None if self.budget_gib is None else int(self.budget_gib * GIB)
+
+    def all_patterns(self) -> list[tuple[str, Pattern]]:
+        """Every pattern with the key path it came from, for "matches nothing" checks."""
+        out = [(f"uva.params[{i}]", p) for i, p in enumerate(self.uva.params)]
+        out += [(f"prefetch.params[{i}]", p) for i, p in enumerate(self.prefetch.params)]
+        for r, rule in enumerate(self.rules):
+            out += [(f"rules[{r}].match[{i}]", p) for i, p in enumerate(rule.patterns)]
+        return out
+
+
+def load_policy(path: str | Path) -> Policy:
+    """Read, validate and type a policy file; raises PolicyError listing every problem."""
+    path = Path(path)
+    text = yamlio.read(path, PolicyError, "policy")
+    doc = yamlio.parse(path, text, PolicyError)
+    if not isinstance(doc.data, dict):
+        raise PolicyError(f"{path}: a policy is a YAML mapping; start with `format_version: 1`")
+    yamlio.validate(doc, "policy.schema.json", PolicyError, f"{path}: the policy is invalid")
+    data = doc.data
+    problems: list[str] = []
+
+    def patterns(key_path: list, items) -> tuple[Pattern, ...]:
+        out = []
+        for i, text in enumerate(items or []):
+            try:
+                out.append(compile_pattern(text))
+            except re.error as e:
+                problems.append(f"{doc.where(key_path + [i])}: {yamlio.dotted(key_path + [i])}: "
+                                f"bad regular expression {text[3:]!r}: {e}")
+        return tuple(out)
+
+    u = data.get("uva", {})
+    p = data.get("prefetch", {})
+    uva = UvaPolicy(u.get("offload_gib", 0), patterns(["uva", "params"], u.get("params")))
+    pre = PrefetchPolicy(p.get("group_size", 0), p.get("num_in_group", 1), p.get("step", 1),
+                         patterns(["prefetch", "params"], p.get("params")))
+    rules = tuple(
+        Rule(patterns(["rules", i, "match"], r["match"]), Placement(r["place"]))
+        for i, r in enumerate(data.get("rules", []))
+    )
+    backend = Backend(data.get("backend", "auto"))
+    warnings = []
+    prefetch_on = backend is Backend.PREFETCH or (backend is Backend.AUTO and pre.group_size > 0)
+    if pre.group_size > 0 and pre.num_in_group > pre.group_size:
+        problems.append(f"{doc.where(['prefetch', 'num_in_group'])}: prefetch.num_in_group "
+                        f"({pre.num_in_group}) must be <= prefetch.group_size ({pre.group_size})")
+    if prefetch_on and pre.step < 1:
+        problems.append(f"{doc.where(['prefetch', 'step'])}: prefetch.step must be >= 1 when "
+                        f"prefetch is on (it is {pre.step})")
+    uva_set = uva.offload_gib > 0 or bool(uva.params)
+    pre_set = pre.group_size > 0 or bool(pre.params)
+    if backend is Backend.UVA and pre_set:
+        warnings.append(f"{doc.where(['prefetch'])}: prefetch.* is set but backend is uva; it is ignored")
+    if backend is Backend.PREFETCH and uva_set:
+        warnings.append(f"{doc.where(['uva'])}: uva.* is set but backend is prefetch; it is ignored")
+    if backend is Backend.AUTO and uva_set and pre.group_size > 0:
+        warnings.append(f"{doc.where(['uva'])}: both uva.* and prefetch.group_size are set under "
+                        "backend: auto; prefetch wins and uva.* is ignored")
+    if problems:
+        raise PolicyError(f"{path}: the policy is invalid", problems)
+    ckpt_text = data["checkpoint"]
+    return Policy(
+        path=path,
+        fingerprint="sha256:" + hashlib.sha256(text.encode()).hexdigest(),
+        checkpoint=(path.parent / ckpt_text),
+        checkpoint_text=ckpt_text,
+        backend=backend,
+        budget_gib=data.get("budget_gib"),
+        stacks=tuple(data["stacks"]) if "stacks" in data else None,
+        uva=uva,
+        prefetch=pre,
+        rules=rules,
+        warnings=tuple(warnings),
+    )
