@@ -1,0 +1,15 @@
+"""offplan's runtime: apply a plan to a model, exactly.
+
+    import runtime
+    handle = runtime.load(model, "plans/x.plan.yaml")   # model built on the meta device
+    handle = runtime.apply(model, "plans/x.plan.yaml")  # model already materialized
+    handle.stats()
+    handle.remove()
+
+`runtime.hf.from_pretrained(plan)` builds the transformers model from the
+checkpoint's config.json on the meta device and loads it per the plan.
+This package is the only part of offplan that imports torch.
+"""
+from .handle import OffloadHandle, apply, load
+
+__all__ = ["OffloadHandle", "apply", "load"]

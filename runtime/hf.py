@@ -1,0 +1,47 @@
+"""transformers glue: build a model on the meta device from the checkpoint's config, load it per a plan."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from planner.errors import OffplanError
+from planner.plan import load_plan
+
+from .handle import OffloadHandle, load
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def build_meta_model(checkpoint_dir: str | Path, dtype: torch.dtype | None = None):
+    """An AutoModelForCausalLM from `config.json`, every parameter on the meta device (no memory)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config_path = Path(checkpoint_dir) / "config.json"
+    if not config_path.is_file():
+        raise OffplanError(f"{config_path}: no config.json beside the checkpoint; transformers needs it "
+                           "to build the model (runtime.load works with any model you build yourself)")
+    config = AutoConfig.from_pretrained(checkpoint_dir)
+    if dtype is None:
+        dtype = _DTYPES.get(str(getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)).
+                            removeprefix("torch."), torch.bfloat16)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model.eval()
+
+
+def from_pretrained(plan: str | Path, *, device: str | torch.device | None = None, uva: bool = True,
+                    progress: bool | None = None, dtype: torch.dtype | None = None
+                    ) -> tuple[torch.nn.Module, OffloadHandle]:
+    """Build the plan's model from its checkpoint's config.json and load it per the plan.
+
+    Returns (model, handle). Example:
+        model, handle = runtime.hf.from_pretrained("plans/examples/tiny.plan.yaml")
+    """
+    plan_path = Path(plan)
+    checkpoint_dir = load_plan(plan_path).checkpoint_dir(plan_path)
+    if checkpoint_dir.is_file():
+        checkpoint_dir = checkpoint_dir.parent
+    model = build_meta_model(checkpoint_dir, dtype)
+    handle = load(model, plan_path, device=device, uva=uva, progress=progress)
+    return model, handle

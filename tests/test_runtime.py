@@ -1,0 +1,170 @@
+"""Runtime on the CPU: every backend reproduces plain loading exactly; every error path."""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+import runtime  # noqa: E402
+from planner.cli import main  # noqa: E402
+from planner.errors import ModelMismatchError, OffplanError, StalePlanError  # noqa: E402
+from planner.plan import Transfer, load_plan  # noqa: E402
+from planner.policy import Placement  # noqa: E402
+from runtime.hf import build_meta_model, from_pretrained  # noqa: E402
+from tiny_models import llama_config, logits, make_plan, qwen3_moe_config, reference, save_model  # noqa: E402
+
+POLICIES = {
+    "gpu": "",
+    "uva-part": "uva: {offload_gib: 0.0002}",
+    "uva-attn": "backend: uva\nuva: {offload_gib: 1, params: [self_attn]}",
+    "prefetch-s1": "prefetch: {group_size: 2, num_in_group: 1, step: 1}",
+    "prefetch-s2": "prefetch: {group_size: 1, num_in_group: 1, step: 2}",
+    "prefetch-s3": "prefetch: {group_size: 4, num_in_group: 3, step: 3}",
+    "prefetch-mlp": "prefetch: {group_size: 2, num_in_group: 2, step: 2, params: [mlp]}",
+    "budget-prefetch": "backend: prefetch\nbudget_gib: 0.0004\nprefetch: {step: 2}",
+    "rules": "rules:\n  - {match: [embed_tokens], place: uva}\n  - {match: [lm_head], place: prefetch}\n"
+             "prefetch: {group_size: 2, num_in_group: 1, step: 2}",
+}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    return {
+        "llama": save_model(llama_config(), root / "llama"),
+        "moe": save_model(qwen3_moe_config(), root / "moe"),
+        "tied": save_model(llama_config(tie_word_embeddings=True, num_hidden_layers=3), root / "tied"),
+    }
+
+
+@pytest.fixture(scope="module")
+def expected(checkpoints):
+    return {k: logits(reference(d)) for k, d in checkpoints.items()}
+
+
+@pytest.mark.parametrize("kind", ["llama", "moe", "tied"])
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_every_backend_matches_plain_loading(tmp_path, checkpoints, expected, kind, policy):
+    body = POLICIES[policy]
+    if kind == "tied" and "lm_head" in body:
+        body = body.replace("lm_head", "embed_tokens").replace("embed_tokens], place: uva", "norm], place: uva")
+    plan = make_plan(tmp_path, checkpoints[kind], body)
+    model, handle = from_pretrained(plan, progress=False)
+    assert torch.equal(logits(model), expected[kind])
+    stats = handle.stats()
+    placed = {p.value: 0 for p in Placement}
+    for name, place in load_plan(plan).params.items():
+        placed[place.value] += 1
+    if placed["prefetch"]:
+        assert stats["prefetch_copies"] > 0 and stats["gpu_buffer_bytes"] > 0
+    handle.remove()
+    assert torch.equal(logits(model), expected[kind])  # plain tensors again, same values
+
+
+def test_plan_exercises_all_placements(tmp_path, checkpoints):
+    plan = load_plan(make_plan(tmp_path, checkpoints["moe"], POLICIES["rules"]))
+    assert set(plan.params.values()) == {Placement.GPU, Placement.UVA, Placement.PREFETCH}
+    assert plan.params["lm_head.weight"] is Placement.PREFETCH
+    assert plan.params["model.embed_tokens.weight"] is Placement.UVA
+
+
+def test_fused_experts_are_loaded_from_per_expert_tensors(tmp_path, checkpoints):
+    plan = make_plan(tmp_path, checkpoints["moe"], POLICIES["prefetch-s2"])
+    model, handle = from_pretrained(plan, progress=False)
+    plain = reference(checkpoints["moe"])
+    fused = dict(model.named_parameters())["model.layers.1.mlp.experts.gate_up_proj"]
+    assert fused.shape == (4, 64, 64)  # [E, 2I, H], built from experts.{e}.gate_proj / up_proj
+    handle.remove()
+    assert torch.equal(dict(model.named_parameters())["model.layers.1.mlp.experts.gate_up_proj"],
+                       dict(plain.named_parameters())["model.layers.1.mlp.experts.gate_up_proj"])
+
+
+def test_wrong_slot_rotation_changes_outputs(tmp_path, checkpoints, expected):
+    path = make_plan(tmp_path, checkpoints["llama"], POLICIES["prefetch-s2"])
+    plan = load_plan(path)
+    good = runtime.load(build_meta_model(checkpoints["llama"]), plan, checkpoint=checkpoints["llama"])
+    assert torch.equal(logits(good.model), expected["llama"])
+    # A rotation that ignores k mod step: every layer in slot 0, so a copy lands on a slot
+    # whose layer has not run yet.
+    wrong = tuple(Transfer(t.layer, 0, t.after) for t in plan.prefetch.schedule)
+    bad_plan = dataclasses.replace(plan, prefetch=dataclasses.replace(plan.prefetch, schedule=wrong))
+    bad = runtime.load(build_meta_model(checkpoints["llama"]), bad_plan, checkpoint=checkpoints["llama"])
+    assert not torch.equal(logits(bad.model), expected["llama"])
+
+
+def test_apply_moves_a_materialized_model(tmp_path, checkpoints, expected):
+    plan = make_plan(tmp_path, checkpoints["moe"], POLICIES["rules"])
+    model = reference(checkpoints["moe"])
+    handle = runtime.apply(model, plan)
+    assert torch.equal(logits(model), expected["moe"])
+    assert handle.stats()["uva_bytes"] > 0 and handle.stats()["prefetch_bytes"] > 0
+    handle.remove()
+    assert torch.equal(logits(model), expected["moe"])
+
+
+def test_stale_plan_is_refused(tmp_path, checkpoints):
+    ckpt = save_model(llama_config(num_hidden_layers=2), tmp_path / "m")
+    plan = make_plan(tmp_path, ckpt, POLICIES["uva-part"])
+    save_model(llama_config(num_hidden_layers=2, intermediate_size=96), ckpt)  # same names, new shapes
+    with pytest.raises(StalePlanError, match="stale: the checkpoint .* changed"):
+        runtime.load(build_meta_model(ckpt), plan)
+
+
+def test_plan_for_another_model_lists_every_mismatch(tmp_path, checkpoints):
+    plan = make_plan(tmp_path, checkpoints["llama"], "")
+    with pytest.raises(ModelMismatchError) as err:
+        runtime.load(build_meta_model(checkpoints["moe"]), plan, checkpoint=None)
+    text = str(err.value)
+    assert "plan does not match this model (Qwen3MoeForCausalLM)" in text
+    assert "model tensor model.layers.*.mlp.experts.gate_up_proj (4 tensors, " in text
+    assert "plan entry model.layers.*.mlp.gate_proj.weight (4 tensors, e.g. model.layers.0.mlp.gate_proj.weight)" \
+        " is missing from the model" in text
+    assert "more" not in text  # every name is accounted for
+
+
+def test_fused_sources_placed_apart_are_refused(tmp_path, checkpoints):
+    plan = load_plan(make_plan(tmp_path, checkpoints["moe"], ""))
+    params = dict(plan.params)
+    params["model.layers.0.mlp.experts.1.up_proj.weight"] = Placement.UVA
+    bad = dataclasses.replace(plan, params=params)
+    with pytest.raises(ModelMismatchError, match="gate_up_proj is one tensor in the model but its sources"):
+        runtime.load(build_meta_model(checkpoints["moe"]), bad, checkpoint=checkpoints["moe"])
+
+
+def test_plan_object_needs_a_checkpoint(tmp_path, checkpoints):
+    plan = load_plan(make_plan(tmp_path, checkpoints["llama"], ""))
+    with pytest.raises(OffplanError, match="pass checkpoint=DIR"):
+        runtime.load(build_meta_model(checkpoints["llama"]), plan)
+
+
+def test_failed_load_leaves_no_hooks(tmp_path, checkpoints, monkeypatch):
+    plan = make_plan(tmp_path, checkpoints["llama"], POLICIES["prefetch-s2"])
+    model = build_meta_model(checkpoints["llama"])
+
+    def boom(*a, **k):
+        raise RuntimeError("disk on fire")
+    monkeypatch.setattr(runtime.handle.OffloadHandle, "_materialize_buffers", boom)
+    with pytest.raises(RuntimeError, match="disk on fire"):
+        runtime.load(model, plan)
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+
+
+def test_cli_apply_generates(tmp_path, checkpoints, capsys):
+    plan = make_plan(tmp_path, checkpoints["moe"], POLICIES["prefetch-s2"])
+    assert main(["apply", str(plan), "--max-new-tokens", "3", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["new_tokens"] == 3 and out["stats"]["prefetch_bytes"] > 0
+
+
+def test_cli_apply_stale_is_one_error(tmp_path, checkpoints, capsys):
+    ckpt = save_model(llama_config(num_hidden_layers=2), tmp_path / "m")
+    plan = make_plan(tmp_path, ckpt, "")
+    save_model(llama_config(num_hidden_layers=3), ckpt)
+    capsys.readouterr()
+    assert main(["apply", str(plan)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: the plan is stale") and "Traceback" not in err
