@@ -1,0 +1,129 @@
+"""Runtime on CUDA (marked `gpu`; skipped without a GPU). Run on the H100: pytest -m gpu -v."""
+from __future__ import annotations
+
+import gc
+import os
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+import runtime  # noqa: E402
+from planner.errors import OffplanError  # noqa: E402
+from planner.plan import load_plan  # noqa: E402
+from runtime.hf import build_meta_model, from_pretrained  # noqa: E402
+from tiny_models import llama_config, logits, make_plan, qwen3_moe_config, reference, save_model  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+POLICIES = {
+    "gpu": "",
+    "uva-part": "uva: {offload_gib: 0.0002}",
+    "uva-all": "backend: uva\nuva: {offload_gib: 100}",
+    "prefetch-s1": "prefetch: {group_size: 2, num_in_group: 1, step: 1}",
+    "prefetch-s2": "prefetch: {group_size: 1, num_in_group: 1, step: 2}",
+    "prefetch-s3": "prefetch: {group_size: 4, num_in_group: 3, step: 3}",
+    "mixed-rules": "rules:\n  - {match: [embed_tokens], place: uva}\n  - {match: [self_attn], place: uva}\n"
+                   "prefetch: {group_size: 2, num_in_group: 1, step: 2, params: [mlp]}",
+}
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    return {
+        "llama": save_model(llama_config(), root / "llama"),
+        "moe": save_model(qwen3_moe_config(), root / "moe"),
+        "tied": save_model(llama_config(tie_word_embeddings=True, num_hidden_layers=3), root / "tied"),
+        # Tensors of realistic size (>= 1 MiB), for memory accounting.
+        "small": save_model(llama_config(hidden_size=1024, intermediate_size=3072, vocab_size=8192,
+                                         num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=4),
+                            root / "small", shard="40MB"),
+    }
+
+
+@pytest.fixture(scope="module")
+def expected(checkpoints):
+    return {k: logits(reference(d, "cuda"), "cuda") for k, d in checkpoints.items()}
+
+
+@pytest.mark.parametrize("kind", ["llama", "moe", "tied", "small"])
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_cuda_logits_equal_all_gpu(tmp_path, checkpoints, expected, kind, policy):
+    plan = make_plan(tmp_path, checkpoints[kind], POLICIES[policy])
+    model, handle = from_pretrained(plan, progress=False)
+    try:
+        assert torch.equal(logits(model, "cuda"), expected[kind])
+        assert torch.equal(logits(model, "cuda"), expected[kind])  # second pass: the rotation wrapped
+    finally:
+        handle.remove(restore=False)
+
+
+@pytest.mark.parametrize("kind", ["llama", "moe"])
+def test_uva_disabled_copies_on_demand(tmp_path, checkpoints, expected, kind):
+    plan = make_plan(tmp_path, checkpoints[kind], POLICIES["uva-part"])
+    model, handle = from_pretrained(plan, uva=False, progress=False)
+    assert not handle.stats()["uva_in_place"]
+    assert torch.equal(logits(model, "cuda"), expected[kind])
+    handle.remove(restore=False)
+
+
+def test_uva_parameters_are_zero_copy_views(tmp_path, checkpoints):
+    plan = make_plan(tmp_path, checkpoints["small"], POLICIES["uva-all"])
+    model, handle = from_pretrained(plan, progress=False)
+    w = model.get_submodule("model.layers.2.mlp.down_proj").weight
+    assert w.is_cuda
+    host = handle.arena.host(0, handle.arena.nbytes)
+    assert host.data_ptr() <= w.data_ptr() < host.data_ptr() + host.numel()  # same address: no copy
+    assert torch.cuda.memory_allocated() < handle.stats()["uva_bytes"]
+    handle.remove(restore=False)
+
+
+@pytest.mark.parametrize("policy", ["gpu", "uva-all", "prefetch-s2", "mixed-rules"])
+def test_load_peak_and_pinned_ratio(tmp_path, checkpoints, policy):
+    path = make_plan(tmp_path, checkpoints["small"], POLICIES[policy])
+    plan = load_plan(path)
+    model, handle = from_pretrained(path, progress=False)
+    s = handle.stats()
+    largest = max(t.nbytes for t in handle.targets)
+    slack = 512 * len(handle.targets)  # allocator and arena alignment
+    assert s["peak_gpu_bytes_during_load"] <= plan.summary.gpu_footprint_bytes + largest + slack
+    if s["uva_bytes"] + s["prefetch_bytes"]:
+        assert s["pinned_ratio"] <= 1.02
+    print(f"\n[{policy}] footprint {plan.summary.gpu_footprint_bytes} peak {s['peak_gpu_bytes_during_load']} "
+          f"largest {largest} pinned_ratio {s['pinned_ratio']} load {s['load_gb_per_s']:.2f} GB/s")
+    handle.remove(restore=False)
+
+
+def test_twenty_load_remove_cycles_do_not_grow(tmp_path, checkpoints):
+    plan = make_plan(tmp_path, checkpoints["small"], POLICIES["mixed-rules"])
+    gpu, rss = [], []
+    for _ in range(20):
+        model, handle = from_pretrained(plan, progress=False)
+        logits(model, "cuda")
+        handle.remove(restore=False)
+        del model, handle
+        gc.collect()
+        torch.cuda.synchronize()
+        gpu.append(torch.cuda.memory_allocated())
+        rss.append(_rss())
+    print(f"\nGPU allocated per cycle: {gpu}\nRSS MiB per cycle: {[r >> 20 for r in rss]}")
+    assert len(set(gpu[1:])) == 1, gpu
+    assert rss[-1] - rss[1] < 64 * 2**20, rss
+
+
+def test_refuses_when_gpu_memory_is_short(tmp_path, checkpoints, monkeypatch):
+    plan = make_plan(tmp_path, checkpoints["small"], POLICIES["gpu"])
+    model = build_meta_model(checkpoints["small"])
+    before = torch.cuda.memory_allocated()
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (2**20, 80 * 2**30))
+    with pytest.raises(OffplanError, match=r"the plan needs .* GiB of GPU memory .* but only 0.00 GiB"):
+        runtime.load(model, plan)
+    assert torch.cuda.memory_allocated() == before
+    assert all(not m._forward_pre_hooks for m in model.modules())
