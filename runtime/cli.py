@@ -22,8 +22,9 @@ def apply_command(args) -> int:
         s = stats
         print(f"loaded {args.plan} on {s['device']} in {s['load_seconds']:.2f} s "
               f"({s['load_gb_per_s'] or 0:.2f} GB/s)")
-        print(f"  gpu {human(s['gpu_bytes'])}, uva {human(s['uva_bytes'])}, prefetch {human(s['prefetch_bytes'])}"
-              f" (+{human(s['gpu_buffer_bytes'])} GPU buffers)")
+        where = "GPU" if s["device"].startswith("cuda") else "CPU (no CUDA: uva stays in host memory, prefetch copies synchronously)"
+        print(f"  resident {human(s['gpu_bytes'])}, uva {human(s['uva_bytes'])}, prefetch {human(s['prefetch_bytes'])}"
+              f" (+{human(s['gpu_buffer_bytes'])} prefetch buffers), on the {where}")
         if s["pinned_host_bytes"]:
             print(f"  pinned host memory {human(s['pinned_host_bytes'])} "
                   f"({s['pinned_ratio']:.3f}x the offloaded bytes)")
