@@ -29,7 +29,8 @@ def check_patterns(policy: Policy, names: list[str]) -> None:
         if not any(pattern.matches(n) for n in names):
             near = [] if pattern.regex else closest(pattern.text, names)
             hint = f"; did you mean {' or '.join(repr(n) for n in near)}?" if near else ""
-            problems.append(f"{where}: {pattern.text!r} matches no tensor of the checkpoint{hint}")
+            problems.append(f"{policy.where(where)}: {where}: {pattern.text!r} matches no tensor "
+                            f"of the checkpoint{hint}")
     if problems:
         raise PolicyError(f"{policy.path}: patterns that match nothing", problems)
 
@@ -39,7 +40,7 @@ def build(policy: Policy, plan_dir: Path, checkpoint: Checkpoint | None = None) 
     ckpt = checkpoint or open_checkpoint(policy.checkpoint)
     names = list(ckpt.tensors)
     check_patterns(policy, names)
-    graph = build_graph(names, policy.stacks)
+    graph = build_graph(names, policy.stacks, policy.where)
     d = decide(graph, ckpt.tensors, policy)
     totals = {p: 0 for p in Placement}
     for name, place in d.params.items():

@@ -119,11 +119,15 @@ def _read_header(file: Path, problems: list[str]) -> tuple[bytes, int, dict] | N
                 problems.append(f"{file.name}: file is {size} bytes, too short for a safetensors header")
                 return None
             n = int.from_bytes(head, "little")
-            if n > size - 8 or n > _MAX_HEADER:
+            if n > size - 8:
                 problems.append(
                     f"{file.name}: header length {n} exceeds the file size {size} "
                     "(truncated or not a safetensors file)"
                 )
+                return None
+            if n > _MAX_HEADER:
+                problems.append(f"{file.name}: header length {n} exceeds safetensors' limit of "
+                                f"{_MAX_HEADER} bytes (not a safetensors file?)")
                 return None
             raw = f.read(n)
     except OSError as e:
@@ -171,9 +175,15 @@ def _parse_tensors(shard: str, header: dict, header_len: int, size: int,
         spans.append((begin, end, name))
         out[name] = TensorInfo(name, dtype, shape, want, shard, base + begin)
     spans.sort()
-    for (b0, e0, n0), (b1, e1, n1) in zip(spans, spans[1:]):
-        if b1 < e0:
-            problems.append(f"{shard}: tensors {n0} [{b0}, {e0}) and {n1} [{b1}, {e1}) overlap")
+    # Compare each span with the one reaching furthest so far: a long tensor
+    # that swallows several later ones is reported against each of them.
+    if spans:
+        b0, e0, n0 = spans[0]
+        for b1, e1, n1 in spans[1:]:
+            if b1 < e0 and b1 < e1:  # an empty tensor occupies no bytes
+                problems.append(f"{shard}: tensors {n0} [{b0}, {e0}) and {n1} [{b1}, {e1}) overlap")
+            if e1 > e0:
+                b0, e0, n0 = b1, e1, n1
     return out
 
 

@@ -10,12 +10,12 @@ import json
 import sys
 from pathlib import Path
 
-from . import report
+from . import report, yamlio
 from .build import build, default_output
 from .checkpoint import open_checkpoint
-from .errors import OffplanError
+from .errors import OffplanError, PolicyError
 from .plan import dumps, load_plan, write_atomic
-from .policy import load_policy
+from .policy import load_policy, policy_fingerprint
 
 EXAMPLES = """examples:
   plan build plans/examples/qwen3-moe.policy.yaml       # writes qwen3-moe.plan.yaml beside it
@@ -25,11 +25,20 @@ EXAMPLES = """examples:
 """
 
 
+class _UsageError(Exception):
+    """A bad command line: exit 1 like any bad input (argparse's own 2 means "differs" here)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        raise _UsageError(f"{message} (see `{self.prog} --help`)")
+
+
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
+    ap = _Parser(
         prog="plan", formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EXAMPLES,
         description="Plan, review and apply the offloading of LLM weights to pinned host memory.")
-    sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
 
     def cmd(name, help):
         p = sub.add_parser(name, help=help, description=help)
@@ -60,10 +69,10 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
     try:
+        args = _parser().parse_args(argv)
         return _COMMANDS[args.command](args)
-    except OffplanError as e:
+    except (OffplanError, _UsageError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
@@ -138,8 +147,8 @@ def _check(args) -> int:
                         f"{plan.checkpoint_fingerprint[:19]}...)")
     policy_path = plan_path.parent / plan.policy_path
     if policy_path.is_file():
-        policy = load_policy(policy_path)
-        if policy.fingerprint != plan.policy_fingerprint:
+        # Only the bytes matter: an edited policy is stale even if it no longer validates.
+        if policy_fingerprint(yamlio.read(policy_path, PolicyError, "policy")) != plan.policy_fingerprint:
             problems.append(f"the policy {policy_path} changed since the plan was built")
     else:
         problems.append(f"the policy {policy_path} named by the plan is gone")

@@ -23,7 +23,7 @@ order in which the plan lists them, never where they are placed.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import networkx as nx
@@ -80,8 +80,13 @@ def _stack_of(name: str) -> tuple[str, int, int] | None:
     return (m[1], int(m[2]), m.end(2)) if m else None
 
 
-def build_graph(names: Iterable[str], stacks: Iterable[str] | None = None) -> LayerGraph:
-    """Group tensor names into layers and order them for execution (see module doc)."""
+def build_graph(names: Iterable[str], stacks: Iterable[str] | None = None,
+                where: Callable[[str], str] | None = None) -> LayerGraph:
+    """Group tensor names into layers and order them for execution (see module doc).
+
+    `stacks` overrides detection; `where` turns a key path (`stacks[0]`) into the
+    policy's `file:line:column` for the error naming a prefix that holds no tensor.
+    """
     names = list(names)
     found: dict[str, set[int]] = {}
     hits = [_stack_of(n) for n in names]
@@ -93,10 +98,11 @@ def build_graph(names: Iterable[str], stacks: Iterable[str] | None = None) -> La
         chosen = detected
     else:
         chosen = list(stacks)
-        missing = [p for p in chosen if p not in found]
+        missing = [(i, p) for i, p in enumerate(chosen) if p not in found]
         if missing:
-            raise PolicyError("stacks: no tensor lives under these prefixes", [
-                f"{p!r}" + _did_you_mean(p, list(found)) for p in missing])
+            at = (lambda key: f"{where(key)}: {key}") if where else (lambda key: key)
+            raise PolicyError("stacks: no numbered layers live under these prefixes", [
+                f"{at(f'stacks[{i}]')}: {p!r}" + _did_you_mean(p, list(found)) for i, p in missing])
     chosen_set = set(chosen)
 
     by_layer: dict[str, list[str]] = {}
@@ -132,7 +138,7 @@ def build_graph(names: Iterable[str], stacks: Iterable[str] | None = None) -> La
     graph.add_nodes_from((l.name, {"layer": l}) for l in layers)
     nx.add_path(graph, [l.name for l in layers])
     has_embed = any(l.kind == "embed" for l in layers)
-    has_head = any(l.kind == "head" and "lm_head" in l.name for l in layers)
+    has_head = any(l.kind == "head" for l in layers)  # lm_head, or `output` (Meta's layout)
     return LayerGraph(layers, tuple(sorted(chosen, key=stack_rank.get)), has_embed and not has_head, graph)
 
 

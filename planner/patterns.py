@@ -43,13 +43,18 @@ def closest(pattern: str, names: Iterable[str], n: int = 3) -> list[str]:
     """Spellings close to `pattern` among the names' segment runs, for "did you mean".
 
     Layer and expert numbers are folded to `N` first, so a 90k-tensor checkpoint
-    gives a few hundred distinct templates to compare against.
+    gives a few hundred distinct templates to compare against. Each suggestion is
+    a real run of some name (`experts.0.down_proj`, never `experts.N.down_proj`),
+    so it is a pattern that matches.
     """
     width = pattern.count(".") + 1
-    templates = {_NUM.sub("N", "." + name)[1:] for name in names}
-    runs: set[str] = set()
-    for t in templates:
-        parts = t.split(".")
-        for i in range(len(parts) - width + 1):
-            runs.add(".".join(parts[i:i + width]))
-    return difflib.get_close_matches(pattern, sorted(runs), n=n, cutoff=0.6)
+    examples: dict[str, str] = {}  # folded name -> the first real name with that template
+    for name in names:
+        examples.setdefault(_NUM.sub("N", "." + name)[1:], name)
+    runs: dict[str, str] = {}  # folded run -> a real run
+    for template, name in examples.items():
+        folded, real = template.split("."), name.split(".")
+        for i in range(len(folded) - width + 1):
+            runs.setdefault(".".join(folded[i:i + width]), ".".join(real[i:i + width]))
+    near = difflib.get_close_matches(pattern, sorted(runs), n=n, cutoff=0.6)
+    return list(dict.fromkeys(runs[r] for r in near))

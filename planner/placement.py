@@ -19,21 +19,24 @@ Steps:
 6. prefetch: stack position i (counted over all stacks, in order) is offloaded
    iff `i % group_size >= group_size - num_in_group`; within it, the tensors
    matching `prefetch.params` (all, if none given). With no group_size, the
-   fewest layers, spread evenly over the layers that have candidates, such
-   that GPU bytes plus the buffer pool fit the budget.
+   fewest layers (possibly none), spread evenly over the layers that have
+   candidates, such that GPU bytes plus the buffer pool fit the budget; if no
+   count fits, the count with the smallest footprint, which the error quotes.
 7. The prefetch pool: the k-th prefetched layer uses slot k mod S, where
    S = min(step, prefetched layers) (vLLM allocates `step` slots; extra ones
    would never be used). Each slot holds one buffer per distinct
    (name within the layer, dtype, shape). A layer's copy starts after the
    forward of the previous user of its slot, cyclically; for step | layers
    that is the layer `step` positions earlier, exactly vLLM's schedule.
+8. A budget that the result exceeds is an error quoting the smallest
+   budget_gib (two decimals) that this policy would fit, and what is pinned
+   to the GPU outside the stacks.
 
 Example: group_size 8, num_in_group 2 over 61 layers offloads layers
 6, 7, 14, 15, 22, 23, 30, 31, 38, 39, 46, 47, 54, 55.
 """
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -41,8 +44,9 @@ from .checkpoint import TensorInfo
 from .errors import BudgetError, PolicyError
 from .graph import Layer, LayerGraph
 from .patterns import matches_any
-from .plan import Buffer, LayerBytes, PrefetchSchedule, Transfer
+from .plan import Buffer, LayerBytes, PrefetchSchedule, Transfer, previous_user
 from .policy import GIB, Backend, Placement, Policy
+from .report import human
 
 GPU, UVA, PREFETCH = Placement.GPU, Placement.UVA, Placement.PREFETCH
 
@@ -57,11 +61,13 @@ class Decision:
 
 
 def gib(n: float) -> str:
-    return f"{n / GIB:.2f} GiB"
+    """Bytes for a message: GiB to two places, or MiB/KiB/B below 1 GiB."""
+    return human(int(n))
 
 
 def _ceil_gib(n: int) -> float:
-    return math.ceil(n / GIB * 100) / 100
+    """The smallest budget_gib with two decimals whose bytes hold `n`."""
+    return -(-n * 100 // GIB) / 100
 
 
 def resolve_backend(policy: Policy) -> tuple[str, str]:
@@ -174,8 +180,12 @@ def _prefetch(stack, fixed, place, size, tensors, policy, graph) -> None:
                  for l in rule_units for n in l.params if place[n] is PREFETCH}
     base = sum(size[n] for n, p in place.items() if p is GPU)
     count = len(eligible)
-    best = None
-    for want in range(1, count + 1):
+    # Try 0, 1, 2, ... layers. The footprint is not monotonic in the count (each
+    # new slot, or a layer with new shapes, can add more pool than it moves), so
+    # when nothing fits keep the smallest footprint seen: the error then quotes
+    # the smallest budget that would fit.
+    smallest = None
+    for want in range(count + 1):
         idx = spread(count, want)
         keys = dict(rule_keys)
         for i in idx:
@@ -183,10 +193,11 @@ def _prefetch(stack, fixed, place, size, tensors, policy, graph) -> None:
         units = len({eligible[i][0].name for i in idx} | {l.name for l in rule_units})
         pool = min(pre.step, units) * sum(keys.values())
         footprint = base - sum(moved[i] for i in idx) + pool
+        if smallest is None or footprint < smallest[0]:
+            smallest = (footprint, idx)
         if footprint <= policy.budget_bytes:
-            best = idx
             break
-    for i in best if best is not None else range(count):
+    for i in smallest[1]:
         for n in eligible[i][1]:
             place[n] = PREFETCH
 
@@ -217,8 +228,7 @@ def make_schedule(graph: LayerGraph, place: Mapping[str, Placement],
     slots = max(1, min(step, count))
     schedule = []
     for k, l in enumerate(units):
-        prev = k - slots if k >= slots else k + slots * ((count - 1 - k) // slots)
-        schedule.append(Transfer(l.name, k % slots, units[prev].name))
+        schedule.append(Transfer(l.name, k % slots, units[previous_user(k, slots, count)].name))
     slot_bytes = sum(b.bytes for b in buffers.values())
     return PrefetchSchedule(max(step, 1), slots, slot_bytes, tuple(buffers.values()), tuple(schedule))
 
@@ -243,6 +253,6 @@ def _over_budget_message(policy: Policy, backend: str, footprint: int, place, si
                f"{policy.prefetch.num_in_group} offloads too few layers: raise num_in_group, or remove "
                "group_size and let budget_gib decide.")
     else:
-        fix = ("Even with every candidate offloaded it does not fit. Move more to host memory with a "
-               "rule (for example `rules: [{match: [embed_tokens], place: uva}]`), or raise budget_gib.")
+        fix = ("No choice of offloaded layers fits. Move more to host memory with a rule "
+               "(for example `rules: [{match: [embed_tokens], place: uva}]`), or raise budget_gib.")
     return f"{head}\n  Pinned to the GPU outside the layer stacks: {pinned_text}.\n  {fix}"

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import yamlio
-from .errors import PlanFileError
+from .errors import OffplanError, PlanFileError
 from .policy import Placement
 
 FORMAT_VERSION = 1
@@ -59,6 +59,15 @@ class Transfer:
     layer: str
     slot: int
     after: str
+
+
+def previous_user(k: int, slots: int, count: int) -> int:
+    """Index of the layer that used slot k mod `slots` before layer k, cyclically over `count`.
+
+    For k >= slots it is k - slots; the first layers of a forward wait for the
+    last users of their slots in the previous forward.
+    """
+    return k - slots if k >= slots else k + slots * ((count - 1 - k) // slots)
 
 
 @dataclass(frozen=True)
@@ -179,15 +188,27 @@ def dumps(plan: Plan) -> str:
 
 
 def write_atomic(path: str | Path, text: str) -> None:
-    """Write via a temp file in the same directory and rename: never half a file."""
+    """Write via a temp file in the same directory and rename: never half a file.
+
+    The file gets the permissions a plain `open(path, "w")` would give (mkstemp's
+    are 0600). An unwritable destination raises OffplanError naming the path.
+    """
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent or ".")
     try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as e:
+        raise OffplanError(f"{path}: cannot write the plan: {e.strerror}") from None
+    try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
         with os.fdopen(fd, "w") as f:
             f.write(text)
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         os.unlink(tmp)
+        if isinstance(e, OSError):
+            raise OffplanError(f"{path}: cannot write the plan: {e.strerror}") from None
         raise
 
 
@@ -225,7 +246,7 @@ def loads(text: str, path: str | Path = "<plan>") -> Plan:
         params={k: Placement(v) for k, v in d["params"].items()},
         notes=tuple(d["notes"]),
     )
-    problems = _consistency(plan)
+    problems = _consistency(plan, s["gpu_footprint_bytes"])
     if problems:
         raise PlanFileError(f"{path}: the plan is inconsistent (edited by hand?); rebuild it "
                             "with `plan build`", problems)
@@ -237,7 +258,13 @@ def load_plan(path: str | Path) -> Plan:
     return loads(text, path)
 
 
-def _consistency(plan: Plan) -> list[str]:
+def _consistency(plan: Plan, footprint: int | None = None) -> list[str]:
+    """What a hand edit can break that the schema cannot see: totals and the schedule.
+
+    The schedule is checked against the rule that built it (slot k mod S,
+    S = min(step, layers), copy after the slot's previous user), because the
+    runtime follows it blindly and a wrong `after` would overwrite live weights.
+    """
     problems = []
     if len(plan.params) != plan.tensors:
         problems.append(f"checkpoint.tensors is {plan.tensors} but params lists {len(plan.params)}")
@@ -251,17 +278,41 @@ def _consistency(plan: Plan) -> list[str]:
                        (Placement.PREFETCH, s.prefetch_bytes)):
         if totals[place] != got:
             problems.append(f"summary.{place.value}_bytes is {got} but the layers add up to {totals[place]}")
+    if sum(totals.values()) != plan.total_bytes:
+        problems.append(f"checkpoint.bytes is {plan.total_bytes} but the layers add up to "
+                        f"{sum(totals.values())}")
+    if footprint is not None and footprint != s.gpu_footprint_bytes:
+        problems.append(f"summary.gpu_footprint_bytes is {footprint} but gpu_bytes + "
+                        f"prefetch_buffer_bytes is {s.gpu_footprint_bytes}")
     pool = plan.prefetch.pool_bytes if plan.prefetch else 0
     if pool != s.prefetch_buffer_bytes:
         problems.append(f"summary.prefetch_buffer_bytes is {s.prefetch_buffer_bytes} but the "
                         f"prefetch section sizes the pool at {pool}")
-    if plan.prefetch:
-        names = {l.name for l in plan.layers}
-        for t in plan.prefetch.schedule:
-            if t.layer not in names or t.after not in names:
-                problems.append(f"prefetch.schedule names unknown layer {t.layer} / {t.after}")
-            if not 0 <= t.slot < plan.prefetch.slots:
-                problems.append(f"prefetch.schedule: {t.layer} uses slot {t.slot} of {plan.prefetch.slots}")
+    p = plan.prefetch
+    prefetching = [l.name for l in plan.layers if l.prefetch]
+    if p is None:
+        if prefetching:
+            problems.append(f"layers {', '.join(prefetching[:3])} hold prefetched bytes but the "
+                            "plan has no prefetch schedule")
+        return problems
+    buffers = sum(b.bytes for b in p.buffers)
+    if buffers != p.slot_bytes:
+        problems.append(f"prefetch.slot_bytes is {p.slot_bytes} but its buffers add up to {buffers}")
+    names = [t.layer for t in p.schedule]
+    if [n for n in names if n in set(prefetching)] != prefetching or not set(names) <= {
+            l.name for l in plan.layers}:
+        problems.append("prefetch.schedule must list exactly the layers holding prefetched bytes, "
+                        f"in order: {', '.join(prefetching[:5])}{' ...' if len(prefetching) > 5 else ''}")
+        return problems
+    slots = max(1, min(p.step, len(names)))
+    if p.slots != slots:
+        problems.append(f"prefetch.slots is {p.slots} but step {p.step} over {len(names)} layers "
+                        f"gives {slots}")
+    for k, t in enumerate(p.schedule):
+        prev = previous_user(k, slots, len(names))
+        if (t.slot, t.after) != (k % slots, names[prev]):
+            problems.append(f"prefetch.schedule[{k}]: {t.layer} must use slot {k % slots} after "
+                            f"{names[prev]}, not slot {t.slot} after {t.after}")
     return problems
 
 

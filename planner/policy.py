@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -68,6 +69,12 @@ class Policy:
     prefetch: PrefetchPolicy = PrefetchPolicy()
     rules: tuple[Rule, ...] = ()
     warnings: tuple[str, ...] = field(default=(), compare=False)
+    # "uva.params[1]" -> "policy.yaml:5:21", for every pattern and stacks entry
+    locations: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
+
+    def where(self, key_path: str) -> str:
+        """`file:line:column` of a pattern or stacks entry (`rules[0].match[1]`), else the file."""
+        return self.locations.get(key_path, str(self.path))
 
     @property
     def budget_bytes(self) -> int | None:
@@ -82,6 +89,11 @@ class Policy:
         return out
 
 
+def policy_fingerprint(text: str) -> str:
+    """The fingerprint a plan records for its policy: sha256 of the file's text."""
+    return "sha256:" + hashlib.sha256(text.encode()).hexdigest()
+
+
 def load_policy(path: str | Path) -> Policy:
     """Read, validate and type a policy file; raises PolicyError listing every problem."""
     path = Path(path)
@@ -93,9 +105,12 @@ def load_policy(path: str | Path) -> Policy:
     data = doc.data
     problems: list[str] = []
 
+    locations: dict[str, str] = {}
+
     def patterns(key_path: list, items) -> tuple[Pattern, ...]:
         out = []
         for i, text in enumerate(items or []):
+            locations[yamlio.dotted(key_path + [i])] = doc.where(key_path + [i])
             try:
                 out.append(compile_pattern(text))
             except re.error as e:
@@ -105,9 +120,12 @@ def load_policy(path: str | Path) -> Policy:
 
     u = data.get("uva", {})
     p = data.get("prefetch", {})
+    # JSON Schema's "integer" admits 2.0: store ints, so plans and messages print 2.
     uva = UvaPolicy(u.get("offload_gib", 0), patterns(["uva", "params"], u.get("params")))
-    pre = PrefetchPolicy(p.get("group_size", 0), p.get("num_in_group", 1), p.get("step", 1),
-                         patterns(["prefetch", "params"], p.get("params")))
+    pre = PrefetchPolicy(int(p.get("group_size", 0)), int(p.get("num_in_group", 1)),
+                         int(p.get("step", 1)), patterns(["prefetch", "params"], p.get("params")))
+    for i, _ in enumerate(data.get("stacks", [])):
+        locations[f"stacks[{i}]"] = doc.where(["stacks", i])
     rules = tuple(
         Rule(patterns(["rules", i, "match"], r["match"]), Placement(r["place"]))
         for i, r in enumerate(data.get("rules", []))
@@ -121,21 +139,27 @@ def load_policy(path: str | Path) -> Policy:
     if prefetch_on and pre.step < 1:
         problems.append(f"{doc.where(['prefetch', 'step'])}: prefetch.step must be >= 1 when "
                         f"prefetch is on (it is {pre.step})")
-    uva_set = uva.offload_gib > 0 or bool(uva.params)
-    pre_set = pre.group_size > 0 or bool(pre.params)
+    # A field is "set" when it differs from its default: `prefetch: {step: 2}` under
+    # backend uva is as ignored as a group_size would be.
+    uva_set = uva != UvaPolicy()
+    pre_set = pre != PrefetchPolicy()
     if backend is Backend.UVA and pre_set:
-        warnings.append(f"{doc.where(['prefetch'])}: prefetch.* is set but backend is uva; it is ignored")
+        warnings.append(f"{doc.key_where([], 'prefetch')}: prefetch.* is set but backend is uva; it is ignored")
     if backend is Backend.PREFETCH and uva_set:
-        warnings.append(f"{doc.where(['uva'])}: uva.* is set but backend is prefetch; it is ignored")
+        warnings.append(f"{doc.key_where([], 'uva')}: uva.* is set but backend is prefetch; it is ignored")
+    if backend is Backend.AUTO and pre_set and pre.group_size == 0:
+        warnings.append(f"{doc.key_where([], 'prefetch')}: prefetch.* is set but backend auto only prefetches "
+                        "when prefetch.group_size > 0; it is ignored (set group_size, or `backend: "
+                        "prefetch` to let budget_gib choose the layers)")
     if backend is Backend.AUTO and uva_set and pre.group_size > 0:
-        warnings.append(f"{doc.where(['uva'])}: both uva.* and prefetch.group_size are set under "
+        warnings.append(f"{doc.key_where([], 'uva')}: both uva.* and prefetch.group_size are set under "
                         "backend: auto; prefetch wins and uva.* is ignored")
     if problems:
         raise PolicyError(f"{path}: the policy is invalid", problems)
     ckpt_text = data["checkpoint"]
     return Policy(
         path=path,
-        fingerprint="sha256:" + hashlib.sha256(text.encode()).hexdigest(),
+        fingerprint=policy_fingerprint(text),
         checkpoint=(path.parent / ckpt_text),
         checkpoint_text=ckpt_text,
         backend=backend,
@@ -145,4 +169,5 @@ def load_policy(path: str | Path) -> Policy:
         prefetch=pre,
         rules=rules,
         warnings=tuple(warnings),
+        locations=locations,
     )

@@ -45,17 +45,17 @@ class Located:
         return self._root
 
     def where(self, path=()) -> str:
-        node = self.root
+        """`file:line:column` of the value at `path`, or of its deepest existing parent."""
+        node = last = self.root
         for key in path:
             node = _child(node, key)
             if node is None:
                 break
             last = node
-        else:
-            last = node
-        mark = (last or self.root).start_mark if (last or self.root) is not None else None
-        loc = f"{self.file}:{mark.line + 1}:{mark.column + 1}" if mark else str(self.file)
-        return loc
+        if last is None:  # an empty document
+            return str(self.file)
+        mark = last.start_mark
+        return f"{self.file}:{mark.line + 1}:{mark.column + 1}"
 
     def key_where(self, path, key) -> str:
         """Location of the key itself (not its value) in the mapping at `path`."""

@@ -1,0 +1,116 @@
+"""Shared test helpers: hand-written safetensors files, toy models and policies as plain data.
+
+Sizes are in MiB (U8 tensors of shape (n * MiB,)) so that budgets in GiB are
+exact binary fractions: `budget_gib=mib(10)` is exactly 10 MiB.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from planner.checkpoint import TensorInfo
+from planner.dtypes import nbytes
+from planner.graph import build_graph
+from planner.patterns import compile_pattern
+from planner.placement import decide
+from planner.policy import Backend, Placement, Policy, PrefetchPolicy, Rule, UvaPolicy
+
+MiB = 2**20
+GPU, UVA, PREFETCH = Placement.GPU, Placement.UVA, Placement.PREFETCH
+
+
+def mib(n: float) -> float:
+    """n MiB expressed in GiB, for `budget_gib` / `offload_gib`."""
+    return n / 1024
+
+
+def write_raw_shard(path: Path, header: dict, data_len: int, header_len: int | None = None) -> Path:
+    """A safetensors file with exactly this header JSON and `data_len` zero bytes of data.
+
+    `header_len` overrides the 8-byte length prefix (to write a corrupt file).
+    """
+    raw = json.dumps(header).encode()
+    n = len(raw) if header_len is None else header_len
+    with open(path, "wb") as f:
+        f.write(n.to_bytes(8, "little"))
+        f.write(raw)
+        f.truncate(8 + len(raw) + data_len)
+    return path
+
+
+def entries(*tensors: tuple[str, str, tuple[int, ...]]) -> tuple[dict, int]:
+    """Contiguous header entries for (name, dtype, shape) triples: (header dict, data length)."""
+    header, offset = {}, 0
+    for name, dtype, shape in tensors:
+        size = nbytes(dtype, shape)
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    return header, offset
+
+
+def write_index(directory: Path, weight_map: dict[str, str]) -> Path:
+    path = directory / "model.safetensors.index.json"
+    path.write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return path
+
+
+def toy(layers: int = 4, sizes: dict[str, int] | None = None, stack: str = "model.layers",
+        tied: bool = False) -> list[tuple[str, str, tuple[int, ...]]]:
+    """A decoder with `layers` layers; each param of `sizes` (local name -> MiB) is a U8 tensor.
+
+    Embedding 4 MiB, final norm 1 MiB, head 4 MiB (unless tied).
+    """
+    sizes = sizes or {"self_attn.o_proj.weight": 1, "mlp.down_proj.weight": 2}
+    out = [("model.embed_tokens.weight", "U8", (4 * MiB,))]
+    for i in range(layers):
+        out += [(f"{stack}.{i}.{local}", "U8", (n * MiB,)) for local, n in sizes.items()]
+    out.append(("model.norm.weight", "U8", (1 * MiB,)))
+    if not tied:
+        out.append(("lm_head.weight", "U8", (4 * MiB,)))
+    return out
+
+
+def infos(tensors) -> dict[str, TensorInfo]:
+    """TensorInfo records for (name, dtype, shape) triples, as open_checkpoint would give."""
+    return {n: TensorInfo(n, d, tuple(s), nbytes(d, tuple(s)), "model.safetensors", 0)
+            for n, d, s in tensors}
+
+
+def policy(backend: str = "auto", budget_gib: float | None = None, offload_gib: float = 0,
+           uva_params=(), group_size: int = 0, num_in_group: int = 1, step: int = 1,
+           prefetch_params=(), rules=(), stacks=None) -> Policy:
+    """A Policy built directly (no YAML): rules are (patterns, place) pairs."""
+    pats = lambda items: tuple(compile_pattern(p) for p in items)  # noqa: E731
+    return Policy(
+        path=Path("test.policy.yaml"), fingerprint="sha256:" + "0" * 64,
+        checkpoint=Path("ckpt"), checkpoint_text="ckpt", backend=Backend(backend),
+        budget_gib=budget_gib, stacks=None if stacks is None else tuple(stacks),
+        uva=UvaPolicy(offload_gib, pats(uva_params)),
+        prefetch=PrefetchPolicy(group_size, num_in_group, step, pats(prefetch_params)),
+        rules=tuple(Rule(pats(m), Placement(p)) for m, p in rules))
+
+
+def plan_of(tensors, pol: Policy):
+    """Run the pure planner on plain data: (decision, tensor infos)."""
+    t = infos(tensors)
+    return decide(build_graph(t, pol.stacks), t, pol), t
+
+
+def placed(decision, kind: Placement) -> list[str]:
+    return [n for n, p in decision.params.items() if p is kind]
+
+
+def offloaded_layers(decision, kind: Placement = PREFETCH) -> list[int]:
+    """Indices of the stack layers holding any tensor placed `kind`."""
+    return [int(l.name.rsplit(".", 1)[1]) for l in decision.layers
+            if getattr(l, kind.value) and l.name.rsplit(".", 1)[1].isdigit()]
+
+
+POLICY_HEAD = "format_version: 1\ncheckpoint: ./ckpt\n"
+
+
+def write_policy(directory: Path, body: str = "", name: str = "model.policy.yaml",
+                 head: str = POLICY_HEAD) -> Path:
+    path = directory / name
+    path.write_text(head + body)
+    return path

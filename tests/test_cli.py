@@ -1,0 +1,221 @@
+"""The `plan` command through `main(argv)`: outputs, exit codes, and one clean error for bad input."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from headeronly import MiB, write_policy
+from planner.cli import main
+from planner.plan import load_plan
+
+UVA_POLICY = "budget_gib: 0.018\n"  # 18.4 MiB: offload layer 0 (3 MiB) of 21 MiB
+PREFETCH_POLICY = "prefetch:\n  group_size: 2\n"
+
+
+@pytest.fixture
+def work(tmp_path, toy_ckpt, monkeypatch):
+    """cwd = tmp_path holding ckpt/, uva.policy.yaml and prefetch.policy.yaml."""
+    monkeypatch.chdir(tmp_path)
+    write_policy(tmp_path, UVA_POLICY, name="uva.policy.yaml")
+    write_policy(tmp_path, PREFETCH_POLICY, name="prefetch.policy.yaml")
+    return tmp_path
+
+
+def run(capsys, *argv) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def assert_one_error(code, out, err, message):
+    """Exit 1, a single `error:` line block on stderr, no traceback, nothing on stdout."""
+    assert code == 1
+    assert out == ""
+    assert err.startswith("error: ") and err.count("error: ") == 1
+    assert "Traceback" not in err
+    assert message in err
+
+
+def test_build_writes_the_plan_beside_the_policy(work, capsys):
+    code, out, err = run(capsys, "build", "uva.policy.yaml")
+    assert (code, err) == (0, "")
+    assert out == ("wrote uva.plan.yaml: 11 tensors, backend uva; GPU 18.0 MiB (incl. 0 B prefetch "
+                   "buffers), host 3.0 MiB\nnote: backend auto chose uva: budget_gib is set\n")
+    plan = load_plan(work / "uva.plan.yaml")
+    assert [n for n, p in plan.params.items() if p.value == "uva"] == [
+        "model.layers.0.mlp.down_proj.weight", "model.layers.0.self_attn.o_proj.weight"]
+
+
+def test_build_output_options(work, capsys):
+    code, out, _ = run(capsys, "build", "uva.policy.yaml", "-o", "-")
+    assert code == 0 and out.startswith("# offplan plan") and not (work / "uva.plan.yaml").exists()
+    code, out, _ = run(capsys, "build", "uva.policy.yaml", "-o", "x.yaml", "--json")
+    data = json.loads(out)
+    assert code == 0 and data["plan"] == "x.yaml" and data["backend"] == "uva"
+    assert data["summary"]["gpu_footprint_bytes"] == 18 * MiB
+    run(capsys, "build", "uva.policy.yaml", "-o", "y.yaml")
+    assert (work / "x.yaml").read_bytes() == (work / "y.yaml").read_bytes()
+
+
+def test_build_prints_policy_warnings(work, capsys):
+    write_policy(work, "backend: uva\nuva:\n  offload_gib: 1\nprefetch:\n  group_size: 2\n", name="w.policy.yaml")
+    code, out, err = run(capsys, "build", "w.policy.yaml")
+    assert code == 0
+    assert err == "warning: w.policy.yaml:6:1: prefetch.* is set but backend is uva; it is ignored\n"
+
+
+def test_show(work, capsys):
+    run(capsys, "build", "prefetch.policy.yaml")
+    code, out, err = run(capsys, "show", "prefetch.plan.yaml")
+    assert (code, err) == (0, "")
+    lines = out.splitlines()
+    assert lines[0] == "plan for ckpt: 11 tensors, 21.0 MiB, backend prefetch"
+    assert lines[2].split() == ["layer", "gpu", "uva", "prefetch", "slot"]
+    assert lines[4].split() == ["model.embed_tokens", "4.0", "MiB", "-", "-", "-"]
+    assert lines[6].split() == ["model.layers.1", "-", "-", "3.0", "MiB", "0"]
+    assert "prefetch: 2 layers, step 1, 1 slots x 3.0 MiB = 3.0 MiB of GPU buffers" in lines
+    assert "GPU footprint: 15.0 MiB resident + 3.0 MiB prefetch buffers = 18.0 MiB (no budget set)" in lines
+    code, out, _ = run(capsys, "show", "prefetch.plan.yaml", "--json")
+    data = json.loads(out)
+    assert data["layers"][2] == {"name": "model.layers.1", "gpu": 0, "uva": 0, "prefetch": 3 * MiB, "slot": 0}
+    assert data["prefetch"] == {"step": 1, "slots": 1, "slot_bytes": 3 * MiB, "layers": 2}
+
+
+def test_show_against_the_budget(work, capsys):
+    run(capsys, "build", "uva.policy.yaml")
+    _, out, _ = run(capsys, "show", "uva.plan.yaml")
+    assert ("GPU footprint: 18.0 MiB resident + 0 B prefetch buffers = 18.0 MiB "
+            "(budget 18.4 MiB: fits, 442.4 KiB to spare)") in out.splitlines()
+
+
+def test_diff_and_detailed_exitcode(work, capsys):
+    run(capsys, "build", "uva.policy.yaml")
+    run(capsys, "build", "prefetch.policy.yaml")
+    run(capsys, "build", "uva.policy.yaml", "-o", "same.plan.yaml")
+    assert run(capsys, "diff", "uva.plan.yaml", "same.plan.yaml", "--detailed-exitcode") == (
+        0, "no changes: the plans place every tensor the same way\n", "")
+    code, out, _ = run(capsys, "diff", "uva.plan.yaml", "prefetch.plan.yaml", "--detailed-exitcode")
+    assert code == 2
+    assert out.splitlines()[:4] == [
+        "totals: gpu -3.0 MiB, uva -3.0 MiB, prefetch +6.0 MiB, prefetch_buffer +3.0 MiB",
+        "gpu->prefetch: 4 tensors", "  model.layers.1.mlp.down_proj.weight",
+        "  model.layers.1.self_attn.o_proj.weight"]
+    assert run(capsys, "diff", "uva.plan.yaml", "prefetch.plan.yaml")[0] == 0
+    code, out, _ = run(capsys, "diff", "uva.plan.yaml", "prefetch.plan.yaml", "--json")
+    d = json.loads(out)
+    assert d["same"] is False and d["summary"]["prefetch_bytes"] == 6 * MiB
+    assert d["moved"] == {
+        "gpu->prefetch": [f"model.layers.{i}.{p}" for i in (1, 3) for p in ("mlp.down_proj.weight", "self_attn.o_proj.weight")],
+        "uva->gpu": ["model.layers.0.mlp.down_proj.weight", "model.layers.0.self_attn.o_proj.weight"]}
+    assert d["layers"][0] == {"name": "model.layers.0", "gpu": 3 * MiB, "uva": -3 * MiB, "prefetch": 0}
+    code, out, err = run(capsys, "diff", "uva.plan.yaml", "nope.plan.yaml", "--detailed-exitcode")
+    assert_one_error(code, out, err, "nope.plan.yaml: no such plan file")
+
+
+def test_validate_policy_and_plan(work, capsys):
+    assert run(capsys, "validate", "uva.policy.yaml") == (
+        0, "uva.policy.yaml: valid policy (checkpoint ckpt, 11 tensors; it plans backend uva)\n", "")
+    run(capsys, "build", "uva.policy.yaml")
+    assert run(capsys, "validate", "uva.plan.yaml") == (0, "uva.plan.yaml: valid plan (11 tensors, backend uva)\n", "")
+    code, out, _ = run(capsys, "validate", "uva.plan.yaml", "--json")
+    assert json.loads(out) == {"file": "uva.plan.yaml", "kind": "plan", "valid": True, "tensors": 11}
+    code, out, _ = run(capsys, "validate", "uva.policy.yaml", "--json")
+    assert json.loads(out) == {"file": "uva.policy.yaml", "kind": "policy", "valid": True, "backend": "uva"}
+
+
+def test_validate_rejects_a_policy_whose_pattern_matches_nothing(work, capsys):
+    write_policy(work, "uva:\n  params: [mlp.dwon_proj]\n", name="typo.policy.yaml")
+    code, out, err = run(capsys, "validate", "typo.policy.yaml")
+    assert_one_error(code, out, err, "typo.policy.yaml:4:12: uva.params[0]: 'mlp.dwon_proj' matches no "
+                     "tensor of the checkpoint; did you mean 'mlp.down_proj'?")
+
+
+def test_check_fresh_then_stale(work, capsys):
+    run(capsys, "build", "uva.policy.yaml")
+    assert run(capsys, "check", "uva.plan.yaml") == (0, "uva.plan.yaml: up to date with ckpt and uva.policy.yaml\n", "")
+    code, out, _ = run(capsys, "check", "uva.plan.yaml", "--json")
+    assert (code, json.loads(out)) == (0, {"plan": "uva.plan.yaml", "stale": False, "problems": []})
+
+    # The policy changes (a comment is enough: the plan records the bytes it was built from).
+    policy = work / "uva.policy.yaml"
+    policy.write_text(policy.read_text() + "# tweak\n")
+    code, out, err = run(capsys, "check", "uva.plan.yaml")
+    assert code == 2 and out == ""
+    assert err == ("uva.plan.yaml: STALE\n  - the policy uva.policy.yaml changed since the plan was built\n"
+                   "  rebuild it: plan build uva.policy.yaml -o uva.plan.yaml\n")
+    policy.write_text("not: [valid\n")  # stale even when it no longer parses
+    assert run(capsys, "check", "uva.plan.yaml")[0] == 2
+    policy.write_text("format_version: 1\ncheckpoint: ./ckpt\n" + UVA_POLICY)
+    assert run(capsys, "check", "uva.plan.yaml")[0] == 0
+
+
+def test_check_stale_after_a_shard_header_changes(work, capsys):
+    run(capsys, "build", "uva.policy.yaml")
+    shard = work / "ckpt" / "model-00001-of-00002.safetensors"
+    with open(shard, "r+b") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = f.read(n)
+        assert b'"format":"pt"' in header
+        f.seek(8)
+        f.write(header.replace(b'"format":"pt"', b'"format":"PT"'))
+    code, out, _ = run(capsys, "check", "uva.plan.yaml", "--json")
+    data = json.loads(out)
+    assert code == 2 and data["stale"] is True
+    assert data["problems"][0].startswith("the checkpoint ckpt changed since the plan was built")
+
+
+def test_check_with_the_policy_gone(work, capsys):
+    run(capsys, "build", "uva.policy.yaml")
+    os.remove(work / "uva.policy.yaml")
+    code, _, err = run(capsys, "check", "uva.plan.yaml")
+    assert code == 2 and "the policy uva.policy.yaml named by the plan is gone" in err
+
+
+def write_toy_plan(work, capsys):
+    run(capsys, "build", "uva.policy.yaml")
+    return (work / "uva.plan.yaml").read_text()
+
+
+BAD_INPUTS = [
+    (["build", "missing.policy.yaml"], "missing.policy.yaml: no such policy file"),
+    (["build", "bad.policy.yaml"], "bad.policy.yaml:4:1: invalid YAML: did not find expected ',' or ']'"),
+    (["build", "schema.policy.yaml"], "schema.policy.yaml:3:1: budget_gb: unknown key; did you mean 'budget_gib'?"),
+    (["build", "nockpt.policy.yaml"], "nowhere: no such file or directory"),
+    (["build", "budget.policy.yaml"], "budget_gib: 0.01 is the smallest that fits this policy"),
+    (["build", "uva.policy.yaml", "-o", "no/such/dir/p.yaml"], "no/such/dir/p.yaml: cannot write the plan"),
+    (["show", "missing.plan.yaml"], "missing.plan.yaml: no such plan file"),
+    (["show", "uva.policy.yaml"], "uva.policy.yaml: not an offplan plan"),
+    (["show", "edited.plan.yaml"], "edited.plan.yaml: the plan is inconsistent"),
+    (["validate", "schema.policy.yaml"], "budget_gb: unknown key"),
+    (["validate", "edited.plan.yaml"], "checkpoint.tensors is 3 but params lists 11"),
+    (["check", "missing.plan.yaml"], "missing.plan.yaml: no such plan file"),
+    (["diff", "only-one.plan.yaml"], "the following arguments are required: NEW (see `plan diff --help`)"),
+    (["frobnicate"], "invalid choice: 'frobnicate'"),
+    ([], "the following arguments are required: COMMAND"),
+    (["build", "uva.policy.yaml", "--bogus"], "unrecognized arguments: --bogus"),
+]
+
+
+@pytest.mark.parametrize("argv, message", BAD_INPUTS, ids=lambda v: " ".join(v) if isinstance(v, list) else None)
+def test_bad_input_is_one_error_exit_1_and_writes_nothing(work, capsys, argv, message):
+    write_policy(work, "uva: {offload_gib: [1\n", name="bad.policy.yaml")
+    write_policy(work, "budget_gb: 4\n", name="schema.policy.yaml")
+    write_policy(work, "budget_gib: 0.001\n", name="budget.policy.yaml")
+    write_policy(work, "", name="nockpt.policy.yaml", head="format_version: 1\ncheckpoint: nowhere\n")
+    (work / "edited.plan.yaml").write_text(write_toy_plan(work, capsys).replace("tensors: 11", "tensors: 3"))
+    before = sorted(p.name for p in work.iterdir())
+    code, out, err = run(capsys, *argv)
+    assert_one_error(code, out, err, message)
+    assert sorted(p.name for p in work.iterdir()) == before  # nothing written, no temp file
+
+
+def test_a_checkpoint_error_lists_every_problem_in_one_message(work, capsys):
+    shard = work / "ckpt" / "model-00002-of-00002.safetensors"
+    with open(shard, "r+b") as f:
+        f.truncate(100)
+    code, out, err = run(capsys, "build", "uva.policy.yaml")
+    assert_one_error(code, out, err, "the checkpoint is invalid (1 problems)\n  - model-00002-of-00002.safetensors: "
+                     "header length")
+    assert not (work / "uva.plan.yaml").exists()

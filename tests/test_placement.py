@@ -1,0 +1,369 @@
+"""Placement as a pure function over plain data: whole placement dicts and layer lists.
+
+The toy model (headeronly.toy): embedding 4 MiB; per layer `mlp.down_proj.weight`
+2 MiB then `self_attn.o_proj.weight` 1 MiB (natural order); final norm 1 MiB;
+head 4 MiB. With L layers the total is 9 + 3L MiB.
+"""
+from __future__ import annotations
+
+import pytest
+
+from headeronly import (GPU, PREFETCH, UVA, MiB, infos, mib, offloaded_layers, placed, plan_of,
+                        policy, toy)
+from planner.errors import BudgetError
+from planner.graph import build_graph
+from planner.placement import make_schedule, resolve_backend, spread
+from planner.plan import Buffer, LayerBytes, Transfer
+
+DOWN, O = "mlp.down_proj.weight", "self_attn.o_proj.weight"
+
+
+def layer_params(*layers: int, of=(DOWN, O)) -> list[str]:
+    return [f"model.layers.{i}.{p}" for i in layers for p in of]
+
+
+def expect(tensors, **placements) -> dict:
+    """Every tensor on the GPU except the listed names (kind -> names)."""
+    out = {n: GPU for n, _, _ in tensors}
+    for kind, names in placements.items():
+        for n in names:
+            out[n] = {"uva": UVA, "prefetch": PREFETCH}[kind]
+    return out
+
+
+# ---------------------------------------------------------------- uva
+
+def test_uva_walks_params_in_order_and_overshoots_by_the_last_one():
+    t = toy(4)
+    d, _ = plan_of(t, policy(offload_gib=mib(4)))
+    # down 2 -> 2 < 4, o_proj 1 -> 3 < 4, layer 1 down 2 -> 5: stop (5 MiB > 4 MiB, as vLLM)
+    assert d.params == expect(t, uva=layer_params(0) + ["model.layers.1.mlp.down_proj.weight"])
+    assert d.backend == "uva"
+    assert list(d.params) == (["model.embed_tokens.weight"] + layer_params(0, 1, 2, 3)
+                              + ["model.norm.weight", "lm_head.weight"])
+    assert d.layers == (
+        LayerBytes("model.embed_tokens", gpu=4 * MiB),
+        LayerBytes("model.layers.0", uva=3 * MiB),
+        LayerBytes("model.layers.1", gpu=1 * MiB, uva=2 * MiB),
+        LayerBytes("model.layers.2", gpu=3 * MiB),
+        LayerBytes("model.layers.3", gpu=3 * MiB),
+        LayerBytes("model.norm", gpu=1 * MiB),
+        LayerBytes("lm_head", gpu=4 * MiB),
+    )
+    assert d.prefetch is None
+    assert d.notes == ("backend auto chose uva: uva.offload_gib is set",)
+
+
+def test_uva_exact_amount_stops_at_it():
+    t = toy(4)
+    d, _ = plan_of(t, policy(offload_gib=mib(3)))
+    assert placed(d, UVA) == layer_params(0)
+
+
+def test_uva_offloads_only_stack_params_even_when_asked_for_more():
+    t = toy(2)
+    d, _ = plan_of(t, policy(offload_gib=100))
+    assert d.params == expect(t, uva=layer_params(0, 1))
+
+
+def test_uva_params_filter():
+    t = toy(4)
+    d, _ = plan_of(t, policy(offload_gib=mib(3), uva_params=["mlp"]))
+    assert d.params == expect(t, uva=layer_params(0, 1, of=[DOWN]))
+
+
+def test_uva_budget_driven_offloads_in_order_until_it_fits():
+    t = toy(4)  # 21 MiB
+    d, _ = plan_of(t, policy(budget_gib=mib(17)))
+    assert d.params == expect(t, uva=layer_params(0) + layer_params(1, of=[DOWN]))
+    assert d.notes == ("backend auto chose uva: budget_gib is set",)
+    d, _ = plan_of(t, policy(budget_gib=mib(18)))
+    assert placed(d, UVA) == layer_params(0)
+
+
+def test_uva_amount_with_a_budget_is_a_check():
+    t = toy(4)
+    d, _ = plan_of(t, policy(offload_gib=mib(3), budget_gib=mib(18)))
+    assert placed(d, UVA) == layer_params(0)
+    with pytest.raises(BudgetError) as e:
+        plan_of(t, policy(offload_gib=mib(3), budget_gib=mib(17)))
+    assert str(e.value) == (
+        "test.policy.yaml: the plan needs 18.0 MiB of GPU memory but budget_gib is 0.0166015625; "
+        "budget_gib: 0.02 is the smallest that fits this policy.\n"
+        "  Pinned to the GPU outside the layer stacks: model.embed_tokens 4.0 MiB, lm_head 4.0 MiB, "
+        "model.norm 1.0 MiB.\n"
+        "  uva.offload_gib: 0.0029296875 offloads too little: raise it, or remove it and let "
+        "budget_gib decide how much to offload.")
+
+
+def test_no_fit_names_the_smallest_budget_and_what_is_pinned():
+    t = toy(4)  # 9 MiB outside the stacks can never move
+    with pytest.raises(BudgetError) as e:
+        plan_of(t, policy(budget_gib=mib(8)))
+    assert str(e.value) == (
+        "test.policy.yaml: the plan needs 9.0 MiB of GPU memory but budget_gib is 0.0078125; "
+        "budget_gib: 0.01 is the smallest that fits this policy.\n"
+        "  Pinned to the GPU outside the layer stacks: model.embed_tokens 4.0 MiB, lm_head 4.0 MiB, "
+        "model.norm 1.0 MiB.\n"
+        "  No choice of offloaded layers fits. Move more to host memory with a rule (for example "
+        "`rules: [{match: [embed_tokens], place: uva}]`), or raise budget_gib.")
+    d, _ = plan_of(t, policy(budget_gib=0.01))  # the suggestion fits: 10 MiB <= 10.24 MiB
+    assert placed(d, UVA) == layer_params(0, 1, 2) + layer_params(3, of=[DOWN])
+    d, _ = plan_of(t, policy(budget_gib=mib(9)))
+    assert placed(d, UVA) == layer_params(0, 1, 2, 3)
+
+
+# ---------------------------------------------------------------- nothing to offload / auto
+
+@pytest.mark.parametrize("kw", [
+    {"budget_gib": mib(21)},
+    {"budget_gib": mib(40), "offload_gib": mib(4)},
+    {"budget_gib": mib(40), "group_size": 2},
+    {"budget_gib": mib(40), "backend": "prefetch"},
+])
+def test_whole_checkpoint_fits_the_budget_nothing_is_offloaded(kw):
+    t = toy(4)
+    d, _ = plan_of(t, policy(**kw))
+    assert d.params == expect(t)
+    assert d.backend == "none" and d.prefetch is None
+    assert d.notes[1:] == (f"the whole checkpoint (21.0 MiB) fits budget_gib {kw['budget_gib']}: "
+                           "nothing offloaded (offloading would only cost speed)",)
+
+
+def test_no_settings_keep_everything_on_the_gpu():
+    t = toy(3)
+    d, _ = plan_of(t, policy())
+    assert d.params == expect(t) and d.backend == "none"
+    assert d.notes == ("backend auto offloads nothing: no offload amount or budget is set",)
+
+
+@pytest.mark.parametrize("kw, want", [
+    ({}, ("none", "backend auto offloads nothing: no offload amount or budget is set")),
+    ({"group_size": 4, "offload_gib": 1}, ("prefetch", "backend auto chose prefetch: prefetch.group_size is set")),
+    ({"offload_gib": 1, "budget_gib": 3}, ("uva", "backend auto chose uva: uva.offload_gib is set")),
+    ({"budget_gib": 3}, ("uva", "backend auto chose uva: budget_gib is set")),
+    ({"backend": "uva", "group_size": 4}, ("uva", "backend: uva")),
+    ({"backend": "prefetch"}, ("prefetch", "backend: prefetch")),
+])
+def test_auto_backend_resolution(kw, want):
+    assert resolve_backend(policy(**kw)) == want
+
+
+def test_tied_embeddings_note():
+    d, _ = plan_of(toy(2, tied=True), policy())
+    assert d.notes[-1] == "tied embeddings: the checkpoint has no lm_head tensor; the head reuses the embedding"
+
+
+# ---------------------------------------------------------------- rules
+
+def test_rules_first_match_wins_and_place_anything():
+    t = toy(4)
+    d, _ = plan_of(t, policy(offload_gib=mib(4), rules=[
+        (["embed_tokens"], "uva"),
+        (["layers.0", "lm_head"], "gpu"),
+        (["re:layers\\.[12]\\.mlp"], "uva"),
+        (["mlp"], "gpu"),
+    ]))
+    # Rules fix embed, layer 0, lm_head, layers 1-2 mlp (uva) and layer 3 mlp (gpu); the uva walk
+    # then takes the free params in order: o_proj of layers 1, 2, 3 (3 MiB < 4 MiB, all of them).
+    assert d.params == expect(t, uva=["model.embed_tokens.weight", *layer_params(1, 2, of=[DOWN]),
+                                      *layer_params(1, 2, 3, of=[O])])
+
+
+def test_a_rule_for_every_tensor_leaves_the_backend_nothing():
+    t = toy(2)
+    d, _ = plan_of(t, policy(offload_gib=100, rules=[(["re:."], "gpu")]))
+    assert d.params == expect(t)
+
+
+def test_rules_can_prefetch_outside_the_stacks():
+    t = toy(2)
+    d, _ = plan_of(t, policy(rules=[(["lm_head", "embed_tokens"], "prefetch")], step=1))
+    assert d.params == expect(t, prefetch=["model.embed_tokens.weight", "lm_head.weight"])
+    # One buffer per (local name, dtype, shape): both are a 4 MiB U8 `weight`.
+    assert d.prefetch.buffers == (Buffer("weight", "U8", (4 * MiB,), 4 * MiB),)
+    assert d.prefetch.schedule == (Transfer("model.embed_tokens", 0, "lm_head"),
+                                   Transfer("lm_head", 0, "model.embed_tokens"))
+
+
+# ---------------------------------------------------------------- prefetch
+
+GROUP_8_2_OF_61 = [6, 7, 14, 15, 22, 23, 30, 31, 38, 39, 46, 47, 54, 55]
+
+
+def test_prefetch_group_8_of_2_over_61_layers():
+    t = toy(61)
+    d, _ = plan_of(t, policy(group_size=8, num_in_group=2))
+    assert offloaded_layers(d) == GROUP_8_2_OF_61
+    assert d.params == expect(t, prefetch=layer_params(*GROUP_8_2_OF_61))
+    p = d.prefetch
+    assert (p.step, p.slots, p.slot_bytes, p.pool_bytes) == (1, 1, 3 * MiB, 3 * MiB)
+    assert p.buffers == (Buffer(DOWN, "U8", (2 * MiB,), 2 * MiB), Buffer(O, "U8", (1 * MiB,), 1 * MiB))
+    names = [f"model.layers.{i}" for i in GROUP_8_2_OF_61]
+    assert p.schedule == tuple(Transfer(n, 0, names[k - 1]) for k, n in enumerate(names))
+
+
+@pytest.mark.parametrize("group, k, layers, want", [
+    (8, 1, 32, [7, 15, 23, 31]),
+    (4, 4, 6, [0, 1, 2, 3, 4, 5]),
+    (3, 1, 7, [2, 5]),
+    (10, 2, 5, []),
+])
+def test_prefetch_group_rule(group, k, layers, want):
+    d, _ = plan_of(toy(layers), policy(group_size=group, num_in_group=k))
+    assert offloaded_layers(d) == want
+
+
+def dense_then_moe(layers=8, dense=2, experts=2):
+    """DeepSeek-like: the first `dense` layers have an MLP, the others experts (1 MiB each)."""
+    t = [("model.embed_tokens.weight", "U8", (4 * MiB,))]
+    for i in range(layers):
+        t.append((f"model.layers.{i}.self_attn.o_proj.weight", "U8", (1 * MiB,)))
+        if i < dense:
+            t.append((f"model.layers.{i}.mlp.down_proj.weight", "U8", (3 * MiB,)))
+        else:
+            t += [(f"model.layers.{i}.mlp.experts.{e}.w", "U8", (1 * MiB,)) for e in range(experts)]
+    return t + [("model.norm.weight", "U8", (1 * MiB,)), ("lm_head.weight", "U8", (4 * MiB,))]
+
+
+def test_prefetch_params_filter_skips_layers_without_a_match():
+    t = dense_then_moe()
+    d, _ = plan_of(t, policy(group_size=2, num_in_group=1, step=2, prefetch_params=["experts"]))
+    # Odd layers are chosen; layer 1 is dense (no experts) and is skipped.
+    assert d.params == expect(t, prefetch=[f"model.layers.{i}.mlp.experts.{e}.w" for i in (3, 5, 7) for e in (0, 1)])
+    p = d.prefetch
+    assert p.buffers == (Buffer("mlp.experts.0.w", "U8", (MiB,), MiB), Buffer("mlp.experts.1.w", "U8", (MiB,), MiB))
+    assert (p.step, p.slots, p.slot_bytes, p.pool_bytes) == (2, 2, 2 * MiB, 4 * MiB)
+    assert p.schedule == (Transfer("model.layers.3", 0, "model.layers.7"),
+                          Transfer("model.layers.5", 1, "model.layers.5"),
+                          Transfer("model.layers.7", 0, "model.layers.3"))
+
+
+def test_buffer_pool_has_one_buffer_per_local_name_dtype_and_shape():
+    t = [("model.layers.0.w", "BF16", (4, 8)), ("model.layers.0.s", "F32", (2,)),
+         ("model.layers.1.w", "BF16", (4, 8)), ("model.layers.1.s", "F32", (3,)),
+         ("model.layers.2.w", "F16", (4, 8)), ("model.layers.2.s", "F32", (2,))]
+    d, _ = plan_of(t, policy(group_size=1, step=2))
+    p = d.prefetch
+    assert p.buffers == (Buffer("s", "F32", (2,), 8), Buffer("w", "BF16", (4, 8), 64),
+                         Buffer("s", "F32", (3,), 12), Buffer("w", "F16", (4, 8), 64))
+    assert (p.slots, p.slot_bytes, p.pool_bytes) == (2, 148, 296)
+
+
+def test_slots_never_exceed_the_prefetched_layers():
+    d, _ = plan_of(toy(8), policy(group_size=4, num_in_group=1, step=5))
+    assert offloaded_layers(d) == [3, 7]
+    assert (d.prefetch.step, d.prefetch.slots, d.prefetch.pool_bytes) == (5, 2, 6 * MiB)
+
+
+def simulate(schedule, slots: int, passes: int = 3) -> None:
+    """Run forwards over the prefetched layers; fail if a layer finds a slot not holding its data,
+    or if a copy overwrites a slot whose layer has not run yet in this pass."""
+    order = [t.layer for t in schedule]
+    slot_of = {t.layer: t.slot for t in schedule}
+    starts = {}
+    for t in schedule:
+        starts.setdefault(t.after, []).append(t)
+    content = {}
+    for t in schedule[:slots]:  # the load-time copies
+        content[t.slot] = t.layer
+    assert sorted(content) == list(range(slots))
+    for _ in range(passes):
+        done = set()
+        for layer in order:
+            assert content[slot_of[layer]] == layer, f"{layer} would read another layer's weights"
+            done.add(layer)
+            for t in starts.get(layer, []):
+                assert content[t.slot] in done, f"copy of {t.layer} overwrites {content[t.slot]} before it runs"
+                content[t.slot] = t.layer
+
+
+@pytest.mark.parametrize("count", [1, 2, 3, 5, 7, 8, 14])
+@pytest.mark.parametrize("step", [1, 2, 3, 4, 8])
+def test_schedule_slot_k_mod_s_after_the_previous_user_and_never_clobbers(count, step):
+    t = toy(count)
+    d, _ = plan_of(t, policy(group_size=1, step=step, stacks=["model.layers"]))  # 1 layer: no stack detected
+    p = d.prefetch
+    slots = min(step, count)
+    assert (p.step, p.slots) == (step, slots)
+    names = [f"model.layers.{i}" for i in range(count)]
+    for k, tr in enumerate(p.schedule):
+        assert (tr.layer, tr.slot) == (names[k], k % slots)
+        users = [j for j in range(count) if j % slots == k % slots]
+        assert tr.after == names[users[users.index(k) - 1]]  # previous user of the slot, cyclically
+        if k >= slots:
+            assert tr.after == names[k - slots]  # vLLM: `step` layers earlier
+    simulate(p.schedule, slots)
+
+
+def test_make_schedule_with_nothing_prefetched_is_none():
+    t = infos(toy(2))
+    g = build_graph(t)
+    assert make_schedule(g, {n: GPU for n in t}, t, 2) is None
+
+
+# ---------------------------------------------------------------- prefetch from a budget
+
+def test_spread():
+    assert spread(32, 4) == [7, 15, 23, 31]
+    assert spread(8, 3) == [1, 4, 7]
+    assert spread(5, 5) == [0, 1, 2, 3, 4]
+    assert spread(7, 0) == []
+
+
+def test_prefetch_budget_offloads_the_fewest_layers_spread_evenly():
+    t = toy(8)  # 33 MiB; with n layers and step 1: 33 - 3n + 3 MiB
+    d, _ = plan_of(t, policy(backend="prefetch", budget_gib=mib(27)))
+    assert d.params == expect(t, prefetch=layer_params(1, 4, 7))
+    # step 2: 33 - 3n + 6 for n >= 2: four layers
+    d, _ = plan_of(t, policy(backend="prefetch", budget_gib=mib(27), step=2))
+    assert offloaded_layers(d) == [1, 3, 5, 7]
+    assert d.prefetch.pool_bytes == 6 * MiB
+
+
+def test_prefetch_budget_zero_layers_when_rules_already_fit():
+    t = toy(8)
+    d, _ = plan_of(t, policy(backend="prefetch", budget_gib=mib(25),
+                             rules=[(["embed_tokens", "lm_head"], "uva")]))
+    assert d.params == expect(t, uva=["model.embed_tokens.weight", "lm_head.weight"])
+    assert d.prefetch is None
+
+
+def test_prefetch_group_size_with_budget_is_a_check():
+    t = toy(8)
+    d, _ = plan_of(t, policy(group_size=4, num_in_group=2, budget_gib=mib(24)))
+    assert offloaded_layers(d) == [2, 3, 6, 7]  # 33 - 12 + 3
+    with pytest.raises(BudgetError, match=r"prefetch.group_size 4 / num_in_group 2 offloads too few "
+                       r"layers: raise num_in_group, or remove group_size and let budget_gib decide"):
+        plan_of(t, policy(group_size=4, num_in_group=2, budget_gib=mib(23)))
+
+
+def test_prefetch_budget_no_fit_quotes_the_smallest_footprint_of_any_count():
+    # Every layer has its own shape, so with 2 slots each prefetched layer adds twice
+    # its bytes to the pool: offloading only makes it worse, and the smallest
+    # footprint is that of offloading nothing (the whole 19 MiB).
+    t = [("model.embed_tokens.weight", "U8", (4 * MiB,))]
+    t += [(f"model.layers.{i}.mlp.w", "U8", ((i + 1) * MiB,)) for i in range(4)]
+    t += [("model.norm.weight", "U8", (MiB,)), ("lm_head.weight", "U8", (4 * MiB,))]
+    with pytest.raises(BudgetError) as e:
+        plan_of(t, policy(backend="prefetch", budget_gib=mib(15), step=2))
+    assert str(e.value).startswith(
+        "test.policy.yaml: the plan needs 19.0 MiB of GPU memory but budget_gib is 0.0146484375; "
+        "budget_gib: 0.02 is the smallest that fits this policy.")
+    d, _ = plan_of(t, policy(backend="prefetch", budget_gib=0.02, step=2))
+    assert d.backend == "none"
+
+
+def test_prefetch_budget_no_fit_with_step_1():
+    t = toy(4)  # 21 MiB; all 4 layers: 9 + 3 = 12 MiB at best
+    with pytest.raises(BudgetError, match=r"needs 12.0 MiB .* budget_gib: 0.02 is the smallest"):
+        plan_of(t, policy(backend="prefetch", budget_gib=mib(11)))
+    d, _ = plan_of(t, policy(backend="prefetch", budget_gib=mib(12)))
+    assert offloaded_layers(d) == [0, 1, 2, 3]
+
+
+def test_rules_prefetching_with_step_zero_is_an_error():
+    from planner.errors import PolicyError
+    with pytest.raises(PolicyError, match=r"test.policy.yaml: prefetch.step must be >= 1: rules place "
+                       r"tensors on prefetch"):
+        plan_of(toy(2), policy(backend="uva", step=0, rules=[(["lm_head"], "prefetch")]))
