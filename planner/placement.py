@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from .checkpoint import TensorInfo
 from .errors import BudgetError, PolicyError
 from .graph import Layer, LayerGraph
+from .groups import fused_groups, split_groups
 from .patterns import matches_any
 from .plan import Buffer, LayerBytes, PrefetchSchedule, Transfer, previous_user
 from .policy import GIB, Backend, Placement, Policy
@@ -97,6 +98,8 @@ def decide(graph: LayerGraph, tensors: Mapping[str, TensorInfo], policy: Policy)
                 place[name] = rule.place
                 fixed.add(name)
     stack = graph.stack_layers()
+    groups = fused_groups(n for l in stack for n in l.params)
+    _check_groups(groups, place, fixed, policy)
     backend, why = resolve_backend(policy)
     notes = [why]
     budget = policy.budget_bytes
@@ -108,7 +111,7 @@ def decide(graph: LayerGraph, tensors: Mapping[str, TensorInfo], policy: Policy)
                      "nothing offloaded (offloading would only cost speed)")
         backend = "none"
     elif backend == "uva":
-        _uva(stack, fixed, place, size, tensors, policy, graph)
+        _uva(stack, fixed, place, size, tensors, policy, graph, groups)
     elif backend == "prefetch":
         _prefetch(stack, fixed, place, size, tensors, policy, graph)
 
@@ -129,27 +132,50 @@ def decide(graph: LayerGraph, tensors: Mapping[str, TensorInfo], policy: Policy)
     return Decision(backend, place, schedule, tuple(layers), tuple(notes))
 
 
-def _uva(stack, fixed, place, size, tensors, policy, graph) -> None:
+def _check_groups(groups, place, fixed, policy) -> None:
+    """Rules and `params` patterns must select fused expert groups whole (see groups.py)."""
+    problems = []
+    for i, rule in enumerate(policy.rules):
+        problems += split_groups(groups, lambda n, r=rule: n in fixed and place[n] is r.place
+                                 and matches_any(r.patterns, n), f"rules[{i}] (place: {rule.place.value})")
+    for key, pats in (("uva.params", policy.uva.params), ("prefetch.params", policy.prefetch.params)):
+        if pats:
+            problems += split_groups(groups, lambda n, p=pats: matches_any(p, n), key)
+    if problems:
+        raise PolicyError(f"{policy.path}: the policy splits fused expert groups", problems)
+
+
+def _uva(stack, fixed, place, size, tensors, policy, graph, groups) -> None:
+    """The per-tensor walk; a fused expert group is offloaded whole when the walk reaches it."""
     pats = policy.uva.params
     cands = [n for l in stack for n in l.params if n not in fixed and (not pats or matches_any(pats, n))]
+    group_of = {m: ms for ms in groups.values() for m in ms}
+
+    def units():
+        for n in cands:
+            if place[n] is GPU:
+                yield group_of.get(n, (n,))
+
     if policy.uva.offload_gib > 0:
         limit = policy.uva.offload_gib * GIB
         done = 0
-        for n in cands:
+        for unit in units():
             if done >= limit:
                 break
-            place[n] = UVA
-            done += size[n]
+            for n in unit:
+                place[n] = UVA
+                done += size[n]
         return
     if policy.budget_bytes is None:
         return
     sched = make_schedule(graph, place, tensors, policy.prefetch.step)
     gpu = sum(size[n] for n, p in place.items() if p is GPU) + (sched.pool_bytes if sched else 0)
-    for n in cands:
+    for unit in units():
         if gpu <= policy.budget_bytes:
             break
-        place[n] = UVA
-        gpu -= size[n]
+        for n in unit:
+            place[n] = UVA
+            gpu -= size[n]
 
 
 def _prefetch(stack, fixed, place, size, tensors, policy, graph) -> None:

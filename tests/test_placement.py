@@ -367,3 +367,51 @@ def test_rules_prefetching_with_step_zero_is_an_error():
     with pytest.raises(PolicyError, match=r"test.policy.yaml: prefetch.step must be >= 1: rules place "
                        r"tensors on prefetch"):
         plan_of(toy(2), policy(backend="uva", step=0, rules=[(["lm_head"], "prefetch")]))
+
+
+# ---------------------------------------------------------------- fused expert groups
+
+def moe_toy(layers: int = 3, experts: int = 2) -> list:
+    """Per layer: attention 1 MiB, then experts e: down/gate/up 1 MiB each (a fused group)."""
+    out = [("model.embed_tokens.weight", "BF16", (512, 1024))]
+    for i in range(layers):
+        out.append((f"model.layers.{i}.self_attn.o_proj.weight", "BF16", (512, 1024)))
+        for e in range(experts):
+            for proj in ("down_proj", "gate_proj", "up_proj"):
+                out.append((f"model.layers.{i}.mlp.experts.{e}.{proj}.weight", "BF16", (512, 1024)))
+    out.append(("lm_head.weight", "BF16", (512, 1024)))
+    return out
+
+
+def experts_of(*layers: int, experts: int = 2) -> list[str]:
+    return [f"model.layers.{i}.mlp.experts.{e}.{p}.weight" for i in layers for e in range(experts)
+            for p in ("down_proj", "gate_proj", "up_proj")]
+
+
+def test_uva_walk_offloads_a_fused_expert_group_whole():
+    t = moe_toy()
+    # Natural order puts mlp.experts first; 1.5 MiB would stop after two expert tensors,
+    # the group of 6 goes whole instead, and then the walk stops (6 MiB >= 1.5 MiB).
+    d, _ = plan_of(t, policy(offload_gib=mib(1.5)))
+    assert placed(d, UVA) == experts_of(0)
+
+
+def test_uva_budget_walk_keeps_groups_whole():
+    t = moe_toy()  # 2 + 3 * 7 = 23 MiB
+    d, _ = plan_of(t, policy(budget_gib=mib(20)))  # 3 MiB to shed: one whole group of 6 MiB
+    assert placed(d, UVA) == experts_of(0)
+
+
+@pytest.mark.parametrize("pol, where", [
+    (dict(rules=[(["re:experts\\.1\\."], "uva")]), "rules[0] (place: uva) selects 3 of the 6"),
+    (dict(backend="prefetch", group_size=1, prefetch_params=["gate_proj"]), "prefetch.params selects 2 of the 6"),
+    (dict(offload_gib=1, uva_params=["down_proj"]), "uva.params selects 2 of the 6"),
+])
+def test_selecting_part_of_a_fused_group_is_an_error(pol, where):
+    from planner.errors import PolicyError
+    with pytest.raises(PolicyError) as err:
+        plan_of(moe_toy(), policy(**pol))
+    text = str(err.value)
+    assert "splits fused expert groups" in text
+    assert f"{where} tensors of fused group model.layers.0.mlp.experts" in text
+    assert "select all of them (for example with the pattern `experts`)" in text
