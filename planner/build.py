@@ -3,10 +3,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .checkpoint import Checkpoint, open_checkpoint
+from .checkpoint import Checkpoint, no_gc, open_checkpoint
 from .errors import PolicyError
 from .graph import build_graph
-from .patterns import closest
+from .patterns import Names, closest
 from .placement import decide
 from .plan import Plan, Summary, relpath
 from .policy import Placement, Policy, load_policy
@@ -25,8 +25,9 @@ def default_output(policy_path: Path) -> Path:
 def check_patterns(policy: Policy, names: list[str]) -> None:
     """Every pattern of the policy must match some tensor: vLLM ignores typos silently."""
     problems = []
+    index = Names(names)
     for where, pattern in policy.all_patterns():
-        if not any(pattern.matches(n) for n in names):
+        if not index.any_match(pattern):
             near = [] if pattern.regex else closest(pattern.text, names)
             hint = f"; did you mean {' or '.join(repr(n) for n in near)}?" if near else ""
             problems.append(f"{policy.where(where)}: {where}: {pattern.text!r} matches no tensor "
@@ -37,6 +38,11 @@ def check_patterns(policy: Policy, names: list[str]) -> None:
 
 def build(policy: Policy, plan_dir: Path, checkpoint: Checkpoint | None = None) -> Plan:
     """Plan `policy` for a plan file that will live in `plan_dir` (paths are stored relative to it)."""
+    with no_gc():
+        return _build(policy, plan_dir, checkpoint)
+
+
+def _build(policy: Policy, plan_dir: Path, checkpoint: Checkpoint | None) -> Plan:
     ckpt = checkpoint or open_checkpoint(policy.checkpoint)
     names = list(ckpt.tensors)
     check_patterns(policy, names)

@@ -15,9 +15,11 @@ layout changes it; rewriting weight values in place does not.
 """
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 from math import prod
 from pathlib import Path
@@ -209,8 +211,26 @@ def _entry_problem(where: str, entry, data_len: int) -> str:
     return f"{where}: data_offsets end {end} lies past the data region ({data_len} bytes; file truncated?)"
 
 
+@contextmanager
+def no_gc():
+    """Planning allocates ~1M small objects and frees none until the end: the cyclic
+    collector would rescan them over and over (13% of the time on DeepSeek-V3)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
 def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
     """Read and validate a checkpoint's index and every shard header (no weight data)."""
+    with no_gc():
+        return _open_checkpoint(path)
+
+
+def _open_checkpoint(path: str | os.PathLike) -> Checkpoint:
     root, index, shards = resolve(path)
     problems: list[str] = []
     digest = hashlib.sha256()

@@ -71,13 +71,28 @@ class LayerGraph:
         return [l for l in self.layers if l.kind == "layer"]
 
 
-_FIRST_NUMBER = re.compile(r"^(.*?)\.(\d+)\.")
+_NUMBERED = re.compile(r"^(?:(.*?)\.(\d+)\.)?", re.M)
 
 
-def _stack_of(name: str) -> tuple[str, int, int] | None:
-    """`model.layers.12.mlp.w` -> ("model.layers", 12, len("model.layers.12")), or None."""
-    m = _FIRST_NUMBER.match(name)
-    return (m[1], int(m[2]), m.end(2)) if m else None
+def _numbered(names: list[str]) -> list[tuple[str, str]]:
+    """(stack prefix, layer number) per name, ("", "") without a numbered segment.
+
+    `model.layers.12.mlp.w` -> ("model.layers", "12"). One regex scan over all
+    names joined by newlines: one (possibly empty) match per line.
+    """
+    hits = _NUMBERED.findall("\n".join(names))
+    if len(hits) != len(names):  # a name holding a newline: fall back to one match per name
+        hits = [m.groups("") for m in map(_NUMBERED.match, names)]
+    return hits
+
+
+def _natural_order(node: str, params: list[str], keys: dict[str, str]) -> tuple[str, ...]:
+    """`params` of one layer in natural order of their local names (keys cached across layers)."""
+    cut = len(node) + 1
+    local = [p[cut:] for p in params]
+    for name in set(local).difference(keys):
+        keys[name] = natural_key(name)
+    return tuple(p for _, p in sorted(zip(map(keys.__getitem__, local), params)))
 
 
 def build_graph(names: Iterable[str], stacks: Iterable[str] | None = None,
@@ -88,11 +103,11 @@ def build_graph(names: Iterable[str], stacks: Iterable[str] | None = None,
     policy's `file:line:column` for the error naming a prefix that holds no tensor.
     """
     names = list(names)
+    hits = _numbered(names)
     found: dict[str, set[int]] = {}
-    hits = [_stack_of(n) for n in names]
-    for hit in hits:
-        if hit:
-            found.setdefault(hit[0], set()).add(hit[1])
+    for prefix, number in hits:
+        if number:
+            found.setdefault(prefix, set()).add(number)
     detected = [p for p, idx in found.items() if len(idx) >= 2]
     if stacks is None:
         chosen = detected
@@ -106,17 +121,17 @@ def build_graph(names: Iterable[str], stacks: Iterable[str] | None = None,
     chosen_set = set(chosen)
 
     by_layer: dict[str, list[str]] = {}
-    where: dict[str, tuple[str, str | None, int | None]] = {}
-    for name, hit in zip(names, hits):
-        if hit and hit[0] in chosen_set:
-            node = name[: hit[2]]
-            if node not in where:
-                where[node] = ("layer", hit[0], hit[1])
+    kinds: dict[str, tuple[str, str | None, int | None]] = {}
+    for name, (prefix, number) in zip(names, hits):
+        if number and prefix in chosen_set:
+            node = f"{prefix}.{number}"
+            if node not in kinds:
+                kinds[node] = ("layer", prefix, int(number))
         else:
             node = name.rpartition(".")[0] or name
-            if node not in where:
+            if node not in kinds:
                 kind = "embed" if _EMBED.search(node) else "head" if _HEAD.search(node) else "module"
-                where[node] = (kind, None, None)
+                kinds[node] = (kind, None, None)
         by_layer.setdefault(node, []).append(name)
 
     first_seen = {p: i for i, p in enumerate(chosen)}
@@ -124,16 +139,15 @@ def build_graph(names: Iterable[str], stacks: Iterable[str] | None = None,
     group_rank = {"embed": 0, "layer": 1, "module": 2, "head": 3}
 
     def order(node: str) -> tuple:
-        kind, stack, index = where[node]
+        kind, stack, index = kinds[node]
         if kind == "layer":
             return (1, stack_rank[stack], index)
         return (group_rank[kind], (0, 0), 0)
 
     nodes = sorted(by_layer, key=lambda n: (order(n), natural_key(n)))
-    layers = tuple(
-        Layer(n, where[n][0], tuple(sorted(by_layer[n], key=natural_key)), where[n][1], where[n][2])
-        for n in nodes
-    )
+    keys: dict[str, str] = {}  # natural keys of local names, shared by every layer of a stack
+    layers = tuple(Layer(n, kinds[n][0], _natural_order(n, by_layer[n], keys), kinds[n][1], kinds[n][2])
+                   for n in nodes)
     graph = nx.DiGraph()
     graph.add_nodes_from((l.name, {"layer": l}) for l in layers)
     nx.add_path(graph, [l.name for l in layers])

@@ -17,27 +17,24 @@ stay ordinary tensors.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Collection, Iterable
 
-_EXPERT = re.compile(r"^(.*\.experts)\.\d+\.")
+_EXPERT = re.compile(r"^(.*\.experts)\.\d+\..*$", re.M)
 
 
 def fused_groups(names: Iterable[str]) -> dict[str, list[str]]:
-    """Group name -> its member tensor names, in the order given."""
+    """Group name -> its member tensor names, in the order given (one regex scan over all names)."""
     groups: dict[str, list[str]] = {}
-    for name in names:
-        if ".experts." in name:
-            m = _EXPERT.match(name)
-            if m:
-                groups.setdefault(m[1], []).append(name)
+    for m in _EXPERT.finditer("\n".join(names)):
+        groups.setdefault(m[1], []).append(m[0])
     return groups
 
 
-def split_groups(groups: dict[str, list[str]], selects: Callable[[str], bool], what: str) -> list[str]:
-    """Problems for groups that `selects` picks only partly, one line per group."""
+def split_groups(groups: dict[str, list[str]], selected: Collection[str], what: str) -> list[str]:
+    """Problems for groups that `selected` holds only partly, one line per group."""
     problems = []
     for group, members in groups.items():
-        picked = [m for m in members if selects(m)]
+        picked = [m for m in members if m in selected]
         if picked and len(picked) < len(members):
             problems.append(
                 f"{what} selects {len(picked)} of the {len(members)} tensors of fused group {group} "

@@ -39,6 +39,44 @@ def matches_any(patterns: Iterable[Pattern], name: str) -> bool:
     return any(p.matches(name) for p in patterns)
 
 
+class Names:
+    """A checkpoint's tensor names, joined once so that patterns scan all of them in C.
+
+    A plain pattern set becomes one multiline regex whose matches are whole
+    lines (`(^|.)p(.|$)` within a line is exactly the segment rule), so
+    selecting among 90k names is a single `finditer` instead of 90k Python calls.
+    `re:` patterns are searched name by name, as their anchors mean.
+    """
+
+    def __init__(self, names: Iterable[str]):
+        self.names = list(names)
+        self.text = "\n".join(self.names)
+
+    def select(self, patterns: Iterable[Pattern]) -> set[str]:
+        """The names that any of `patterns` matches."""
+        patterns = list(patterns)
+        plain = [p.text for p in patterns if p.regex is None]
+        out: set[str] = set()
+        if plain:
+            out.update(_lines(plain).findall(self.text))
+        for p in patterns:
+            if p.regex is not None:
+                search = p.regex.search
+                out.update(n for n in self.names if search(n))
+        return out
+
+    def any_match(self, pattern: Pattern) -> bool:
+        if pattern.regex is None:
+            return _lines([pattern.text]).search(self.text) is not None
+        return any(pattern.regex.search(n) for n in self.names)
+
+
+def _lines(plain: list[str]) -> re.Pattern:
+    """A multiline regex matching the whole names in which one of `plain` covers whole segments."""
+    alternation = "|".join(re.escape(t) for t in sorted(plain, key=len, reverse=True))
+    return re.compile(rf"^(?:[^\n]*\.)?(?:{alternation})(?:\.[^\n]*)?$", re.M)
+
+
 def closest(pattern: str, names: Iterable[str], n: int = 3) -> list[str]:
     """Spellings close to `pattern` among the names' segment runs, for "did you mean".
 

@@ -44,7 +44,7 @@ from .checkpoint import TensorInfo
 from .errors import BudgetError, PolicyError
 from .graph import Layer, LayerGraph
 from .groups import fused_groups, split_groups
-from .patterns import matches_any
+from .patterns import Names
 from .plan import Buffer, LayerBytes, PrefetchSchedule, Transfer, previous_user
 from .policy import GIB, Backend, Placement, Policy
 from .report import human
@@ -90,16 +90,20 @@ def resolve_backend(policy: Policy) -> tuple[str, str]:
 def decide(graph: LayerGraph, tensors: Mapping[str, TensorInfo], policy: Policy) -> Decision:
     size = {n: t.nbytes for n, t in tensors.items()}
     place = {n: GPU for layer in graph.layers for n in layer.params}
+    names = Names(place)
     fixed: set[str] = set()
-    if policy.rules:
-        for name in place:
-            rule = next((r for r in policy.rules if matches_any(r.patterns, name)), None)
-            if rule is not None:
-                place[name] = rule.place
-                fixed.add(name)
+    won: list[set[str]] = []  # per rule, the tensors it places (first match wins)
+    for rule in policy.rules:
+        mine = names.select(rule.patterns) - fixed
+        won.append(mine)
+        fixed |= mine
+        for n in mine:
+            place[n] = rule.place
     stack = graph.stack_layers()
     groups = fused_groups(n for l in stack for n in l.params)
-    _check_groups(groups, place, fixed, policy)
+    selected = {"uva": names.select(policy.uva.params) if policy.uva.params else None,
+                "prefetch": names.select(policy.prefetch.params) if policy.prefetch.params else None}
+    _check_groups(groups, won, selected, policy)
     backend, why = resolve_backend(policy)
     notes = [why]
     budget = policy.budget_bytes
@@ -111,9 +115,9 @@ def decide(graph: LayerGraph, tensors: Mapping[str, TensorInfo], policy: Policy)
                      "nothing offloaded (offloading would only cost speed)")
         backend = "none"
     elif backend == "uva":
-        _uva(stack, fixed, place, size, tensors, policy, graph, groups)
+        _uva(stack, fixed, place, size, tensors, policy, graph, groups, selected["uva"])
     elif backend == "prefetch":
-        _prefetch(stack, fixed, place, size, tensors, policy, graph)
+        _prefetch(stack, fixed, place, size, tensors, policy, graph, selected["prefetch"])
 
     schedule = make_schedule(graph, place, tensors, step)
     if schedule is not None and step < 1:
@@ -132,23 +136,21 @@ def decide(graph: LayerGraph, tensors: Mapping[str, TensorInfo], policy: Policy)
     return Decision(backend, place, schedule, tuple(layers), tuple(notes))
 
 
-def _check_groups(groups, place, fixed, policy) -> None:
+def _check_groups(groups, won, selected, policy) -> None:
     """Rules and `params` patterns must select fused expert groups whole (see groups.py)."""
     problems = []
-    for i, rule in enumerate(policy.rules):
-        problems += split_groups(groups, lambda n, r=rule: n in fixed and place[n] is r.place
-                                 and matches_any(r.patterns, n), f"rules[{i}] (place: {rule.place.value})")
-    for key, pats in (("uva.params", policy.uva.params), ("prefetch.params", policy.prefetch.params)):
-        if pats:
-            problems += split_groups(groups, lambda n, p=pats: matches_any(p, n), key)
+    for i, (rule, mine) in enumerate(zip(policy.rules, won)):
+        problems += split_groups(groups, mine, f"rules[{i}] (place: {rule.place.value})")
+    for key in ("uva", "prefetch"):
+        if selected[key] is not None:
+            problems += split_groups(groups, selected[key], f"{key}.params")
     if problems:
         raise PolicyError(f"{policy.path}: the policy splits fused expert groups", problems)
 
 
-def _uva(stack, fixed, place, size, tensors, policy, graph, groups) -> None:
+def _uva(stack, fixed, place, size, tensors, policy, graph, groups, selected) -> None:
     """The per-tensor walk; a fused expert group is offloaded whole when the walk reaches it."""
-    pats = policy.uva.params
-    cands = [n for l in stack for n in l.params if n not in fixed and (not pats or matches_any(pats, n))]
+    cands = [n for l in stack for n in l.params if n not in fixed and (selected is None or n in selected)]
     group_of = {m: ms for ms in groups.values() for m in ms}
 
     def units():
@@ -178,12 +180,11 @@ def _uva(stack, fixed, place, size, tensors, policy, graph, groups) -> None:
             gpu -= size[n]
 
 
-def _prefetch(stack, fixed, place, size, tensors, policy, graph) -> None:
+def _prefetch(stack, fixed, place, size, tensors, policy, graph, selected) -> None:
     pre = policy.prefetch
-    pats = pre.params
 
     def chosen(layer: Layer) -> list[str]:
-        return [n for n in layer.params if n not in fixed and (not pats or matches_any(pats, n))]
+        return [n for n in layer.params if n not in fixed and (selected is None or n in selected)]
 
     if pre.group_size > 0:
         g, k = pre.group_size, pre.num_in_group
@@ -239,7 +240,8 @@ def spread(count: int, want: int) -> list[int]:
 def make_schedule(graph: LayerGraph, place: Mapping[str, Placement],
                   tensors: Mapping[str, TensorInfo], step: int) -> PrefetchSchedule | None:
     """Slots, buffers and copy triggers for the layers holding prefetched tensors."""
-    units = [l for l in graph.layers if any(place[n] is PREFETCH for n in l.params)]
+    get = place.__getitem__
+    units = [l for l in graph.layers if PREFETCH in map(get, l.params)]  # the scan runs in C
     if not units:
         return None
     buffers: dict[tuple, Buffer] = {}
