@@ -8,7 +8,9 @@ from .errors import PolicyError
 from .graph import build_graph
 from .patterns import Names, closest
 from .placement import decide
-from .plan import Plan, Summary, relpath
+from .cost import read_top_k
+from .hardware import H100, load_hardware
+from .plan import Cost, Plan, Summary, relpath
 from .policy import Placement, Policy, load_policy
 
 
@@ -47,12 +49,14 @@ def _build(policy: Policy, plan_dir: Path, checkpoint: Checkpoint | None) -> Pla
     names = list(ckpt.tensors)
     check_patterns(policy, names)
     graph = build_graph(names, policy.stacks, policy.where)
-    d = decide(graph, ckpt.tensors, policy)
+    hardware = load_hardware(policy.hardware) if policy.hardware else H100
+    top_k = policy.workload.experts_per_token or read_top_k(ckpt.root)
+    d = decide(graph, ckpt.tensors, policy, hardware, top_k)
     totals = {p: 0 for p in Placement}
     for name, place in d.params.items():
         totals[place] += ckpt.tensors[name].nbytes
     summary = Summary(totals[Placement.GPU], totals[Placement.UVA], totals[Placement.PREFETCH],
-                      d.prefetch.pool_bytes if d.prefetch else 0)
+                      d.prefetch.pool_bytes if d.prefetch else 0, d.cost.h2d_bytes, d.cost.step_us)
     ckpt_ref = ckpt.index if ckpt.index is not None else ckpt.root / next(iter(ckpt.tensors.values())).shard
     ckpt_path = relpath(ckpt.root if ckpt.index is not None and ckpt.index.name.endswith(
         "model.safetensors.index.json") else ckpt_ref, plan_dir)
@@ -72,6 +76,7 @@ def _build(policy: Policy, plan_dir: Path, checkpoint: Checkpoint | None) -> Pla
         prefetch=d.prefetch,
         params=d.params,
         notes=d.notes,
+        cost=Cost(hardware.name, d.cost.batch_size, d.cost.compute_us, d.cost.link_us),
     )
 
 

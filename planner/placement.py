@@ -42,10 +42,14 @@ from dataclasses import dataclass
 
 from .checkpoint import TensorInfo
 from .errors import BudgetError, PolicyError
+from .cost import CostModel, Prediction
 from .graph import Layer, LayerGraph
+from .hardware import H100, Hardware
+from .mixed import place_mixed
 from .groups import fused_groups, split_groups
 from .patterns import Names
-from .plan import Buffer, LayerBytes, PrefetchSchedule, Transfer, previous_user
+from .plan import LayerBytes, PrefetchSchedule
+from .schedule import fewest_layers, make_schedule
 from .policy import GIB, Backend, Placement, Policy
 from .report import human
 
@@ -54,11 +58,12 @@ GPU, UVA, PREFETCH = Placement.GPU, Placement.UVA, Placement.PREFETCH
 
 @dataclass(frozen=True)
 class Decision:
-    backend: str  # "none" | "uva" | "prefetch"
+    backend: str  # "none" | "uva" | "prefetch" | "mixed"
     params: dict[str, Placement]  # execution order
     prefetch: PrefetchSchedule | None
     layers: tuple[LayerBytes, ...]
     notes: tuple[str, ...]
+    cost: Prediction | None = None
 
 
 def gib(n: float) -> str:
@@ -74,6 +79,8 @@ def _ceil_gib(n: int) -> float:
 def resolve_backend(policy: Policy) -> tuple[str, str]:
     """The backend that will run, and why (for the plan's notes)."""
     b = policy.backend
+    if b is Backend.MIXED:
+        return "mixed", "backend: mixed (per tensor, by predicted step time)"
     if b is Backend.PREFETCH:
         return "prefetch", "backend: prefetch"
     if b is Backend.UVA:
@@ -87,14 +94,23 @@ def resolve_backend(policy: Policy) -> tuple[str, str]:
     return "none", "backend auto offloads nothing: no offload amount or budget is set"
 
 
-def decide(graph: LayerGraph, tensors: Mapping[str, TensorInfo], policy: Policy) -> Decision:
+def decide(graph: LayerGraph, tensors: Mapping[str, TensorInfo], policy: Policy,
+           hardware: Hardware = H100, top_k: int | None = None) -> Decision:
+    """Placements for every tensor (see the module doc); `hardware` and `top_k` (experts per
+    token, from the workload or config.json) feed the cost model that every plan reports
+    and that `backend: mixed` decides with."""
     size = {n: t.nbytes for n, t in tensors.items()}
     place = {n: GPU for layer in graph.layers for n in layer.params}
     names = Names(place)
     fixed: set[str] = set()
     won: list[set[str]] = []  # per rule, the tensors it places (first match wins)
+    roles: dict[str, str] = {}
     for rule in policy.rules:
-        mine = names.select(rule.patterns) - fixed
+        matched = names.select(rule.patterns)
+        if rule.role is not None:
+            for n in matched:
+                roles.setdefault(n, rule.role)
+        mine = matched - fixed if rule.place is not None else set()
         won.append(mine)
         fixed |= mine
         for n in mine:
@@ -104,8 +120,13 @@ def decide(graph: LayerGraph, tensors: Mapping[str, TensorInfo], policy: Policy)
     selected = {"uva": names.select(policy.uva.params) if policy.uva.params else None,
                 "prefetch": names.select(policy.prefetch.params) if policy.prefetch.params else None}
     _check_groups(groups, won, selected, policy)
+    model = CostModel(graph, tensors, hardware, policy.workload.batch_size, groups, top_k, roles)
     backend, why = resolve_backend(policy)
     notes = [why]
+    reasons: dict[str, str] = {}
+    if groups and top_k is None:
+        notes.append("the checkpoint has MoE experts but no experts-per-token (config.json or "
+                     "workload.experts_per_token): the cost model assumes each step reads every expert")
     budget = policy.budget_bytes
     step = policy.prefetch.step
     total = sum(size.values())
@@ -118,6 +139,11 @@ def decide(graph: LayerGraph, tensors: Mapping[str, TensorInfo], policy: Policy)
         _uva(stack, fixed, place, size, tensors, policy, graph, groups, selected["uva"])
     elif backend == "prefetch":
         _prefetch(stack, fixed, place, size, tensors, policy, graph, selected["prefetch"])
+    elif backend == "mixed":
+        choice = place_mixed(graph, tensors, policy, place, fixed, groups, model)
+        place = choice.place
+        notes += choice.notes
+        reasons = choice.why
 
     schedule = make_schedule(graph, place, tensors, step)
     if schedule is not None and step < 1:
@@ -127,20 +153,23 @@ def decide(graph: LayerGraph, tensors: Mapping[str, TensorInfo], policy: Policy)
         raise BudgetError(_over_budget_message(policy, backend, footprint, place, size, graph))
     if graph.tied_embeddings:
         notes.append("tied embeddings: the checkpoint has no lm_head tensor; the head reuses the embedding")
+    prediction = model.predict(place)
     layers = []
-    for l in graph.layers:
+    for l, c in zip(graph.layers, prediction.layers):
         by = {GPU: 0, UVA: 0, PREFETCH: 0}
         for n in l.params:
             by[place[n]] += size[n]
-        layers.append(LayerBytes(l.name, by[GPU], by[UVA], by[PREFETCH]))
-    return Decision(backend, place, schedule, tuple(layers), tuple(notes))
+        layers.append(LayerBytes(l.name, by[GPU], by[UVA], by[PREFETCH], c.h2d_bytes, c.compute_us,
+                                 reasons.get(l.name)))
+    return Decision(backend, place, schedule, tuple(layers), tuple(notes), prediction)
 
 
 def _check_groups(groups, won, selected, policy) -> None:
     """Rules and `params` patterns must select fused expert groups whole (see groups.py)."""
     problems = []
     for i, (rule, mine) in enumerate(zip(policy.rules, won)):
-        problems += split_groups(groups, mine, f"rules[{i}] (place: {rule.place.value})")
+        if rule.place is not None:
+            problems += split_groups(groups, mine, f"rules[{i}] (place: {rule.place.value})")
     for key in ("uva", "prefetch"):
         if selected[key] is not None:
             problems += split_groups(groups, selected[key], f"{key}.params")
@@ -195,74 +224,13 @@ def _prefetch(stack, fixed, place, size, tensors, policy, graph, selected) -> No
         return
     if policy.budget_bytes is None:
         return
-    eligible = [(l, chosen(l)) for l in stack]
-    eligible = [(l, c) for l, c in eligible if c]
-    if not eligible:
-        return
-    # Per-layer facts, so trying every count n costs O(layers), not O(tensors).
-    keyed = [{(l.local(n), tensors[n].dtype, tensors[n].shape): size[n] for n in c} for l, c in eligible]
-    moved = [sum(size[n] for n in c) for _, c in eligible]
-    rule_units = [l for l in graph.layers if any(place[n] is PREFETCH for n in l.params)]
-    rule_keys = {(l.local(n), tensors[n].dtype, tensors[n].shape): size[n]
-                 for l in rule_units for n in l.params if place[n] is PREFETCH}
-    base = sum(size[n] for n, p in place.items() if p is GPU)
-    count = len(eligible)
-    # Try 0, 1, 2, ... layers. The footprint is not monotonic in the count (each
-    # new slot, or a layer with new shapes, can add more pool than it moves), so
-    # when nothing fits keep the smallest footprint seen: the error then quotes
-    # the smallest budget that would fit.
-    smallest = None
-    for want in range(count + 1):
-        idx = spread(count, want)
-        keys = dict(rule_keys)
-        for i in idx:
-            keys.update(keyed[i])
-        units = len({eligible[i][0].name for i in idx} | {l.name for l in rule_units})
-        pool = min(pre.step, units) * sum(keys.values())
-        footprint = base - sum(moved[i] for i in idx) + pool
-        if smallest is None or footprint < smallest[0]:
-            smallest = (footprint, idx)
-        if footprint <= policy.budget_bytes:
-            break
-    for i in smallest[1]:
-        for n in eligible[i][1]:
+    eligible = [(l, c) for l, c in ((l, chosen(l)) for l in stack) if c]
+    for layer, names in fewest_layers(eligible, place, tensors, graph, pre.step, policy.budget_bytes):
+        for n in names:
             place[n] = PREFETCH
 
 
-def spread(count: int, want: int) -> list[int]:
-    """`want` of `count` positions, evenly spaced, each the last of its share.
-
-    spread(32, 4) -> [7, 15, 23, 31], what group_size 8, num_in_group 1 gives.
-    """
-    return [(k + 1) * count // want - 1 for k in range(want)]
-
-
-def make_schedule(graph: LayerGraph, place: Mapping[str, Placement],
-                  tensors: Mapping[str, TensorInfo], step: int) -> PrefetchSchedule | None:
-    """Slots, buffers and copy triggers for the layers holding prefetched tensors."""
-    get = place.__getitem__
-    units = [l for l in graph.layers if PREFETCH in map(get, l.params)]  # the scan runs in C
-    if not units:
-        return None
-    buffers: dict[tuple, Buffer] = {}
-    for l in units:
-        for n in l.params:
-            if place[n] is PREFETCH:
-                t = tensors[n]
-                key = (l.local(n), t.dtype, t.shape)
-                if key not in buffers:
-                    buffers[key] = Buffer(key[0], t.dtype, t.shape, t.nbytes)
-    count = len(units)
-    slots = max(1, min(step, count))
-    schedule = []
-    for k, l in enumerate(units):
-        schedule.append(Transfer(l.name, k % slots, units[previous_user(k, slots, count)].name))
-    slot_bytes = sum(b.bytes for b in buffers.values())
-    return PrefetchSchedule(max(step, 1), slots, slot_bytes, tuple(buffers.values()), tuple(schedule))
-
-
 def _over_budget_message(policy: Policy, backend: str, footprint: int, place, size, graph) -> str:
-    budget = policy.budget_bytes
     pinned: dict[str, int] = {}
     stack_names = {l.name for l in graph.stack_layers()}
     for l in graph.layers:

@@ -31,10 +31,15 @@ HEADER = (
 
 @dataclass(frozen=True)
 class LayerBytes:
+    """One layer of the plan: bytes by placement, and what the cost model predicts of it per step."""
+
     name: str
     gpu: int = 0
     uva: int = 0
     prefetch: int = 0
+    h2d: int = 0  # predicted bytes over the host link per decode step
+    us: int = 0  # predicted compute time per step (launch overhead, HBM and UVA reads)
+    why: str | None = None  # mixed plans: what the layer offloads and why
 
 
 @dataclass(frozen=True)
@@ -89,10 +94,26 @@ class Summary:
     uva_bytes: int
     prefetch_bytes: int
     prefetch_buffer_bytes: int
+    predicted_h2d_bytes_per_step: int = 0
+    predicted_step_us: int = 0
 
     @property
     def gpu_footprint_bytes(self) -> int:
         return self.gpu_bytes + self.prefetch_buffer_bytes
+
+
+@dataclass(frozen=True)
+class Cost:
+    """What the cost model assumed and predicted (see planner/cost.py)."""
+
+    hardware: str  # the profile's device name
+    batch_size: int
+    compute_us: int  # per step: launch overhead + HBM reads + UVA reads
+    link_us: int  # per step: UVA reads + prefetch copies over the host link
+
+    @property
+    def step_us(self) -> int:
+        return max(self.compute_us, self.link_us)
 
 
 @dataclass(frozen=True)
@@ -112,6 +133,7 @@ class Plan:
     prefetch: PrefetchSchedule | None
     params: dict[str, Placement]  # execution order
     notes: tuple[str, ...] = field(default=())
+    cost: Cost | None = None
 
     def checkpoint_dir(self, plan_file: str | Path) -> Path:
         return Path(plan_file).parent / self.checkpoint_path
@@ -143,6 +165,10 @@ def _v(value) -> str:
     raise TypeError(value)
 
 
+def _why(layer: LayerBytes) -> dict:
+    return {} if layer.why is None else {"why": layer.why}
+
+
 def _flow(**items) -> str:
     return "{" + ", ".join(f"{k}: {_v(v)}" for k, v in items.items()) + "}"
 
@@ -167,11 +193,17 @@ def dumps(plan: Plan) -> str:
            f"  uva_bytes: {s.uva_bytes}\n",
            f"  prefetch_bytes: {s.prefetch_bytes}\n",
            f"  prefetch_buffer_bytes: {s.prefetch_buffer_bytes}\n",
-           f"  gpu_footprint_bytes: {s.gpu_footprint_bytes}\n"]
+           f"  gpu_footprint_bytes: {s.gpu_footprint_bytes}\n",
+           f"  predicted_h2d_bytes_per_step: {s.predicted_h2d_bytes_per_step}\n",
+           f"  predicted_step_us: {s.predicted_step_us}\n"]
+    c = plan.cost
+    out.append("cost: null\n" if c is None else
+               f"cost: {_flow(hardware=c.hardware, batch_size=c.batch_size, compute_us=c.compute_us, link_us=c.link_us)}\n")
     out.append("notes:" + (" []\n" if not plan.notes else "\n"))
     out += [f"  - {_s(n)}\n" for n in plan.notes]
     out.append("layers:\n")
-    out += [f"  - {_flow(name=l.name, gpu=l.gpu, uva=l.uva, prefetch=l.prefetch)}\n" for l in plan.layers]
+    out += [f"  - {_flow(name=l.name, gpu=l.gpu, uva=l.uva, prefetch=l.prefetch, h2d=l.h2d, us=l.us, **_why(l))}\n"
+            for l in plan.layers]
     p = plan.prefetch
     if p is None:
         out.append("prefetch: null\n")
@@ -240,11 +272,13 @@ def loads(text: str, path: str | Path = "<plan>") -> Plan:
         budget_bytes=d["budget_bytes"],
         stacks=tuple(d["stacks"]),
         tied_embeddings=d["tied_embeddings"],
-        summary=Summary(s["gpu_bytes"], s["uva_bytes"], s["prefetch_bytes"], s["prefetch_buffer_bytes"]),
+        summary=Summary(s["gpu_bytes"], s["uva_bytes"], s["prefetch_bytes"], s["prefetch_buffer_bytes"],
+                        s["predicted_h2d_bytes_per_step"], s["predicted_step_us"]),
         layers=tuple(LayerBytes(**l) for l in d["layers"]),
         prefetch=prefetch,
         params={k: Placement(v) for k, v in d["params"].items()},
         notes=tuple(d["notes"]),
+        cost=None if d["cost"] is None else Cost(**d["cost"]),
     )
     problems = _consistency(plan, s["gpu_footprint_bytes"])
     if problems:
@@ -284,6 +318,13 @@ def _consistency(plan: Plan, footprint: int | None = None) -> list[str]:
     if footprint is not None and footprint != s.gpu_footprint_bytes:
         problems.append(f"summary.gpu_footprint_bytes is {footprint} but gpu_bytes + "
                         f"prefetch_buffer_bytes is {s.gpu_footprint_bytes}")
+    h2d = sum(l.h2d for l in plan.layers)
+    if h2d != s.predicted_h2d_bytes_per_step:
+        problems.append(f"summary.predicted_h2d_bytes_per_step is {s.predicted_h2d_bytes_per_step} but "
+                        f"the layers add up to {h2d}")
+    if plan.cost is not None and plan.cost.step_us != s.predicted_step_us:
+        problems.append(f"summary.predicted_step_us is {s.predicted_step_us} but the cost section "
+                        f"gives {plan.cost.step_us}")
     pool = plan.prefetch.pool_bytes if plan.prefetch else 0
     if pool != s.prefetch_buffer_bytes:
         problems.append(f"summary.prefetch_buffer_bytes is {s.prefetch_buffer_bytes} but the "

@@ -34,12 +34,20 @@ class Backend(Enum):
     AUTO = "auto"
     UVA = "uva"
     PREFETCH = "prefetch"
+    MIXED = "mixed"
 
 
 @dataclass(frozen=True)
 class Rule:
     patterns: tuple[Pattern, ...]
-    place: Placement
+    place: Placement | None  # None: the rule only sets a role
+    role: str | None = None  # "expert" | "embedding" | "dense", for the cost model
+
+
+@dataclass(frozen=True)
+class Workload:
+    batch_size: int = 1
+    experts_per_token: int | None = None  # None: from the checkpoint's config.json
 
 
 @dataclass(frozen=True)
@@ -68,6 +76,8 @@ class Policy:
     uva: UvaPolicy = UvaPolicy()
     prefetch: PrefetchPolicy = PrefetchPolicy()
     rules: tuple[Rule, ...] = ()
+    hardware: Path | None = None  # a `plan calibrate` profile, resolved against the policy's directory
+    workload: Workload = Workload()
     warnings: tuple[str, ...] = field(default=(), compare=False)
     # "uva.params[1]" -> "policy.yaml:5:21", for every pattern and stacks entry
     locations: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
@@ -127,9 +137,16 @@ def load_policy(path: str | Path) -> Policy:
     for i, _ in enumerate(data.get("stacks", [])):
         locations[f"stacks[{i}]"] = doc.where(["stacks", i])
     rules = tuple(
-        Rule(patterns(["rules", i, "match"], r["match"]), Placement(r["place"]))
+        Rule(patterns(["rules", i, "match"], r["match"]), Placement(r["place"]) if "place" in r else None,
+             r.get("role"))
         for i, r in enumerate(data.get("rules", []))
     )
+    w = data.get("workload", {})
+    workload = Workload(int(w.get("batch_size", 1)),
+                        int(w["experts_per_token"]) if "experts_per_token" in w else None)
+    if "hardware" in data and not (path.parent / data["hardware"]).is_file():
+        problems.append(f"{doc.where(['hardware'])}: hardware: no such file {path.parent / data['hardware']} "
+                        "(write one with `plan calibrate -o FILE` on the GPU machine)")
     backend = Backend(data.get("backend", "auto"))
     warnings = []
     prefetch_on = backend is Backend.PREFETCH or (backend is Backend.AUTO and pre.group_size > 0)
@@ -151,6 +168,12 @@ def load_policy(path: str | Path) -> Policy:
         warnings.append(f"{doc.key_where([], 'prefetch')}: prefetch.* is set but backend auto only prefetches "
                         "when prefetch.group_size > 0; it is ignored (set group_size, or `backend: "
                         "prefetch` to let budget_gib choose the layers)")
+    if backend is Backend.MIXED and "budget_gib" not in data:
+        problems.append(f"{doc.key_where([], 'backend')}: backend: mixed needs budget_gib: it chooses "
+                        "placements to fit a GPU budget")
+    if backend is Backend.MIXED and (uva_set or pre.group_size > 0 or pre.params):
+        warnings.append(f"{doc.key_where([], 'backend')}: backend mixed decides placements itself; "
+                        "uva.* and prefetch.group_size/num_in_group/params are ignored (prefetch.step is used)")
     if backend is Backend.AUTO and uva_set and pre.group_size > 0:
         warnings.append(f"{doc.key_where([], 'uva')}: both uva.* and prefetch.group_size are set under "
                         "backend: auto; prefetch wins and uva.* is ignored")
@@ -168,6 +191,8 @@ def load_policy(path: str | Path) -> Policy:
         uva=uva,
         prefetch=pre,
         rules=rules,
+        hardware=(path.parent / data["hardware"]) if "hardware" in data else None,
+        workload=workload,
         warnings=tuple(warnings),
         locations=locations,
     )

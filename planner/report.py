@@ -32,10 +32,16 @@ def show_data(plan: Plan) -> dict:
         "backend": plan.backend,
         "tensors": plan.tensors,
         "layers": [{"name": l.name, "gpu": l.gpu, "uva": l.uva, "prefetch": l.prefetch,
-                    "slot": slot.get(l.name)} for l in plan.layers],
+                    "slot": slot.get(l.name), "h2d_bytes_per_step": l.h2d, "compute_us": l.us,
+                    "why": l.why} for l in plan.layers],
         "summary": {"gpu_bytes": s.gpu_bytes, "uva_bytes": s.uva_bytes, "prefetch_bytes": s.prefetch_bytes,
                     "prefetch_buffer_bytes": s.prefetch_buffer_bytes,
-                    "gpu_footprint_bytes": s.gpu_footprint_bytes, "budget_bytes": plan.budget_bytes},
+                    "gpu_footprint_bytes": s.gpu_footprint_bytes, "budget_bytes": plan.budget_bytes,
+                    "predicted_h2d_bytes_per_step": s.predicted_h2d_bytes_per_step,
+                    "predicted_step_us": s.predicted_step_us},
+        "cost": None if plan.cost is None else {
+            "hardware": plan.cost.hardware, "batch_size": plan.cost.batch_size,
+            "compute_us": plan.cost.compute_us, "link_us": plan.cost.link_us},
         "prefetch": None if plan.prefetch is None else {
             "step": plan.prefetch.step, "slots": plan.prefetch.slots, "slot_bytes": plan.prefetch.slot_bytes,
             "layers": len(plan.prefetch.schedule)},
@@ -45,13 +51,19 @@ def show_data(plan: Plan) -> dict:
 
 def show_text(plan: Plan) -> str:
     d = show_data(plan)
+    why = any(l["why"] for l in d["layers"])
     rows = [[l["name"], *(human(l[k]) if l[k] else "-" for k in KINDS),
-             "-" if l["slot"] is None else str(l["slot"])] for l in d["layers"]]
+             "-" if l["slot"] is None else str(l["slot"]),
+             human(l["h2d_bytes_per_step"]) if l["h2d_bytes_per_step"] else "-", f"{l['compute_us']}",
+             *([l["why"] or ""] if why else [])] for l in d["layers"]]
     s = plan.summary
-    rows.append(["total", human(s.gpu_bytes), human(s.uva_bytes), human(s.prefetch_bytes), ""])
+    rows.append(["total", human(s.gpu_bytes), human(s.uva_bytes), human(s.prefetch_bytes), "",
+                 human(s.predicted_h2d_bytes_per_step), str(plan.cost.compute_us if plan.cost else ""),
+                 *([""] if why else [])])
     out = [f"plan for {plan.checkpoint_path}: {plan.tensors} tensors, {human(plan.total_bytes)}, "
            f"backend {plan.backend}", "",
-           table(["layer", "gpu", "uva", "prefetch", "slot"], rows), ""]
+           table(["layer", "gpu", "uva", "prefetch", "slot", "h2d/step", "us/step", *(["why"] if why else [])],
+                 rows), ""]
     if plan.prefetch:
         p = plan.prefetch
         out.append(f"prefetch: {len(p.schedule)} layers, step {p.step}, {p.slots} slots x "
@@ -64,6 +76,12 @@ def show_text(plan: Plan) -> str:
     out.append(f"GPU footprint: {human(s.gpu_bytes)} resident + {human(s.prefetch_buffer_bytes)} "
                f"prefetch buffers = {human(s.gpu_footprint_bytes)} ({verdict})")
     out.append(f"host (pinned): {human(s.uva_bytes)} uva + {human(s.prefetch_bytes)} prefetch")
+    if plan.cost:
+        c = plan.cost
+        bound = "the host link" if c.link_us > c.compute_us else "compute"
+        out.append(f"predicted at batch {c.batch_size} on {c.hardware}: {human(s.predicted_h2d_bytes_per_step)} "
+                   f"over the link per step; step {c.step_us / 1e3:.2f} ms = max(compute {c.compute_us / 1e3:.2f} ms, "
+                   f"link {c.link_us / 1e3:.2f} ms), bound by {bound}")
     out += [f"note: {n}" for n in plan.notes]
     return "\n".join(out)
 

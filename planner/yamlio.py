@@ -138,3 +138,8 @@ def _message(err: jsonschema.ValidationError) -> str:
     if err.validator == "const":
         return f"must be {err.validator_value!r}, not {err.instance!r}"
     return err.message
+
+
+def quote(text: str) -> str:
+    """A YAML double-quoted scalar (JSON string syntax is valid YAML)."""
+    return json.dumps(text, ensure_ascii=False)

@@ -53,7 +53,7 @@ def test_plan_content(tmp_path, built):
     assert text.endswith("params:\n" + "".join(
         f"  {n}: {'prefetch' if n.startswith(('model.layers.1.', 'model.layers.3.')) else 'gpu'}\n"
         for n in names))
-    assert "  - {name: model.layers.1, gpu: 0, uva: 0, prefetch: 3145728}\n" in text
+    assert "  - {name: model.layers.1, gpu: 0, uva: 0, prefetch: 3145728, h2d: 3145728, us: 801}\n" in text
     assert "    - {layer: model.layers.1, slot: 0, after: model.layers.1}\n" in text
     assert "\n  gpu_footprint_bytes: 22020096\n" in text
 
@@ -116,8 +116,8 @@ def test_schema_violations_are_located(built):
     line = lambda s: bad[:bad.index(s)].count("\n") + 1  # noqa: E731
     assert e.problems == [
         f"p.plan.yaml:{line('extra')}:1: extra: unknown key (allowed: format_version, checkpoint, policy, "
-        "backend, budget_bytes, stacks, tied_embeddings, summary, notes, layers, prefetch, params)",
-        f"p.plan.yaml:{line('backend: gpu')}:10: backend: 'gpu' is not one of none, uva, prefetch",
+        "backend, budget_bytes, stacks, tied_embeddings, summary, cost, notes, layers, prefetch, params)",
+        f"p.plan.yaml:{line('backend: gpu')}:10: backend: 'gpu' is not one of none, uva, prefetch, mixed",
         f"p.plan.yaml:{line(': disk')}:40: params.model.layers.2.mlp.down_proj.weight: 'disk' is not one "
         "of gpu, uva, prefetch",
     ]

@@ -1,0 +1,134 @@
+"""The cost model: bytes over the host link and time per decode step, predicted from a placement.
+
+Roles say what fraction of a tensor one decode step (one new token per
+sequence, batch b) reads:
+- expert: a member of a fused expert group (see groups.py). Top-k routing over
+  E experts touches an expected 1 - (1 - k/E)^b of them per step;
+- embedding: a 2-D tensor of an embedding module: b of its V rows per step;
+- dense: everything else, read whole every step.
+Rules may override a role (`rules: [{match: [lm_head], role: dense}]`).
+
+Time per step:
+    compute = stack layers x layer_overhead + resident and prefetched bytes read / HBM
+              + uva bytes read / UVA
+    link    = uva bytes read / UVA + prefetched bytes / H2D copy
+    step    = max(compute, link)
+UVA reads sit inside the kernels that need them, so they add to compute;
+prefetch copies run on their own stream ahead of use, so they overlap it. Both
+cross the same PCIe link, so the link term adds them.
+
+Limits: decode only (prefill is not modelled); expert routing is assumed
+uniform (real routers are skewed, which touches fewer experts); the overlap of
+prefetch is assumed perfect, so a plan whose offloaded layers sit together
+(nothing to overlap with) is predicted optimistic.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from .checkpoint import TensorInfo
+from .graph import LayerGraph
+from .hardware import Hardware
+from .policy import Placement
+
+GPU, UVA, PREFETCH = Placement.GPU, Placement.UVA, Placement.PREFETCH
+ROLES = ("expert", "embedding", "dense")
+_TOP_K_KEYS = ("num_experts_per_tok", "moe_topk", "num_experts_per_token", "top_k", "moe_k")
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    name: str
+    h2d_bytes: int  # over the host link per step
+    compute_us: int
+    link_us: int
+
+
+@dataclass(frozen=True)
+class Prediction:
+    batch_size: int
+    h2d_bytes: int
+    compute_us: int
+    link_us: int
+    layers: tuple[LayerCost, ...]
+
+    @property
+    def step_us(self) -> int:
+        return max(self.compute_us, self.link_us)
+
+
+def read_top_k(checkpoint_root: Path) -> int | None:
+    """Experts per token from the checkpoint's config.json, when it has one."""
+    try:
+        config = json.loads((Path(checkpoint_root) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    for scope in (config, config.get("text_config") or {}):
+        for key in _TOP_K_KEYS:
+            if isinstance(scope.get(key), int) and scope[key] > 0:
+                return scope[key]
+    return None
+
+
+def expert_counts(groups: Mapping[str, list[str]]) -> dict[str, int]:
+    """Group -> number of distinct experts in it."""
+    return {g: len({m[len(g) + 1:].split(".", 1)[0] for m in members}) for g, members in groups.items()}
+
+
+class CostModel:
+    """Predicts a placement's per-step traffic and time; built once per plan, asked many times."""
+
+    def __init__(self, graph: LayerGraph, tensors: Mapping[str, TensorInfo], hw: Hardware, batch: int,
+                 groups: Mapping[str, list[str]], top_k: int | None, roles: Mapping[str, str] | None = None):
+        self.graph = graph
+        self.hw = hw
+        self.batch = batch
+        self.top_k = top_k
+        counts = expert_counts(groups)
+        group_of = {m: g for g, ms in groups.items() for m in ms}
+        embed = {n for l in graph.layers if l.kind == "embed" for n in l.params if len(tensors[n].shape) == 2}
+        self.role: dict[str, str] = {}
+        self.frac: dict[str, float] = {}
+        for layer in graph.layers:
+            for n in layer.params:
+                role = (roles or {}).get(n) or (
+                    "expert" if n in group_of else "embedding" if n in embed else "dense")
+                if role == "expert" and (top_k is None or n not in group_of):
+                    frac = 1.0  # unknown routing, or an override without a group: read it all
+                elif role == "expert":
+                    e = counts[group_of[n]]
+                    frac = 1 - (1 - min(top_k, e) / e) ** batch
+                elif role == "embedding":
+                    frac = min(1.0, batch / max(1, tensors[n].shape[0]))
+                else:
+                    frac = 1.0
+                self.role[n] = role
+                self.frac[n] = frac
+        self.size = {n: t.nbytes for n, t in tensors.items()}
+
+    def predict(self, place: Mapping[str, Placement]) -> Prediction:
+        hw = self.hw
+        hbm, uva, h2d = hw.hbm_read_gbps * 1e3, hw.uva_read_gbps * 1e3, hw.h2d_copy_gbps * 1e3  # bytes/us
+        layers = []
+        total = [0, 0.0, 0.0]
+        for layer in self.graph.layers:
+            read_hbm = read_uva = copied = 0.0
+            for n in layer.params:
+                p, b = place[n], self.size[n] * self.frac[n]
+                if p is UVA:
+                    read_uva += b
+                else:
+                    read_hbm += b
+                    if p is PREFETCH:
+                        copied += self.size[n]
+            compute = read_hbm / hbm + read_uva / uva + (hw.layer_overhead_us if layer.kind == "layer" else 0)
+            link = read_uva / uva + copied / h2d
+            h2d_bytes = int(read_uva + copied)
+            layers.append(LayerCost(layer.name, h2d_bytes, round(compute), round(link)))
+            total[0] += h2d_bytes
+            total[1] += compute
+            total[2] += link
+        return Prediction(self.batch, total[0], round(total[1]), round(total[2]), tuple(layers))

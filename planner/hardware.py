@@ -1,0 +1,52 @@
+"""Hardware profiles: the bandwidths and overheads the cost model predicts with.
+
+`plan calibrate` measures them on a GPU and writes a profile YAML; a policy
+names one with `hardware: h100.yaml`. Without one, the H100 figures below are
+used: the copy and UVA bandwidths measured on this project's H100 (PCIe Gen5)
+machine, the HBM and per-layer figures from `plan calibrate` on the same machine.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import yamlio
+from .errors import PolicyError
+
+
+@dataclass(frozen=True)
+class Hardware:
+    name: str
+    h2d_copy_gbps: float  # pinned host -> GPU copies (prefetch)
+    uva_read_gbps: float  # kernels reading pinned host memory in place (uva)
+    hbm_read_gbps: float  # kernels reading resident weights
+    layer_overhead_us: float  # launches and framework time per decoder layer per step
+    measured: str = ""
+
+
+H100 = Hardware(
+    name="NVIDIA H100 80GB HBM3 (PCIe Gen5 host link)",
+    h2d_copy_gbps=55.0,
+    uva_read_gbps=50.8,
+    hbm_read_gbps=2900.0,
+    layer_overhead_us=800.0,
+    measured="built-in defaults: H2D copy and UVA GEMV measured on the project's H100; "
+             "HBM and per-layer overhead are estimates until `plan calibrate` runs",
+)
+
+
+def load_hardware(path: str | Path) -> Hardware:
+    """Read and validate a profile written by `plan calibrate` (errors name file:line:column)."""
+    path = Path(path)
+    doc = yamlio.parse(path, yamlio.read(path, PolicyError, "hardware profile"), PolicyError)
+    yamlio.validate(doc, "hardware.schema.json", PolicyError, f"{path}: the hardware profile is invalid")
+    d = doc.data
+    return Hardware(d["name"], float(d["h2d_copy_gbps"]), float(d["uva_read_gbps"]),
+                    float(d["hbm_read_gbps"]), float(d["layer_overhead_us"]), d.get("measured", ""))
+
+
+def dumps_hardware(hw: Hardware) -> str:
+    return (f"# offplan hardware profile, written by `plan calibrate`\nformat_version: 1\n"
+            f"name: {yamlio.quote(hw.name)}\nh2d_copy_gbps: {hw.h2d_copy_gbps:.1f}\n"
+            f"uva_read_gbps: {hw.uva_read_gbps:.1f}\nhbm_read_gbps: {hw.hbm_read_gbps:.0f}\n"
+            f"layer_overhead_us: {hw.layer_overhead_us:.1f}\nmeasured: {yamlio.quote(hw.measured)}\n")

@@ -1,0 +1,142 @@
+"""The cost model and the mixed backend, on plain data with round-number hardware."""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from headeronly import GPU, PREFETCH, UVA, infos, policy
+from planner.cost import CostModel, read_top_k
+from planner.errors import PolicyError
+from planner.graph import build_graph
+from planner.groups import fused_groups
+from planner.hardware import Hardware, dumps_hardware, load_hardware
+from planner.placement import decide
+from planner.policy import Rule, Workload, load_policy
+from planner.patterns import compile_pattern
+
+# 1 MB/us copy, 0.5 MB/us UVA, 10 MB/us HBM, 100 us per layer: easy arithmetic.
+HW = Hardware("test", h2d_copy_gbps=1.0, uva_read_gbps=0.5, hbm_read_gbps=10.0, layer_overhead_us=100.0)
+
+
+def moe(layers=4, experts=8) -> list:
+    """Per layer: a dense 1 MB attention tensor and `experts` experts of 3 x 1 MB; embedding 1000 x 500 BF16."""
+    out = [("model.embed_tokens.weight", "BF16", (1000, 500))]  # 1 MB
+    for i in range(layers):
+        out.append((f"model.layers.{i}.self_attn.o_proj.weight", "U8", (10**6,)))
+        for e in range(experts):
+            for proj in ("down_proj", "gate_proj", "up_proj"):
+                out.append((f"model.layers.{i}.mlp.experts.{e}.{proj}.weight", "U8", (10**6,)))
+    out.append(("lm_head.weight", "U8", (10**6,)))
+    return out
+
+
+def model_for(tensors, batch=1, top_k=2, roles=None):
+    t = infos(tensors)
+    g = build_graph(t)
+    groups = fused_groups(n for l in g.stack_layers() for n in l.params)
+    return CostModel(g, t, HW, batch, groups, top_k, roles), g, t
+
+
+@pytest.mark.parametrize("batch, expert", [(1, 0.25), (2, 1 - 0.75 ** 2), (8, 1 - 0.75 ** 8)])
+def test_touched_fractions(batch, expert):
+    m, _, _ = model_for(moe(), batch=batch)
+    assert m.frac["model.layers.0.mlp.experts.3.up_proj.weight"] == pytest.approx(expert)
+    assert m.frac["model.embed_tokens.weight"] == pytest.approx(batch / 1000)
+    assert m.frac["model.layers.0.self_attn.o_proj.weight"] == 1.0
+    assert m.role["model.layers.0.mlp.experts.3.up_proj.weight"] == "expert"
+    assert m.role["model.embed_tokens.weight"] == "embedding"
+
+
+def test_unknown_top_k_reads_every_expert_and_rules_override_roles():
+    m, _, _ = model_for(moe(), top_k=None, roles={"lm_head.weight": "embedding"})
+    assert m.frac["model.layers.0.mlp.experts.3.up_proj.weight"] == 1.0
+    assert m.frac["lm_head.weight"] == 1e-6  # as an embedding: 1 of its 10^6 rows per step
+
+
+def test_prediction_arithmetic():
+    m, g, t = model_for(moe(layers=2, experts=4), batch=1, top_k=1)  # experts: 1/4 touched
+    place = {n: GPU for n in t}
+    for e in range(4):
+        for proj in ("down_proj", "gate_proj", "up_proj"):
+            place[f"model.layers.0.mlp.experts.{e}.{proj}.weight"] = UVA       # 12 MB, 3 MB touched
+    place["model.layers.1.self_attn.o_proj.weight"] = PREFETCH                 # 1 MB copied
+    p = m.predict(place)
+    layers = {l.name: l for l in p.layers}
+    # layer 0: 100 us + 1 MB HBM (0.1 ms) + 3 MB UVA at 0.5 MB/us (6 ms); link 6 ms
+    assert (layers["model.layers.0"].compute_us, layers["model.layers.0"].link_us) == (6200, 6000)
+    assert layers["model.layers.0"].h2d_bytes == 3 * 10**6
+    # layer 1: 100 us + (1 MB slot + 3 MB touched experts) from HBM; link: 1 MB copy = 1000 us
+    assert (layers["model.layers.1"].compute_us, layers["model.layers.1"].link_us) == (500, 1000)
+    assert p.h2d_bytes == 4 * 10**6
+    assert p.step_us == max(p.compute_us, p.link_us) == 7000  # link: 6000 + 1000
+
+
+def mixed(tensors, budget_mb, batch=1, step=2, top_k=2, rules=()):
+    pol = dataclasses.replace(policy("mixed", budget_gib=budget_mb * 10**6 / 2**30, step=step, rules=rules),
+                              workload=Workload(batch))
+    t = infos(tensors)
+    return decide(build_graph(t), t, pol, HW, top_k)
+
+
+def test_mixed_puts_sparse_experts_on_uva_at_batch_1():
+    d = mixed(moe(), budget_mb=60)  # 103 MB in all: 43 MB to shed; experts are 24 MB a layer
+    uva = {n for n, p in d.params.items() if p is UVA}
+    assert uva == {n for n in d.params if ".experts." in n and n.startswith(("model.layers.0.", "model.layers.1."))} \
+        | {"model.embed_tokens.weight"}
+    assert PREFETCH not in d.params.values()
+    assert d.notes[1].startswith("mixed chose 'sparse->uva, dense->prefetch'")
+    why = {l.name: l.why for l in d.layers}
+    assert why["model.layers.0"] == "expert -> uva (25.0% read per step)"
+    assert why["model.layers.3"] is None
+
+
+def test_mixed_streams_dense_layers_when_experts_are_read_whole():
+    # At batch 64 nearly every expert is touched: copying whole layers ahead (overlapped) beats
+    # reading them through UVA inside the kernels.
+    d = mixed(moe(), budget_mb=60, batch=64)
+    assert UVA not in {p for n, p in d.params.items() if ".experts." in n}
+    assert PREFETCH in d.params.values()
+    assert "mixed chose 'prefetch only'" in d.notes[1]
+
+
+def test_mixed_respects_rules_and_budget_check():
+    rules = [(["lm_head"], "uva")]
+    d = mixed(moe(), budget_mb=60, rules=rules)
+    assert d.params["lm_head.weight"] is UVA
+    from planner.errors import BudgetError
+    with pytest.raises(BudgetError, match="the plan needs 976.6 KiB of GPU memory"):
+        mixed(moe(), budget_mb=0.5)  # lm_head (1 MB) stays on the GPU unless a rule moves it
+
+
+def test_rule_roles_feed_the_model():
+    pol = dataclasses.replace(policy("mixed", budget_gib=60e6 / 2**30),
+                              rules=(Rule((compile_pattern("self_attn"),), None, "expert"),))
+    t = infos(moe())
+    d = decide(build_graph(t), t, pol, HW, 2)
+    # as "experts" outside a group the attention tensors are read whole: no change in prediction
+    assert d.cost.step_us > 0
+
+
+def test_policy_mixed_needs_a_budget_and_reads_workload(tmp_path):
+    (tmp_path / "a.policy.yaml").write_text("format_version: 1\ncheckpoint: c\nbackend: mixed\n")
+    with pytest.raises(PolicyError, match="backend: mixed needs budget_gib"):
+        load_policy(tmp_path / "a.policy.yaml")
+    (tmp_path / "b.policy.yaml").write_text(
+        "format_version: 1\ncheckpoint: c\nbackend: mixed\nbudget_gib: 1\nworkload: {batch_size: 8, "
+        "experts_per_token: 4}\nhardware: h.yaml\n")
+    with pytest.raises(PolicyError, match="hardware: no such file .*plan calibrate -o FILE"):
+        load_policy(tmp_path / "b.policy.yaml")
+    (tmp_path / "h.yaml").write_text(dumps_hardware(HW))
+    pol = load_policy(tmp_path / "b.policy.yaml")
+    assert pol.workload == Workload(8, 4)
+    assert load_hardware(pol.hardware) == HW
+
+
+def test_read_top_k(tmp_path):
+    assert read_top_k(tmp_path) is None
+    (tmp_path / "config.json").write_text(json.dumps({"num_experts_per_tok": 8}))
+    assert read_top_k(tmp_path) == 8
+    (tmp_path / "config.json").write_text(json.dumps({"text_config": {"moe_topk": 6}}))
+    assert read_top_k(tmp_path) == 6
