@@ -60,6 +60,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("file", metavar="FILE")
     p = cmd("check", "is the plan stale? exit 0 if current, 2 if its checkpoint or policy changed")
     p.add_argument("plan", metavar="PLAN")
+    p = cmd("calibrate", "measure this GPU's copy, UVA and HBM bandwidths and per-layer overhead")
+    p.add_argument("-o", "--output", metavar="PROFILE", default="hardware.yaml",
+                   help="where to write the hardware profile (default: hardware.yaml); name it in a "
+                        "policy as `hardware: PROFILE`")
     p = cmd("apply", "load the plan's checkpoint with transformers, per the plan, and generate")
     p.add_argument("plan", metavar="PLAN")
     p.add_argument("--prompt", default="The capital of France is", help="prompt for a greedy generation")
@@ -174,7 +178,22 @@ def _apply(args) -> int:
     return apply_command(args)
 
 
+def _calibrate(args) -> int:
+    try:
+        from runtime.calibrate import calibrate
+    except ImportError as e:
+        raise OffplanError(f"plan calibrate needs the runtime's dependencies ({e.name}); "
+                           "install them: pip install 'offplan[runtime]'") from None
+    from .hardware import dumps_hardware
+    hw = calibrate()
+    write_atomic(Path(args.output), dumps_hardware(hw))
+    _emit(args, {"profile": args.output, **hw.__dict__},
+          f"wrote {args.output}: {hw.name}: H2D copy {hw.h2d_copy_gbps} GB/s, UVA read {hw.uva_read_gbps} GB/s, "
+          f"HBM read {hw.hbm_read_gbps} GB/s, {hw.layer_overhead_us} us per layer")
+    return 0
+
+
 _COMMANDS = {"build": _build, "show": _show, "diff": _diff, "validate": _validate,
-             "check": _check, "apply": _apply}
+             "check": _check, "calibrate": _calibrate, "apply": _apply}
 
 

@@ -18,7 +18,6 @@ On any failure everything allocated so far is released before re-raising.
 """
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import torch

@@ -1,0 +1,100 @@
+"""`plan calibrate`: measure what the cost model needs on this machine, write a hardware profile.
+
+- H2D copy: a 1 GiB pinned host tensor copied to the GPU (what prefetch does);
+- UVA read: a bf16 GEMV whose [8192, 65536] weight (1 GiB) lives in pinned host
+  memory, read through the runtime's zero-copy view (what uva does);
+- HBM read: the same GEMV with the weight in GPU memory;
+- per-layer overhead: a decode step of a one-layer-wide transformers Llama at
+  batch 1, with tiny tensors so that bytes cost nothing: what launching one
+  decoder layer's kernels costs through the framework, eagerly.
+Each figure is the median of repeated runs timed with CUDA events.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from planner.hardware import Hardware
+
+from .arena import PinnedArena, typed
+
+
+def _median_ms(fn, repeat: int = 10, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeat):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def h2d_copy_gbps(nbytes: int = 2**30) -> float:
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    src.random_()
+    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    ms = _median_ms(lambda: dst.copy_(src, non_blocking=True))
+    return nbytes / ms / 1e6
+
+
+def gemv_gbps(where: str, rows: int = 8192, cols: int = 65536) -> float:
+    """GB/s of a bf16 GEMV reading its weight from `where` ("uva" or "hbm")."""
+    nbytes = rows * cols * 2
+    x = torch.randn(1, cols, dtype=torch.bfloat16, device="cuda")
+    arena = None
+    if where == "uva":
+        arena = PinnedArena(nbytes, cuda=True)
+        typed(arena.host(0, nbytes), torch.bfloat16, (rows, cols)).normal_()
+        w = typed(arena.device(0, nbytes), torch.bfloat16, (rows, cols))
+    else:
+        w = torch.randn(rows, cols, dtype=torch.bfloat16, device="cuda")
+    try:
+        ms = _median_ms(lambda: torch.nn.functional.linear(x, w))
+    finally:
+        del w
+        if arena is not None:
+            arena.release()
+    return nbytes / ms / 1e6
+
+
+def layer_overhead_us(layers: int = 8, steps: int = 20) -> float:
+    """Eager decode time per layer of a transformers Llama with tiny tensors, batch 1."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    model = LlamaForCausalLM(config).to("cuda", torch.bfloat16).eval()
+    ids = torch.ones(1, 4, dtype=torch.long, device="cuda")
+
+    def run(n_new: int) -> float:
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        with torch.no_grad():
+            model.generate(ids, max_new_tokens=n_new, min_new_tokens=n_new, do_sample=False)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t
+
+    run(4)
+    # The difference between two lengths removes prefill and generate's fixed cost.
+    per_step = (statistics.median(run(steps * 2) for _ in range(3)) -
+                statistics.median(run(steps) for _ in range(3))) / steps
+    return per_step / layers * 1e6
+
+
+def calibrate() -> Hardware:
+    if not torch.cuda.is_available():
+        from planner.errors import OffplanError
+        raise OffplanError("plan calibrate measures a GPU: no CUDA device here")
+    name = torch.cuda.get_device_name()
+    h2d = h2d_copy_gbps()
+    uva = gemv_gbps("uva")
+    hbm = gemv_gbps("hbm")
+    overhead = layer_overhead_us()
+    return Hardware(name, round(h2d, 1), round(uva, 1), round(hbm), round(overhead, 1),
+                    f"plan calibrate, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}")
