@@ -52,9 +52,9 @@ from planner.checkpoint import open_checkpoint  # noqa: E402
 from planner.cost import CostModel, read_top_k  # noqa: E402
 from planner.graph import build_graph  # noqa: E402
 from planner.groups import fused_groups  # noqa: E402
-from planner.hardware import H100, Hardware, dumps_hardware, load_hardware  # noqa: E402
+from planner.hardware import H100, Hardware, dumps_hardware  # noqa: E402
 from planner.plan import dumps, load_plan, write_atomic  # noqa: E402
-from planner.policy import GIB, Placement, load_policy  # noqa: E402
+from planner.policy import GIB, load_policy  # noqa: E402
 
 FRACTIONS = {0.25: (4, 1), 0.5: (2, 1), 0.75: (4, 3)}
 PROMPT_LEN = 16

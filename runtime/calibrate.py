@@ -54,12 +54,10 @@ def gemv_gbps(where: str, rows: int = 8192, cols: int = 65536) -> float:
         w = typed(arena.device(0, nbytes), torch.bfloat16, (rows, cols))
     else:
         w = torch.randn(rows, cols, dtype=torch.bfloat16, device="cuda")
-    try:
-        ms = _median_ms(lambda: torch.nn.functional.linear(x, w))
-    finally:
-        del w
-        if arena is not None:
-            arena.release()
+    ms = _median_ms(lambda: torch.nn.functional.linear(x, w))
+    w = None  # the view must go before the arena is unregistered
+    if arena is not None:
+        arena.release()
     return nbytes / ms / 1e6
 
 
