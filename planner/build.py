@@ -76,7 +76,7 @@ def _build(policy: Policy, plan_dir: Path, checkpoint: Checkpoint | None) -> Pla
         prefetch=d.prefetch,
         params=d.params,
         notes=d.notes,
-        cost=Cost(hardware.name, d.cost.batch_size, d.cost.compute_us, d.cost.link_us),
+        cost=Cost(hardware.name, d.cost.batch_size, d.cost.cpu_us, d.cost.gpu_us, d.cost.link_us),
     )
 
 

@@ -8,14 +8,15 @@ sequence, batch b) reads:
 - dense: everything else, read whole every step.
 Rules may override a role (`rules: [{match: [lm_head], role: dense}]`).
 
-Time per step:
-    compute = stack layers x layer_overhead + resident and prefetched bytes read / HBM
-              + uva bytes read / UVA
-    link    = uva bytes read / UVA + prefetched bytes / H2D copy
-    step    = max(compute, link)
-UVA reads sit inside the kernels that need them, so they add to compute;
-prefetch copies run on their own stream ahead of use, so they overlap it. Both
-cross the same PCIe link, so the link term adds them.
+Time per step: three resources work at once, and the slowest sets the pace.
+    cpu  = step overhead + stack layers x layer overhead   (launching kernels, eagerly)
+    gpu  = resident and prefetched bytes read / HBM + uva bytes read / UVA
+    link = uva bytes read / UVA + prefetched bytes / H2D copy
+    step = max(cpu, gpu, link)
+The CPU runs ahead of the GPU, so launch overhead overlaps kernels. UVA reads
+sit inside the kernels that need them, so they count as GPU time; prefetch
+copies run on their own stream ahead of use, so they do not. Both cross the
+same PCIe link, so the link term adds them.
 
 Limits: decode only (prefill is not modelled); expert routing is assumed
 uniform (real routers are skewed, which touches fewer experts); the overlap of
@@ -43,7 +44,7 @@ _TOP_K_KEYS = ("num_experts_per_tok", "moe_topk", "num_experts_per_token", "top_
 class LayerCost:
     name: str
     h2d_bytes: int  # over the host link per step
-    compute_us: int
+    gpu_us: int  # HBM and UVA reads
     link_us: int
 
 
@@ -51,13 +52,14 @@ class LayerCost:
 class Prediction:
     batch_size: int
     h2d_bytes: int
-    compute_us: int
+    cpu_us: int
+    gpu_us: int
     link_us: int
     layers: tuple[LayerCost, ...]
 
     @property
     def step_us(self) -> int:
-        return max(self.compute_us, self.link_us)
+        return max(self.cpu_us, self.gpu_us, self.link_us)
 
 
 def read_top_k(checkpoint_root: Path) -> int | None:
@@ -114,6 +116,7 @@ class CostModel:
         hbm, uva, h2d = hw.hbm_read_gbps * 1e3, hw.uva_read_gbps * 1e3, hw.h2d_copy_gbps * 1e3  # bytes/us
         layers = []
         total = [0, 0.0, 0.0]
+        cpu = hw.step_overhead_us
         for layer in self.graph.layers:
             read_hbm = read_uva = copied = 0.0
             for n in layer.params:
@@ -124,11 +127,12 @@ class CostModel:
                     read_hbm += b
                     if p is PREFETCH:
                         copied += self.size[n]
-            compute = read_hbm / hbm + read_uva / uva + (hw.layer_overhead_us if layer.kind == "layer" else 0)
+            gpu = read_hbm / hbm + read_uva / uva
             link = read_uva / uva + copied / h2d
+            cpu += hw.layer_overhead_us if layer.kind == "layer" else 0
             h2d_bytes = int(read_uva + copied)
-            layers.append(LayerCost(layer.name, h2d_bytes, round(compute), round(link)))
+            layers.append(LayerCost(layer.name, h2d_bytes, round(gpu), round(link)))
             total[0] += h2d_bytes
-            total[1] += compute
+            total[1] += gpu
             total[2] += link
-        return Prediction(self.batch, total[0], round(total[1]), round(total[2]), tuple(layers))
+        return Prediction(self.batch, total[0], round(cpu), round(total[1]), round(total[2]), tuple(layers))

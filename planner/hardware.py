@@ -20,7 +20,8 @@ class Hardware:
     h2d_copy_gbps: float  # pinned host -> GPU copies (prefetch)
     uva_read_gbps: float  # kernels reading pinned host memory in place (uva)
     hbm_read_gbps: float  # kernels reading resident weights
-    layer_overhead_us: float  # launches and framework time per decoder layer per step
+    layer_overhead_us: float  # CPU time (launches, framework) per decoder layer per step
+    step_overhead_us: float = 0.0  # CPU time per step outside the layers (sampling, cache bookkeeping)
     measured: str = ""
 
 
@@ -30,8 +31,9 @@ H100 = Hardware(
     uva_read_gbps=50.8,
     hbm_read_gbps=2900.0,
     layer_overhead_us=800.0,
+    step_overhead_us=0.0,
     measured="built-in defaults: H2D copy and UVA GEMV measured on the project's H100; "
-             "HBM and per-layer overhead are estimates until `plan calibrate` runs",
+             "HBM and CPU overheads are estimates until `plan calibrate` runs",
 )
 
 
@@ -42,11 +44,13 @@ def load_hardware(path: str | Path) -> Hardware:
     yamlio.validate(doc, "hardware.schema.json", PolicyError, f"{path}: the hardware profile is invalid")
     d = doc.data
     return Hardware(d["name"], float(d["h2d_copy_gbps"]), float(d["uva_read_gbps"]),
-                    float(d["hbm_read_gbps"]), float(d["layer_overhead_us"]), d.get("measured", ""))
+                    float(d["hbm_read_gbps"]), float(d["layer_overhead_us"]),
+                    float(d.get("step_overhead_us", 0.0)), d.get("measured", ""))
 
 
 def dumps_hardware(hw: Hardware) -> str:
     return (f"# offplan hardware profile, written by `plan calibrate`\nformat_version: 1\n"
             f"name: {yamlio.quote(hw.name)}\nh2d_copy_gbps: {hw.h2d_copy_gbps:.1f}\n"
             f"uva_read_gbps: {hw.uva_read_gbps:.1f}\nhbm_read_gbps: {hw.hbm_read_gbps:.0f}\n"
-            f"layer_overhead_us: {hw.layer_overhead_us:.1f}\nmeasured: {yamlio.quote(hw.measured)}\n")
+            f"layer_overhead_us: {hw.layer_overhead_us:.1f}\nstep_overhead_us: {hw.step_overhead_us:.1f}\n"
+            f"measured: {yamlio.quote(hw.measured)}\n")

@@ -159,7 +159,7 @@ def decide(graph: LayerGraph, tensors: Mapping[str, TensorInfo], policy: Policy,
         by = {GPU: 0, UVA: 0, PREFETCH: 0}
         for n in l.params:
             by[place[n]] += size[n]
-        layers.append(LayerBytes(l.name, by[GPU], by[UVA], by[PREFETCH], c.h2d_bytes, c.compute_us,
+        layers.append(LayerBytes(l.name, by[GPU], by[UVA], by[PREFETCH], c.h2d_bytes, c.gpu_us,
                                  reasons.get(l.name)))
     return Decision(backend, place, schedule, tuple(layers), tuple(notes), prediction)
 

@@ -38,7 +38,7 @@ class LayerBytes:
     uva: int = 0
     prefetch: int = 0
     h2d: int = 0  # predicted bytes over the host link per decode step
-    us: int = 0  # predicted compute time per step (launch overhead, HBM and UVA reads)
+    us: int = 0  # predicted GPU time per step (HBM and UVA reads)
     why: str | None = None  # mixed plans: what the layer offloads and why
 
 
@@ -108,12 +108,13 @@ class Cost:
 
     hardware: str  # the profile's device name
     batch_size: int
-    compute_us: int  # per step: launch overhead + HBM reads + UVA reads
+    cpu_us: int  # per step: launching the kernels (overlaps the GPU)
+    gpu_us: int  # per step: HBM reads + UVA reads
     link_us: int  # per step: UVA reads + prefetch copies over the host link
 
     @property
     def step_us(self) -> int:
-        return max(self.compute_us, self.link_us)
+        return max(self.cpu_us, self.gpu_us, self.link_us)
 
 
 @dataclass(frozen=True)
@@ -198,7 +199,7 @@ def dumps(plan: Plan) -> str:
            f"  predicted_step_us: {s.predicted_step_us}\n"]
     c = plan.cost
     out.append("cost: null\n" if c is None else
-               f"cost: {_flow(hardware=c.hardware, batch_size=c.batch_size, compute_us=c.compute_us, link_us=c.link_us)}\n")
+               f"cost: {_flow(hardware=c.hardware, batch_size=c.batch_size, cpu_us=c.cpu_us, gpu_us=c.gpu_us, link_us=c.link_us)}\n")
     out.append("notes:" + (" []\n" if not plan.notes else "\n"))
     out += [f"  - {_s(n)}\n" for n in plan.notes]
     out.append("layers:\n")

@@ -32,7 +32,7 @@ def show_data(plan: Plan) -> dict:
         "backend": plan.backend,
         "tensors": plan.tensors,
         "layers": [{"name": l.name, "gpu": l.gpu, "uva": l.uva, "prefetch": l.prefetch,
-                    "slot": slot.get(l.name), "h2d_bytes_per_step": l.h2d, "compute_us": l.us,
+                    "slot": slot.get(l.name), "h2d_bytes_per_step": l.h2d, "gpu_us": l.us,
                     "why": l.why} for l in plan.layers],
         "summary": {"gpu_bytes": s.gpu_bytes, "uva_bytes": s.uva_bytes, "prefetch_bytes": s.prefetch_bytes,
                     "prefetch_buffer_bytes": s.prefetch_buffer_bytes,
@@ -41,7 +41,7 @@ def show_data(plan: Plan) -> dict:
                     "predicted_step_us": s.predicted_step_us},
         "cost": None if plan.cost is None else {
             "hardware": plan.cost.hardware, "batch_size": plan.cost.batch_size,
-            "compute_us": plan.cost.compute_us, "link_us": plan.cost.link_us},
+            "cpu_us": plan.cost.cpu_us, "gpu_us": plan.cost.gpu_us, "link_us": plan.cost.link_us},
         "prefetch": None if plan.prefetch is None else {
             "step": plan.prefetch.step, "slots": plan.prefetch.slots, "slot_bytes": plan.prefetch.slot_bytes,
             "layers": len(plan.prefetch.schedule)},
@@ -54,15 +54,15 @@ def show_text(plan: Plan) -> str:
     why = any(l["why"] for l in d["layers"])
     rows = [[l["name"], *(human(l[k]) if l[k] else "-" for k in KINDS),
              "-" if l["slot"] is None else str(l["slot"]),
-             human(l["h2d_bytes_per_step"]) if l["h2d_bytes_per_step"] else "-", f"{l['compute_us']}",
+             human(l["h2d_bytes_per_step"]) if l["h2d_bytes_per_step"] else "-", f"{l['gpu_us']}",
              *([l["why"] or ""] if why else [])] for l in d["layers"]]
     s = plan.summary
     rows.append(["total", human(s.gpu_bytes), human(s.uva_bytes), human(s.prefetch_bytes), "",
-                 human(s.predicted_h2d_bytes_per_step), str(plan.cost.compute_us if plan.cost else ""),
+                 human(s.predicted_h2d_bytes_per_step), str(plan.cost.gpu_us if plan.cost else ""),
                  *([""] if why else [])])
     out = [f"plan for {plan.checkpoint_path}: {plan.tensors} tensors, {human(plan.total_bytes)}, "
            f"backend {plan.backend}", "",
-           table(["layer", "gpu", "uva", "prefetch", "slot", "h2d/step", "us/step", *(["why"] if why else [])],
+           table(["layer", "gpu", "uva", "prefetch", "slot", "h2d/step", "gpu us", *(["why"] if why else [])],
                  rows), ""]
     if plan.prefetch:
         p = plan.prefetch
@@ -78,10 +78,10 @@ def show_text(plan: Plan) -> str:
     out.append(f"host (pinned): {human(s.uva_bytes)} uva + {human(s.prefetch_bytes)} prefetch")
     if plan.cost:
         c = plan.cost
-        bound = "the host link" if c.link_us > c.compute_us else "compute"
+        bound = max((c.cpu_us, "kernel launches (CPU)"), (c.gpu_us, "GPU reads"), (c.link_us, "the host link"))[1]
         out.append(f"predicted at batch {c.batch_size} on {c.hardware}: {human(s.predicted_h2d_bytes_per_step)} "
-                   f"over the link per step; step {c.step_us / 1e3:.2f} ms = max(compute {c.compute_us / 1e3:.2f} ms, "
-                   f"link {c.link_us / 1e3:.2f} ms), bound by {bound}")
+                   f"over the link per step; step {c.step_us / 1e3:.2f} ms = max(cpu {c.cpu_us / 1e3:.2f}, "
+                   f"gpu {c.gpu_us / 1e3:.2f}, link {c.link_us / 1e3:.2f} ms), bound by {bound}")
     out += [f"note: {n}" for n in plan.notes]
     return "\n".join(out)
 

@@ -4,9 +4,10 @@
 - UVA read: a bf16 GEMV whose [8192, 65536] weight (1 GiB) lives in pinned host
   memory, read through the runtime's zero-copy view (what uva does);
 - HBM read: the same GEMV with the weight in GPU memory;
-- per-layer overhead: a decode step of a one-layer-wide transformers Llama at
-  batch 1, with tiny tensors so that bytes cost nothing: what launching one
-  decoder layer's kernels costs through the framework, eagerly.
+- CPU overheads: decode steps of transformers Llamas with tiny tensors (so
+  bytes cost nothing) and 2 and 10 layers, at batch 1: the slope is what
+  launching one decoder layer's kernels costs through the framework, eagerly;
+  the intercept is the per-step cost outside the layers.
 Each figure is the median of repeated runs timed with CUDA events.
 """
 from __future__ import annotations
@@ -61,8 +62,8 @@ def gemv_gbps(where: str, rows: int = 8192, cols: int = 65536) -> float:
     return nbytes / ms / 1e6
 
 
-def layer_overhead_us(layers: int = 8, steps: int = 20) -> float:
-    """Eager decode time per layer of a transformers Llama with tiny tensors, batch 1."""
+def step_time_us(layers: int, steps: int = 20) -> float:
+    """Eager decode step time of a transformers Llama with tiny tensors, batch 1."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
@@ -74,15 +75,21 @@ def layer_overhead_us(layers: int = 8, steps: int = 20) -> float:
         torch.cuda.synchronize()
         t = time.perf_counter()
         with torch.no_grad():
-            model.generate(ids, max_new_tokens=n_new, min_new_tokens=n_new, do_sample=False)
+            model.generate(ids, max_new_tokens=n_new, min_new_tokens=n_new, do_sample=False, pad_token_id=0)
         torch.cuda.synchronize()
         return time.perf_counter() - t
 
     run(4)
     # The difference between two lengths removes prefill and generate's fixed cost.
-    per_step = (statistics.median(run(steps * 2) for _ in range(3)) -
-                statistics.median(run(steps) for _ in range(3))) / steps
-    return per_step / layers * 1e6
+    return (statistics.median(run(steps * 2) for _ in range(3)) -
+            statistics.median(run(steps) for _ in range(3))) / steps * 1e6
+
+
+def overheads_us(few: int = 2, many: int = 10) -> tuple[float, float]:
+    """(per step, per layer) CPU overhead: a line through step times at two layer counts."""
+    t_few, t_many = step_time_us(few), step_time_us(many)
+    per_layer = max(0.0, (t_many - t_few) / (many - few))
+    return max(0.0, t_few - few * per_layer), per_layer
 
 
 def calibrate() -> Hardware:
@@ -93,6 +100,6 @@ def calibrate() -> Hardware:
     h2d = h2d_copy_gbps()
     uva = gemv_gbps("uva")
     hbm = gemv_gbps("hbm")
-    overhead = layer_overhead_us()
-    return Hardware(name, round(h2d, 1), round(uva, 1), round(hbm), round(overhead, 1),
+    per_step, per_layer = overheads_us()
+    return Hardware(name, round(h2d, 1), round(uva, 1), round(hbm), round(per_layer, 1), round(per_step, 1),
                     f"plan calibrate, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}")

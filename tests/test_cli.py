@@ -72,16 +72,16 @@ def test_show(work, capsys):
     assert (code, err) == (0, "")
     lines = out.splitlines()
     assert lines[0] == "plan for ckpt: 11 tensors, 21.0 MiB, backend prefetch"
-    assert lines[2].split() == ["layer", "gpu", "uva", "prefetch", "slot", "h2d/step", "us/step"]
+    assert lines[2].split() == ["layer", "gpu", "uva", "prefetch", "slot", "h2d/step", "gpu", "us"]
     assert lines[4].split() == ["model.embed_tokens", "4.0", "MiB", "-", "-", "-", "-", "1"]
-    # 3 MiB copied per step; compute: 800 us overhead + 3 MiB read from the slot at 2900 GB/s
-    assert lines[6].split() == ["model.layers.1", "-", "-", "3.0", "MiB", "0", "3.0", "MiB", "801"]
+    # 3 MiB copied per step; GPU: 3 MiB read from the slot at 2900 GB/s
+    assert lines[6].split() == ["model.layers.1", "-", "-", "3.0", "MiB", "0", "3.0", "MiB", "1"]
     assert "prefetch: 2 layers, step 1, 1 slots x 3.0 MiB = 3.0 MiB of GPU buffers" in lines
     assert "GPU footprint: 15.0 MiB resident + 3.0 MiB prefetch buffers = 18.0 MiB (no budget set)" in lines
     code, out, _ = run(capsys, "show", "prefetch.plan.yaml", "--json")
     data = json.loads(out)
     assert data["layers"][2] == {"name": "model.layers.1", "gpu": 0, "uva": 0, "prefetch": 3 * MiB, "slot": 0,
-                                 "h2d_bytes_per_step": 3 * MiB, "compute_us": 801, "why": None}
+                                 "h2d_bytes_per_step": 3 * MiB, "gpu_us": 1, "why": None}
     assert data["prefetch"] == {"step": 1, "slots": 1, "slot_bytes": 3 * MiB, "layers": 2}
 
 

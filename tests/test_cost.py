@@ -64,13 +64,15 @@ def test_prediction_arithmetic():
     place["model.layers.1.self_attn.o_proj.weight"] = PREFETCH                 # 1 MB copied
     p = m.predict(place)
     layers = {l.name: l for l in p.layers}
-    # layer 0: 100 us + 1 MB HBM (0.1 ms) + 3 MB UVA at 0.5 MB/us (6 ms); link 6 ms
-    assert (layers["model.layers.0"].compute_us, layers["model.layers.0"].link_us) == (6200, 6000)
+    # layer 0: 1 MB from HBM (100 us) + 3 MB touched through UVA at 0.5 MB/us (6000 us); link 6 ms
+    assert (layers["model.layers.0"].gpu_us, layers["model.layers.0"].link_us) == (6100, 6000)
     assert layers["model.layers.0"].h2d_bytes == 3 * 10**6
-    # layer 1: 100 us + (1 MB slot + 3 MB touched experts) from HBM; link: 1 MB copy = 1000 us
-    assert (layers["model.layers.1"].compute_us, layers["model.layers.1"].link_us) == (500, 1000)
+    # layer 1: (1 MB from its slot + 3 MB touched experts) from HBM; link: 1 MB copy = 1000 us
+    assert (layers["model.layers.1"].gpu_us, layers["model.layers.1"].link_us) == (400, 1000)
     assert p.h2d_bytes == 4 * 10**6
-    assert p.step_us == max(p.compute_us, p.link_us) == 7000  # link: 6000 + 1000
+    assert p.cpu_us == 200  # 2 layers x 100 us, overlapping the GPU
+    assert p.gpu_us == 6600  # + lm_head 100 us (+ 1 embedding row, rounds away)
+    assert p.step_us == max(p.cpu_us, p.gpu_us, p.link_us) == 7000  # the link: 6000 + 1000
 
 
 def mixed(tensors, budget_mb, batch=1, step=2, top_k=2, rules=()):

@@ -53,7 +53,7 @@ def test_plan_content(tmp_path, built):
     assert text.endswith("params:\n" + "".join(
         f"  {n}: {'prefetch' if n.startswith(('model.layers.1.', 'model.layers.3.')) else 'gpu'}\n"
         for n in names))
-    assert "  - {name: model.layers.1, gpu: 0, uva: 0, prefetch: 3145728, h2d: 3145728, us: 801}\n" in text
+    assert "  - {name: model.layers.1, gpu: 0, uva: 0, prefetch: 3145728, h2d: 3145728, us: 1}\n" in text
     assert "    - {layer: model.layers.1, slot: 0, after: model.layers.1}\n" in text
     assert "\n  gpu_footprint_bytes: 22020096\n" in text
 
