@@ -1,9 +1,10 @@
 """`plan calibrate`: measure what the cost model needs on this machine, write a hardware profile.
 
 - H2D copy: a 1 GiB pinned host tensor copied to the GPU (what prefetch does);
-- UVA read: a bf16 GEMV whose [8192, 65536] weight (1 GiB) lives in pinned host
-  memory, read through the runtime's zero-copy view (what uva does);
-- HBM read: the same GEMV with the weight in GPU memory;
+- UVA read: bf16 GEMVs over eight [14336, 4096] weights (an LLM's MLP shape,
+  0.9 GiB in all) in pinned host memory, read through the runtime's zero-copy
+  view, one after another as a model's layers would (what uva does);
+- HBM read: the same GEMVs with the weights in GPU memory;
 - CPU overheads: decode steps of transformers Llamas with tiny tensors (so
   bytes cost nothing) and 2 and 10 layers, at batch 1: the slope is what
   launching one decoder layer's kernels costs through the framework, eagerly;
@@ -44,22 +45,26 @@ def h2d_copy_gbps(nbytes: int = 2**30) -> float:
     return nbytes / ms / 1e6
 
 
-def gemv_gbps(where: str, rows: int = 8192, cols: int = 65536) -> float:
-    """GB/s of a bf16 GEMV reading its weight from `where` ("uva" or "hbm")."""
-    nbytes = rows * cols * 2
+def gemv_gbps(where: str, rows: int = 14336, cols: int = 4096, count: int = 8) -> float:
+    """GB/s of bf16 GEMVs reading `count` [rows, cols] weights from `where` ("uva" or "hbm")."""
+    one = rows * cols * 2
     x = torch.randn(1, cols, dtype=torch.bfloat16, device="cuda")
     arena = None
     if where == "uva":
-        arena = PinnedArena(nbytes, cuda=True)
-        typed(arena.host(0, nbytes), torch.bfloat16, (rows, cols)).normal_()
-        w = typed(arena.device(0, nbytes), torch.bfloat16, (rows, cols))
+        arena = PinnedArena(one * count, cuda=True)
+        arena.host(0, one * count).random_()
+        ws = [typed(arena.device(i * one, one), torch.bfloat16, (rows, cols)) for i in range(count)]
     else:
-        w = torch.randn(rows, cols, dtype=torch.bfloat16, device="cuda")
-    ms = _median_ms(lambda: torch.nn.functional.linear(x, w))
-    w = None  # the view must go before the arena is unregistered
+        ws = [torch.randn(rows, cols, dtype=torch.bfloat16, device="cuda") for _ in range(count)]
+
+    def run():
+        for w in ws:
+            torch.nn.functional.linear(x, w)
+    ms = _median_ms(run)
+    ws = None  # the views must go before the arena is unregistered
     if arena is not None:
         arena.release()
-    return nbytes / ms / 1e6
+    return one * count / ms / 1e6
 
 
 def step_time_us(layers: int, steps: int = 20) -> float:
