@@ -1,0 +1,181 @@
+"""Turn benchmarks/results/decode-*.jsonl into benchmarks/RESULTS.md and benchmarks/decode.png.
+
+    python benchmarks/report.py            # needs matplotlib for the plot
+
+Ratios are recomputed here from the raw records: the limit at batch b for a
+plan offloading B bytes is 1 / max(B / H2D floor of the same run, the best
+all-GPU step time at b measured for that model).
+"""
+from __future__ import annotations
+
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"
+STRATEGIES = ["accelerate", "uva", "prefetch", "mixed"]
+
+
+def load() -> dict[str, dict]:
+    models: dict[str, dict] = defaultdict(lambda: {"runs": [], "decode": [], "gpu": defaultdict(float)})
+    for path in sorted(RESULTS.glob("decode-*.jsonl")):
+        floor, model, info = None, None, {}
+        for line in path.read_text().splitlines():
+            r = json.loads(line)
+            if r["kind"] == "checkpoint":
+                model, info = r["model"], r
+            elif r["kind"] == "hardware":
+                floor = r["h2d_copy_gbps"]
+                models[model]["runs"].append({"file": path.name, "hardware": r, "checkpoint": info})
+            elif r["kind"] == "decode":
+                r["floor"] = floor
+                r["file"] = path.name
+                models[model]["decode"].append(r)
+                if r["strategy"] == "gpu":
+                    g = models[model]["gpu"]
+                    g[r["batch"]] = max(g[r["batch"]], r["steps_per_s"])
+    for m in models.values():
+        for r in m["decode"]:
+            best = m["gpu"].get(r["batch"])
+            r["limit"] = 1 / max(r["offloaded_bytes"] / (r["floor"] * 1e9), 1 / best if best else 0)
+            r["ratio"] = r["steps_per_s"] / r["limit"]
+    return models
+
+
+def pick(m, strategy, fraction, batch, name=None):
+    for r in m["decode"]:
+        if r["strategy"] == strategy and r["fraction"] == fraction and r["batch"] == batch and \
+                (name is None or r["name"] == name):
+            return r
+    return None
+
+
+def fmt(x, spec=".2f"):
+    return "-" if x is None else format(x, spec)
+
+
+def model_tables(name: str, m: dict) -> list[str]:
+    out = [f"## {name}", ""]
+    for run in m["runs"]:
+        hw, ck = run["hardware"], run["checkpoint"]
+        out.append(f"- `{run['file']}`: {ck.get('tensors')} tensors, {ck.get('bytes', 0) / 1e9:.1f} GB on "
+                   f"{hw['name']}, torch {ck.get('torch')}; calibrated in the same run: H2D copy "
+                   f"{hw['h2d_copy_gbps']} GB/s, UVA GEMV {hw['uva_read_gbps']} GB/s, HBM GEMV "
+                   f"{hw['hbm_read_gbps']} GB/s, CPU {hw['layer_overhead_us']} us/layer + "
+                   f"{hw.get('step_overhead_us', 0)} us/step")
+    batches = sorted(m["gpu"])
+    out += ["", "Decode steps per second (one new token per sequence per step), and the ratio to the limit:", "",
+            "| strategy | offloaded | " + " | ".join(f"b={b} steps/s (x limit)" for b in batches) + " |",
+            "|---|---|" + "---|" * len(batches)]
+    out.append("| all on GPU (best of the runs) | 0 | " + " | ".join(f"{m['gpu'][b]:.2f}" for b in batches) + " |")
+    fractions = sorted({r["fraction"] for r in m["decode"] if r["strategy"] != "gpu"}, key=str)
+    for f in fractions:
+        for s in STRATEGIES:
+            rows = [pick(m, s, f, b) for b in batches]
+            if not any(rows):
+                continue
+            label = "mixed, every expert off the GPU" if f == 1.0 else f"{s} {int(f * 100)}% of layers"
+            off = next(r for r in rows if r)["offloaded_bytes"] / 1e9
+            out.append(f"| {label} | {off:.2f} GB | " + " | ".join(
+                "-" if r is None else f"{r['steps_per_s']:.2f} ({r['ratio']:.2f})" for r in rows) + " |")
+    out += ["", "Predicted against measured step time (ms), batch 1 / 8 / 32:", "",
+            "| plan | " + " | ".join(f"b={b} predicted / measured (error)" for b in batches) + " |",
+            "|---|" + "---|" * len(batches)]
+    for f in fractions:
+        for s in ("uva", "prefetch", "mixed"):
+            rows = [pick(m, s, f, b) for b in batches]
+            if not any(rows):
+                continue
+            label = "mixed, every expert off" if f == 1.0 else f"{s} {int(f * 100)}%"
+            out.append(f"| {label} | " + " | ".join(
+                "-" if r is None else f"{r['predicted_step_ms']:.1f} / {r['measured_step_ms']:.1f} "
+                f"({(r['predicted_step_ms'] / r['measured_step_ms'] - 1) * 100:+.0f}%)" for r in rows) + " |")
+    out += ["", "Loading (checkpoint on local disk, page cache warm):", "",
+            "| plan | load GB/s | peak GPU during load | plan's GPU footprint | pinned host | pinned / offloaded |",
+            "|---|---|---|---|---|---|"]
+    seen = set()
+    for r in m["decode"]:
+        if r["name"] in seen or r["batch"] != batches[0]:
+            continue
+        seen.add(r["name"])
+        off = (r["uva_bytes"] or 0) + (r["prefetch_bytes"] or 0)
+        out.append(f"| {r['name']} | {fmt(r['load_gb_per_s'], '.1f')} | "
+                   f"{fmt(r['peak_gpu_bytes_during_load'] / 2**30 if r['peak_gpu_bytes_during_load'] else None)} GiB | "
+                   f"{fmt(r['gpu_footprint_bytes'] / 2**30 if r['gpu_footprint_bytes'] else None)} GiB | "
+                   f"{fmt(r['pinned_host_bytes'] / 2**30 if r['pinned_host_bytes'] is not None else None)} GiB | "
+                   f"{fmt(r['pinned_host_bytes'] / off if off and r['pinned_host_bytes'] else None, '.4f')} |")
+    same = all(r["same_tokens"] for r in m["decode"])
+    out += ["", f"Greedy tokens equal to all-GPU's in every run: **{'yes' if same else 'NO'}**.", ""]
+    return out
+
+
+def plot(models: dict, path: Path) -> bool:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot", file=sys.stderr)
+        return False
+    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.5), squeeze=False)
+    for ax, (name, m) in zip(axes[0], sorted(models.items())):
+        fractions = [0.25, 0.5, 0.75]
+        gpu = m["gpu"].get(1)
+        for s, style, color in zip(STRATEGIES, ["s:", "o-", "^-", "D-"], ["C0", "C1", "C2", "C3"]):
+            pts = [(f, pick(m, s, f, 1)) for f in fractions]
+            pts = [(f, r["steps_per_s"]) for f, r in pts if r]
+            if pts:
+                ax.plot([0] + [p[0] for p in pts], [gpu] + [p[1] for p in pts], style, color=color, label=s)
+        every = pick(m, "mixed", 1.0, 1)
+        if every:
+            ax.plot([1.0], [every["steps_per_s"]], "*", color="C3", markersize=14,
+                    label="mixed, every expert off the GPU")
+        limit = []
+        for f in fractions:
+            r = pick(m, "prefetch", f, 1)
+            if r:
+                limit.append((f, r["limit"]))
+        ax.plot([0] + [p[0] for p in limit], [gpu] + [p[1] for p in limit], "k--", label="limit (PCIe floor)")
+        ax.axhline(gpu, color="grey", lw=0.8, label="all on GPU")
+        ax.set_yscale("log")
+        ax.set_xlabel("fraction of decoder layers offloaded (1.0: every expert)" if every else
+                      "fraction of decoder layers offloaded")
+        ax.set_ylabel("decode tokens/s per sequence, batch 1")
+        ax.set_title(name)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return True
+
+
+def main() -> int:
+    models = load()
+    lines = ["# Decode benchmark results", "",
+             "Produced by `benchmarks/decode.py` on the project's H100 (PCIe Gen5) machine and summarised by "
+             "`python benchmarks/report.py` from the raw records in `benchmarks/results/`. Commands:", "",
+             "```sh",
+             "python benchmarks/decode.py --model llama-8b --strategies uva prefetch mixed",
+             "python benchmarks/decode.py --model llama-8b --strategies accelerate --batches 1",
+             "python benchmarks/decode.py --model qwen3-30b-a3b --layers 16 --strategies uva prefetch mixed "
+             "--experts-host",
+             "python benchmarks/report.py",
+             "```", "",
+             "Random bf16 weights in the real shapes, HF transformers eager decode (`generate`, greedy, 16-token "
+             "prompts, 32 new tokens after a warm-up; prefill excluded). The Qwen3-30B-A3B model keeps 16 of its 48 "
+             "layers so that its checkpoint fits the machine's 64 GB disk; every per-layer figure is the real one. "
+             "Limit = 1 / max(offloaded bytes / H2D floor measured in the same run, best all-GPU step). "
+             "A mixed plan may beat the limit computed from its offloaded bytes: UVA moves only the bytes a step "
+             "touches (embedding rows, routed experts).", ""]
+    for name, m in sorted(models.items()):
+        lines += model_tables(name, m)
+    if plot(models, HERE / "decode.png"):
+        lines += ["![decode tokens/s against the offloaded fraction](decode.png)", ""]
+    (HERE / "RESULTS.md").write_text("\n".join(lines) + "\n")
+    print(f"wrote {HERE / 'RESULTS.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
