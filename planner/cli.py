@@ -116,7 +116,15 @@ def _show(args) -> int:
 
 
 def _diff(args) -> int:
-    d = report.diff_data(load_plan(args.old), load_plan(args.new))
+    new = load_plan(args.new)
+    sizes = None
+    try:  # bytes per moved tensor need the checkpoint's headers; counts do without
+        ckpt = open_checkpoint(new.checkpoint_dir(args.new))
+        if ckpt.fingerprint == new.checkpoint_fingerprint:
+            sizes = {n: t.nbytes for n, t in ckpt.tensors.items()}
+    except OffplanError:
+        pass
+    d = report.diff_data(load_plan(args.old), new, sizes)
     _emit(args, d, report.diff_text(d))
     return 2 if args.detailed_exitcode and not d["same"] else 0
 
@@ -156,6 +164,16 @@ def _check(args) -> int:
             problems.append(f"the policy {policy_path} changed since the plan was built")
     else:
         problems.append(f"the policy {policy_path} named by the plan is gone")
+    if not problems:
+        # Inputs unchanged: the plan must be exactly what `plan build` makes of them.
+        fresh = build(load_policy(policy_path), plan_path.parent, ckpt)
+        if dumps(fresh) != plan_path.read_text():
+            moved = [n for n, p in fresh.params.items() if plan.params.get(n) is not p]
+            where = f" ({len(moved)} placements differ, e.g. {moved[0]}: the plan says " \
+                    f"{plan.params[moved[0]].value}, the policy gives {fresh.params[moved[0]].value})" \
+                if moved and moved[0] in plan.params else ""
+            problems.append("the plan is not what `plan build` makes of its policy and checkpoint "
+                            f"(edited by hand, or built with another hardware profile or offplan version){where}")
     data = {"plan": str(plan_path), "stale": bool(problems), "problems": problems}
     if problems:
         text = f"{plan_path}: STALE\n" + "\n".join(f"  - {p}" for p in problems) + \

@@ -86,7 +86,9 @@ def show_text(plan: Plan) -> str:
     return "\n".join(out)
 
 
-def diff_data(old: Plan, new: Plan) -> dict:
+def diff_data(old: Plan, new: Plan, sizes: dict[str, int] | None = None) -> dict:
+    """What moved where. With `sizes` (tensor bytes, from the checkpoint's headers) each move
+    also gets its bytes; without, the per-layer byte deltas still say how much moved."""
     moved: dict[str, dict[str, list[str]]] = {}
     for name, place in new.params.items():
         before = old.params.get(name)
@@ -107,7 +109,10 @@ def diff_data(old: Plan, new: Plan) -> dict:
                ("gpu_bytes", "uva_bytes", "prefetch_bytes", "prefetch_buffer_bytes", "gpu_footprint_bytes")}
     same = not moved and not added and not removed and not layers and not any(summary.values()) \
         and old.prefetch == new.prefetch
+    moved_bytes = None if sizes is None else {
+        k: sum(sizes.get(n, 0) for n in v["params"]) for k, v in sorted(moved.items())}
     return {"same": same, "moved": {k: v["params"] for k, v in sorted(moved.items())},
+            "moved_bytes": moved_bytes,
             "added": added, "removed": removed, "layers": layers, "summary": summary,
             "checkpoint_changed": old.checkpoint_fingerprint != new.checkpoint_fingerprint,
             "schedule_changed": old.prefetch != new.prefetch}
@@ -127,7 +132,8 @@ def diff_text(d: dict, limit: int = 10) -> str:
     if d["checkpoint_changed"]:
         out.append("the checkpoint fingerprint differs between the plans")
     for move, names in d["moved"].items():
-        out.append(f"{move}: {len(names)} tensors")
+        nbytes = f", {human(d['moved_bytes'][move])}" if d.get("moved_bytes") else ""
+        out.append(f"{move}: {len(names)} tensors{nbytes}")
         out += [f"  {n}" for n in names[:limit]]
         if len(names) > limit:
             out.append(f"  ... and {len(names) - limit} more")

@@ -102,7 +102,7 @@ def test_diff_and_detailed_exitcode(work, capsys):
     assert code == 2
     assert out.splitlines()[:4] == [
         "totals: gpu -3.0 MiB, uva -3.0 MiB, prefetch +6.0 MiB, prefetch_buffer +3.0 MiB",
-        "gpu->prefetch: 4 tensors", "  model.layers.1.mlp.down_proj.weight",
+        "gpu->prefetch: 4 tensors, 6.0 MiB", "  model.layers.1.mlp.down_proj.weight",
         "  model.layers.1.self_attn.o_proj.weight"]
     assert run(capsys, "diff", "uva.plan.yaml", "prefetch.plan.yaml")[0] == 0
     code, out, _ = run(capsys, "diff", "uva.plan.yaml", "prefetch.plan.yaml", "--json")
@@ -112,6 +112,7 @@ def test_diff_and_detailed_exitcode(work, capsys):
         "gpu->prefetch": [f"model.layers.{i}.{p}" for i in (1, 3) for p in ("mlp.down_proj.weight", "self_attn.o_proj.weight")],
         "uva->gpu": ["model.layers.0.mlp.down_proj.weight", "model.layers.0.self_attn.o_proj.weight"]}
     assert d["layers"][0] == {"name": "model.layers.0", "gpu": 3 * MiB, "uva": -3 * MiB, "prefetch": 0}
+    assert d["moved_bytes"] == {"gpu->prefetch": 6 * MiB, "uva->gpu": 3 * MiB}
     code, out, err = run(capsys, "diff", "uva.plan.yaml", "nope.plan.yaml", "--detailed-exitcode")
     assert_one_error(code, out, err, "nope.plan.yaml: no such plan file")
 
@@ -221,3 +222,17 @@ def test_a_checkpoint_error_lists_every_problem_in_one_message(work, capsys):
     assert_one_error(code, out, err, "the checkpoint is invalid (1 problems)\n  - model-00002-of-00002.safetensors: "
                      "header length")
     assert not (work / "uva.plan.yaml").exists()
+
+
+def test_check_catches_a_hand_edit(work, capsys):
+    run(capsys, "build", "uva.policy.yaml")
+    plan = work / "uva.plan.yaml"
+    text = plan.read_text()
+    # One placement flipped, the layer totals left as they were: the schema and the
+    # consistency checks cannot see it, but a rebuild can.
+    plan.write_text(text.replace("  model.layers.0.self_attn.o_proj.weight: uva",
+                                 "  model.layers.0.self_attn.o_proj.weight: gpu"))
+    code, out, err = run(capsys, "check", "uva.plan.yaml")
+    assert code == 2
+    assert "the plan is not what `plan build` makes of its policy and checkpoint" in err
+    assert "e.g. model.layers.0.self_attn.o_proj.weight: the plan says gpu, the policy gives uva" in err

@@ -127,3 +127,22 @@ def test_refuses_when_gpu_memory_is_short(tmp_path, checkpoints, monkeypatch):
         runtime.load(model, plan)
     assert torch.cuda.memory_allocated() == before
     assert all(not m._forward_pre_hooks for m in model.modules())
+
+
+def test_calibrate_writes_a_profile_the_planner_reads(tmp_path, capsys):
+    from planner.cli import main
+    from planner.hardware import load_hardware
+    out = tmp_path / "h100.yaml"
+    assert main(["calibrate", "-o", str(out)]) == 0
+    hw = load_hardware(out)
+    print(f"\n{capsys.readouterr().out}")
+    assert 5 < hw.h2d_copy_gbps < 200 and 1 < hw.uva_read_gbps < 200 and hw.hbm_read_gbps > 500
+    assert hw.layer_overhead_us > 0
+
+
+def test_bundled_example_applies_on_cuda(capsys):
+    from planner.cli import main
+    assert main(["apply", "plans/examples/tiny-moe.plan.yaml", "--max-new-tokens", "8"]) == 0
+    out = capsys.readouterr().out
+    print(f"\n{out}")
+    assert "on cuda" in out and "pinned host memory" in out
