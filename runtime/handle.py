@@ -335,9 +335,27 @@ class OffloadHandle:
         }
 
     def synchronize(self) -> None:
-        """Wait for prefetch copies in flight."""
+        """Wait for prefetch copies in flight. Call it before capturing a CUDA graph and after.
+
+        Example, a decode step in a CUDA graph (static KV cache, static input tensors):
+
+            handle.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                logits = model(static_ids, cache_position=static_pos, past_key_values=cache).logits
+                handle.join()      # the last layers' copies for the next step, joined into the capture
+            handle.synchronize()
+            for ...:               # fill static_ids / static_pos, then
+                graph.replay()
+        """
         if self.engine is not None:
             self.engine.synchronize()
+
+    def join(self) -> None:
+        """Make the current stream wait for prefetch copies in flight: at the end of a captured
+        forward, and after an eager forward that a graph replay follows."""
+        if self.engine is not None:
+            self.engine.join()
 
     def remove(self, restore: bool = True) -> None:
         """Remove hooks, streams, slots and pinned memory; the model is back to plain tensors.

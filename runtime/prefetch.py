@@ -12,6 +12,18 @@ previous user of the slot). The engine only carries it out:
 - at start, the first layer of each slot is copied, so the first forward finds
   it ready.
 
+The hooks call the two steps as custom ops (ops.py) threaded through the
+layer's activations, so torch.compile traces them without graph breaks and
+keeps them in order.
+
+CUDA graphs: `synchronize()` drains the copy stream and marks every copy
+already issued as complete, so a forward captured next waits only on copies
+recorded inside the capture (an event recorded outside a capture cannot be
+waited on inside it). `join()` makes the current stream wait for the copy
+stream: at the end of a captured forward it joins the copies the last layers
+start for the first ones; in eager use, call it after a forward that a graph
+replay follows.
+
 Each prefetched layer's pinned bytes are laid out in the order of its slot,
 so a copy is one `cudaMemcpyAsync` per contiguous run (one per layer when all
 layers have the same tensors).
@@ -31,6 +43,7 @@ import torch
 
 from planner.plan import PrefetchSchedule
 
+from . import ops
 from .arena import PinnedArena
 
 
@@ -58,9 +71,12 @@ class PrefetchEngine:
             self.starts.setdefault(t.after, []).append(t.layer)
         self.hooks = []
         self.copies = 0  # layer copies issued, for stats and tests
-        for name, layer in layers.items():
-            self.hooks.append(layer.module.register_forward_pre_hook(self._pre_hook(name)))
-            self.hooks.append(layer.module.register_forward_hook(self._post_hook(name)))
+        self.names = list(layers)  # the ops name layers by index
+        self._complete: set[str] = set()  # copies known finished: no wait needed (see synchronize)
+        self.key = ops.register(self)
+        for i, (name, layer) in enumerate(layers.items()):
+            self.hooks.append(layer.module.register_forward_pre_hook(self._pre_hook(i), with_kwargs=True))
+            self.hooks.append(layer.module.register_forward_hook(self._post_hook(i)))
         for t in schedule.schedule[: schedule.slots]:
             self._copy(t.layer)
 
@@ -71,22 +87,44 @@ class PrefetchEngine:
     def slot_view(self, layer: str, offset: int, nbytes: int) -> torch.Tensor:
         return self.slots[self.layers[layer].slot][offset:offset + nbytes]
 
-    def _pre_hook(self, name: str):
-        def hook(module, args):
-            if self.cuda:
-                torch.cuda.current_stream(self.device).wait_event(self.ready[name])
+    def _pre_hook(self, index: int):
+        def hook(module, args, kwargs):
+            if args and isinstance(args[0], torch.Tensor):
+                return (ops.prefetch_wait(args[0], self.key, index), *args[1:]), kwargs
+            if isinstance(kwargs.get("hidden_states"), torch.Tensor):
+                return args, {**kwargs, "hidden_states": ops.prefetch_wait(kwargs["hidden_states"], self.key, index)}
+            self.wait(index)  # no activation to thread through: correct eagerly, unordered if compiled
+            return None
         return hook
 
-    def _post_hook(self, name: str):
+    def _post_hook(self, index: int):
         def hook(module, args, output):
-            for target in self.starts.get(name, ()):
-                self._copy(target)
+            if not self.starts.get(self.names[index]):
+                return None
+            if isinstance(output, torch.Tensor):
+                return ops.prefetch_start(output, self.key, index)
+            if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
+                return (ops.prefetch_start(output[0], self.key, index), *output[1:])
+            self.start_after(index)
+            return None
         return hook
+
+    def wait(self, index: int) -> None:
+        """The current stream waits for layer `index`'s copy (the body of `offplan::prefetch_wait`)."""
+        name = self.names[index]
+        if self.cuda and name not in self._complete:
+            torch.cuda.current_stream(self.device).wait_event(self.ready[name])
+
+    def start_after(self, index: int) -> None:
+        """Start the copies layer `index` frees a slot for (the body of `offplan::prefetch_start`)."""
+        for target in self.starts.get(self.names[index], ()):
+            self._copy(target)
 
     def _copy(self, name: str) -> None:
         layer = self.layers[name]
         slot = self.slots[layer.slot]
         self.copies += 1
+        self._complete.discard(name)
         if not self.cuda:
             for a, s, n in layer.runs:
                 slot[s:s + n].copy_(self.arena.host(a, n))
@@ -100,9 +138,15 @@ class PrefetchEngine:
             self.ready[name].record(self.copy_stream)
 
     def synchronize(self) -> None:
-        """Wait for every copy in flight (for example before timing or capture)."""
+        """Wait for every copy in flight; later waits on them are skipped (before and after a capture)."""
         if self.cuda:
             self.copy_stream.synchronize()
+            self._complete = set(self.layers)
+
+    def join(self) -> None:
+        """Make the current stream wait for the copy stream (end of a captured forward)."""
+        if self.cuda:
+            torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
 
     def remove(self) -> None:
         for h in self.hooks:

@@ -1,0 +1,61 @@
+"""The prefetch engine's two operations as `torch.library` custom ops, for torch.compile and CUDA graphs.
+
+`offplan::prefetch_wait(x, engine, layer)`: make the current stream wait for
+`layer`'s copy, then return a copy of `x` (the layer's input activations).
+`offplan::prefetch_start(y, engine, layer)`: start the copies `layer`'s forward
+frees a slot for, then return a copy of `y` (its output activations).
+
+Why activations in and out: the layer's kernels read `wait`'s output, and the
+next layer reads `start`'s, so the compiler cannot run a layer before its
+weights arrived, nor start a copy before the previous user of the slot is done.
+The weights themselves stay out of the graph's data flow: they alias the slot
+buffers, and a graph that mutated them (or the slots) as inputs would have to
+copy them. The activation copies cost a few kilobytes per layer at decode.
+
+To torch.compile the ops are opaque (they are traced, not inlined), so Dynamo
+sees no stream or event objects: no graph breaks. The ops look their engine up
+by id in a weak registry, because custom ops take only tensors and scalars.
+"""
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+_ENGINES: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
+
+
+def register(engine) -> int:
+    """Make `engine` reachable from the ops; returns its id (the registry holds it weakly)."""
+    key = id(engine)
+    _ENGINES[key] = engine
+    return key
+
+
+def _engine(key: int):
+    engine = _ENGINES.get(key)
+    if engine is None:
+        raise RuntimeError("offplan: this model's offload handle was removed; load it again")
+    return engine
+
+
+@torch.library.custom_op("offplan::prefetch_wait", mutates_args=())
+def prefetch_wait(x: torch.Tensor, engine: int, layer: int) -> torch.Tensor:
+    _engine(engine).wait(layer)
+    return x.clone()
+
+
+@prefetch_wait.register_fake
+def _(x, engine, layer):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("offplan::prefetch_start", mutates_args=())
+def prefetch_start(y: torch.Tensor, engine: int, layer: int) -> torch.Tensor:
+    _engine(engine).start_after(layer)
+    return y.clone()
+
+
+@prefetch_start.register_fake
+def _(y, engine, layer):
+    return torch.empty_like(y)
