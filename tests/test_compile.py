@@ -32,7 +32,7 @@ def ids():
 
 
 @pytest.mark.parametrize("kind, policy", CASES)
-def test_no_graph_breaks_and_outputs_equal_eager(tmp_path, checkpoints, kind, policy, monkeypatch):
+def test_no_graph_breaks_and_outputs_equal_eager(tmp_path, checkpoints, kind, policy):
     plan = make_plan(tmp_path, checkpoints[kind], POLICIES[policy])
     model, handle = from_pretrained(plan, progress=False)
     try:
@@ -46,10 +46,10 @@ def test_no_graph_breaks_and_outputs_equal_eager(tmp_path, checkpoints, kind, po
             torch._dynamo.reset()
             # Inductor fuses differently from eager; with its precision emulation on, a compiled
             # model rounds like eager does, so any difference left would be offplan's.
-            monkeypatch.setattr(inductor_config, "emulate_precision_casts", True)
-            compiled = torch.compile(model)
-            for _ in range(2):  # the second pass runs the copies the first pass's last layers started
-                assert torch.equal(compiled(x).logits, eager)
+            with inductor_config.patch(emulate_precision_casts=True):
+                compiled = torch.compile(model)
+                for _ in range(2):  # the second pass runs the copies the first pass's last layers started
+                    assert torch.equal(compiled(x).logits, eager)
         s = handle.stats()
         assert s["uva_bytes"] + s["prefetch_bytes"] > 0
         assert (s["prefetch_copies"] > 0) == (s["prefetch_bytes"] > 0)

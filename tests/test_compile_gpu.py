@@ -31,7 +31,7 @@ def checkpoints(tmp_path_factory):
 
 @pytest.mark.parametrize("kind", ["llama", "moe"])
 @pytest.mark.parametrize("policy", ["prefetch", "uva", "mixed"])
-def test_compiled_equals_eager_on_cuda(tmp_path, checkpoints, kind, policy, monkeypatch):
+def test_compiled_equals_eager_on_cuda(tmp_path, checkpoints, kind, policy):
     plan = make_plan(tmp_path, checkpoints[kind], POLICIES[policy])
     model, handle = from_pretrained(plan, progress=False)
     torch.manual_seed(1)
@@ -42,10 +42,10 @@ def test_compiled_equals_eager_on_cuda(tmp_path, checkpoints, kind, policy, monk
             explained = torch._dynamo.explain(model)(x)
             assert explained.graph_break_count == 0, [b.reason for b in explained.break_reasons]
             torch._dynamo.reset()
-            monkeypatch.setattr(inductor_config, "emulate_precision_casts", True)
-            compiled = torch.compile(model)
-            for _ in range(3):
-                assert torch.equal(compiled(x).logits, eager)
+            with inductor_config.patch(emulate_precision_casts=True):
+                compiled = torch.compile(model)
+                for _ in range(3):
+                    assert torch.equal(compiled(x).logits, eager)
     finally:
         torch._dynamo.reset()
         handle.remove(restore=False)
