@@ -79,6 +79,11 @@ def test_cuda_graph_decode_step_replays_exactly(tmp_path, checkpoints, policy):
             static_logits = model(static_ids, past_key_values=graph_cache, cache_position=static_pos).logits
             handle.join()
         handle.synchronize()
+        # transformers' StaticCache advances its own position counter on every step: the warm-up
+        # moved it, so start the graph's cache over from the same prefill as the eager one.
+        graph_cache.reset()
+        model(prompt, past_key_values=graph_cache, cache_position=torch.arange(8, device="cuda"))
+        handle.join()
         copies = handle.stats()["prefetch_copies"]
         for step in range(100):
             token = torch.randint(0, 256, (1, 1), device="cuda")
