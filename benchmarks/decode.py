@@ -160,6 +160,57 @@ def decode(model, ids: torch.Tensor, batch: int, new: int, device) -> tuple[floa
     return new / max(tn - t1, 1e-9), out[:, PROMPT_LEN:].tolist()
 
 
+def decode_static(model, handle, ids: torch.Tensor, new: int, mode: str) -> tuple[float, list]:
+    """Batch-1 greedy decode with a static KV cache: `compiled` runs a torch.compile'd forward,
+    `graph` replays one captured decode step (CUDA graph). Returns (steps per second, tokens)."""
+    from transformers import StaticCache
+    prompt = ids[:1]
+    pos = torch.arange(PROMPT_LEN, device=prompt.device)
+    cache = StaticCache(config=model.config, max_cache_len=PROMPT_LEN + new + 8)
+    static_ids = torch.zeros(1, 1, dtype=torch.long, device=prompt.device)
+    static_pos = torch.tensor([PROMPT_LEN], device=prompt.device)
+    step = torch.compile(model) if mode == "compiled" else model
+    with torch.no_grad():
+        def prefill():
+            cache.reset()
+            out = model(prompt, past_key_values=cache, cache_position=pos).logits
+            handle.join()
+            return out[:, -1:].argmax(-1)
+        prefill()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):  # warm-up (and compilation)
+                step(static_ids, past_key_values=cache, cache_position=static_pos)
+                handle.join()
+        torch.cuda.current_stream().wait_stream(side)
+        if mode == "graph":
+            handle.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                static_logits = model(static_ids, past_key_values=cache, cache_position=static_pos).logits
+                handle.join()
+            handle.synchronize()
+        token = prefill()
+        tokens = [token]
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for i in range(new):
+            static_ids.copy_(token)
+            static_pos.fill_(PROMPT_LEN + i)
+            if mode == "graph":
+                graph.replay()
+                logits = static_logits
+            else:
+                logits = step(static_ids, past_key_values=cache, cache_position=static_pos).logits
+                handle.join()
+            token = logits[:, -1:].argmax(-1)
+            tokens.append(token)
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - t
+    return new / seconds, torch.cat(tokens, 1)[:, :new].tolist()
+
+
 def predicted_us(plan_path: Path, hw: Hardware, batch: int) -> int:
     plan = load_plan(plan_path)
     ckpt = open_checkpoint(plan.checkpoint_dir(plan_path))
@@ -184,6 +235,9 @@ def main(argv=None) -> int:
     ap.add_argument("--accelerate-batches", type=int, nargs="+", default=[1],
                     help="batches for accelerate, whose offloaded steps take seconds (default: 1)")
     ap.add_argument("--experts-host", action="store_true", help="also: a mixed plan with every expert off the GPU")
+    ap.add_argument("--modes", nargs="+", default=["eager"], choices=["eager", "compiled", "graph"],
+                    help="eager: HF generate; compiled / graph: a static-cache loop at batch 1, through "
+                         "torch.compile or replaying a captured CUDA graph")
     args = ap.parse_args(argv)
 
     import runtime
@@ -233,7 +287,23 @@ def main(argv=None) -> int:
         s = handle.stats()
         plan = load_plan(plan_path)
         try:
-            for b in args.batches:
+            for mode in args.modes:
+                if mode == "eager" or not cuda:
+                    continue
+                rate, tokens = decode_static(model, handle, ids, args.new_tokens, mode)
+                if strategy == "gpu":
+                    reference.setdefault(mode, tokens)
+                    allgpu_step[mode] = min(allgpu_step.get(mode, 1e9), 1 / rate)
+                limit = 1 / max(offloaded / (floor * 1e9), allgpu_step.get(mode, 0))
+                record(kind="decode", strategy=strategy, name=name, fraction=fraction, batch=1, mode=mode,
+                       steps_per_s=rate, limit_steps_per_s=limit, ratio_to_limit=rate / limit,
+                       offloaded_bytes=offloaded, predicted_step_ms=None, measured_step_ms=1e3 / rate,
+                       same_tokens=tokens == reference.get(mode), load_seconds=s["load_seconds"],
+                       load_gb_per_s=s["load_gb_per_s"], peak_gpu_bytes_during_load=s["peak_gpu_bytes_during_load"],
+                       gpu_footprint_bytes=plan.summary.gpu_footprint_bytes, pinned_host_bytes=s["pinned_host_bytes"],
+                       uva_bytes=s["uva_bytes"], prefetch_bytes=s["prefetch_bytes"], backend=plan.backend)
+                torch._dynamo.reset()
+            for b in (args.batches if "eager" in args.modes else []):
                 rate, tokens = decode(model, ids, b, args.new_tokens, args.device)
                 if strategy == "gpu":
                     reference.setdefault(b, tokens)

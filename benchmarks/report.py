@@ -19,7 +19,8 @@ STRATEGIES = ["accelerate", "uva", "prefetch", "mixed"]
 
 
 def load() -> dict[str, dict]:
-    models: dict[str, dict] = defaultdict(lambda: {"runs": [], "decode": [], "gpu": defaultdict(float)})
+    models: dict[str, dict] = defaultdict(lambda: {"runs": [], "decode": [], "gpu": defaultdict(float),
+                                                   "static": [], "static_gpu": defaultdict(float)})
     for path in sorted(RESULTS.glob("decode-*.jsonl")):
         floor, model, info = None, None, {}
         for line in path.read_text().splitlines():
@@ -32,13 +33,15 @@ def load() -> dict[str, dict]:
             elif r["kind"] == "decode":
                 r["floor"] = floor
                 r["file"] = path.name
-                models[model]["decode"].append(r)
+                static = r.get("mode", "eager") != "eager"
+                models[model]["static" if static else "decode"].append(r)
                 if r["strategy"] == "gpu":
-                    g = models[model]["gpu"]
-                    g[r["batch"]] = max(g[r["batch"]], r["steps_per_s"])
+                    g = models[model]["static_gpu" if static else "gpu"]
+                    key = r["mode"] if static else r["batch"]
+                    g[key] = max(g[key], r["steps_per_s"])
     for m in models.values():
-        for r in m["decode"]:
-            best = m["gpu"].get(r["batch"])
+        for r in m["decode"] + m["static"]:
+            best = m["static_gpu"].get(r["mode"]) if "mode" in r and r["mode"] != "eager" else m["gpu"].get(r["batch"])
             r["limit"] = 1 / max(r["offloaded_bytes"] / (r["floor"] * 1e9), 1 / best if best else 0)
             r["ratio"] = r["steps_per_s"] / r["limit"]
     return models
@@ -106,6 +109,13 @@ def model_tables(name: str, m: dict) -> list[str]:
                    f"{fmt(r['gpu_footprint_bytes'] / 2**30 if r['gpu_footprint_bytes'] else None)} GiB | "
                    f"{fmt(r['pinned_host_bytes'] / 2**30 if r['pinned_host_bytes'] is not None else None)} GiB | "
                    f"{fmt(r['pinned_host_bytes'] / off if off and r['pinned_host_bytes'] else None, '.4f')} |")
+    if m["static"]:
+        out += ["", "Batch 1 with a static KV cache, without Python overhead (CUDA graph replay of one decode step, "
+                "or torch.compile): steps/s (x limit):", "",
+                "| plan | mode | steps/s | x limit | tokens equal all-GPU's (same mode) |", "|---|---|---|---|---|"]
+        for r in m["static"]:
+            out.append(f"| {r['name']} | {r['mode']} | {r['steps_per_s']:.2f} | {r['ratio']:.2f} | "
+                       f"{'yes' if r['same_tokens'] else 'no'} |")
     same = all(r["same_tokens"] for r in m["decode"])
     out += ["", f"Greedy tokens equal to all-GPU's in every run: **{'yes' if same else 'NO'}**.", ""]
     return out
