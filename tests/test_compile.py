@@ -9,7 +9,7 @@ pytest.importorskip("transformers")
 import torch._inductor.config as inductor_config  # noqa: E402
 
 from runtime.hf import from_pretrained  # noqa: E402
-from tiny_models import llama_config, make_plan, qwen3_moe_config, save_model  # noqa: E402
+from tiny_models import make_plan, save_models  # noqa: E402
 
 POLICIES = {
     "prefetch": "prefetch: {group_size: 2, num_in_group: 1, step: 2}",
@@ -21,9 +21,7 @@ CASES = [("llama", "prefetch"), ("llama", "uva"), ("moe", "prefetch"), ("moe", "
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    root = tmp_path_factory.mktemp("models")
-    return {"llama": save_model(llama_config(), root / "llama"),
-            "moe": save_model(qwen3_moe_config(), root / "moe")}
+    return save_models(tmp_path_factory.mktemp("models"), "llama", "moe")
 
 
 def ids():

@@ -9,7 +9,7 @@ pytest.importorskip("transformers")
 import torch._inductor.config as inductor_config  # noqa: E402
 
 from runtime.hf import from_pretrained  # noqa: E402
-from tiny_models import llama_config, make_plan, qwen3_moe_config, save_model  # noqa: E402
+from tiny_models import make_plan, save_models  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -24,9 +24,7 @@ POLICIES = {
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    root = tmp_path_factory.mktemp("models")
-    return {"llama": save_model(llama_config(), root / "llama"),
-            "moe": save_model(qwen3_moe_config(), root / "moe")}
+    return save_models(tmp_path_factory.mktemp("models"), "llama", "moe")
 
 
 @pytest.mark.parametrize("kind", ["llama", "moe"])

@@ -15,7 +15,7 @@ from planner.errors import ModelMismatchError, OffplanError, StalePlanError  # n
 from planner.plan import Transfer, load_plan  # noqa: E402
 from planner.policy import Placement  # noqa: E402
 from runtime.hf import build_meta_model, from_pretrained  # noqa: E402
-from tiny_models import llama_config, logits, make_plan, qwen3_moe_config, reference, save_model  # noqa: E402
+from tiny_models import llama_config, logits, make_plan, reference, save_model, save_models  # noqa: E402
 
 POLICIES = {
     "gpu": "",
@@ -33,12 +33,7 @@ POLICIES = {
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    root = tmp_path_factory.mktemp("models")
-    return {
-        "llama": save_model(llama_config(), root / "llama"),
-        "moe": save_model(qwen3_moe_config(), root / "moe"),
-        "tied": save_model(llama_config(tie_word_embeddings=True, num_hidden_layers=3), root / "tied"),
-    }
+    return save_models(tmp_path_factory.mktemp("models"), "llama", "moe", "tied")
 
 
 @pytest.fixture(scope="module")

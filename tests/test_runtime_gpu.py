@@ -13,7 +13,7 @@ import runtime  # noqa: E402
 from planner.errors import OffplanError  # noqa: E402
 from planner.plan import load_plan  # noqa: E402
 from runtime.hf import build_meta_model, from_pretrained  # noqa: E402
-from tiny_models import llama_config, logits, make_plan, qwen3_moe_config, reference, save_model  # noqa: E402
+from tiny_models import logits, make_plan, reference, save_models  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -36,16 +36,7 @@ def _rss() -> int:
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    root = tmp_path_factory.mktemp("models")
-    return {
-        "llama": save_model(llama_config(), root / "llama"),
-        "moe": save_model(qwen3_moe_config(), root / "moe"),
-        "tied": save_model(llama_config(tie_word_embeddings=True, num_hidden_layers=3), root / "tied"),
-        # Tensors of realistic size (>= 1 MiB), for memory accounting.
-        "small": save_model(llama_config(hidden_size=1024, intermediate_size=3072, vocab_size=8192,
-                                         num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=4),
-                            root / "small", shard="40MB"),
-    }
+    return save_models(tmp_path_factory.mktemp("models"), "llama", "moe", "tied", "small")
 
 
 @pytest.fixture(scope="module")

@@ -42,6 +42,20 @@ def save_model(config, directory: Path, seed: int = 0, shard: str = "40KB") -> P
     return directory
 
 
+def save_models(root: Path, *kinds: str) -> dict[str, Path]:
+    """The shared tiny checkpoints: llama (dense), moe (Qwen3-MoE), tied (tied embeddings),
+    small (tensors of 1 MiB and more, for memory accounting)."""
+    made = {
+        "llama": lambda: save_model(llama_config(), root / "llama"),
+        "moe": lambda: save_model(qwen3_moe_config(), root / "moe"),
+        "tied": lambda: save_model(llama_config(tie_word_embeddings=True, num_hidden_layers=3), root / "tied"),
+        "small": lambda: save_model(llama_config(hidden_size=1024, intermediate_size=3072, vocab_size=8192,
+                                                 num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=4),
+                                    root / "small", shard="40MB"),
+    }
+    return {k: made[k]() for k in kinds}
+
+
 def reference(directory: Path, device="cpu"):
     """The same checkpoint loaded plainly by transformers."""
     from transformers import AutoModelForCausalLM
