@@ -8,8 +8,10 @@ Steps:
 1. Rules, first match wins, fix a tensor's placement before anything else.
 2. Candidates for the backend are the remaining tensors of the layer stacks;
    embeddings, final norms and the head stay on the GPU unless a rule moves them.
+   Fused expert groups (groups.py) move whole; selecting part of one is an error.
 3. The backend: `auto` is prefetch if `prefetch.group_size > 0`, else uva if
-   `uva.offload_gib > 0` or a budget is set, else nothing.
+   `uva.offload_gib > 0` or a budget is set, else nothing. `mixed` chooses per
+   tensor by predicted step time (mixed.py).
 4. If a budget is set and the whole checkpoint fits it, the backend offloads
    nothing and the plan says so.
 5. uva: walk the candidates (only those matching `uva.params`, if given) and
@@ -31,6 +33,8 @@ Steps:
 8. A budget that the result exceeds is an error quoting the smallest
    budget_gib (two decimals) that this policy would fit, and what is pinned
    to the GPU outside the stacks.
+9. The cost model (cost.py) predicts every plan's bytes over the link and
+   step time, per layer and in total, whatever the backend.
 
 Example: group_size 8, num_in_group 2 over 61 layers offloads layers
 6, 7, 14, 15, 22, 23, 30, 31, 38, 39, 46, 47, 54, 55.

@@ -27,10 +27,11 @@ from planner.errors import OffplanError, StalePlanError
 from planner.plan import Plan, load_plan
 from planner.policy import Placement
 
-from .arena import PinnedArena, align, as_bytes, typed
+from .arena import PinnedArena, as_bytes, typed
 from .loader import TORCH_DTYPES, Progress, ShardReader, Stager
+from .layout import Layout, layout, plan_layer_of
 from .names import Target, map_tensors
-from .prefetch import OnDemandCopies, PrefetchEngine, PrefetchLayer
+from .prefetch import OnDemandCopies, PrefetchEngine
 
 GPU, UVA, PREFETCH = Placement.GPU, Placement.UVA, Placement.PREFETCH
 
@@ -73,33 +74,6 @@ def _open(plan: str | Path | Plan, checkpoint) -> tuple[Plan, Checkpoint]:
     return plan, ckpt
 
 
-def _plan_layer_of(plan: Plan):
-    names = {l.name for l in plan.layers}
-
-    def layer_of(tensor: str) -> str:
-        if tensor in names:
-            return tensor
-        parts = tensor.split(".")
-        for i in range(len(parts) - 1, 0, -1):
-            prefix = ".".join(parts[:i])
-            if prefix in names:
-                return prefix
-        raise OffplanError(f"{tensor}: no layer of the plan holds it (plan edited by hand?)")
-    return layer_of
-
-
-def _common_module(names: list[str]) -> str:
-    parts = [n.split(".") for n in names]
-    common = []
-    for segs in zip(*parts):
-        if len(set(segs)) > 1:
-            break
-        common.append(segs[0])
-    if len(common) == min(len(p) for p in parts):
-        common = common[:-1]
-    return ".".join(common)
-
-
 class OffloadHandle:
     """What `load`/`apply` did to a model. Lifecycle: created by load/apply -> use the model -> `remove()`."""
 
@@ -129,53 +103,8 @@ class OffloadHandle:
 
     # ------------------------------------------------------------ placing
 
-    def _layout(self) -> tuple[int, dict, dict[str, PrefetchLayer], int]:
-        """Arena offsets for offloaded targets, and the prefetch layers with their slot runs."""
-        offsets: dict[int, int] = {}
-        cursor = 0
-        for t in self.targets:
-            if t.placement is UVA:
-                offsets[id(t)] = cursor
-                cursor += align(t.nbytes)
-        layers: dict[str, PrefetchLayer] = {}
-        slot_of: dict[int, int] = {}
-        slot_bytes = 0
-        sched = self.plan.prefetch
-        if sched is not None:
-            layer_of = _plan_layer_of(self.plan)
-            members: dict[str, list[Target]] = {}
-            everything: dict[str, list[str]] = {}
-            for t in self.targets:
-                layer = layer_of(t.pieces[0].source)
-                everything.setdefault(layer, []).append(t.name)
-                if t.placement is PREFETCH:
-                    members.setdefault(layer, []).append(t)
-            keys: dict[tuple, int] = {}
-            for tr in sched.schedule:
-                module_name = _common_module(everything[tr.layer])
-                module = self.model.get_submodule(module_name)
-                for t in members.get(tr.layer, []):
-                    key = (t.name[len(module_name):], t.dtype, t.shape)
-                    if key not in keys:
-                        keys[key] = slot_bytes
-                        slot_bytes += align(t.nbytes)
-                    slot_of[id(t)] = keys[key]
-                layers[tr.layer] = PrefetchLayer(tr.layer, module, tr.slot)
-            for tr in sched.schedule:
-                base = cursor
-                runs: list[list[int]] = []
-                mine = sorted(members.get(tr.layer, []), key=lambda t: slot_of[id(t)])
-                for t in mine:
-                    s = slot_of[id(t)]
-                    offsets[id(t)] = base + s
-                    size = align(t.nbytes)
-                    if runs and runs[-1][1] + runs[-1][2] == s and runs[-1][0] + runs[-1][2] == base + s:
-                        runs[-1][2] += size
-                    else:
-                        runs.append([base + s, s, size])
-                layers[tr.layer].runs = [tuple(r) for r in runs]
-                cursor = base + max((slot_of[id(t)] + align(t.nbytes) for t in mine), default=0)
-        return cursor, offsets, layers, slot_bytes
+    def _layout(self) -> Layout:
+        return layout(self.targets, self.plan, self.model)
 
     def _check_gpu_memory(self, resident: int, pool: int) -> None:
         if not self.cuda:
@@ -259,7 +188,7 @@ class OffloadHandle:
         self.load_seconds = bar.close()
 
     def _bind_prefetch(self, placed, offsets, layers) -> None:
-        layer_of = _plan_layer_of(self.plan)
+        layer_of = plan_layer_of(self.plan)
         for t in self.targets:
             if t.placement is not PREFETCH:
                 continue
