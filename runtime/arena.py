@@ -11,15 +11,20 @@ Why a CUDA view works: with unified virtual addressing, registered host memory
 has the same address on the device. `torch.as_tensor` over an object exposing
 `__cuda_array_interface__` at that address gives a CUDA tensor that reads the
 host memory in place (kernels then pull it over PCIe). The view holds a
-reference to the interface object, which holds the host tensor: the memory
-cannot be freed under a live view, but it *can* be unregistered by `release()`,
-so the runtime drops every view first.
+reference to the interface object, which holds the arena: the memory cannot be
+freed, nor unregistered by the garbage collector, under a live view. `release()`
+unregisters at once (the runtime drops its views first); an arena that is
+simply dropped unregisters when its last view goes (`weakref.finalize`), so
+freed memory is never left registered: a later registration of the same
+addresses would fail with cudaErrorHostMemoryAlreadyRegistered.
 
 Without CUDA the arena is plain host memory and views are CPU tensors.
 
 Lifecycle: `PinnedArena(nbytes)` -> `host(...)` / `device(...)` views -> `release()`.
 """
 from __future__ import annotations
+
+import weakref
 
 import torch
 
@@ -33,10 +38,27 @@ def align(n: int) -> int:
 class _CudaArrayInterface:
     """The minimal object `torch.as_tensor(..., device="cuda")` accepts; keeps `owner` alive."""
 
-    def __init__(self, ptr: int, nbytes: int, owner: torch.Tensor):
+    def __init__(self, ptr: int, nbytes: int, owner: "PinnedArena"):
         self.owner = owner
         self.__cuda_array_interface__ = {
             "shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 3, "strides": None}
+
+
+class _Memory:
+    """The host tensor and whether it is registered: what the finalizer needs, without the arena."""
+
+    def __init__(self, host: torch.Tensor):
+        self.host: torch.Tensor | None = host
+        self.registered = False
+
+
+def _free(memory: _Memory) -> None:
+    """Unregister (once) and drop the host memory. Run by release() or when the arena is collected."""
+    if memory.registered and memory.host is not None:
+        torch.cuda.synchronize()
+        torch.cuda.cudart().cudaHostUnregister(memory.host.data_ptr())
+        memory.registered = False
+    memory.host = None
 
 
 class PinnedArena:
@@ -45,17 +67,32 @@ class PinnedArena:
     def __init__(self, nbytes: int, *, cuda: bool):
         self.nbytes = nbytes
         self.cuda = cuda
-        self.registered = False
-        self._host = torch.empty(max(nbytes, 1), dtype=torch.uint8)
+        self._memory = _Memory(torch.empty(max(nbytes, 1), dtype=torch.uint8))
         self._device = None
         if cuda and nbytes:
-            cudart = torch.cuda.cudart()
-            err = cudart.cudaHostRegister(self._host.data_ptr(), self._host.numel(), 0)
+            host = self._memory.host
+            err = torch.cuda.cudart().cudaHostRegister(host.data_ptr(), host.numel(), 0)
             if int(err) != 0:
-                self._host = None
-                raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed ({err}): "
-                                   "not enough lockable host memory? (check `ulimit -l`)")
-            self.registered = True
+                self._memory.host = None
+                raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed (error {int(err)}): not enough "
+                                   "lockable host memory (check `ulimit -l`), or the range is registered already")
+            self._memory.registered = True
+        self._finalizer = weakref.finalize(self, _free, self._memory)
+
+    @property
+    def registered(self) -> bool:
+        return self._memory.registered
+
+    @property
+    def alive(self) -> bool:
+        return self._memory.host is not None
+
+    @property
+    def _host(self) -> torch.Tensor:
+        host = self._memory.host
+        if host is None:
+            raise RuntimeError("offplan: this pinned arena was released")
+        return host
 
     def host(self, offset: int, nbytes: int) -> torch.Tensor:
         """A uint8 CPU view of [offset, offset + nbytes)."""
@@ -64,18 +101,14 @@ class PinnedArena:
     def device(self, offset: int, nbytes: int) -> torch.Tensor:
         """A uint8 CUDA view of the same bytes: zero copy, read over PCIe."""
         if self._device is None:
-            cai = _CudaArrayInterface(self._host.data_ptr(), self._host.numel(), self._host)
+            cai = _CudaArrayInterface(self._host.data_ptr(), self._host.numel(), self)
             self._device = torch.as_tensor(cai, device="cuda")
         return self._device[offset:offset + nbytes]
 
     def release(self) -> None:
-        """Unregister and drop the memory. Every view must be gone (or unused) by now."""
+        """Unregister and drop the memory now. Every view must be gone (or unused) by now."""
         self._device = None
-        if self.registered and self._host is not None:
-            torch.cuda.synchronize()
-            torch.cuda.cudart().cudaHostUnregister(self._host.data_ptr())
-            self.registered = False
-        self._host = None
+        self._finalizer()
 
 
 def typed(flat: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:

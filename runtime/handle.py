@@ -302,7 +302,7 @@ class OffloadHandle:
         if self.engine is not None:
             self.engine.remove()
             self.engine = None
-        if self.arena is not None and self.arena._host is not None:
+        if self.arena is not None and self.arena.alive:
             state = {}
             offloaded = [t for t in self.targets if t.placement in (UVA, PREFETCH)]
             if offloaded and self._assigned:
