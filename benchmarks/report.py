@@ -14,6 +14,8 @@ from collections import defaultdict
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+from planner.plan import write_atomic  # noqa: E402
 RESULTS = HERE / "results"
 STRATEGIES = ["accelerate", "uva", "prefetch", "mixed"]
 
@@ -189,7 +191,7 @@ def main() -> int:
         lines += model_tables(name, m)
     if plot(models, HERE / "decode.png"):
         lines += ["![decode tokens/s against the offloaded fraction](decode.png)", ""]
-    (HERE / "RESULTS.md").write_text("\n".join(lines) + "\n")
+    write_atomic(HERE / "RESULTS.md", "\n".join(lines) + "\n", "results")
     print(f"wrote {HERE / 'RESULTS.md'}")
     return 0
 

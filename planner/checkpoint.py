@@ -288,8 +288,3 @@ def _open_checkpoint(path: str | os.PathLike) -> Checkpoint:
     if not tensors:
         raise CheckpointError(f"{root}: the checkpoint holds no tensors")
     return Checkpoint(root, index, tensors, "sha256:" + digest.hexdigest(), metadata)
-
-
-def fingerprint(path: str | os.PathLike) -> str:
-    """The fingerprint of the checkpoint at `path` (reads headers only)."""
-    return open_checkpoint(path).fingerprint

@@ -18,10 +18,11 @@ from .plan import dumps, load_plan, write_atomic
 from .policy import load_policy, policy_fingerprint
 
 EXAMPLES = """examples:
-  plan build plans/examples/qwen3-moe.policy.yaml       # writes qwen3-moe.plan.yaml beside it
-  plan show plans/examples/qwen3-moe.plan.yaml
+  plan build plans/examples/tiny-moe.policy.yaml        # writes tiny-moe.plan.yaml beside it
+  plan show plans/examples/tiny-moe.plan.yaml
+  plan apply plans/examples/tiny-moe.plan.yaml
   plan diff old.plan.yaml new.plan.yaml --detailed-exitcode
-  plan check plans/examples/qwen3-moe.plan.yaml         # exit 2 if the checkpoint or policy changed
+  plan check plans/examples/tiny-moe.plan.yaml          # exit 2 if the plan is stale
 """
 
 
@@ -67,9 +68,16 @@ def _parser() -> argparse.ArgumentParser:
     p = cmd("apply", "load the plan's checkpoint with transformers, per the plan, and generate")
     p.add_argument("plan", metavar="PLAN")
     p.add_argument("--prompt", default="The capital of France is", help="prompt for a greedy generation")
-    p.add_argument("--max-new-tokens", type=int, default=16, metavar="N")
-    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
+    p.add_argument("--max-new-tokens", type=_positive, default=16, metavar="N")
+    p.add_argument("--device", default=None, choices=["cuda", "cpu"], help="default: cuda if available")
     return ap
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -131,8 +139,8 @@ def _diff(args) -> int:
 
 def _validate(args) -> int:
     path = Path(args.file)
-    head = path.read_text(errors="replace")[:4096] if path.is_file() else ""
-    if "\nparams:" in head or head.startswith("params:") or "offplan plan" in head:
+    doc = yamlio.parse(path, yamlio.read(path, PolicyError, "policy or plan"), PolicyError)
+    if isinstance(doc.data, dict) and "params" in doc.data:  # plans have params, policies never do
         plan = load_plan(path)
         _emit(args, {"file": str(path), "kind": "plan", "valid": True, "tensors": plan.tensors},
               f"{path}: valid plan ({plan.tensors} tensors, backend {plan.backend})")
@@ -204,7 +212,7 @@ def _calibrate(args) -> int:
                            "install them: pip install 'offplan[runtime]'") from None
     from .hardware import dumps_hardware
     hw = calibrate()
-    write_atomic(Path(args.output), dumps_hardware(hw))
+    write_atomic(Path(args.output), dumps_hardware(hw), "hardware profile")
     _emit(args, {"profile": args.output, **hw.__dict__},
           f"wrote {args.output}: {hw.name}: H2D copy {hw.h2d_copy_gbps} GB/s, UVA read {hw.uva_read_gbps} GB/s, "
           f"HBM read {hw.hbm_read_gbps} GB/s, {hw.layer_overhead_us} us per layer")

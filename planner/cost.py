@@ -4,7 +4,8 @@ Roles say what fraction of a tensor one decode step (one new token per
 sequence, batch b) reads:
 - expert: a member of a fused expert group (see groups.py). Top-k routing over
   E experts touches an expected 1 - (1 - k/E)^b of them per step;
-- embedding: a 2-D tensor of an embedding module: b of its V rows per step;
+- embedding: a 2-D tensor of an embedding module: b of its V rows per step
+  (unless the embedding is tied to the head, which reads it whole);
 - dense: everything else, read whole every step.
 Rules may override a role (`rules: [{match: [lm_head], role: dense}]`).
 
@@ -91,7 +92,9 @@ class CostModel:
         self.top_k = top_k
         counts = expert_counts(groups)
         group_of = {m: g for g, ms in groups.items() for m in ms}
-        embed = {n for l in graph.layers if l.kind == "embed" for n in l.params if len(tensors[n].shape) == 2}
+        # A tied embedding is also the head, which reads all of it every step: dense, not sparse.
+        embed = set() if graph.tied_embeddings else {
+            n for l in graph.layers if l.kind == "embed" for n in l.params if len(tensors[n].shape) == 2}
         self.role: dict[str, str] = {}
         self.frac: dict[str, float] = {}
         for layer in graph.layers:

@@ -2,8 +2,9 @@
 
 `plan calibrate` measures them on a GPU and writes a profile YAML; a policy
 names one with `hardware: h100.yaml`. Without one, the H100 figures below are
-used: the copy and UVA bandwidths measured on this project's H100 (PCIe Gen5)
-machine, the HBM and per-layer figures from `plan calibrate` on the same machine.
+used: the copy and UVA bandwidths given for this project's H100 (PCIe Gen5)
+machine; the HBM and CPU figures are estimates (`plan calibrate` there measured
+2470-2750 GB/s HBM reads and 590-1520 us of CPU time per layer, run to run).
 """
 from __future__ import annotations
 

@@ -35,10 +35,6 @@ def compile_pattern(text: str) -> Pattern:
     return Pattern(text)
 
 
-def matches_any(patterns: Iterable[Pattern], name: str) -> bool:
-    return any(p.matches(name) for p in patterns)
-
-
 class Names:
     """A checkpoint's tensor names, joined once so that patterns scan all of them in C.
 

@@ -125,7 +125,7 @@ class Plan:
     total_bytes: int
     policy_path: str  # relative to the plan file's directory
     policy_fingerprint: str
-    backend: str  # what ran: "none", "uva" or "prefetch"
+    backend: str  # what ran: "none", "uva", "prefetch" or "mixed"
     budget_bytes: int | None
     stacks: tuple[str, ...]
     tied_embeddings: bool
@@ -220,7 +220,7 @@ def dumps(plan: Plan) -> str:
     return "".join(out)
 
 
-def write_atomic(path: str | Path, text: str) -> None:
+def write_atomic(path: str | Path, text: str, what: str = "plan") -> None:
     """Write via a temp file in the same directory and rename: never half a file.
 
     The file gets the permissions a plain `open(path, "w")` would give (mkstemp's
@@ -230,18 +230,18 @@ def write_atomic(path: str | Path, text: str) -> None:
     try:
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     except OSError as e:
-        raise OffplanError(f"{path}: cannot write the plan: {e.strerror}") from None
+        raise OffplanError(f"{path}: cannot write the {what}: {e.strerror}") from None
     try:
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
-        with os.fdopen(fd, "w") as f:
+        with os.fdopen(fd, "w") as f:  # owns fd from here on, closed whatever happens
+            umask = os.umask(0)
+            os.umask(umask)
+            os.chmod(tmp, 0o666 & ~umask)
             f.write(text)
         os.replace(tmp, path)
     except BaseException as e:
         os.unlink(tmp)
         if isinstance(e, OSError):
-            raise OffplanError(f"{path}: cannot write the plan: {e.strerror}") from None
+            raise OffplanError(f"{path}: cannot write the {what}: {e.strerror}") from None
         raise
 
 

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from .plan import Plan
-from .policy import GIB, Placement
+from .policy import GIB
 
 KINDS = ("gpu", "uva", "prefetch")
 
@@ -107,14 +107,21 @@ def diff_data(old: Plan, new: Plan, sizes: dict[str, int] | None = None) -> dict
     so, sn = old.summary, new.summary
     summary = {k: getattr(sn, k) - getattr(so, k) for k in
                ("gpu_bytes", "uva_bytes", "prefetch_bytes", "prefetch_buffer_bytes", "gpu_footprint_bytes")}
+    inputs_changed = {
+        "checkpoint": old.checkpoint_fingerprint != new.checkpoint_fingerprint,
+        "policy": old.policy_fingerprint != new.policy_fingerprint,
+        "backend": old.backend != new.backend,
+    }
     same = not moved and not added and not removed and not layers and not any(summary.values()) \
-        and old.prefetch == new.prefetch
+        and old.prefetch == new.prefetch and not any(inputs_changed.values())
     moved_bytes = None if sizes is None else {
         k: sum(sizes.get(n, 0) for n in v["params"]) for k, v in sorted(moved.items())}
     return {"same": same, "moved": {k: v["params"] for k, v in sorted(moved.items())},
             "moved_bytes": moved_bytes,
             "added": added, "removed": removed, "layers": layers, "summary": summary,
-            "checkpoint_changed": old.checkpoint_fingerprint != new.checkpoint_fingerprint,
+            "checkpoint_changed": inputs_changed["checkpoint"],
+            "policy_changed": inputs_changed["policy"],
+            "backend_changed": inputs_changed["backend"],
             "schedule_changed": old.prefetch != new.prefetch}
 
 
@@ -131,6 +138,10 @@ def diff_text(d: dict, limit: int = 10) -> str:
                if any(s.values()) else "totals: unchanged")
     if d["checkpoint_changed"]:
         out.append("the checkpoint fingerprint differs between the plans")
+    if d["policy_changed"]:
+        out.append("the policy fingerprint differs between the plans")
+    if d["backend_changed"]:
+        out.append("the backend differs between the plans")
     for move, names in d["moved"].items():
         nbytes = f", {human(d['moved_bytes'][move])}" if d.get("moved_bytes") else ""
         out.append(f"{move}: {len(names)} tensors{nbytes}")
@@ -147,10 +158,3 @@ def diff_text(d: dict, limit: int = 10) -> str:
     if d["schedule_changed"]:
         out.append("the prefetch schedule changed")
     return "\n".join(out)
-
-
-def placement_counts(plan: Plan) -> dict[str, int]:
-    counts = {p.value: 0 for p in Placement}
-    for p in plan.params.values():
-        counts[p.value] += 1
-    return counts

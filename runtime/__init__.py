@@ -10,6 +10,7 @@
 checkpoint's config.json on the meta device and loads it per the plan.
 This package is the only part of offplan that imports torch.
 """
+from . import hf
 from .handle import OffloadHandle, apply, load
 
-__all__ = ["OffloadHandle", "apply", "load"]
+__all__ = ["OffloadHandle", "apply", "hf", "load"]

@@ -28,7 +28,9 @@ import weakref
 
 import torch
 
-ALIGN = 256  # bytes; matches what the CUDA caching allocator gives, so kernels see the same alignment
+from planner.errors import OffplanError
+
+ALIGN = 256  # bytes between tensors; kernels need 16, and the host allocator gives the base at least 64
 
 
 def align(n: int) -> int:
@@ -52,10 +54,10 @@ class _Memory:
         self.registered = False
 
 
-def _free(memory: _Memory) -> None:
+def _free(memory: _Memory, device: torch.device | None) -> None:
     """Unregister (once) and drop the host memory. Run by release() or when the arena is collected."""
     if memory.registered and memory.host is not None:
-        torch.cuda.synchronize()
+        torch.cuda.synchronize(device)
         torch.cuda.cudart().cudaHostUnregister(memory.host.data_ptr())
         memory.registered = False
     memory.host = None
@@ -64,9 +66,11 @@ def _free(memory: _Memory) -> None:
 class PinnedArena:
     """One page-locked host allocation carved into tensor views."""
 
-    def __init__(self, nbytes: int, *, cuda: bool):
+    def __init__(self, nbytes: int, *, cuda: bool, device: torch.device | None = None):
         self.nbytes = nbytes
         self.cuda = cuda
+        self.device = device if device is not None else (torch.device("cuda", torch.cuda.current_device())
+                                                         if cuda else torch.device("cpu"))
         self._memory = _Memory(torch.empty(max(nbytes, 1), dtype=torch.uint8))
         self._device = None
         if cuda and nbytes:
@@ -74,10 +78,10 @@ class PinnedArena:
             err = torch.cuda.cudart().cudaHostRegister(host.data_ptr(), host.numel(), 0)
             if int(err) != 0:
                 self._memory.host = None
-                raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed (error {int(err)}): not enough "
+                raise OffplanError(f"cudaHostRegister of {nbytes} bytes failed (error {int(err)}): not enough "
                                    "lockable host memory (check `ulimit -l`), or the range is registered already")
             self._memory.registered = True
-        self._finalizer = weakref.finalize(self, _free, self._memory)
+        self._finalizer = weakref.finalize(self, _free, self._memory, self.device if cuda else None)
 
     @property
     def registered(self) -> bool:
@@ -102,7 +106,7 @@ class PinnedArena:
         """A uint8 CUDA view of the same bytes: zero copy, read over PCIe."""
         if self._device is None:
             cai = _CudaArrayInterface(self._host.data_ptr(), self._host.numel(), self)
-            self._device = torch.as_tensor(cai, device="cuda")
+            self._device = torch.as_tensor(cai, device=self.device)
         return self._device[offset:offset + nbytes]
 
     def release(self) -> None:

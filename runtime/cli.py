@@ -6,12 +6,15 @@ import time
 
 import torch
 
+from planner.errors import OffplanError
 from planner.report import human
 
 from .hf import from_pretrained
 
 
 def apply_command(args) -> int:
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise OffplanError("--device cuda: no CUDA device here (leave --device out to use the CPU)")
     model, handle = from_pretrained(args.plan, device=args.device)
     try:
         stats = handle.stats()

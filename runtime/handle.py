@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from planner.checkpoint import Checkpoint, open_checkpoint
-from planner.errors import OffplanError, StalePlanError
+from planner.errors import OffplanError, PlanFileError, StalePlanError
 from planner.plan import Plan, load_plan
 from planner.policy import Placement
 
@@ -66,6 +66,10 @@ def _open(plan: str | Path | Plan, checkpoint) -> tuple[Plan, Checkpoint]:
         plan = load_plan(path)
         ckpt_dir = Path(checkpoint) if checkpoint is not None else plan.checkpoint_dir(path)
     ckpt = open_checkpoint(ckpt_dir)
+    if ckpt.fingerprint == plan.checkpoint_fingerprint and set(plan.params) != set(ckpt.tensors):
+        odd = sorted(set(plan.params) ^ set(ckpt.tensors))
+        raise PlanFileError("the plan's tensors differ from its checkpoint's although the fingerprints match "
+                            "(edited by hand?); rebuild it with `plan build POLICY`", odd)
     if ckpt.fingerprint != plan.checkpoint_fingerprint:
         raise StalePlanError(
             f"the plan is stale: the checkpoint {ckpt_dir} changed since the plan was built "
@@ -98,7 +102,9 @@ class OffloadHandle:
             with torch.no_grad():
                 self._place(from_checkpoint, progress)
         except BaseException:
-            self._release(restore=False)
+            # load(): the model was empty (meta) and goes back to empty, GPU tensors included;
+            # apply(): the user's model keeps its values, offloaded ones copied back to the CPU.
+            self._release(restore=not from_checkpoint, failed=from_checkpoint)
             raise
 
     # ------------------------------------------------------------ placing
@@ -128,7 +134,7 @@ class OffloadHandle:
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
             start_alloc = torch.cuda.memory_allocated(self.device)
-        self.arena = PinnedArena(arena_bytes, cuda=self.cuda)
+        self.arena = PinnedArena(arena_bytes, cuda=self.cuda, device=self.device)
         current = self.model.state_dict(keep_vars=True) if not from_checkpoint else None
         reader = ShardReader(self.checkpoint) if from_checkpoint else None
         stager = Stager(self.device) if self.cuda and from_checkpoint else None
@@ -257,6 +263,7 @@ class OffloadHandle:
             "pinned_ratio": (pinned / offloaded) if offloaded and pinned else None,
             "gpu_buffer_bytes": self.engine.pool_bytes if self.engine else 0,
             "prefetch_copies": self.engine.copies if self.engine else 0,
+            "prefetch_reprimes": self.engine.reprimes if self.engine else 0,
             "load_seconds": self.load_seconds,
             "load_gb_per_s": total / self.load_seconds / 1e9 if self.load_seconds else None,
             "peak_gpu_bytes_during_load": self.peak_gpu_bytes,
@@ -295,7 +302,7 @@ class OffloadHandle:
         """
         self._release(restore)
 
-    def _release(self, restore: bool) -> None:
+    def _release(self, restore: bool, failed: bool = False) -> None:
         if self.ondemand is not None:
             self.ondemand.remove()
             self.ondemand = None
@@ -304,7 +311,8 @@ class OffloadHandle:
             self.engine = None
         if self.arena is not None and self.arena.alive:
             state = {}
-            offloaded = [t for t in self.targets if t.placement in (UVA, PREFETCH)]
+            # On a failed load the model gives back every tensor the runtime put in, GPU ones too.
+            offloaded = [t for t in self.targets if failed or t.placement in (UVA, PREFETCH)]
             if offloaded and self._assigned:
                 host = self._host_copies(offloaded) if restore else {}
                 for t in offloaded:

@@ -21,12 +21,18 @@ def build_meta_model(checkpoint_dir: str | Path, dtype: torch.dtype | None = Non
     if not config_path.is_file():
         raise OffplanError(f"{config_path}: no config.json beside the checkpoint; transformers needs it "
                            "to build the model (runtime.load works with any model you build yourself)")
-    config = AutoConfig.from_pretrained(checkpoint_dir)
+    try:
+        config = AutoConfig.from_pretrained(checkpoint_dir)
+    except (OSError, ValueError, KeyError) as e:
+        raise OffplanError(f"{config_path}: transformers cannot build a config from it: {e}") from None
     if dtype is None:
         dtype = _DTYPES.get(str(getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)).
                             removeprefix("torch."), torch.bfloat16)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    except (ValueError, KeyError) as e:
+        raise OffplanError(f"{config_path}: transformers has no causal LM for this config: {e}") from None
     return model.eval()
 
 
@@ -36,7 +42,7 @@ def from_pretrained(plan: str | Path, *, device: str | torch.device | None = Non
     """Build the plan's model from its checkpoint's config.json and load it per the plan.
 
     Returns (model, handle). Example:
-        model, handle = runtime.hf.from_pretrained("plans/examples/tiny.plan.yaml")
+        model, handle = runtime.hf.from_pretrained("plans/examples/tiny-moe.plan.yaml")
     """
     plan_path = Path(plan)
     checkpoint_dir = load_plan(plan_path).checkpoint_dir(plan_path)

@@ -88,8 +88,8 @@ def _fused_index(converter, pattern: str, name: str, shapes: Mapping[str, tuple]
     if len(ops) == 1:
         return (expert,) if len(patterns) == 1 else "several sources stacked without concatenation"
     dim = ops[1].dim
-    if dim < 1:
-        return "concatenation along the expert dimension is not supported"
+    if dim != 1:  # pieces along dim 1 of [E, ...] are contiguous blocks: what the loader writes into
+        return f"concatenation along dim {dim} is not supported (only dim 1, as gate/up fusion uses)"
     offset = 0
     for p in patterns[:j]:
         sample = grouped.get(p)

@@ -18,16 +18,21 @@ by id in a weak registry, because custom ops take only tensors and scalars.
 """
 from __future__ import annotations
 
+import itertools
 import weakref
 
 import torch
 
+# The one module-level registry in the runtime: custom ops take only tensors and scalars, so they
+# find their engine by a key. Keys come from a counter (never reused, unlike id()), and the
+# registry holds engines weakly: it keeps nothing alive.
 _ENGINES: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
+_KEYS = itertools.count(1)
 
 
 def register(engine) -> int:
-    """Make `engine` reachable from the ops; returns its id (the registry holds it weakly)."""
-    key = id(engine)
+    """Make `engine` reachable from the ops; returns its key."""
+    key = next(_KEYS)
     _ENGINES[key] = engine
     return key
 

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from planner.errors import OffplanError
 from planner.plan import PrefetchSchedule
 
 from . import ops
@@ -73,11 +74,19 @@ class PrefetchEngine:
         self.copies = 0  # layer copies issued, for stats and tests
         self.names = list(layers)  # the ops name layers by index
         self._complete: set[str] = set()  # copies known finished: no wait needed (see synchronize)
+        self.expected = 0  # index of the prefetched layer the next forward step should reach
+        self.reprimes = 0  # forwards that started over after one stopped part-way
         self.key = ops.register(self)
         for i, (name, layer) in enumerate(layers.items()):
             self.hooks.append(layer.module.register_forward_pre_hook(self._pre_hook(i), with_kwargs=True))
             self.hooks.append(layer.module.register_forward_hook(self._post_hook(i)))
-        for t in schedule.schedule[: schedule.slots]:
+        self._prime()
+
+    def _prime(self) -> None:
+        """Copy the first layer of each slot: the state every forward starts from."""
+        if self.expected != 0:
+            self.reprimes += 1
+        for t in self.schedule.schedule[: self.schedule.slots]:
             self._copy(t.layer)
 
     @property
@@ -110,7 +119,20 @@ class PrefetchEngine:
         return hook
 
     def wait(self, index: int) -> None:
-        """The current stream waits for layer `index`'s copy (the body of `offplan::prefetch_wait`)."""
+        """The current stream waits for layer `index`'s copy (the body of `offplan::prefetch_wait`).
+
+        The rotation assumes every forward runs the prefetched layers in plan
+        order. A forward that starts over at the first layer after one stopped
+        part-way (an exception) re-primes the slots to their start-of-pass state;
+        any other order is refused, since the slot would hold another layer.
+        """
+        if index != self.expected:
+            if index != 0:
+                raise OffplanError(
+                    f"prefetched layer {self.names[index]} ran out of order (expected {self.names[self.expected]}): "
+                    "a prefetch plan's layers must run in plan order, every forward")
+            self._prime()
+        self.expected = (index + 1) % len(self.names)
         name = self.names[index]
         if self.cuda and name not in self._complete:
             torch.cuda.current_stream(self.device).wait_event(self.ready[name])

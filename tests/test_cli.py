@@ -100,8 +100,9 @@ def test_diff_and_detailed_exitcode(work, capsys):
         0, "no changes: the plans place every tensor the same way\n", "")
     code, out, _ = run(capsys, "diff", "uva.plan.yaml", "prefetch.plan.yaml", "--detailed-exitcode")
     assert code == 2
-    assert out.splitlines()[:4] == [
+    assert out.splitlines()[:6] == [
         "totals: gpu -3.0 MiB, uva -3.0 MiB, prefetch +6.0 MiB, prefetch_buffer +3.0 MiB",
+        "the policy fingerprint differs between the plans", "the backend differs between the plans",
         "gpu->prefetch: 4 tensors, 6.0 MiB", "  model.layers.1.mlp.down_proj.weight",
         "  model.layers.1.self_attn.o_proj.weight"]
     assert run(capsys, "diff", "uva.plan.yaml", "prefetch.plan.yaml")[0] == 0
@@ -113,6 +114,7 @@ def test_diff_and_detailed_exitcode(work, capsys):
         "uva->gpu": ["model.layers.0.mlp.down_proj.weight", "model.layers.0.self_attn.o_proj.weight"]}
     assert d["layers"][0] == {"name": "model.layers.0", "gpu": 3 * MiB, "uva": -3 * MiB, "prefetch": 0}
     assert d["moved_bytes"] == {"gpu->prefetch": 6 * MiB, "uva->gpu": 3 * MiB}
+    assert (d["checkpoint_changed"], d["policy_changed"], d["backend_changed"]) == (False, True, True)
     code, out, err = run(capsys, "diff", "uva.plan.yaml", "nope.plan.yaml", "--detailed-exitcode")
     assert_one_error(code, out, err, "nope.plan.yaml: no such plan file")
 
@@ -236,3 +238,19 @@ def test_check_catches_a_hand_edit(work, capsys):
     assert code == 2
     assert "the plan is not what `plan build` makes of its policy and checkpoint" in err
     assert "e.g. model.layers.0.self_attn.o_proj.weight: the plan says gpu, the policy gives uva" in err
+
+
+def test_diff_notices_a_changed_checkpoint_alone(work, capsys):
+    run(capsys, "build", "uva.policy.yaml")
+    text = (work / "uva.plan.yaml").read_text()
+    fp = text.split("fingerprint: ")[1].split("\n")[0]
+    (work / "other.plan.yaml").write_text(text.replace(fp, '"sha256:' + "0" * 64 + '"', 1))
+    code, out, _ = run(capsys, "diff", "uva.plan.yaml", "other.plan.yaml", "--detailed-exitcode")
+    assert code == 2 and "the checkpoint fingerprint differs between the plans" in out
+
+
+def test_validate_tells_policy_from_plan_by_content_not_comments(work, capsys):
+    text = (work / "uva.policy.yaml").read_text()
+    (work / "commented.policy.yaml").write_text("# compare with the offplan plan of last week\n" + text)
+    code, out, _ = run(capsys, "validate", "commented.policy.yaml")
+    assert code == 0 and "valid policy" in out

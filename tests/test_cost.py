@@ -142,3 +142,10 @@ def test_read_top_k(tmp_path):
     assert read_top_k(tmp_path) == 8
     (tmp_path / "config.json").write_text(json.dumps({"text_config": {"moe_topk": 6}}))
     assert read_top_k(tmp_path) == 6
+
+
+def test_a_tied_embedding_is_dense_because_the_head_reads_it_whole():
+    tied = [t for t in moe() if t[0] != "lm_head.weight"]
+    m, g, _ = model_for(tied)
+    assert g.tied_embeddings
+    assert (m.role["model.embed_tokens.weight"], m.frac["model.embed_tokens.weight"]) == ("dense", 1.0)

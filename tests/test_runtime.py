@@ -91,6 +91,27 @@ def test_wrong_slot_rotation_changes_outputs(tmp_path, checkpoints, expected):
     assert not torch.equal(logits(bad.model), expected["llama"])
 
 
+def test_a_forward_that_stops_part_way_does_not_poison_the_next(tmp_path, checkpoints, expected):
+    plan = make_plan(tmp_path, checkpoints["llama"], POLICIES["prefetch-s2"])
+    model, handle = from_pretrained(plan, progress=False)
+    layer = model.get_submodule("model.layers.1")
+    original = layer.forward
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("out of memory, say")
+    layer.forward = boom  # a test double for a failing layer
+    with pytest.raises(RuntimeError, match="out of memory"):
+        logits(model)
+    layer.forward = original
+    assert torch.equal(logits(model), expected["llama"])  # the slots were primed again
+    assert handle.stats()["prefetch_reprimes"] == 1
+    assert torch.equal(logits(model), expected["llama"])
+    with pytest.raises(OffplanError, match="ran out of order"):
+        with torch.no_grad():
+            model.get_submodule("model.layers.3")(torch.zeros(1, 1, 64, dtype=torch.bfloat16))
+    handle.remove(restore=False)
+
+
 def test_apply_moves_a_materialized_model(tmp_path, checkpoints, expected):
     plan = make_plan(tmp_path, checkpoints["moe"], POLICIES["rules"])
     model = reference(checkpoints["moe"])
