@@ -36,6 +36,7 @@ turns them into RESULTS.md tables and the plot.
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import os
@@ -209,13 +210,19 @@ def decode_static(model, handle, ids: torch.Tensor, new: int, mode: str) -> tupl
     return new / seconds, torch.cat(tokens, 1)[:, :new].tolist()
 
 
-def predicted_us(plan_path: Path, hw: Hardware, batch: int) -> int:
+@functools.lru_cache(maxsize=None)
+def _plan_facts(plan_path: Path):
+    """The plan, its checkpoint's layer graph, tensors, expert groups and top-k: read once per plan."""
     plan = load_plan(plan_path)
     ckpt = open_checkpoint(plan.checkpoint_dir(plan_path))
     graph = build_graph(list(ckpt.tensors))
     groups = fused_groups(n for l in graph.stack_layers() for n in l.params)
-    model = CostModel(graph, ckpt.tensors, hw, batch, groups, read_top_k(ckpt.root))
-    return model.predict(plan.params).step_us
+    return plan, graph, ckpt.tensors, groups, read_top_k(ckpt.root)
+
+
+def predicted_us(plan_path: Path, hw: Hardware, batch: int) -> int:
+    plan, graph, tensors, groups, top_k = _plan_facts(plan_path)
+    return CostModel(graph, tensors, hw, batch, groups, top_k).predict(plan.params).step_us
 
 
 def main(argv=None) -> int:

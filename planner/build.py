@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .checkpoint import Checkpoint, no_gc, open_checkpoint
+from .checkpoint import INDEX_NAME, Checkpoint, no_gc, open_checkpoint
 from .errors import PolicyError
 from .graph import build_graph
 from .patterns import Names, closest
@@ -45,6 +45,9 @@ def build(policy: Policy, plan_dir: Path, checkpoint: Checkpoint | None = None) 
 
 
 def _build(policy: Policy, plan_dir: Path, checkpoint: Checkpoint | None) -> Plan:
+    if checkpoint is None and not policy.checkpoint.exists():
+        raise PolicyError(f"{policy.path}: checkpoint: {policy.checkpoint_text} -> {policy.checkpoint}: no such file "
+                          "or directory (the path is relative to the policy file)")
     ckpt = checkpoint or open_checkpoint(policy.checkpoint)
     names = list(ckpt.tensors)
     check_patterns(policy, names)
@@ -57,9 +60,12 @@ def _build(policy: Policy, plan_dir: Path, checkpoint: Checkpoint | None) -> Pla
         totals[place] += ckpt.tensors[name].nbytes
     summary = Summary(totals[Placement.GPU], totals[Placement.UVA], totals[Placement.PREFETCH],
                       d.prefetch.pool_bytes if d.prefetch else 0, d.cost.h2d_bytes, d.cost.step_us)
-    ckpt_ref = ckpt.index if ckpt.index is not None else ckpt.root / next(iter(ckpt.tensors.values())).shard
-    ckpt_path = relpath(ckpt.root if ckpt.index is not None and ckpt.index.name.endswith(
-        "model.safetensors.index.json") else ckpt_ref, plan_dir)
+    # The directory when it is the standard layout, else the file the policy named.
+    if ckpt.index is None:
+        ckpt_file = ckpt.root / next(iter(ckpt.tensors.values())).shard
+    else:
+        ckpt_file = ckpt.root if ckpt.index.name == INDEX_NAME else ckpt.index
+    ckpt_path = relpath(ckpt_file, plan_dir)
     return Plan(
         checkpoint_path=ckpt_path,
         checkpoint_fingerprint=ckpt.fingerprint,

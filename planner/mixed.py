@@ -32,7 +32,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from .checkpoint import TensorInfo
-from .cost import CostModel, Prediction
+from .cost import CostModel
 from .graph import Layer, LayerGraph
 from .policy import Placement, Policy
 from .schedule import fewest_layers, make_schedule
@@ -44,7 +44,6 @@ GPU, UVA, PREFETCH = Placement.GPU, Placement.UVA, Placement.PREFETCH
 class Unit:
     names: tuple[str, ...]  # one tensor, or a whole fused expert group
     layer: Layer
-    role: str
     frac: float  # of its bytes read per step
     nbytes: int
 
@@ -52,8 +51,6 @@ class Unit:
 @dataclass(frozen=True)
 class MixedChoice:
     place: dict[str, Placement]
-    strategy: str
-    prediction: Prediction
     notes: tuple[str, ...]
     why: dict[str, str]  # layer -> what it offloads and why
 
@@ -74,7 +71,7 @@ def place_mixed(graph: LayerGraph, tensors: Mapping[str, TensorInfo], policy: Po
                 continue
             members = group_of.get(n, (n,))
             seen.update(members)
-            units.append(Unit(members, layer, model.role[n], model.frac[n],
+            units.append(Unit(members, layer, model.frac[n],
                               sum(tensors[m].nbytes for m in members)))
     sparse = sorted((u for u in units if u.frac < 1), key=lambda u: u.frac)
     dense = [u for u in units if u.frac >= 1]
@@ -122,13 +119,13 @@ def place_mixed(graph: LayerGraph, tensors: Mapping[str, TensorInfo], policy: Po
     fitting = [k for k in strategies if sizes[k] <= budget]
     if not fitting:  # decide() raises the budget error with the smallest footprint
         k = min(sizes, key=sizes.get)
-        return MixedChoice(strategies[k], k, model.predict(strategies[k]), (), {})
+        return MixedChoice(strategies[k], (), {})
     preds = {k: model.predict(strategies[k]) for k in fitting}
     best = min(fitting, key=lambda k: (preds[k].step_us, preds[k].h2d_bytes))
     others = ", ".join(f"{k} {preds[k].step_us / 1e3:.3f} ms" for k in fitting if k != best)
     notes = (f"mixed chose {best!r}: predicted {preds[best].step_us / 1e3:.3f} ms per step at batch "
              f"{model.batch}" + (f" (others: {others})" if others else ""),)
-    return MixedChoice(strategies[best], best, preds[best], notes, explain(graph, strategies[best], model))
+    return MixedChoice(strategies[best], notes, explain(graph, strategies[best], model))
 
 
 def explain(graph: LayerGraph, place: Mapping[str, Placement], model: CostModel) -> dict[str, str]:

@@ -29,7 +29,7 @@ from planner.policy import Placement
 
 from .arena import PinnedArena, as_bytes, typed
 from .loader import TORCH_DTYPES, Progress, ShardReader, Stager
-from .layout import Layout, layout, plan_layer_of
+from .layout import layout, plan_layer_of
 from .names import Target, map_tensors
 from .prefetch import OnDemandCopies, PrefetchEngine
 
@@ -109,9 +109,6 @@ class OffloadHandle:
 
     # ------------------------------------------------------------ placing
 
-    def _layout(self) -> Layout:
-        return layout(self.targets, self.plan, self.model)
-
     def _check_gpu_memory(self, resident: int, pool: int) -> None:
         if not self.cuda:
             return
@@ -126,7 +123,8 @@ class OffloadHandle:
                 f"{free / gib * 0.95:.1f}")
 
     def _place(self, from_checkpoint: bool, progress: bool | None) -> None:
-        arena_bytes, offsets, layers, slot_bytes = self._layout()
+        arena_bytes, offsets, layers, slot_bytes = layout(self.targets, self.plan, self.model)
+        self._offsets = offsets  # arena offset per target, for remove(restore=True)
         resident = sum(t.nbytes for t in self.targets if t.placement is GPU)
         pool = slot_bytes * (self.plan.prefetch.slots if self.plan.prefetch else 0)
         self._check_gpu_memory(resident, pool)
@@ -328,6 +326,5 @@ class OffloadHandle:
 
     def _host_copies(self, offloaded: list[Target]) -> dict[str, torch.Tensor]:
         """Pageable CPU copies of offloaded tensors, read back from the arena."""
-        _, offsets, _, _ = self._layout()
-        return {t.name: typed(self.arena.host(offsets[id(t)], t.nbytes), t.dtype, t.shape).clone()
+        return {t.name: typed(self.arena.host(self._offsets[id(t)], t.nbytes), t.dtype, t.shape).clone()
                 for t in offloaded}

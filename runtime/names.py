@@ -41,7 +41,6 @@ class Target:
     aliases: tuple[str, ...]  # every name of this tensor, canonical first (tied weights)
     shape: tuple[int, ...]
     dtype: torch.dtype
-    is_buffer: bool
     pieces: list[Piece] = field(default_factory=list)
     placement: Placement | None = None
 
@@ -111,13 +110,12 @@ def map_tensors(model: torch.nn.Module, checkpoint: Mapping[str, tuple[tuple[int
     their placement.
     """
     state = model.state_dict(keep_vars=True)
-    buffer_names = {n for n, _ in model.named_buffers()}
     by_id: dict[int, Target] = {}
     targets: dict[str, Target] = {}
     for name, t in state.items():
         tgt = by_id.get(id(t))
         if tgt is None:
-            tgt = Target(name, (name,), tuple(t.shape), t.dtype, name in buffer_names)
+            tgt = Target(name, (name,), tuple(t.shape), t.dtype)
             by_id[id(t)] = tgt
         else:
             tgt.aliases += (name,)
