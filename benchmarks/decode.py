@@ -15,7 +15,10 @@ safetensors checkpoint on local disk so the real load path is measured):
    2/1, 4/3, the same layers for every strategy):
    (b) accelerate: transformers `from_pretrained(device_map=...)` with those
        layers on "cpu" (accelerate's dispatch hooks move them per forward);
-   (c) offplan uva: a rule puts those layers on uva;
+   (c) offplan uva: a rule puts those layers on uva; `uva-64b` loads the same
+       plan into an arena whose base sits 64 bytes past a page boundary, where
+       the arena started before it was page-aligned (runtime/arena.py), so that
+       one run measures what the alignment buys;
    (d) offplan prefetch: group_size g, num_in_group n, step 2;
    (e) offplan mixed: `backend: mixed` with the prefetch plan's GPU footprint
        as its budget (the same GPU memory as (d));
@@ -55,7 +58,7 @@ from planner.checkpoint import open_checkpoint  # noqa: E402
 from planner.cost import CostModel, read_top_k  # noqa: E402
 from planner.graph import build_graph  # noqa: E402
 from planner.groups import fused_groups  # noqa: E402
-from planner.hardware import H100, Hardware, dumps_hardware  # noqa: E402
+from planner.hardware import H100, Hardware, dumps_hardware, load_hardware  # noqa: E402
 from planner.plan import dumps, load_plan, write_atomic  # noqa: E402
 from planner.policy import GIB, load_policy  # noqa: E402
 
@@ -110,7 +113,7 @@ def policy_text(strategy: str, fraction: float, layers: list[int], hw: Path | No
     head = "format_version: 1\ncheckpoint: ckpt\n" + (f"hardware: {hw.name}\n" if hw else "")
     if strategy == "gpu":
         return head
-    if strategy == "uva":
+    if strategy in ("uva", "uva-64b"):
         alternation = "|".join(map(str, layers))
         return head + f"rules:\n  - match: ['re:^model\\.layers\\.({alternation})\\.']\n    place: uva\n"
     if strategy == "prefetch":
@@ -236,7 +239,9 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--fractions", type=float, nargs="+", default=[0.25, 0.5, 0.75])
-    ap.add_argument("--strategies", nargs="+", default=["accelerate", "uva", "prefetch", "mixed"])
+    ap.add_argument("--strategies", nargs="+", default=["accelerate", "uva", "prefetch", "mixed"],
+                    choices=["accelerate", "uva", "uva-64b", "prefetch", "mixed"])
+    ap.add_argument("--hardware", type=Path, help="a `plan calibrate` profile to use instead of calibrating now")
     ap.add_argument("--accelerate-batches", type=int, nargs="+", default=[1],
                     help="batches for accelerate, whose offloaded steps take seconds (default: 1)")
     ap.add_argument("--experts-host", action="store_true", help="also: a mixed plan with every expert off the GPU")
@@ -246,6 +251,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     import runtime
+    import runtime.arena
     from runtime.hf import build_meta_model
 
     cuda = args.device == "cuda"
@@ -270,9 +276,11 @@ def main(argv=None) -> int:
     record(kind="checkpoint", model=args.model, tensors=len(info.tensors), bytes=info.total_bytes,
            seconds=round(time.perf_counter() - t, 1), device=torch.cuda.get_device_name() if cuda else "cpu",
            torch=torch.__version__)
-    if cuda:
+    if args.hardware:
+        hw = load_hardware(args.hardware)
+    elif cuda:
         from runtime.calibrate import calibrate
-        hw = calibrate()
+        hw = calibrate().hardware
     else:
         hw = H100
     hw_path = work / "hw.yaml"
@@ -292,7 +300,11 @@ def main(argv=None) -> int:
         if cuda:
             torch.cuda.empty_cache()
         model = build_meta_model(ckpt)
-        handle = runtime.load(model, plan_path, device=args.device, progress=False)
+        runtime.arena.BASE_OFFSET = 64 if strategy == "uva-64b" else 0
+        try:
+            handle = runtime.load(model, plan_path, device=args.device, progress=False)
+        finally:
+            runtime.arena.BASE_OFFSET = 0
         s = handle.stats()
         plan = load_plan(plan_path)
         try:

@@ -211,11 +211,14 @@ def _calibrate(args) -> int:
         raise OffplanError(f"plan calibrate needs the runtime's dependencies ({e.name}); "
                            "install them: pip install 'offplan[runtime]'") from None
     from .hardware import dumps_hardware
-    hw = calibrate()
+    cal = calibrate()
+    hw = cal.hardware
     write_atomic(Path(args.output), dumps_hardware(hw), "hardware profile")
-    _emit(args, {"profile": args.output, **hw.__dict__},
+    steps = ", ".join(f"{n}: {us:.0f}" for n, us in cal.step_us_by_layers.items())
+    _emit(args, {"profile": args.output, **hw.__dict__, "step_us_by_layers": cal.step_us_by_layers, "r2": cal.r2},
           f"wrote {args.output}: {hw.name}: H2D copy {hw.h2d_copy_gbps} GB/s, UVA read {hw.uva_read_gbps} GB/s, "
-          f"HBM read {hw.hbm_read_gbps} GB/s, {hw.layer_overhead_us} us per layer")
+          f"HBM read {hw.hbm_read_gbps} GB/s; CPU {hw.layer_overhead_us} us per layer + {hw.step_overhead_us} us "
+          f"per step (eager decode step by layer count, us: {steps}; R^2 {cal.r2:.4f})")
     return 0
 
 

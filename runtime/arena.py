@@ -1,11 +1,20 @@
-"""Pinned host memory in one allocation, and zero-copy CUDA views of it.
+"""Pinned host memory in one page-aligned allocation, and zero-copy device views of it.
 
 Why one arena: torch's caching host allocator rounds every `pin_memory()`
 request up to a power of two, and per-tensor pinning costs vLLM users 1.6-1.9x
-the host RAM they asked for. Here the runtime sums what it needs (each tensor
-aligned to `ALIGN` bytes), allocates one ordinary host tensor of exactly that
-size and page-locks it with `cudaHostRegister`: pinned bytes = offloaded bytes
-+ alignment padding.
+the host RAM they asked for. Here the runtime sums what it needs, maps one
+anonymous region of exactly that size (rounded up to a page) and page-locks it
+with `cudaHostRegister`: pinned bytes = offloaded bytes + alignment padding.
+
+Why the base is aligned: a GPU kernel reading pinned memory in place issues PCIe
+reads, and a read that straddles a 4 KiB page boundary is split. On the H100, a
+bf16 GEMV through a view of a 64-byte-aligned arena (what `torch.empty` gives)
+read 43 GB/s; from page-aligned memory it read 50.8 GB/s, as fast as
+`cudaHostAlloc` memory (benchmarks/RESULTS.md, "Arena alignment"). An anonymous
+`mmap` is page-aligned by construction; for `base_align` above a page the
+region is over-mapped (address space only: untouched pages cost no memory) and
+the arena starts at the first aligned address, with transparent huge pages
+requested for it.
 
 Why a CUDA view works: with unified virtual addressing, registered host memory
 has the same address on the device. `torch.as_tensor` over an object exposing
@@ -18,23 +27,29 @@ simply dropped unregisters when its last view goes (`weakref.finalize`), so
 freed memory is never left registered: a later registration of the same
 addresses would fail with cudaErrorHostMemoryAlreadyRegistered.
 
-Without CUDA the arena is plain host memory and views are CPU tensors.
+Without CUDA the arena is plain host memory, and its device views are the host
+views themselves: the runtime takes the same path on either.
 
-Lifecycle: `PinnedArena(nbytes)` -> `host(...)` / `device(...)` views -> `release()`.
+Lifecycle: `PinnedArena(nbytes)` -> `host_view(...)` / `device_view(...)` -> `release()`.
 """
 from __future__ import annotations
 
+import mmap
 import weakref
 
 import torch
 
 from planner.errors import OffplanError
 
-ALIGN = 256  # bytes between tensors; kernels need 16, and the host allocator gives the base at least 64
+PAGE = mmap.PAGESIZE
+HUGE_PAGE = 2 * 2**20
+BASE_ALIGN = PAGE  # where the arena starts; see benchmarks/uva_align.py for the measurement behind it
+BASE_OFFSET = 0  # bytes past that boundary: 0, except to measure what alignment buys (benchmarks/decode.py)
+ALIGN = 256  # bytes between tensors; kernels need 16
 
 
-def align(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
+def align(n: int, to: int = ALIGN) -> int:
+    return -(-n // to) * to
 
 
 class _CudaArrayInterface:
@@ -63,16 +78,41 @@ def _free(memory: _Memory, device: torch.device | None) -> None:
     memory.host = None
 
 
-class PinnedArena:
-    """One page-locked host allocation carved into tensor views."""
+def _map(nbytes: int, base_align: int, base_offset: int) -> torch.Tensor:
+    """`nbytes` of fresh anonymous memory starting `base_offset` bytes past a `base_align` boundary.
 
-    def __init__(self, nbytes: int, *, cuda: bool, device: torch.device | None = None):
+    The tensor keeps the mapping alive (torch.frombuffer holds the mmap); it is
+    unmapped when the last view of it goes.
+    """
+    extra = max(0, base_align - PAGE) + base_offset
+    mm = mmap.mmap(-1, max(align(nbytes + extra, PAGE), PAGE))
+    if base_align >= HUGE_PAGE and hasattr(mmap, "MADV_HUGEPAGE"):
+        mm.madvise(mmap.MADV_HUGEPAGE)  # a hint: fewer IOMMU translations per byte read, where the kernel agrees
+    whole = torch.frombuffer(mm, dtype=torch.uint8)
+    start = (-whole.data_ptr()) % base_align + base_offset
+    return whole[start:start + nbytes]
+
+
+class PinnedArena:
+    """One page-locked, page-aligned host allocation carved into tensor views.
+
+    `device` is where `device_view` puts its views: a CUDA device (zero-copy
+    views of the pinned bytes) or the CPU (the host views themselves).
+    `pinned_bytes` is what `cudaHostRegister` locked: `nbytes` rounded up to
+    whole pages (0 without CUDA).
+    """
+
+    def __init__(self, nbytes: int, *, cuda: bool, device: torch.device | None = None,
+                 base_align: int | None = None, base_offset: int | None = None):
         self.nbytes = nbytes
         self.cuda = cuda
         self.device = device if device is not None else (torch.device("cuda", torch.cuda.current_device())
                                                          if cuda else torch.device("cpu"))
-        self._memory = _Memory(torch.empty(max(nbytes, 1), dtype=torch.uint8))
-        self._device = None
+        base_align = BASE_ALIGN if base_align is None else base_align
+        base_offset = BASE_OFFSET if base_offset is None else base_offset
+        self._memory = _Memory(_map(max(nbytes, 1), base_align, base_offset))
+        self._view = None
+        self.pinned_bytes = 0
         if cuda and nbytes:
             host = self._memory.host
             err = torch.cuda.cudart().cudaHostRegister(host.data_ptr(), host.numel(), 0)
@@ -81,6 +121,8 @@ class PinnedArena:
                 raise OffplanError(f"cudaHostRegister of {nbytes} bytes failed (error {int(err)}): not enough "
                                    "lockable host memory (check `ulimit -l`), or the range is registered already")
             self._memory.registered = True
+            first = host.data_ptr() // PAGE * PAGE
+            self.pinned_bytes = align(host.data_ptr() + nbytes, PAGE) - first
         self._finalizer = weakref.finalize(self, _free, self._memory, self.device if cuda else None)
 
     @property
@@ -92,26 +134,34 @@ class PinnedArena:
         return self._memory.host is not None
 
     @property
+    def base(self) -> int:
+        """The arena's first address (host and device alike, under unified addressing)."""
+        return self._host().data_ptr()
+
     def _host(self) -> torch.Tensor:
         host = self._memory.host
         if host is None:
             raise RuntimeError("offplan: this pinned arena was released")
         return host
 
-    def host(self, offset: int, nbytes: int) -> torch.Tensor:
+    def host_view(self, offset: int, nbytes: int) -> torch.Tensor:
         """A uint8 CPU view of [offset, offset + nbytes)."""
-        return self._host[offset:offset + nbytes]
+        return self._host()[offset:offset + nbytes]
 
-    def device(self, offset: int, nbytes: int) -> torch.Tensor:
-        """A uint8 CUDA view of the same bytes: zero copy, read over PCIe."""
-        if self._device is None:
-            cai = _CudaArrayInterface(self._host.data_ptr(), self._host.numel(), self)
-            self._device = torch.as_tensor(cai, device=self.device)
-        return self._device[offset:offset + nbytes]
+    def device_view(self, offset: int, nbytes: int) -> torch.Tensor:
+        """A uint8 view of the same bytes on `self.device`: zero copy (read over PCIe) on CUDA,
+        the host view itself on the CPU."""
+        if not self.cuda:
+            return self.host_view(offset, nbytes)
+        if self._view is None:
+            host = self._host()
+            cai = _CudaArrayInterface(host.data_ptr(), host.numel(), self)
+            self._view = torch.as_tensor(cai, device=self.device)
+        return self._view[offset:offset + nbytes]
 
     def release(self) -> None:
         """Unregister and drop the memory now. Every view must be gone (or unused) by now."""
-        self._device = None
+        self._view = None
         self._finalizer()
 
 

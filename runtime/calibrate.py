@@ -1,29 +1,53 @@
 """`plan calibrate`: measure what the cost model needs on this machine, write a hardware profile.
 
+What is measured, and how:
+- warm-up first: about a second of large bf16 matrix products, so the GPU has
+  left its idle clocks before anything is timed, and one untimed pass of every
+  measurement (kernel loading, allocator);
 - H2D copy: a 1 GiB pinned host tensor copied to the GPU (what prefetch does);
 - UVA read: bf16 GEMVs over eight [14336, 4096] weights (an LLM's MLP shape,
-  0.9 GiB in all) in pinned host memory, read through the runtime's zero-copy
-  view, one after another as a model's layers would (what uva does);
+  0.9 GiB in all) in the runtime's own pinned arena, read through its
+  zero-copy view, one after another as a model's layers would (what uva does);
 - HBM read: the same GEMVs with the weights in GPU memory;
-- CPU overheads: decode steps of transformers Llamas with tiny tensors (so
-  bytes cost nothing) and 2 and 10 layers, at batch 1: the slope is what
-  launching one decoder layer's kernels costs through the framework, eagerly;
-  the intercept is the per-step cost outside the layers.
-Each figure is the median of repeated runs timed with CUDA events.
+  each bandwidth is the median of 20 or more repeats timed with CUDA events;
+- CPU overhead: eager HF `generate` of tiny transformers Llamas (tensors so
+  small that the GPU always waits for the CPU) with 2, 4, 8, 16 and 32 layers.
+  The wall time of every decode step is taken inside `generate` (a stopping
+  criterion is called once per step), and the median step per model is fitted
+  by least squares to `step = per_step + per_layer x layers`. `per_layer` is
+  the CPU time to launch one decoder layer's kernels through the framework;
+  `per_step` is what a step costs outside the layers (embedding, head,
+  sampling, cache bookkeeping). The line must explain the medians (R^2 >= 0.98),
+  or calibration fails: the CPU was busy with something else.
+
+Limits: the per-layer figure is a dense Llama layer's; a layer that launches
+more kernels (transformers' eager MoE expert loop) costs more per layer.
 """
 from __future__ import annotations
 
 import statistics
 import time
+from dataclasses import dataclass
 
 import torch
 
+from planner.errors import OffplanError
 from planner.hardware import Hardware
 
 from .arena import PinnedArena, typed
 
+LAYER_COUNTS = (2, 4, 8, 16, 32)
+MIN_R2 = 0.98
 
-def _median_ms(fn, repeat: int = 10, warmup: int = 3) -> float:
+
+@dataclass(frozen=True)
+class Calibration:
+    hardware: Hardware
+    step_us_by_layers: dict[int, float]  # median eager decode step of the tiny Llamas
+    r2: float  # of the per-layer line through them
+
+
+def _median_ms(fn, repeat: int = 20, warmup: int = 2) -> float:
     for _ in range(warmup):
         fn()
     times = []
@@ -37,74 +61,116 @@ def _median_ms(fn, repeat: int = 10, warmup: int = 3) -> float:
     return statistics.median(times)
 
 
+def warm_up(seconds: float = 1.0) -> None:
+    """Large matrix products until `seconds` have passed: GPU clocks up from idle."""
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        for _ in range(10):
+            a @ a
+        torch.cuda.synchronize()
+
+
+def random_bytes(nbytes: int) -> torch.Tensor:
+    """`nbytes` (even) of normally distributed bf16 values, as uint8 on the GPU: real weights, not zeros."""
+    return torch.randn(nbytes // 2, dtype=torch.bfloat16, device="cuda").view(torch.uint8)
+
+
 def h2d_copy_gbps(nbytes: int = 2**30) -> float:
     src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    src.random_()
+    src.copy_(random_bytes(nbytes))
     dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     ms = _median_ms(lambda: dst.copy_(src, non_blocking=True))
     return nbytes / ms / 1e6
 
 
-def gemv_gbps(where: str, rows: int = 14336, cols: int = 4096, count: int = 8) -> float:
-    """GB/s of bf16 GEMVs reading `count` [rows, cols] weights from `where` ("uva" or "hbm")."""
-    one = rows * cols * 2
-    x = torch.randn(1, cols, dtype=torch.bfloat16, device="cuda")
-    arena = None
-    if where == "uva":
-        arena = PinnedArena(one * count, cuda=True)
-        arena.host(0, one * count).random_()
-        ws = [typed(arena.device(i * one, one), torch.bfloat16, (rows, cols)) for i in range(count)]
-    else:
-        ws = [torch.randn(rows, cols, dtype=torch.bfloat16, device="cuda") for _ in range(count)]
+def gemv_gbps(weights: list[torch.Tensor], batch: int = 1, repeat: int = 20) -> float:
+    """GB/s of bf16 GEMVs (`batch` rows of activations) reading `weights` one after another."""
+    x = torch.randn(batch, weights[0].shape[1], dtype=weights[0].dtype, device="cuda")
 
     def run():
-        for w in ws:
+        for w in weights:
             torch.nn.functional.linear(x, w)
-    ms = _median_ms(run)
-    ws = None  # the views must go before the arena is unregistered
-    if arena is not None:
-        arena.release()
-    return one * count / ms / 1e6
+    return sum(w.nbytes for w in weights) / _median_ms(run, repeat) / 1e6
 
 
-def step_time_us(layers: int, steps: int = 20) -> float:
-    """Eager decode step time of a transformers Llama with tiny tensors, batch 1."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+def mlp_weights(flat: torch.Tensor, rows: int = 14336, cols: int = 4096, count: int = 8) -> list[torch.Tensor]:
+    """`count` bf16 [rows, cols] weights (an LLM's MLP shape) over a flat uint8 buffer of their bytes."""
+    one = rows * cols * 2
+    return [typed(flat[i * one:(i + 1) * one], torch.bfloat16, (rows, cols)) for i in range(count)]
+
+
+def uva_gbps(nbytes: int = 8 * 14336 * 4096 * 2) -> float:
+    """GEMVs over weights in the runtime's own pinned arena, read through its zero-copy view."""
+    arena = PinnedArena(nbytes, cuda=True)
+    arena.host_view(0, nbytes).copy_(random_bytes(nbytes))
+    try:
+        return gemv_gbps(mlp_weights(arena.device_view(0, nbytes)))
+    finally:
+        arena.release()  # the views died with gemv_gbps's frame
+
+
+def hbm_gbps(nbytes: int = 8 * 14336 * 4096 * 2) -> float:
+    return gemv_gbps(mlp_weights(random_bytes(nbytes)), repeat=50)
+
+
+class _StepClock:
+    """A stopping criterion that never stops: it notes the wall time of every decode step."""
+
+    def __init__(self):
+        self.times: list[float] = []
+
+    def __call__(self, input_ids, scores, **kwargs):
+        self.times.append(time.perf_counter())
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
+def step_us(layers: int, steps: int = 64, runs: int = 3) -> float:
+    """Median eager decode step (µs) of a transformers Llama with tiny tensors, batch 1."""
+    from transformers import LlamaConfig, LlamaForCausalLM, StoppingCriteriaList
 
     config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
     model = LlamaForCausalLM(config).to("cuda", torch.bfloat16).eval()
     ids = torch.ones(1, 4, dtype=torch.long, device="cuda")
-
-    def run(n_new: int) -> float:
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        with torch.no_grad():
-            model.generate(ids, max_new_tokens=n_new, min_new_tokens=n_new, do_sample=False, pad_token_id=0)
-        torch.cuda.synchronize()
-        return time.perf_counter() - t
-
-    run(4)
-    # The difference between two lengths removes prefill and generate's fixed cost.
-    return (statistics.median(run(steps * 2) for _ in range(3)) -
-            statistics.median(run(steps) for _ in range(3))) / steps * 1e6
+    intervals: list[float] = []
+    with torch.no_grad():
+        for run in range(runs + 1):  # the first run warms up
+            clock = _StepClock()
+            model.generate(ids, max_new_tokens=steps, min_new_tokens=steps, do_sample=False, pad_token_id=0,
+                           stopping_criteria=StoppingCriteriaList([clock]))
+            if run:
+                intervals += [b - a for a, b in zip(clock.times, clock.times[1:])]
+    return statistics.median(intervals) * 1e6
 
 
-def overheads_us(few: int = 2, many: int = 10) -> tuple[float, float]:
-    """(per step, per layer) CPU overhead: a line through step times at two layer counts."""
-    t_few, t_many = step_time_us(few), step_time_us(many)
-    per_layer = max(0.0, (t_many - t_few) / (many - few))
-    return max(0.0, t_few - few * per_layer), per_layer
+def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float, float]:
+    """Least squares y = a + b x: (a, b, R^2)."""
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
+    a = my - b * mx
+    total = sum((y - my) ** 2 for y in ys)
+    residual = sum((y - a - b * x) ** 2 for x, y in zip(xs, ys))
+    return a, b, 1 - residual / total if total else 1.0
 
 
-def calibrate() -> Hardware:
+def calibrate() -> Calibration:
     if not torch.cuda.is_available():
-        from planner.errors import OffplanError
         raise OffplanError("plan calibrate measures a GPU: no CUDA device here")
     name = torch.cuda.get_device_name()
+    warm_up()
     h2d = h2d_copy_gbps()
-    uva = gemv_gbps("uva")
-    hbm = gemv_gbps("hbm")
-    per_step, per_layer = overheads_us()
-    return Hardware(name, round(h2d, 1), round(uva, 1), round(hbm), round(per_layer, 1), round(per_step, 1),
-                    f"plan calibrate, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}")
+    uva = uva_gbps()
+    hbm = hbm_gbps()
+    steps = {n: step_us(n) for n in LAYER_COUNTS}
+    per_step, per_layer, r2 = fit_line(list(steps), list(steps.values()))
+    if r2 < MIN_R2 or per_layer <= 0:
+        measured = ", ".join(f"{n} layers {us:.0f} us" for n, us in steps.items())
+        raise OffplanError(f"calibration failed: eager decode step times do not grow linearly with the layer "
+                           f"count ({measured}; R^2 {r2:.3f} < {MIN_R2}); something else is loading this "
+                           "machine's CPU or GPU: run `plan calibrate` again when it is idle")
+    hw = Hardware(name, round(h2d, 1), round(uva, 1), round(hbm), round(per_layer, 1), round(max(per_step, 0.0), 1),
+                  f"plan calibrate, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}; "
+                  f"CPU line R^2 {r2:.4f} over {len(steps)} layer counts")
+    return Calibration(hw, steps, r2)

@@ -87,7 +87,9 @@ class OffloadHandle:
         self.device = torch.device(device) if device is not None else torch.device(
             "cuda" if torch.cuda.is_available() else "cpu")
         self.cuda = self.device.type == "cuda"
-        self.uva_in_place = uva and self.cuda
+        # uva=False on CUDA: copy uva tensors to the GPU before their module runs. On the CPU, host
+        # memory is read in place whatever `uva` says.
+        self.copy_uva_on_demand = self.cuda and not uva
         self.arena: PinnedArena | None = None
         self.engine: PrefetchEngine | None = None
         self.ondemand: OnDemandCopies | None = None
@@ -145,7 +147,7 @@ class OffloadHandle:
                     dst = torch.empty(t.shape, dtype=t.dtype, device=self.device)
                     placed_tensor = dst
                 else:
-                    dst = typed(self.arena.host(offsets[id(t)], t.nbytes), t.dtype, t.shape)
+                    dst = typed(self.arena.host_view(offsets[id(t)], t.nbytes), t.dtype, t.shape)
                     host_views[id(t)] = dst
                     placed_tensor = None
                 if from_checkpoint:
@@ -154,11 +156,10 @@ class OffloadHandle:
                     dst.copy_(current[t.name].detach())
                 bar.update(t.nbytes)
                 if placed_tensor is None:
-                    if t.placement is UVA:
-                        placed_tensor = typed(self.arena.device(offsets[id(t)], t.nbytes), t.dtype, t.shape) \
-                            if self.uva_in_place else dst
+                    if t.placement is UVA and not self.copy_uva_on_demand:
+                        placed_tensor = typed(self.arena.device_view(offsets[id(t)], t.nbytes), t.dtype, t.shape)
                     else:
-                        placed_tensor = dst  # replaced by the slot view below
+                        placed_tensor = dst  # prefetch: replaced by the slot view below
                 placed[t.name] = placed_tensor
             if stager is not None:
                 stager.finish()
@@ -176,7 +177,7 @@ class OffloadHandle:
         self.model.load_state_dict(state, assign=True, strict=True)
         self._assigned = True
         self._materialize_buffers()
-        if not self.uva_in_place and self.cuda:
+        if self.copy_uva_on_demand:
             entries = []
             for t in self.targets:
                 if t.placement is UVA:
@@ -251,7 +252,7 @@ class OffloadHandle:
         for t in self.targets:
             by[t.placement.value] += t.nbytes
         offloaded = by["uva"] + by["prefetch"]
-        pinned = self.arena.nbytes if self.arena is not None and self.arena.cuda else 0
+        pinned = self.arena.pinned_bytes if self.arena is not None else 0
         total = sum(by.values())
         return {
             "device": str(self.device),
@@ -265,7 +266,7 @@ class OffloadHandle:
             "load_seconds": self.load_seconds,
             "load_gb_per_s": total / self.load_seconds / 1e9 if self.load_seconds else None,
             "peak_gpu_bytes_during_load": self.peak_gpu_bytes,
-            "uva_in_place": self.uva_in_place,
+            "uva_in_place": not self.copy_uva_on_demand,
         }
 
     def synchronize(self) -> None:
@@ -326,5 +327,5 @@ class OffloadHandle:
 
     def _host_copies(self, offloaded: list[Target]) -> dict[str, torch.Tensor]:
         """Pageable CPU copies of offloaded tensors, read back from the arena."""
-        return {t.name: typed(self.arena.host(self._offsets[id(t)], t.nbytes), t.dtype, t.shape).clone()
+        return {t.name: typed(self.arena.host_view(self._offsets[id(t)], t.nbytes), t.dtype, t.shape).clone()
                 for t in offloaded}

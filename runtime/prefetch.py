@@ -149,14 +149,14 @@ class PrefetchEngine:
         self._complete.discard(name)
         if not self.cuda:
             for a, s, n in layer.runs:
-                slot[s:s + n].copy_(self.arena.host(a, n))
+                slot[s:s + n].copy_(self.arena.host_view(a, n))
             return
         done = torch.cuda.Event()
         done.record(torch.cuda.current_stream(self.device))
         self.copy_stream.wait_event(done)
         with torch.cuda.stream(self.copy_stream):
             for a, s, n in layer.runs:
-                slot[s:s + n].copy_(self.arena.host(a, n), non_blocking=True)
+                slot[s:s + n].copy_(self.arena.host_view(a, n), non_blocking=True)
             self.ready[name].record(self.copy_stream)
 
     def synchronize(self) -> None:

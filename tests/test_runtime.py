@@ -60,6 +60,17 @@ def test_every_backend_matches_plain_loading(tmp_path, checkpoints, expected, ki
     assert torch.equal(logits(model), expected[kind])  # plain tensors again, same values
 
 
+def test_uva_parameters_are_views_of_the_arena(tmp_path, checkpoints, expected):
+    """The handle reads uva tensors through `arena.device_view`, on the CPU as on CUDA."""
+    path = make_plan(tmp_path, checkpoints["llama"], "backend: uva\nuva: {offload_gib: 100}")
+    model, handle = from_pretrained(path, progress=False)
+    uva = [p for n, p in model.named_parameters() if load_plan(path).params.get(n) is Placement.UVA]
+    lo, hi = handle.arena.base, handle.arena.base + handle.arena.nbytes
+    assert len(uva) == 4 * 9 and all(lo <= p.data_ptr() < hi for p in uva)
+    assert torch.equal(logits(model), expected["llama"])
+    handle.remove()
+
+
 def test_plan_exercises_all_placements(tmp_path, checkpoints):
     plan = load_plan(make_plan(tmp_path, checkpoints["moe"], POLICIES["rules"]))
     assert set(plan.params.values()) == {Placement.GPU, Placement.UVA, Placement.PREFETCH}

@@ -1,0 +1,237 @@
+"""The record of the last full GPU run, and the CI guard that keeps untested GPU code off main.
+
+CI has no GPU. Code that runs on the GPU (GPU_PATHS: the runtime, the GPU
+tests, the decode benchmark) therefore lands only with a record, committed in
+RECORD, of a full GPU test run on exactly that code: the git object id of each
+path (as `git rev-parse HEAD:runtime` prints it), the device, and pytest's
+summary line.
+
+    # on the GPU machine, in a copy of the tree (no .git needed): run the GPU suite and stamp it
+    python3 .ci/gpu_record.py run --out $OUT
+    # here: check the stamp against HEAD and write the record; then commit it
+    python3 .ci/gpu_record.py write PATH/TO/gpu-run.json
+    # CI (.ci/run): exit 1, saying what to run, if GPU code changed since the record
+    python3 .ci/gpu_record.py check
+
+The device copy of the tree has no .git, so `run` computes the object ids
+from the files, the way git does (blob: sha1 of "blob <size>\\0" + bytes; tree:
+sha1 over "<mode> <name>\\0<id>" entries in git's order), skipping what
+.gitignore ignores. `write` refuses a stamp whose ids differ from HEAD's: the
+run was not of the committed code. Standard library only.
+"""
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import hashlib
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RECORD = ".ci/gpu-run.json"  # relative to the root
+GPU_PATHS = ("runtime", "benchmarks/decode.py", "tests/*_gpu.py")  # globs relative to the root
+SUITE = ["-m", "pytest", "-m", "gpu", "-v", "-s", "-p", "no:cacheprovider", "tests"]
+SUMMARY = re.compile(r"^=+ (.* in [\d.]+s.*?) =+$")
+
+
+# ------------------------------------------------------------ object ids
+
+def _ignore_rules(root: Path) -> list[tuple[str, bool, bool]]:
+    """(pattern, anchored, directories only) for each line of the root .gitignore."""
+    rules = []
+    path = root / ".gitignore"
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        line = line.strip()
+        if not line or line.startswith("#") or line.startswith("!"):
+            continue
+        dir_only = line.endswith("/")
+        line = line.rstrip("/")
+        anchored = "/" in line
+        rules.append((line.lstrip("/"), anchored, dir_only))
+    return rules
+
+
+def _ignored(rel: str, is_dir: bool, rules) -> bool:
+    name = rel.rsplit("/", 1)[-1]
+    return any((not dir_only or is_dir) and fnmatch.fnmatchcase(rel if anchored else name, pattern)
+               for pattern, anchored, dir_only in rules)
+
+
+def _object(kind: str, body: bytes) -> str:
+    return hashlib.sha1(f"{kind} {len(body)}\0".encode() + body).hexdigest()
+
+
+def _tree(root: Path, rel: str, rules) -> str | None:
+    """git's tree id of root/rel as `git add` would store it; None for a tree with nothing tracked."""
+    entries = []
+    for child in (root / rel).iterdir():
+        crel = f"{rel}/{child.name}"
+        is_dir = child.is_dir() and not child.is_symlink()
+        if _ignored(crel, is_dir, rules):
+            continue
+        if child.is_symlink():
+            mode, oid = "120000", _object("blob", os.readlink(child).encode())
+        elif is_dir:
+            oid = _tree(root, crel, rules)
+            if oid is None:
+                continue
+            mode = "40000"
+        else:
+            mode = "100755" if child.stat().st_mode & 0o100 else "100644"
+            oid = _object("blob", child.read_bytes())
+        # git orders entries by name, a directory's name compared as if it ended in "/"
+        entries.append((child.name + ("/" if is_dir else ""), mode, child.name, oid))
+    if not entries:
+        return None
+    body = b"".join(f"{mode} {name}\0".encode() + bytes.fromhex(oid) for _, mode, name, oid in sorted(entries))
+    return _object("tree", body)
+
+
+def gpu_paths(root: Path = ROOT) -> list[str]:
+    out = []
+    for pattern in GPU_PATHS:
+        out += sorted(p.relative_to(root).as_posix() for p in root.glob(pattern)) if "*" in pattern else [pattern]
+    return out
+
+
+def ids_from_files(root: Path = ROOT) -> dict[str, str]:
+    """Object id of every GPU path, computed from the files on disk (no git needed)."""
+    rules = _ignore_rules(root)
+    out = {}
+    for rel in gpu_paths(root):
+        path = root / rel
+        out[rel] = _tree(root, rel, rules) if path.is_dir() else _object("blob", path.read_bytes())
+    return out
+
+
+def _git(*args: str, root: Path = ROOT) -> str:
+    return subprocess.run(["git", *args], cwd=root, check=True, capture_output=True, text=True).stdout.strip()
+
+
+def ids_at_head(root: Path = ROOT) -> dict[str, str]:
+    """Object id of every GPU path at HEAD, as `git rev-parse HEAD:PATH` prints it."""
+    committed = _git("ls-tree", "-r", "--name-only", "HEAD", root=root).splitlines()
+    out = {}
+    for pattern in GPU_PATHS:
+        for rel in sorted(p for p in committed if fnmatch.fnmatchcase(p, pattern)) if "*" in pattern else [pattern]:
+            try:
+                out[rel] = _git("rev-parse", f"HEAD:{rel}", root=root)
+            except subprocess.CalledProcessError:
+                out[rel] = "(not committed)"
+    return out
+
+
+# ------------------------------------------------------------ commands
+
+def run(out: Path) -> int:
+    """On the GPU machine: stamp the tree, run the GPU suite, write OUT/gpu-run.json and the log."""
+    import torch  # only here: the GPU machine has it
+
+    if not torch.cuda.is_available():
+        print("error: no CUDA device here: run this on the GPU machine", file=sys.stderr)
+        return 1
+    stamp = {"ids": ids_from_files(), "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+             "command": "python3 " + " ".join(SUITE)}
+    out.mkdir(parents=True, exist_ok=True)
+    summary = None
+    with open(out / "gpu-tests.log", "w") as log:
+        proc = subprocess.Popen([sys.executable, *SUITE], cwd=ROOT, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        for line in proc.stdout:
+            sys.stdout.write(line)
+            log.write(line)
+            m = SUMMARY.match(line.strip())
+            if m:
+                summary = m.group(1)
+        rc = proc.wait()
+    if ids_from_files() != stamp["ids"]:
+        print("error: files under the GPU paths changed during the run", file=sys.stderr)
+        return 1
+    stamp.update(summary=summary, exit_code=rc)
+    (out / "gpu-run.json").write_text(json.dumps(stamp, indent=2) + "\n")
+    print(f"stamped: {summary} (exit {rc}) -> {out / 'gpu-run.json'}")
+    return rc
+
+
+def _passed(summary: str | None, exit_code: int | None) -> bool:
+    return bool(summary) and exit_code == 0 and "passed" in summary and not re.search(r"\b(failed|errors?)\b", summary)
+
+
+def write(stamp_path: Path, root: Path = ROOT) -> int:
+    """Here: check a device stamp against HEAD and the working tree, then write RECORD."""
+    stamp = json.loads(Path(stamp_path).read_text())
+    if not _passed(stamp.get("summary"), stamp.get("exit_code")):
+        print(f"error: {stamp_path}: the GPU run did not pass ({stamp.get('summary')}, exit {stamp.get('exit_code')}); "
+              "fix the failures and run it again", file=sys.stderr)
+        return 1
+    head, files = ids_at_head(root), ids_from_files(root)
+    problems = [f"{p}: the run tested {stamp['ids'].get(p, '(absent)')}, HEAD has {head.get(p, '(absent)')}"
+                for p in sorted(set(head) | set(stamp["ids"])) if head.get(p) != stamp["ids"].get(p)]
+    problems += [f"{p}: uncommitted changes" for p in sorted(files) if files[p] != head.get(p)]
+    if problems:
+        print(f"error: {stamp_path} is not a run of the committed GPU code; commit first, then run the GPU suite "
+              "on the device again:\n" + "\n".join(f"  - {p}" for p in problems), file=sys.stderr)
+        return 1
+    record = {"device": stamp["device"], "torch": stamp["torch"], "command": stamp["command"],
+              "summary": stamp["summary"], "ids": stamp["ids"]}
+    path = root / RECORD
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".gpu-run.", suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        f.write(json.dumps(record, indent=2) + "\n")
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, path)
+    print(f"wrote {RECORD}: {record['summary']} on {record['device']}; commit it")
+    return 0
+
+
+def check(root: Path = ROOT) -> int:
+    """CI: exit 1 unless RECORD is a passing GPU run of exactly HEAD's GPU paths."""
+    how = ("Run the GPU suite on the GPU machine: `python3 .ci/gpu_record.py run --out $OUT` in a copy of this tree; "
+           "then here `python3 .ci/gpu_record.py write $OUT/gpu-run.json` and commit .ci/gpu-run.json. "
+           "GPU code that could not run on a GPU must not land: revert it or keep it on a branch.")
+    path = root / RECORD
+    if not path.is_file():
+        print(f"error: no record of a GPU run ({RECORD}). {how}", file=sys.stderr)
+        return 1
+    record = json.loads(path.read_text())
+    head = ids_at_head(root)
+    changed = [f"{p} (recorded {record['ids'].get(p, 'nothing')}, HEAD {head.get(p, 'nothing')})"
+               for p in sorted(set(head) | set(record["ids"])) if head.get(p) != record["ids"].get(p)]
+    if changed:
+        print("error: GPU code changed since the last recorded GPU run:\n" + "\n".join(f"  - {c}" for c in changed)
+              + f"\n{how}", file=sys.stderr)
+        return 1
+    if not _passed(record.get("summary"), 0):
+        print(f"error: the recorded GPU run did not pass: {record.get('summary')}. {how}", file=sys.stderr)
+        return 1
+    print(f"GPU record matches HEAD: {record['summary']} on {record['device']}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("run", help="on the GPU machine: run the GPU suite and stamp it")
+    p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "gpu-run")))
+    p = sub.add_parser("write", help="write the record from a device stamp (gpu-run.json)")
+    p.add_argument("stamp", type=Path)
+    sub.add_parser("check", help="CI: fail if the GPU paths changed since the record")
+    sub.add_parser("ids", help="print the object ids computed from the files")
+    args = ap.parse_args(argv)
+    if args.command == "run":
+        return run(args.out)
+    if args.command == "write":
+        return write(args.stamp)
+    if args.command == "ids":
+        print(json.dumps(ids_from_files(), indent=2))
+        return 0
+    return check()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
