@@ -6,15 +6,16 @@ the host RAM they asked for. Here the runtime sums what it needs, maps one
 anonymous region of exactly that size (rounded up to a page) and page-locks it
 with `cudaHostRegister`: pinned bytes = offloaded bytes + alignment padding.
 
-Why the base is aligned: a GPU kernel reading pinned memory in place issues PCIe
-reads, and a read that straddles a 4 KiB page boundary is split. On the H100, a
-bf16 GEMV through a view of a 64-byte-aligned arena (what `torch.empty` gives)
-read 43 GB/s; from page-aligned memory it read 50.8 GB/s, as fast as
-`cudaHostAlloc` memory (benchmarks/RESULTS.md, "Arena alignment"). An anonymous
-`mmap` is page-aligned by construction; for `base_align` above a page the
-region is over-mapped (address space only: untouched pages cost no memory) and
-the arena starts at the first aligned address, with transparent huge pages
-requested for it.
+Why the base is aligned: on the H100, bf16 GEMVs through a zero-copy view of
+memory that starts 64 bytes past a page boundary (where `torch.empty` put the
+arena before) read 42 GB/s; starting on a page, or 256 or 2048 bytes past one,
+they read 50.8 GB/s, as fast as `cudaHostAlloc` memory (benchmarks/uva_align.py,
+benchmarks/RESULTS.md). What counts is that every tensor starts on a 256-byte
+boundary: a page-aligned base and `ALIGN` between tensors give that. A 2 MiB
+base with transparent huge pages measured the same as a page, so the arena
+takes a page: an anonymous `mmap` is page-aligned by construction. (For
+`base_align` above a page the region is over-mapped, address space only, and
+starts at the first aligned address.)
 
 Why a CUDA view works: with unified virtual addressing, registered host memory
 has the same address on the device. `torch.as_tensor` over an object exposing
@@ -43,9 +44,9 @@ from planner.errors import OffplanError
 
 PAGE = mmap.PAGESIZE
 HUGE_PAGE = 2 * 2**20
-BASE_ALIGN = PAGE  # where the arena starts; see benchmarks/uva_align.py for the measurement behind it
+BASE_ALIGN = PAGE  # where the arena starts (benchmarks/uva_align.py measured a page and 2 MiB alike)
 BASE_OFFSET = 0  # bytes past that boundary: 0, except to measure what alignment buys (benchmarks/decode.py)
-ALIGN = 256  # bytes between tensors; kernels need 16
+ALIGN = 256  # bytes between tensors: UVA reads of a tensor starting 64 B past that run 16% slower
 
 
 def align(n: int, to: int = ALIGN) -> int:
