@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from importlib import metadata
 from pathlib import Path
 
 from . import report, yamlio
@@ -35,10 +36,30 @@ class _Parser(argparse.ArgumentParser):
         raise _UsageError(f"{message} (see `{self.prog} --help`)")
 
 
+class _Version(argparse.Action):
+    """`plan --version`: looked up only when asked (reading distribution metadata takes ~20 ms)."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, help="print offplan's version and exit")
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(f"{parser.prog} (offplan) {version()}")
+        parser.exit()
+
+
+def version() -> str:
+    """The installed distribution's version; a source tree that pip never installed has none."""
+    try:
+        return metadata.version("offplan")
+    except metadata.PackageNotFoundError:
+        return f"unknown (not installed: running from {Path(__file__).resolve().parent.parent})"
+
+
 def _parser() -> argparse.ArgumentParser:
     ap = _Parser(
         prog="plan", formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EXAMPLES,
         description="Plan, review and apply the offloading of LLM weights to pinned host memory.")
+    ap.add_argument("--version", action=_Version)
     sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
 
     def cmd(name, help):
@@ -84,6 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = _parser().parse_args(argv)
         return _COMMANDS[args.command](args)
+    except SystemExit as e:  # --help, --version
+        return e.code if isinstance(e.code, int) else 0
     except (OffplanError, _UsageError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -11,18 +11,27 @@ import difflib
 import json
 from dataclasses import dataclass
 from functools import lru_cache
+from importlib import resources
 from pathlib import Path
 
 import jsonschema
 import yaml
 
-SCHEMAS = Path(__file__).resolve().parent.parent / "schemas"
 _Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 
 @lru_cache(maxsize=None)
 def schema(name: str) -> dict:
-    return json.loads((SCHEMAS / name).read_text())
+    """A JSON Schema shipped with the package (`planner/schemas/` in a wheel).
+
+    The repository keeps the one copy in `schemas/`; pyproject.toml maps it into the
+    package. Run from a source tree (not installed, or installed editable), the
+    package has no `schemas/` of its own and the file is read from the repository.
+    """
+    packaged = resources.files("planner") / "schemas" / name
+    text = packaged.read_text() if packaged.is_file() else \
+        (Path(__file__).resolve().parent.parent / "schemas" / name).read_text()
+    return json.loads(text)
 
 
 @dataclass
