@@ -3,16 +3,19 @@ commands install one tested stack, and `.ci/run` runs the README's test command.
 from __future__ import annotations
 
 import os
+import platform
 import re
 import shutil
 import subprocess
 import sys
+import tomllib
 import zipfile
 from importlib import metadata
 from pathlib import Path
 
 import pytest
 from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
 
 from planner import cli
 from planner.build import build
@@ -110,7 +113,6 @@ def test_ci_runs_the_readme_test_command():
 def test_the_tested_stack_lies_within_the_dependency_ranges():
     """This machine's versions (the CPU CI stack) satisfy every range pyproject.toml gives, and so do
     the GPU machine's torch and transformers."""
-    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     extras = project["optional-dependencies"]
     specs = [Requirement(r) for r in project["dependencies"] + extras["runtime"] + extras["test"]]
@@ -118,6 +120,7 @@ def test_the_tested_stack_lies_within_the_dependency_ranges():
         "jsonschema", "networkx", "pytest", "pyyaml", "rich", "safetensors", "torch", "transformers"]
     for spec in specs:
         assert spec.specifier.contains(metadata.version(spec.name)), (spec, metadata.version(spec.name))
+    assert SpecifierSet(project["requires-python"]).contains(platform.python_version())
     by_name = {s.name: s.specifier for s in specs}
     assert by_name["torch"].contains("2.11.0") and by_name["transformers"].contains("5.17.0")
     assert not any(s.name == "torch" for s in map(Requirement, project["dependencies"]))  # planner: no torch
