@@ -1,21 +1,26 @@
 """The `plan` command. `main(argv)` returns the exit code; tests call it directly.
 
 Exit codes: 0 success; 1 bad input (one message, no traceback, nothing
-written); 2 "differs" for `diff --detailed-exitcode` and "stale" for `check`.
+written); 2 "differs" for `diff --detailed-exitcode` and "stale" for `check`;
+141 (128 + SIGPIPE, like any tool killed by it) when the reader of stdout went
+away (`plan show PLAN | head`), with nothing said.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+from importlib import metadata
 from pathlib import Path
 
 from . import report, yamlio
 from .build import build, default_output
-from .checkpoint import open_checkpoint
+from .checkpoint import INDEX_NAME, open_checkpoint, resolve
 from .errors import OffplanError, PolicyError
+from .hardware import load_hardware
 from .plan import dumps, load_plan, write_atomic
-from .policy import load_policy, policy_fingerprint
+from .policy import Policy, load_policy, policy_fingerprint
 
 EXAMPLES = """examples:
   plan build plans/examples/tiny-moe.policy.yaml        # writes tiny-moe.plan.yaml beside it
@@ -35,10 +40,30 @@ class _Parser(argparse.ArgumentParser):
         raise _UsageError(f"{message} (see `{self.prog} --help`)")
 
 
+class _Version(argparse.Action):
+    """`plan --version`: looked up only when asked (reading distribution metadata takes ~20 ms)."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, help="print offplan's version and exit")
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(f"{parser.prog} (offplan) {version()}")
+        parser.exit()
+
+
+def version() -> str:
+    """The installed distribution's version; a source tree that pip never installed has none."""
+    try:
+        return metadata.version("offplan")
+    except metadata.PackageNotFoundError:
+        return f"unknown (not installed: running from {Path(__file__).resolve().parent.parent})"
+
+
 def _parser() -> argparse.ArgumentParser:
     ap = _Parser(
         prog="plan", formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EXAMPLES,
         description="Plan, review and apply the offloading of LLM weights to pinned host memory.")
+    ap.add_argument("--version", action=_Version)
     sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
 
     def cmd(name, help):
@@ -57,7 +82,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("new", metavar="NEW")
     p.add_argument("--detailed-exitcode", action="store_true",
                    help="exit 0 if the plans are the same, 2 if they differ, 1 on error")
-    p = cmd("validate", "check a policy (schema, patterns against the checkpoint) or a plan file")
+    p = cmd("validate", "check a policy (schema, patterns against the checkpoint), a plan or a hardware profile")
     p.add_argument("file", metavar="FILE")
     p = cmd("check", "is the plan stale? exit 0 if current, 2 if its checkpoint or policy changed")
     p.add_argument("plan", metavar="PLAN")
@@ -74,7 +99,10 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _positive(text: str) -> int:
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number, not {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
     return value
@@ -82,14 +110,33 @@ def _positive(text: str) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     try:
-        args = _parser().parse_args(argv)
-        return _COMMANDS[args.command](args)
+        try:
+            args = _parser().parse_args(argv)
+            code = _COMMANDS[args.command](args)
+        except SystemExit as e:  # --help, --version
+            code = e.code if isinstance(e.code, int) else 0
+        sys.stdout.flush()  # a closed pipe shows here, inside the try, not at interpreter exit
+        return code
     except (OffplanError, _UsageError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except BrokenPipeError:
+        _drop_stdout()
+        return 141
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+
+
+def _drop_stdout() -> None:
+    """The reader of stdout is gone: send what is still buffered to /dev/null, so that
+    Python's flush at exit does not raise again (the recipe in Python's `signal` docs)."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):  # stdout is not a file (captured in tests)
+        pass
 
 
 def _emit(args, data, text: str) -> None:
@@ -107,6 +154,7 @@ def _build(args) -> int:
     if to_stdout:
         sys.stdout.write(text)
         return 0
+    _refuse_to_overwrite_an_input(out, policy)
     write_atomic(out, text)
     data = {"plan": str(out), **report.show_data(plan)}
     s = plan.summary
@@ -115,6 +163,31 @@ def _build(args) -> int:
           f"prefetch buffers), host {report.human(s.uva_bytes + s.prefetch_bytes)}"
           + "".join(f"\nnote: {n}" for n in plan.notes))
     return 0
+
+
+def _refuse_to_overwrite_an_input(out: Path, policy: Policy) -> None:
+    """Writing the plan over the policy, the hardware profile or a checkpoint file would destroy it.
+
+    The same file is found whatever the spelling (`./p.yaml`, a symlink, a hard link):
+    `os.path.samefile` compares device and inode. The checkpoint's files are its
+    index, config.json and every .safetensors file beside them.
+    """
+    if out.is_dir():
+        raise OffplanError(f"{out}: is a directory; -o names the plan file to write (nothing was written)")
+    if not out.exists():
+        return
+    root = resolve(policy.checkpoint)[0]
+    inputs = [("the policy", policy.path)]
+    if policy.hardware is not None:
+        inputs.append(("the hardware profile", policy.hardware))
+    for file in [root / INDEX_NAME, root / "config.json", *sorted(root.glob("*.safetensors"))]:
+        inputs.append(("a file of the checkpoint", file))
+    for what, path in inputs:
+        if path.exists() and os.path.samefile(out, path):
+            same = "" if os.path.abspath(out) == os.path.abspath(path) else f" ({path})"
+            raise OffplanError(f"{out}: this is {what}{same}, an input of the plan: writing the plan there would "
+                               f"destroy it. Nothing was written; choose another -o (default: "
+                               f"{default_output(policy.path)})")
 
 
 def _show(args) -> int:
@@ -140,10 +213,16 @@ def _diff(args) -> int:
 def _validate(args) -> int:
     path = Path(args.file)
     doc = yamlio.parse(path, yamlio.read(path, PolicyError, "policy or plan"), PolicyError)
-    if isinstance(doc.data, dict) and "params" in doc.data:  # plans have params, policies never do
+    kind = yamlio.kind(doc.data)
+    if kind == "plan":
         plan = load_plan(path)
         _emit(args, {"file": str(path), "kind": "plan", "valid": True, "tensors": plan.tensors},
               f"{path}: valid plan ({plan.tensors} tensors, backend {plan.backend})")
+        return 0
+    if kind == "hardware profile":
+        hw = load_hardware(path)
+        _emit(args, {"file": str(path), "kind": "hardware profile", "valid": True, "name": hw.name},
+              f"{path}: valid hardware profile ({hw.name})")
         return 0
     policy = load_policy(path)
     for w in policy.warnings:

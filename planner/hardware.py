@@ -42,6 +42,9 @@ def load_hardware(path: str | Path) -> Hardware:
     """Read and validate a profile written by `plan calibrate` (errors name file:line:column)."""
     path = Path(path)
     doc = yamlio.parse(path, yamlio.read(path, PolicyError, "hardware profile"), PolicyError)
+    wrong = yamlio.wrong_kind(path, doc.data, "hardware profile")
+    if wrong:
+        raise PolicyError(wrong)
     yamlio.validate(doc, "hardware.schema.json", PolicyError, f"{path}: the hardware profile is invalid")
     d = doc.data
     return Hardware(d["name"], float(d["h2d_copy_gbps"]), float(d["uva_read_gbps"]),

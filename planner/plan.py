@@ -251,6 +251,9 @@ def loads(text: str, path: str | Path = "<plan>") -> Plan:
     """Parse and schema-check a plan; raises PlanFileError with `file:line:column`s."""
     path = Path(path)
     doc = yamlio.parse(path, text, PlanFileError)
+    wrong = yamlio.wrong_kind(path, doc.data, "plan")
+    if wrong:
+        raise PlanFileError(wrong)
     if not isinstance(doc.data, dict) or "params" not in doc.data:
         raise PlanFileError(f"{path}: not an offplan plan (no `params:` mapping); build one with "
                             "`plan build POLICY`")

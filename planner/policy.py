@@ -68,7 +68,7 @@ class PrefetchPolicy:
 class Policy:
     path: Path
     fingerprint: str  # sha256 of the policy file's bytes
-    checkpoint: Path  # resolved against the policy's directory
+    checkpoint: Path  # resolved against the policy's directory, `~` expanded
     checkpoint_text: str  # as written in the policy
     backend: Backend = Backend.AUTO
     budget_gib: float | None = None
@@ -76,7 +76,7 @@ class Policy:
     uva: UvaPolicy = UvaPolicy()
     prefetch: PrefetchPolicy = PrefetchPolicy()
     rules: tuple[Rule, ...] = ()
-    hardware: Path | None = None  # a `plan calibrate` profile, resolved against the policy's directory
+    hardware: Path | None = None  # a `plan calibrate` profile, resolved like `checkpoint`
     workload: Workload = Workload()
     warnings: tuple[str, ...] = field(default=(), compare=False)
     # "uva.params[1]" -> "policy.yaml:5:21", for every pattern and stacks entry
@@ -109,8 +109,13 @@ def load_policy(path: str | Path) -> Policy:
     path = Path(path)
     text = yamlio.read(path, PolicyError, "policy")
     doc = yamlio.parse(path, text, PolicyError)
+    wrong = yamlio.wrong_kind(path, doc.data, "policy")
+    if wrong:
+        raise PolicyError(wrong)
     if not isinstance(doc.data, dict):
-        raise PolicyError(f"{path}: a policy is a YAML mapping; start with `format_version: 1`")
+        found = "the file is empty" if doc.data is None else f"it holds {yamlio.shown(doc.data)}"
+        raise PolicyError(f"{path}: a policy is a YAML mapping but {found}; start with `format_version: 1` "
+                          "and `checkpoint: DIR`")
     yamlio.validate(doc, "policy.schema.json", PolicyError, f"{path}: the policy is invalid")
     data = doc.data
     problems: list[str] = []
@@ -144,8 +149,9 @@ def load_policy(path: str | Path) -> Policy:
     w = data.get("workload", {})
     workload = Workload(int(w.get("batch_size", 1)),
                         int(w["experts_per_token"]) if "experts_per_token" in w else None)
-    if "hardware" in data and not (path.parent / data["hardware"]).is_file():
-        problems.append(f"{doc.where(['hardware'])}: hardware: no such file {path.parent / data['hardware']} "
+    hardware = path.parent / Path(data["hardware"]).expanduser() if "hardware" in data else None
+    if hardware is not None and not hardware.is_file():
+        problems.append(f"{doc.where(['hardware'])}: hardware: no such file {hardware} "
                         "(write one with `plan calibrate -o FILE` on the GPU machine)")
     backend = Backend(data.get("backend", "auto"))
     warnings = []
@@ -183,7 +189,7 @@ def load_policy(path: str | Path) -> Policy:
     return Policy(
         path=path,
         fingerprint=policy_fingerprint(text),
-        checkpoint=(path.parent / ckpt_text),
+        checkpoint=path.parent / Path(ckpt_text).expanduser(),
         checkpoint_text=ckpt_text,
         backend=backend,
         budget_gib=data.get("budget_gib"),
@@ -191,7 +197,7 @@ def load_policy(path: str | Path) -> Policy:
         uva=uva,
         prefetch=pre,
         rules=rules,
-        hardware=(path.parent / data["hardware"]) if "hardware" in data else None,
+        hardware=hardware,
         workload=workload,
         warnings=tuple(warnings),
         locations=locations,

@@ -1,28 +1,72 @@
 """YAML in, with line numbers; JSON Schema validation that points at `file:line:column`.
 
-`load(path, schema)` parses the file twice: once to plain data, once to the
-node tree that remembers where each value sits. Every schema violation is
-reported with its location and key path; an unknown key gets a "did you
-mean". All problems are raised together, as the caller's error class.
+`read` + `parse` turn a file into plain data; the node tree that remembers
+where each value sits is composed only when a message needs a location.
+`validate` reports every schema violation with its location and key path; an
+unknown key gets a "did you mean". All problems are raised together, as the
+caller's error class.
+
+What YAML and JSON Schema let through and offplan refuses:
+- duplicate keys in a mapping (PyYAML keeps the last one silently);
+- `.nan`, `.inf` where a number is expected (JSON Schema's "number" admits them);
+and the messages it rewrites: a tab in the indentation, `1e3` (text to YAML 1.1),
+a mapping that needs one of several keys.
 """
 from __future__ import annotations
 
 import difflib
 import json
+import math
 from dataclasses import dataclass
 from functools import lru_cache
+from importlib import resources
 from pathlib import Path
 
 import jsonschema
 import yaml
 
-SCHEMAS = Path(__file__).resolve().parent.parent / "schemas"
-_Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+_FastLoader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
+class _Loader(_FastLoader):
+    """libyaml's safe loader that records duplicate keys instead of keeping the last one.
+
+    The check costs one length comparison per mapping (the keys of a mapping
+    without merge keys are distinct iff the dict is as long as the node list),
+    so a 90k-line plan loads as fast as with the plain loader.
+    """
+
+    def __init__(self, stream):
+        super().__init__(stream)
+        self.duplicates: list[tuple[object, yaml.Mark, yaml.Mark]] = []  # (key, first, again)
+
+    def construct_mapping(self, node, deep=False):
+        own = node.value if isinstance(node, yaml.MappingNode) else None
+        mapping = super().construct_mapping(node, deep=deep)
+        # Merge keys (`<<: *base`) rebind node.value to merged + own pairs; `own` is what the file says.
+        if own is not None and (node.value is not own or len(mapping) < len(own)):
+            first: dict = {}
+            for key_node, _ in own:
+                key = self.construct_object(key_node)  # already built: a cache lookup
+                if key in first:
+                    self.duplicates.append((key, first[key], key_node.start_mark))
+                else:
+                    first[key] = key_node.start_mark
+        return mapping
 
 
 @lru_cache(maxsize=None)
 def schema(name: str) -> dict:
-    return json.loads((SCHEMAS / name).read_text())
+    """A JSON Schema shipped with the package (`planner/schemas/` in a wheel).
+
+    The repository keeps the one copy in `schemas/`; pyproject.toml maps it into the
+    package. Run from a source tree (not installed, or installed editable), the
+    package has no `schemas/` of its own and the file is read from the repository.
+    """
+    packaged = resources.files("planner") / "schemas" / name
+    text = packaged.read_text() if packaged.is_file() else \
+        (Path(__file__).resolve().parent.parent / "schemas" / name).read_text()
+    return json.loads(text)
 
 
 @dataclass
@@ -64,7 +108,7 @@ class Located:
             node = _child(node, k)
         if isinstance(node, yaml.MappingNode):
             for knode, _ in node.value:
-                if knode.value == key:
+                if knode.value == str(key):
                     m = knode.start_mark
                     return f"{self.file}:{m.line + 1}:{m.column + 1}"
         return self.where(path)
@@ -73,7 +117,7 @@ class Located:
 def _child(node, key):
     if isinstance(node, yaml.MappingNode):
         for knode, vnode in node.value:
-            if knode.value == key:
+            if knode.value == str(key):
                 return vnode
     elif isinstance(node, yaml.SequenceNode) and isinstance(key, int) and key < len(node.value):
         return node.value[key]
@@ -88,32 +132,126 @@ def dotted(path) -> str:
 
 
 def parse(path: Path, text: str, error_cls) -> Located:
-    """Parse YAML text; syntax errors become `error_cls` with `file:line:column`."""
+    """Parse YAML text; syntax errors and duplicate keys become `error_cls` with `file:line:column`."""
+    loader = _Loader(text)
     try:
-        data = yaml.load(text, Loader=_Loader)
+        data = loader.get_single_data()
     except yaml.MarkedYAMLError as e:
         mark = e.problem_mark or e.context_mark
+        tab = _tab(text, mark)
+        if tab is not None:
+            raise error_cls(f"{path}:{tab[0]}:{tab[1]}: a tab in the indentation: YAML indents with "
+                            "spaces only; replace the tab with spaces") from None
         where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
         raise error_cls(f"{where}: invalid YAML: {e.problem or e.context}") from None
+    except yaml.reader.ReaderError as e:  # a character YAML does not allow (NUL, other controls)
+        line = text.count("\n", 0, e.position) + 1
+        column = e.position - text.rfind("\n", 0, e.position)
+        code = ord(e.character) if isinstance(e.character, str) else e.character
+        raise error_cls(f"{path}:{line}:{column}: invalid YAML: character U+{code:04X} is not allowed "
+                        "(a control character: is this a text file?)") from None
     except yaml.YAMLError as e:
         raise error_cls(f"{path}: invalid YAML: {e}") from None
+    finally:
+        loader.dispose()
+    if loader.duplicates:
+        raise error_cls(f"{path}: duplicate keys (YAML would keep the last one silently); keep one of each", [
+            f"{path}:{again.line + 1}:{again.column + 1}: {key!r} again (first at {first.line + 1}:{first.column + 1})"
+            for key, first, again in loader.duplicates])
     return Located(path, data, text)
 
 
+def _tab(text: str, mark) -> tuple[int, int] | None:
+    """(line, column), 1-based, of a tab in the indentation of the line a YAML error points at."""
+    if mark is None:
+        return None
+    lines = text.splitlines()
+    if mark.line >= len(lines):
+        return None
+    line = lines[mark.line]
+    indent = line[: len(line) - len(line.lstrip(" \t"))]
+    if "\t" in indent:
+        return mark.line + 1, indent.index("\t") + 1
+    if line[mark.column: mark.column + 1] == "\t":
+        return mark.line + 1, mark.column + 1
+    return None
+
+
 def read(path: Path, error_cls, what: str) -> str:
+    """A YAML file's text; a missing, unreadable or binary file becomes `error_cls` naming it."""
+    path = Path(path)
     try:
-        return Path(path).read_text()
+        return path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise error_cls(f"{path}: no such {what} file") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise error_cls(f"{path}: cannot read the {what}: {e}") from None
+    except IsADirectoryError:
+        raise error_cls(f"{path}: is a directory, not a {what} file") from None
+    except UnicodeDecodeError as e:
+        raise error_cls(f"{path}: not a text file (byte {e.object[e.start]:#04x} at offset {e.start} is not "
+                        f"UTF-8); a {what} is YAML text") from None
+    except OSError as e:
+        raise error_cls(f"{path}: cannot read the {what}: {e.strerror}") from None
+
+
+def kind(data) -> str | None:
+    """Which offplan file a parsed document is, from its top-level keys: "plan", "policy",
+    "hardware profile", or None when it is none of them."""
+    if not isinstance(data, dict):
+        return None
+    if "params" in data or isinstance(data.get("checkpoint"), dict):  # a policy's checkpoint is a path
+        return "plan"
+    if "h2d_copy_gbps" in data:
+        return "hardware profile"
+    if "checkpoint" in data:
+        return "policy"
+    return None
+
+
+def wrong_kind(path: Path, data, expected: str) -> str | None:
+    """The message for another kind of offplan file passed where `expected` belongs, else None."""
+    found = kind(data)
+    if found is None or found == expected:
+        return None
+    use = {"plan": f"review it with `plan show {path}`, load it with `plan apply {path}`",
+           "policy": f"build a plan from it with `plan build {path}`",
+           "hardware profile": f"name it in a policy: `hardware: {path.name}`"}[found]
+    policy = data.get("policy")
+    if found == "plan" and expected == "policy" and isinstance(policy, dict) and isinstance(policy.get("path"), str):
+        use = f"its policy is {path.parent / policy['path']}"
+    return f"{path}: this is a {found}, not a {expected}: {use}"
+
+
+def shown(value) -> str:
+    """A value as YAML spells it, for messages: null, true, 'text', 2.5, a list, a mapping."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, list):
+        return "a list"
+    if isinstance(value, dict):
+        return "a mapping"
+    return f"{value!r:.60}"
+
+
+def _finite(checker, instance) -> bool:
+    return jsonschema.Draft202012Validator.TYPE_CHECKER.is_type(instance, "number") and (
+        not isinstance(instance, float) or math.isfinite(instance))
+
+
+# JSON Schema's "number" admits NaN and infinities, which YAML spells .nan and .inf.
+_Validator = jsonschema.validators.extend(
+    jsonschema.Draft202012Validator,
+    type_checker=jsonschema.Draft202012Validator.TYPE_CHECKER.redefine("number", _finite))
 
 
 def validate(doc: Located, schema_name: str, error_cls, headline: str) -> None:
     """Raise `error_cls` listing every schema violation with its location."""
-    validator = jsonschema.Draft202012Validator(schema(schema_name))
+    validator = _Validator(schema(schema_name))
     problems = []
     for err in sorted(validator.iter_errors(doc.data), key=lambda e: list(map(str, e.absolute_path))):
+        if err.validator in ("anyOf", "oneOf") and not _needs_one_of(err):
+            err = jsonschema.exceptions.best_match([err])  # the branch that came closest, not "none matched"
         path = list(err.absolute_path)
         if err.validator == "additionalProperties" and isinstance(err.instance, dict):
             known = list(err.schema.get("properties", {}))
@@ -122,7 +260,7 @@ def validate(doc: Located, schema_name: str, error_cls, headline: str) -> None:
                     continue
                 near = difflib.get_close_matches(str(key), known, n=1, cutoff=0.6)
                 hint = f"; did you mean {near[0]!r}?" if near else f" (allowed: {', '.join(known)})"
-                where = dotted(path + [key])
+                where = dotted(path + [str(key)])
                 problems.append(f"{doc.key_where(path, key)}: {where}: unknown key{hint}")
             continue
         problems.append(f"{doc.where(path)}: {dotted(path)}: {_message(err)}")
@@ -130,14 +268,69 @@ def validate(doc: Located, schema_name: str, error_cls, headline: str) -> None:
         raise error_cls(headline, problems)
 
 
+def _needs_one_of(err) -> list[str]:
+    """The keys of an `anyOf: [{required: [a]}, {required: [b]}]`, else []."""
+    branches = err.validator_value
+    if err.validator == "anyOf" and all(list(b) == ["required"] and len(b["required"]) == 1 for b in branches):
+        return [b["required"][0] for b in branches]
+    return []
+
+
+_TYPE_NAMES = {"number": "a number", "integer": "a whole number", "string": "a string", "array": "a list",
+               "object": "a mapping", "boolean": "true or false", "null": "null"}
+
+
 def _message(err: jsonschema.ValidationError) -> str:
+    value = err.instance
     if err.validator == "enum":
-        return f"{err.instance!r} is not one of {', '.join(map(str, err.validator_value))}"
+        return f"{shown(value)} is not one of {', '.join(map(str, err.validator_value))}"
     if err.validator == "required":
         return err.message.replace("is a required property", "is required")
     if err.validator == "const":
-        return f"must be {err.validator_value!r}, not {err.instance!r}"
+        return f"must be {err.validator_value!r}, not {shown(value)}"
+    if err.validator == "minItems":
+        return "must not be empty" if err.validator_value == 1 else f"needs at least {err.validator_value} entries"
+    if err.validator == "anyOf":
+        keys = _needs_one_of(err)
+        props = err.schema.get("properties", {})
+        each = [f"`{k}` ({', '.join(props[k]['enum'])})" if "enum" in props.get(k, {}) else f"`{k}`"
+                for k in keys]
+        return f"needs {' or '.join(each)}{', or both' if len(keys) == 2 else ''}"
+    if err.validator in ("maximum", "minimum", "exclusiveMinimum", "exclusiveMaximum"):
+        bound = {"maximum": "at most", "minimum": "at least", "exclusiveMinimum": "more than",
+                 "exclusiveMaximum": "less than"}[err.validator]
+        return f"must be {bound} {err.validator_value}, not {shown(value)}"
+    if err.validator == "type":
+        types = err.validator_value if isinstance(err.validator_value, list) else [err.validator_value]
+        want = " or ".join(_TYPE_NAMES.get(t, t) for t in types)
+        if isinstance(value, float) and not math.isfinite(value):
+            spelled = ".nan" if math.isnan(value) else (".inf" if value > 0 else "-.inf")
+            return f"must be {want}, not {spelled} (finite numbers only)"
+        if isinstance(value, str) and {"number", "integer"} & set(types) and _is_number(value):
+            if "e" not in value.lower():
+                return f"must be {want}, not the string {value!r}; write it without quotes"
+            return (f"{value!r} is text to YAML 1.1, not a number (a number with an exponent needs a "
+                    f"dot and a signed exponent); write {_spell(value)}")
+        return f"must be {want}, not {shown(value)}"
     return err.message
+
+
+def _is_number(text: str) -> bool:
+    try:
+        return math.isfinite(float(text))
+    except ValueError:
+        return False
+
+
+def _spell(text: str) -> str:
+    """How to write `1e3` so that YAML 1.1 reads a number: `1000 or 1.0e+3`."""
+    value = float(text)
+    mantissa, _, exponent = text.lower().replace("_", "").partition("e")
+    if "." not in mantissa:
+        mantissa += ".0"
+    sci = f"{mantissa}e{exponent if exponent[:1] in '+-' else '+' + exponent}" if exponent else mantissa
+    plain = str(int(value)) if value.is_integer() and abs(value) < 1e16 else repr(value)
+    return sci if "e" in plain or plain == sci else f"{plain} or {sci}"
 
 
 def quote(text: str) -> str:

@@ -28,7 +28,7 @@ from planner.plan import Plan, load_plan
 from planner.policy import Placement
 
 from .arena import PinnedArena, as_bytes, typed
-from .loader import TORCH_DTYPES, Progress, ShardReader, Stager
+from .loader import TORCH_DTYPES, Progress, ShardReader, Stager, check_holds_weights
 from .layout import layout, plan_layer_of
 from .names import Target, map_tensors
 from .prefetch import OnDemandCopies, PrefetchEngine
@@ -84,6 +84,8 @@ class OffloadHandle:
     def __init__(self, model, plan, checkpoint, device, uva, progress, *, from_checkpoint: bool):
         self.model = model
         self.plan, self.checkpoint = _open(plan, checkpoint)
+        if from_checkpoint:
+            check_holds_weights(self.checkpoint)
         self.device = torch.device(device) if device is not None else torch.device(
             "cuda" if torch.cuda.is_available() else "cpu")
         self.cuda = self.device.type == "cuda"

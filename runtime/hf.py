@@ -5,10 +5,12 @@ from pathlib import Path
 
 import torch
 
+from planner.checkpoint import open_checkpoint
 from planner.errors import OffplanError
 from planner.plan import load_plan
 
 from .handle import OffloadHandle, load
+from .loader import check_holds_weights
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -46,6 +48,7 @@ def from_pretrained(plan: str | Path, *, device: str | torch.device | None = Non
     """
     plan_path = Path(plan)
     checkpoint_dir = load_plan(plan_path).checkpoint_dir(plan_path)
+    check_holds_weights(open_checkpoint(checkpoint_dir))  # before config.json, which a header-only one lacks
     if checkpoint_dir.is_file():
         checkpoint_dir = checkpoint_dir.parent
     model = build_meta_model(checkpoint_dir, dtype)

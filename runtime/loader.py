@@ -7,10 +7,12 @@ GPU-resident tensors go through `Stager`: a few small pinned buffers, filled
 on the host and copied to the GPU on a side stream, so pageable memory never
 feeds a device copy and nothing larger than a chunk is staged at a time.
 `Progress` draws a one-line bar (bytes, GB/s) only when stderr is a terminal.
+`check_holds_weights` refuses a header-only checkpoint before anything is allocated.
 """
 from __future__ import annotations
 
 import mmap
+import os
 import sys
 import time
 from pathlib import Path
@@ -18,6 +20,11 @@ from pathlib import Path
 import torch
 
 from planner.checkpoint import Checkpoint
+from planner.errors import CheckpointError
+from planner.report import human
+
+HOLE_MIN_BYTES = 2**20  # smaller shards are never called header-only: one file system block may hold them
+HOLE_FRACTION = 16  # header-only: under 1/16 of the data's bytes allocated on disk
 
 STAGING_CHUNK = 64 * 2**20
 STAGING_BUFFERS = 2
@@ -27,6 +34,42 @@ TORCH_DTYPES = {
     "I64": torch.int64, "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32,
     "F64": torch.float64, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
 }
+
+
+def check_holds_weights(checkpoint: Checkpoint) -> None:
+    """Refuse a header-only checkpoint: valid headers over data regions that are holes in sparse files.
+
+    `plans/examples/make_checkpoints.py` (`planner.synthetic`) writes such
+    checkpoints so that big models can be planned without their weights; loading
+    one would read zeros. A shard counts as header-only when the file system
+    has allocated (`st_blocks`) under 1/16 of the bytes its tensors need. A real
+    shard has all its bytes allocated (compressing file systems store random
+    weights at more than half their size), so only shards whose tensors hold at
+    least 1 MiB are judged: below that, block rounding could blur the two. A
+    file system that reports no allocation (`st_blocks` 0 or absent) is not judged.
+    """
+    need: dict[str, int] = {}
+    for info in checkpoint.tensors.values():
+        need[info.shard] = need.get(info.shard, 0) + info.nbytes
+    holes = {}  # shard -> (bytes its tensors need, bytes allocated)
+    for shard, nbytes in sorted(need.items()):
+        try:
+            allocated = os.stat(Path(checkpoint.root) / shard).st_blocks * 512
+        except (OSError, AttributeError):  # AttributeError: no st_blocks on this platform
+            continue
+        if nbytes >= HOLE_MIN_BYTES and 0 < allocated < nbytes // HOLE_FRACTION:
+            holes[shard] = (nbytes, allocated)
+    if not holes:
+        return
+    headline = (f"{checkpoint.root}: the checkpoint holds no weights: the data of "
+                + ("its shards are" if len(holes) == len(need) else f"{len(holes)} of its {len(need)} shards are")
+                + f" holes in sparse files ({human(sum(n for n, _ in holes.values()))} of tensors, "
+                f"{human(sum(a for _, a in holes.values()))} on disk). It is a header-only checkpoint, for planning "
+                "only (plans/examples/make_checkpoints.py writes them). To load the model, download the real "
+                "checkpoint, point the policy's `checkpoint:` at it and run `plan build` again")
+    problems = [] if len(holes) == len(need) else [
+        f"{shard}: its tensors need {human(n)}, {human(a)} is on disk" for shard, (n, a) in holes.items()]
+    raise CheckpointError(headline, problems)
 
 
 class ShardReader:

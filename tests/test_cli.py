@@ -191,7 +191,7 @@ BAD_INPUTS = [
     (["build", "budget.policy.yaml"], "budget_gib: 0.01 is the smallest that fits this policy"),
     (["build", "uva.policy.yaml", "-o", "no/such/dir/p.yaml"], "no/such/dir/p.yaml: cannot write the plan"),
     (["show", "missing.plan.yaml"], "missing.plan.yaml: no such plan file"),
-    (["show", "uva.policy.yaml"], "uva.policy.yaml: not an offplan plan"),
+    (["show", "uva.policy.yaml"], "uva.policy.yaml: this is a policy, not a plan"),
     (["show", "edited.plan.yaml"], "edited.plan.yaml: the plan is inconsistent"),
     (["validate", "schema.policy.yaml"], "budget_gb: unknown key"),
     (["validate", "edited.plan.yaml"], "checkpoint.tensors is 3 but params lists 11"),

@@ -73,7 +73,8 @@ def test_yaml_syntax_error_is_located(tmp_path):
     e = policy_error(path)
     assert str(e) == f"{path}:5:8: invalid YAML: did not find expected ',' or ']'"
     path = write_policy(tmp_path, "uva:\n\toffload_gib: 1\n")
-    assert str(policy_error(path)).startswith(f"{path}:4:1: invalid YAML: ")
+    assert str(policy_error(path)) == (f"{path}:4:1: a tab in the indentation: YAML indents with spaces only; "
+                                       "replace the tab with spaces")
 
 
 def test_schema_violations_are_all_located_with_key_paths(tmp_path):
@@ -93,11 +94,11 @@ def test_schema_violations_are_all_located_with_key_paths(tmp_path):
         f"{path}:3:10: backend: 'gpu' is not one of auto, uva, prefetch, mixed",
         f"{path}:1:17: format_version: must be 1, not 2",
         f"{path}:9:3: prefetch.group_sise: unknown key; did you mean 'group_size'?",
-        f"{path}:10:9: prefetch.step: 'two' is not of type 'integer'",
+        f"{path}:10:9: prefetch.step: must be a whole number, not 'two'",
         f"{path}:13:12: rules[0].place: 'disk' is not one of gpu, uva, prefetch",
         f"{path}:14:5: rules[1]: 'match' is required",
-        f"{path}:6:16: uva.offload_gib: -1 is less than the minimum of 0",
-        f"{path}:7:11: uva.params: 'mlp' is not of type 'array'",
+        f"{path}:6:16: uva.offload_gib: must be at least 0, not -1",
+        f"{path}:7:11: uva.params: must be a list, not 'mlp'",
     ]
 
 
@@ -105,7 +106,8 @@ def test_required_keys_and_shape(tmp_path):
     path = write_policy(tmp_path, head="format_version: 1\n")
     assert policy_error(path).problems == [f"{path}:1:1: (top level): 'checkpoint' is required"]
     path = write_policy(tmp_path, head="- 1\n")
-    assert str(policy_error(path)) == f"{path}: a policy is a YAML mapping; start with `format_version: 1`"
+    assert str(policy_error(path)) == (f"{path}: a policy is a YAML mapping but it holds a list; start with "
+                                       "`format_version: 1` and `checkpoint: DIR`")
     assert str(policy_error(tmp_path / "none.yaml")) == f"{tmp_path / 'none.yaml'}: no such policy file"
 
 

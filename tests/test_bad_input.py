@@ -1,0 +1,344 @@
+"""Bad input never gives a traceback and never destroys a file.
+
+The corpus runs each bad input through `main(argv)` and asserts: exit code 1,
+one `error:` message on stderr that names the file (with `file:line:column` for
+YAML) or key and the fix, no traceback, nothing on stdout, and every file in
+the working directory as it was (names, sizes, mtimes). The tests below the
+corpus cover what it cannot: symlinks and hard links to inputs, `~`, closed
+pipes, and the speed of the duplicate-key check.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from planner.cli import main
+from planner.policy import load_policy
+
+ROOT = Path(__file__).resolve().parent.parent
+HEAD = "format_version: 1\ncheckpoint: ./ckpt\n"
+POLICY = HEAD + "budget_gib: 0.018\n"  # offloads layer 0 of the toy checkpoint through uva
+HARDWARE = ("format_version: 1\nname: test GPU\nh2d_copy_gbps: 55.0\nuva_read_gbps: 50.0\nhbm_read_gbps: 2900\n"
+            "layer_overhead_us: 800.0\n")
+needs_torch = pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="plan apply needs torch")
+
+
+@pytest.fixture
+def work(tmp_path, toy_ckpt, monkeypatch):
+    """cwd = tmp_path: ckpt/ (header-only toy checkpoint), p.policy.yaml, its plan p.plan.yaml, hw.yaml."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "p.policy.yaml").write_text(POLICY)
+    (tmp_path / "hw.yaml").write_text(HARDWARE)
+    assert main(["build", "p.policy.yaml"]) == 0
+    return tmp_path
+
+
+def snapshot(directory: Path) -> dict[str, tuple[int, int, int]]:
+    """Every entry under `directory` (links not followed): (mode, size, mtime in ns)."""
+    out = {}
+    for dirpath, dirnames, filenames in os.walk(directory):
+        for name in dirnames + filenames:
+            path = Path(dirpath) / name
+            st = path.lstat()
+            out[str(path.relative_to(directory))] = (st.st_mode, st.st_size, st.st_mtime_ns)
+    return out
+
+
+def plan_text(work: Path, old: str, new: str) -> str:
+    text = (work / "p.plan.yaml").read_text()
+    assert old in text, old
+    return text.replace(old, new, 1)
+
+
+def edited_plan(old: str, new: str, **spots: str):
+    """Write bad.plan.yaml, the plan with `old` replaced by `new`. The plan's layout belongs to
+    `plan build`, so messages name places by text: `{at}` in a message is `line:column` of the
+    string spots["at"] in the edited file (`{first}` likewise)."""
+    def setup(w):
+        text = plan_text(w, old, new)
+        (w / "bad.plan.yaml").write_text(text)
+        return {name: where(text, s) for name, s in spots.items()}
+    return setup
+
+
+def where(text: str, s: str) -> str:
+    assert text.count(s) == 1, s
+    before = text[: text.index(s)]
+    return f"{before.count(chr(10)) + 1}:{len(before) - before.rfind(chr(10))}"
+
+
+def policy(body: str, head: str = HEAD, name: str = "bad.policy.yaml"):
+    def setup(w):
+        (w / name).write_text(head + body)
+    return setup
+
+
+def hardware(old: str, new: str):
+    def setup(w):
+        assert old in HARDWARE
+        (w / "bad-hw.yaml").write_text(HARDWARE.replace(old, new))
+        (w / "bad.policy.yaml").write_text(HEAD + "budget_gib: 0.018\nhardware: bad-hw.yaml\n")
+    return setup
+
+
+def socket_file(w):
+    s = socket.socket(socket.AF_UNIX)
+    s.bind(str(w / "sock.yaml"))
+    s.close()
+
+
+def write(name: str, data: bytes):
+    def setup(w):
+        (w / name).write_bytes(data)
+    return setup
+
+
+def nothing(w):
+    pass
+
+
+def case(name: str, setup, argv: list[str], message: str, marks=()):
+    """One bad input: setup(work) writes it, `plan *argv` reads it, stderr holds `message`."""
+    return pytest.param(setup, argv, message, id=name, marks=marks)
+
+
+CORPUS = [
+    # Non-finite and absurd numbers: refused at the schema, with the key's location.
+    case("nan budget", policy("budget_gib: .nan\n"), ["build", "bad.policy.yaml"],
+     "bad.policy.yaml: the policy is invalid\n"
+     "  - bad.policy.yaml:3:13: budget_gib: must be a number, not .nan (finite numbers only)"),
+    case("inf budget", policy("budget_gib: .inf\n"), ["build", "bad.policy.yaml"],
+     "bad.policy.yaml:3:13: budget_gib: must be a number, not .inf (finite numbers only)"),
+    case("-inf offload", policy("uva:\n  offload_gib: -.inf\n"), ["build", "bad.policy.yaml"],
+     "bad.policy.yaml:4:16: uva.offload_gib: must be a number, not -.inf (finite numbers only)"),
+    case("1e300 budget", policy("budget_gib: 1.0e+300\n"), ["build", "bad.policy.yaml"],
+     "bad.policy.yaml:3:13: budget_gib: must be at most 1048576, not 1e+300"),
+    case("huge integer budget", policy("budget_gib: 99999999999999999999999\n"), ["validate", "bad.policy.yaml"],
+     "bad.policy.yaml:3:13: budget_gib: must be at most 1048576, not 99999999999999999999999"),
+    case("huge batch", policy("workload: {batch_size: 0x10000000000}\n"), ["build", "bad.policy.yaml"],
+     "bad.policy.yaml:3:24: workload.batch_size: must be at most 65536, not 1099511627776"),
+    case("nan group_size", policy("prefetch:\n  group_size: .nan\n"), ["build", "bad.policy.yaml"],
+     "bad.policy.yaml:4:15: prefetch.group_size: must be a whole number, not .nan (finite numbers only)"),
+    case("1e300 step", policy("prefetch: {group_size: 2, step: 1.0e+300}\n"), ["build", "bad.policy.yaml"],
+     "bad.policy.yaml:3:33: prefetch.step: must be at most 65536, not 1e+300"),
+    case("nan in a plan", edited_plan("  gpu_bytes: ", "  gpu_bytes: .nan #", at=".nan"), ["show", "bad.plan.yaml"],
+         "bad.plan.yaml: the plan is invalid\n"
+         "  - bad.plan.yaml:{at}: summary.gpu_bytes: must be a whole number, not .nan (finite numbers only)"),
+    case("inf in a plan's cost", edited_plan("batch_size: 1,", "batch_size: .inf,", at=".inf"),
+         ["check", "bad.plan.yaml"],
+         "bad.plan.yaml:{at}: cost.batch_size: must be a whole number, not .inf (finite numbers only)"),
+    case("huge integer in a plan", edited_plan("  tensors: 11", "  tensors: 99999999999999999999", at="99999999999999999999"),
+         ["validate", "bad.plan.yaml"],
+         "bad.plan.yaml:{at}: checkpoint.tensors: must be at most 9007199254740992, not 99999999999999999999"),
+    case("nan in a hardware profile", hardware("h2d_copy_gbps: 55.0", "h2d_copy_gbps: .nan"),
+     ["build", "bad.policy.yaml"],
+     "bad-hw.yaml: the hardware profile is invalid\n"
+     "  - bad-hw.yaml:3:16: h2d_copy_gbps: must be a number, not .nan (finite numbers only)"),
+    case("tiny bandwidth", hardware("uva_read_gbps: 50.0", "uva_read_gbps: 1.0e-300"), ["build", "bad.policy.yaml"],
+     "bad-hw.yaml:4:16: uva_read_gbps: must be at least 0.001, not 1e-300"),
+    case("huge overhead", hardware("layer_overhead_us: 800.0", "layer_overhead_us: 1.0e+300"),
+     ["validate", "bad.policy.yaml"],
+     "bad-hw.yaml:6:20: layer_overhead_us: must be at most 1000000000, not 1e+300"),
+    case("1e3 is text", policy("budget_gib: 1e3\n"), ["build", "bad.policy.yaml"],
+     "bad.policy.yaml:3:13: budget_gib: '1e3' is text to YAML 1.1, not a number (a number with an exponent "
+     "needs a dot and a signed exponent); write 1000 or 1.0e+3"),
+    case("quoted number", policy("budget_gib: '12'\n"), ["build", "bad.policy.yaml"],
+     "bad.policy.yaml:3:13: budget_gib: must be a number, not the string '12'; write it without quotes"),
+    case("negative offload", policy("uva: {offload_gib: -1}\n"), ["build", "bad.policy.yaml"],
+     "bad.policy.yaml:3:20: uva.offload_gib: must be at least 0, not -1"),
+    case("negative group_size", policy("prefetch: {group_size: -2}\n"), ["build", "bad.policy.yaml"],
+     "bad.policy.yaml:3:24: prefetch.group_size: must be at least 0, not -2"),
+    case("negative bytes in a plan", edited_plan("budget_bytes: 19327352", "budget_bytes: -5 #", at="-5"),
+         ["show", "bad.plan.yaml"], "bad.plan.yaml:{at}: budget_bytes: must be at least 0, not -5"),
+    # An output that is one of the inputs: refused, nothing written.
+    case("-o the policy", nothing, ["build", "p.policy.yaml", "-o", "p.policy.yaml"],
+     "p.policy.yaml: this is the policy, an input of the plan: writing the plan there would destroy it. "
+     "Nothing was written; choose another -o (default: p.plan.yaml)"),
+    case("-o ./the policy", nothing, ["build", "p.policy.yaml", "-o", "./p.policy.yaml"],
+     "p.policy.yaml: this is the policy, an input of the plan"),
+    case("-o a shard", nothing, ["build", "p.policy.yaml", "-o", "ckpt/model-00001-of-00002.safetensors"],
+     "ckpt/model-00001-of-00002.safetensors: this is a file of the checkpoint, an input of the plan"),
+    case("-o the index", nothing, ["build", "p.policy.yaml", "-o", "ckpt/../ckpt/model.safetensors.index.json"],
+     "ckpt/../ckpt/model.safetensors.index.json: this is a file of the checkpoint, an input of the plan"),
+    case("-o the hardware profile", policy("budget_gib: 0.018\nhardware: hw.yaml\n"),
+     ["build", "bad.policy.yaml", "-o", "hw.yaml"],
+     "hw.yaml: this is the hardware profile, an input of the plan: writing the plan there would destroy it. "
+     "Nothing was written; choose another -o (default: bad.plan.yaml)"),
+    case("-o a directory", nothing, ["build", "p.policy.yaml", "-o", "ckpt"],
+     "ckpt: is a directory; -o names the plan file to write (nothing was written)"),
+    # Duplicate keys: both lines named.
+    case("duplicate top-level key", policy("budget_gib: 1\nbackend: uva\nbudget_gib: 2\n"),
+     ["build", "bad.policy.yaml"],
+     "bad.policy.yaml: duplicate keys (YAML would keep the last one silently); keep one of each\n"
+     "  - bad.policy.yaml:5:1: 'budget_gib' again (first at 3:1)"),
+    case("duplicate nested key", policy("prefetch:\n  group_size: 2\n  step: 1\n  group_size: 4\n"),
+     ["validate", "bad.policy.yaml"], "bad.policy.yaml:6:3: 'group_size' again (first at 4:3)"),
+    case("duplicate in a flow mapping", policy("uva: {offload_gib: 1, offload_gib: 2}\n"),
+     ["build", "bad.policy.yaml"], "bad.policy.yaml:3:23: 'offload_gib' again (first at 3:7)"),
+    case("duplicate param in a plan",
+     edited_plan("  model.norm.weight: gpu\n", "  model.norm.weight: gpu\n  model.norm.weight: uva\n",
+                 first="model.norm.weight: gpu", at="model.norm.weight: uva"),
+     ["show", "bad.plan.yaml"], "bad.plan.yaml:{at}: 'model.norm.weight' again (first at {first})"),
+    # Messages that say what is wrong in the user's terms.
+    case("tab", policy("uva:\n\toffload_gib: 1\n"), ["build", "bad.policy.yaml"],
+     "bad.policy.yaml:4:1: a tab in the indentation: YAML indents with spaces only; replace the tab with spaces"),
+    case("tab in a list", policy("stacks:\n  - model.layers\n\t- x\n"), ["build", "bad.policy.yaml"],
+     "bad.policy.yaml:5:1: a tab in the indentation"),
+    case("rule without place or role", policy("rules:\n  - match: [lm_head]\n"), ["build", "bad.policy.yaml"],
+     "bad.policy.yaml:4:5: rules[0]: needs `place` (gpu, uva, prefetch) or `role` (expert, embedding, dense), "
+     "or both"),
+    case("rule matching nothing", policy("rules:\n  - {match: [], place: gpu}\n"), ["build", "bad.policy.yaml"],
+     "bad.policy.yaml:4:13: rules[0].match: must not be empty"),
+    case("~ checkpoint", policy("", head="format_version: 1\ncheckpoint: ~/models/x\n"), ["build", "bad.policy.yaml"],
+     "checkpoint: ~/models/x -> {home}/models/x: no such file or directory"),
+    case("policy to show", nothing, ["show", "p.policy.yaml"],
+     "p.policy.yaml: this is a policy, not a plan: build a plan from it with `plan build p.policy.yaml`"),
+    case("policy to check", nothing, ["check", "p.policy.yaml"], "p.policy.yaml: this is a policy, not a plan"),
+    case("policy to diff (old)", nothing, ["diff", "p.policy.yaml", "p.plan.yaml"],
+     "p.policy.yaml: this is a policy, not a plan"),
+    case("policy to diff (new)", nothing, ["diff", "p.plan.yaml", "p.policy.yaml"],
+     "p.policy.yaml: this is a policy, not a plan"),
+    case("policy to apply", nothing, ["apply", "p.policy.yaml"],
+         "p.policy.yaml: this is a policy, not a plan: build a plan from it with `plan build p.policy.yaml`",
+         marks=needs_torch),
+    case("plan to build", nothing, ["build", "p.plan.yaml"],
+     "p.plan.yaml: this is a plan, not a policy: its policy is p.policy.yaml"),
+    case("hardware profile to build", nothing, ["build", "hw.yaml"],
+     "hw.yaml: this is a hardware profile, not a policy: name it in a policy: `hardware: hw.yaml`"),
+    case("policy as hardware profile", policy("budget_gib: 0.018\nhardware: p.policy.yaml\n"),
+     ["build", "bad.policy.yaml"],
+     "p.policy.yaml: this is a policy, not a hardware profile: build a plan from it with `plan build p.policy.yaml`"),
+    case("--max-new-tokens abc", nothing, ["apply", "p.plan.yaml", "--max-new-tokens", "abc"],
+     "argument --max-new-tokens: must be a whole number, not 'abc' (see `plan apply --help`)"),
+    case("--max-new-tokens 0", nothing, ["apply", "p.plan.yaml", "--max-new-tokens", "0"],
+     "argument --max-new-tokens: must be at least 1, not 0"),
+    # Invented in the same spirit.
+    case("empty policy", write("empty.yaml", b""), ["build", "empty.yaml"],
+     "empty.yaml: a policy is a YAML mapping but the file is empty; start with `format_version: 1` and "
+     "`checkpoint: DIR`"),
+    case("comments only", write("c.yaml", b"# nothing yet\n"), ["validate", "c.yaml"],
+     "c.yaml: a policy is a YAML mapping but the file is empty"),
+    case("empty plan", write("empty.plan.yaml", b""), ["show", "empty.plan.yaml"],
+     "empty.plan.yaml: not an offplan plan (no `params:` mapping); build one with `plan build POLICY`"),
+    case("a list for a policy", write("l.yaml", b"- format_version: 1\n"), ["build", "l.yaml"],
+     "l.yaml: a policy is a YAML mapping but it holds a list"),
+    case("binary garbage", write("bin.yaml", bytes(range(256))), ["build", "bin.yaml"],
+     "bin.yaml: not a text file (byte 0x80 at offset 128 is not UTF-8); a policy is YAML text"),
+    case("NUL byte", write("nul.yaml", HEAD.encode() + b"backend: a\x00b\n"), ["build", "nul.yaml"],
+     "nul.yaml:3:11: invalid YAML: character U+0000 is not allowed (a control character: is this a text file?)"),
+    case("two documents", policy("---\nbackend: uva\n"), ["build", "bad.policy.yaml"],
+     "bad.policy.yaml:3:1: invalid YAML: but found another document"),
+    case("python tag", policy("backend: !!python/object/apply:os.system [ls]\n"), ["build", "bad.policy.yaml"],
+     "bad.policy.yaml:3:10: invalid YAML: could not determine a constructor for the tag"),
+    case("unhashable key", policy("? [a, b]\n: 1\n"), ["build", "bad.policy.yaml"],
+     "bad.policy.yaml:3:3: invalid YAML: found unhashable key"),
+    case("directory as policy", nothing, ["build", "ckpt"], "ckpt: is a directory, not a policy file"),
+    case("directory as plan", nothing, ["show", "ckpt"], "ckpt: is a directory, not a plan file"),
+    case("unreadable (a socket)", socket_file, ["build", "sock.yaml"],
+     "sock.yaml: cannot read the policy: No such device or address"),
+    case("missing policy", nothing, ["validate", "nope.yaml"], "nope.yaml: no such policy or plan file"),
+    case("wrong type: checkpoint", policy("", head="format_version: 1\ncheckpoint: 5\n"), ["build", "bad.policy.yaml"],
+     "bad.policy.yaml:2:13: checkpoint: must be a string, not 5"),
+    case("wrong type: null", policy("", head="format_version: 1\ncheckpoint:\n"), ["build", "bad.policy.yaml"],
+     "bad.policy.yaml:2:12: checkpoint: must be a string, not null"),
+    case("wrong type: stacks", policy("stacks: model.layers\n"), ["build", "bad.policy.yaml"],
+     "bad.policy.yaml:3:9: stacks: must be a list, not 'model.layers'"),
+    case("wrong type: rules", policy("rules: {match: x}\n"), ["build", "bad.policy.yaml"],
+     "bad.policy.yaml:3:8: rules: must be a list, not a mapping"),
+    case("wrong type: bool", policy("uva: {offload_gib: yes}\n"), ["build", "bad.policy.yaml"],
+     "bad.policy.yaml:3:20: uva.offload_gib: must be a number, not true"),
+    case("wrong type: format_version", policy("", head="format_version: '1'\ncheckpoint: ./ckpt\n"),
+     ["build", "bad.policy.yaml"], "bad.policy.yaml:1:17: format_version: must be 1, not '1'"),
+    case("integer key", policy("1: x\n"), ["build", "bad.policy.yaml"],
+     "bad.policy.yaml:3:1: 1: unknown key (allowed: format_version"),
+    case("checkpoint is a plan file", policy("", head="format_version: 1\ncheckpoint: p.plan.yaml\n"),
+     ["build", "bad.policy.yaml"],
+     "p.plan.yaml: not a safetensors checkpoint (expected a directory, a .safetensors file or a "
+     "model.safetensors.index.json)"),
+    case("checkpoint is the policy", policy("", head="format_version: 1\ncheckpoint: bad.policy.yaml\n"),
+     ["build", "bad.policy.yaml", "-o", "-"], "bad.policy.yaml: not a safetensors checkpoint"),
+    case("plan params as a list", edited_plan("params:\n", "params: [x]\nold_params:\n", at="[x]"),
+         ["show", "bad.plan.yaml"], "bad.plan.yaml:{at}: params: must be a mapping, not a list"),
+    case("plan with a policy's key", edited_plan("backend: uva\n", "backend: uva\nbudget_gib: 3\n", at="budget_gib: 3"),
+         ["validate", "bad.plan.yaml"], "bad.plan.yaml:{at}: budget_gib: unknown key; did you mean 'budget_bytes'?"),
+    case("unknown placement in a plan", edited_plan("  model.norm.weight: gpu", "  model.norm.weight: disk", at="disk"),
+         ["show", "bad.plan.yaml"],
+         "bad.plan.yaml:{at}: params.model.norm.weight: 'disk' is not one of gpu, uva, prefetch"),
+]
+
+
+@pytest.mark.parametrize("setup, argv, message", CORPUS)
+def test_bad_input_is_one_message_exit_1_and_writes_nothing(work, capsys, monkeypatch, setup, argv, message):
+    monkeypatch.setenv("HOME", str(work / "home"))
+    spots = setup(work) or {}
+    before = snapshot(work)
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    assert (code, out) == (1, "")
+    assert err.startswith("error: ") and err.count("error:") == 1
+    assert "Traceback" not in err and "warning:" not in err
+    assert message.format(home=work / "home", **spots) in err
+    assert snapshot(work) == before
+
+
+def test_the_corpus_covers_every_command_that_reads_a_file():
+    assert {c.values[1][0] for c in CORPUS} == {"build", "show", "check", "diff", "validate", "apply"}
+
+
+# ---------------------------------------------------------------- beyond the corpus
+
+def test_an_output_linked_to_an_input_is_refused(work, capsys):
+    (work / "link.yaml").symlink_to("p.policy.yaml")
+    os.link(work / "hw.yaml", work / "hard.yaml")
+    (work / "h.policy.yaml").write_text(POLICY + "hardware: hw.yaml\n")
+    before = snapshot(work)
+    assert main(["build", "p.policy.yaml", "-o", "link.yaml"]) == 1
+    assert capsys.readouterr().err == (
+        "error: link.yaml: this is the policy (p.policy.yaml), an input of the plan: writing the plan there "
+        "would destroy it. Nothing was written; choose another -o (default: p.plan.yaml)\n")
+    assert main(["build", "h.policy.yaml", "-o", "hard.yaml"]) == 1
+    assert "error: hard.yaml: this is the hardware profile (hw.yaml), an input" in capsys.readouterr().err
+    assert snapshot(work) == before
+
+
+def test_rebuilding_over_the_previous_plan_is_allowed(work, capsys):
+    before = (work / "p.plan.yaml").read_bytes()
+    assert main(["build", "p.policy.yaml", "-o", "./p.plan.yaml"]) == 0
+    assert (work / "p.plan.yaml").read_bytes() == before
+
+
+def test_tilde_expands_to_the_home_directory(work, monkeypatch):
+    monkeypatch.setenv("HOME", str(work))
+    (work / "t.policy.yaml").write_text("format_version: 1\ncheckpoint: ~/ckpt\nhardware: ~/hw.yaml\n")
+    got = load_policy(work / "t.policy.yaml")
+    assert (got.checkpoint, got.hardware, got.checkpoint_text) == (work / "ckpt", work / "hw.yaml", "~/ckpt")
+    assert main(["build", "t.policy.yaml"]) == 0
+
+
+def test_a_key_a_merge_brings_in_may_be_overridden(work, capsys):
+    """`<<: *base` then `step: 2` is YAML's way to override, not a duplicate; two `step:` are."""
+    (work / "m.policy.yaml").write_text(HEAD + "prefetch:\n  <<: {group_size: 2, step: 1}\n  step: 2\n")
+    assert main(["validate", "m.policy.yaml"]) == 0
+    assert load_policy(work / "m.policy.yaml").prefetch.step == 2
+    capsys.readouterr()
+    (work / "m.policy.yaml").write_text(HEAD + "prefetch:\n  <<: {group_size: 2, step: 1}\n  step: 2\n  step: 3\n")
+    assert main(["validate", "m.policy.yaml"]) == 1
+    assert capsys.readouterr().err.endswith("m.policy.yaml:6:3: 'step' again (first at 5:3)\n")
+
+
+@pytest.mark.parametrize("argv", [["show", "p.plan.yaml"], ["build", "p.policy.yaml", "-o", "-"]])
+def test_a_closed_stdout_ends_quietly(work, argv):
+    """The reader is gone before the command writes (as `| head` does once it has its lines)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["PYTHONPATH"] = str(ROOT)
+    proc = subprocess.Popen([sys.executable, "-m", "planner", *argv], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env=env)
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert (proc.wait(), err) == (141, "")
