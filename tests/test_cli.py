@@ -42,7 +42,7 @@ def test_build_writes_the_plan_beside_the_policy(work, capsys):
     code, out, err = run(capsys, "build", "uva.policy.yaml")
     assert (code, err) == (0, "")
     assert out == ("wrote uva.plan.yaml: 11 tensors, backend uva; GPU 18.0 MiB (incl. 0 B prefetch "
-                   "buffers), host 3.0 MiB\nnote: backend auto chose uva: budget_gib is set\n")
+                   "buffers), host 3.0 MiB\nnote: backend uva (auto: budget_gib is set): 3.0 MiB on uva from 1 layer\n")
     plan = load_plan(work / "uva.plan.yaml")
     assert [n for n, p in plan.params.items() if p.value == "uva"] == [
         "model.layers.0.mlp.down_proj.weight", "model.layers.0.self_attn.o_proj.weight"]
@@ -188,7 +188,7 @@ BAD_INPUTS = [
     (["build", "bad.policy.yaml"], "bad.policy.yaml:4:1: invalid YAML: did not find expected ',' or ']'"),
     (["build", "schema.policy.yaml"], "schema.policy.yaml:3:1: budget_gb: unknown key; did you mean 'budget_gib'?"),
     (["build", "nockpt.policy.yaml"], "nowhere: no such file or directory"),
-    (["build", "budget.policy.yaml"], "budget_gib: 0.01 is the smallest that fits this policy"),
+    (["build", "budget.policy.yaml"], "the smallest budget that fits this policy is budget_gib: 0.008789063 (9.0 MiB)"),
     (["build", "uva.policy.yaml", "-o", "no/such/dir/p.yaml"], "no/such/dir/p.yaml: cannot write the plan"),
     (["show", "missing.plan.yaml"], "missing.plan.yaml: no such plan file"),
     (["show", "uva.policy.yaml"], "uva.policy.yaml: not an offplan plan"),
