@@ -315,6 +315,7 @@ def _over_budget_message(policy: Policy, backend: str, need: int, place, size, g
                f"{policy.prefetch.num_in_group} offloads too few layers: raise num_in_group, or remove "
                "group_size and let budget_gib decide.")
     else:
+        example = top[0][0].rsplit(".", 1)[-1] if top else "embed_tokens"
         fix = ("No choice of offloaded layers fits. Move more to host memory with a rule "
-               "(for example `rules: [{match: [embed_tokens], place: uva}]`), or raise budget_gib.")
+               f"(for example `rules: [{{match: [{example}], place: uva}}]`), or raise budget_gib.")
     return f"{head}\n  Pinned to the GPU outside the layer stacks: {pinned_text}.\n  {fix}"
