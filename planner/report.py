@@ -21,7 +21,6 @@ from .graph import Layer, build_graph
 from .groups import fused_groups
 from .notes import WARNING, is_warning
 from .plan import Plan
-from .policy import Placement
 from .units import human, ms, percent, plural
 
 KINDS = ("gpu", "uva", "prefetch")
@@ -60,13 +59,6 @@ def table(columns: list[str], rows: list[list], footer: list | None = None, left
     for r in rows:
         t.add_row(*(Text(str(c)) for c in r))
     return t
-
-
-def lines_of(renderables: Iterable[RenderableType | str]) -> list[str]:
-    """The plain-text lines `print_to` writes to a file: for messages and tests."""
-    buf = io.StringIO()
-    print_to(buf, renderables)
-    return buf.getvalue().splitlines()
 
 
 # ---------------------------------------------------------------- plan show

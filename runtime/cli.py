@@ -92,7 +92,8 @@ def report(plan_path, s: dict, facts: dict, gen: dict, plan, root: Path, measure
     if plan.cost is not None:
         c = plan.cost
         out.append(f"  predicted {ms(plan.summary.predicted_step_us)} per decode step by the plan, for batch "
-                   f"{c.batch_size} on {c.hardware}" + ("" if cuda else "; this run is on the CPU: they do not compare"))
+                   f"{c.batch_size} on {c.hardware}"
+                   + ("" if cuda else "; this run is on the CPU: they do not compare"))
     out.append(f"  {gen['text']!r}" if gen["text"] is not None else f"  token ids {gen['token_ids']}")
     return out
 

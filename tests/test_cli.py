@@ -366,7 +366,8 @@ def hand_edit(work, name="uva.plan.yaml"):
     """One placement flipped, the layer table left as it was: (line of the layer's row, of the edit)."""
     plan = work / name
     text = plan.read_text()
-    edited = text.replace("  model.layers.0.self_attn.o_proj.weight: uva", "  model.layers.0.self_attn.o_proj.weight: gpu")
+    name = "  model.layers.0.self_attn.o_proj.weight: "
+    edited = text.replace(name + "uva", name + "gpu")
     assert edited != text
     plan.write_text(edited)
     return (edited[:edited.index("{name: model.layers.0,")].count("\n") + 1,

@@ -191,7 +191,8 @@ def test_hand_edited_inconsistent_plans_are_rejected(built, name, edit, at, prob
 def test_one_flipped_placement_is_caught_with_the_checkpoint_and_names_the_lines(tmp_path, built):
     _, text = built["uva"]
     tensors = open_checkpoint(tmp_path / "ckpt").tensors
-    bad = text.replace("  model.layers.0.self_attn.o_proj.weight: uva\n", "  model.layers.0.self_attn.o_proj.weight: gpu\n")
+    name = "  model.layers.0.self_attn.o_proj.weight: "
+    bad = text.replace(name + "uva\n", name + "gpu\n")
     assert loads(bad, "p.plan.yaml") is not None  # the names alone cannot tell
     with pytest.raises(PlanFileError) as e:
         loads(bad, "p.plan.yaml", tensors)
@@ -207,8 +208,8 @@ def test_one_flipped_placement_is_caught_with_the_checkpoint_and_names_the_lines
 
 def test_a_split_fused_group_and_wrong_buffers_are_caught(tmp_path):
     from planner.synthetic import qwen3_moe
-    write_header_only(tmp_path / "moe", qwen3_moe(layers=2, experts=4, hidden=64, moe_intermediate=32, heads=4, kv_heads=2, head_dim=16, vocab=128),
-                      single=True)
+    write_header_only(tmp_path / "moe", qwen3_moe(layers=2, experts=4, hidden=64, moe_intermediate=32, heads=4,
+                                                  kv_heads=2, head_dim=16, vocab=128), single=True)
     pol = load_policy(write_policy(tmp_path, "prefetch: {group_size: 2}\n",
                                    head="format_version: 1\ncheckpoint: ./moe\n"))
     text = dumps(build(pol, tmp_path))
