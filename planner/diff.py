@@ -234,4 +234,4 @@ def _table(d: dict):
     names = list(dict.fromkeys([*moves, *deltas]))
     rows = [[n, "\n".join(moves.get(n, ["(tensor sizes changed)"])),
              *(signed(deltas[n][k]) if n in deltas else "0" for k in KINDS)] for n in names]
-    return table(["layer", "moved", "gpu", "uva", "prefetch"], rows, left=2)
+    return table(["layer", "moved", "gpu", "uva", "prefetch"], rows, align="llrrr")

@@ -49,12 +49,14 @@ def _styled(line: str) -> Text:
     return Text(line)
 
 
-def table(columns: list[str], rows: list[list], footer: list | None = None, left: int = 1) -> Table:
-    """A plain table: the first `left` columns left-aligned, the rest right-aligned; cells are text."""
+def table(columns: list[str], rows: list[list], footer: list | None = None, align: str | None = None) -> Table:
+    """A plain table whose cells are text (never markup). `align`: one letter per column, `l` or `r`;
+    by default the first column left and the others (numbers) right."""
+    align = align or "l" + "r" * (len(columns) - 1)
     t = Table(box=box.SIMPLE, show_edge=False, pad_edge=False, show_footer=footer is not None,
               header_style="bold", footer_style="bold")
     for i, c in enumerate(columns):
-        t.add_column(c, justify="left" if i < left else "right",
+        t.add_column(c, justify="left" if align[i] == "l" else "right",
                      footer=Text(str(footer[i])) if footer is not None else "")
     for r in rows:
         t.add_row(*(Text(str(c)) for c in r))
@@ -106,7 +108,7 @@ def show(plan: Plan, unchecked: str | None = None) -> list[RenderableType | str]
         f"plan for {plan.checkpoint_path}: {plural(plan.tensors, 'tensor')}, {human(plan.total_bytes)}, "
         f"backend {plan.backend}", "",
         table(["layer", "gpu", "uva", "prefetch", "slot", "h2d/step", "gpu ms", *(["why"] if why else [])],
-              rows, total), ""]
+              rows, total, "lrrrrrr" + ("l" if why else "")), ""]
     if plan.prefetch:
         p = plan.prefetch
         out.append(f"prefetch: {plural(len(p.schedule), 'layer')}, step {p.step}, {plural(p.slots, 'slot')} x "
@@ -180,7 +182,7 @@ def show_tensors(plan: Plan, sizes: Mapping[str, TensorInfo] | None, unchecked: 
     out: list = [f"plan for {plan.checkpoint_path}: {plural(plan.tensors, 'tensor')}{grouped}, backend "
                  f"{plan.backend}", "",
                  table(["layer", "tensor", "placement", *(["bytes"] if sizes is not None else [])], rows,
-                       left=3)]
+                       align="lllr")]
     if sizes is None:
         out += ["", f"note: no bytes per tensor: {unchecked}"]
     return out
