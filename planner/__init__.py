@@ -4,12 +4,13 @@ Pure Python: it never imports torch and never reads weight data.
 """
 from .build import build, build_file
 from .checkpoint import Checkpoint, TensorInfo, open_checkpoint
-from .errors import (BudgetError, CheckpointError, InputError, ModelMismatchError, OffplanError,
-                     PlanFileError, PolicyError, StalePlanError)
-from .plan import Plan, dumps, load_plan, loads, write_atomic
+from .errors import (BudgetError, CheckpointError, InconsistentPlanError, InputError, ModelMismatchError,
+                     OffplanError, PlanFileError, PolicyError, StalePlanError)
+from .plan import Plan, dumps, load_plan, loads, read_plan, write_atomic
 from .policy import Placement, Policy, load_policy
 
 __all__ = ["build", "build_file", "Checkpoint", "TensorInfo", "open_checkpoint", "BudgetError",
-           "CheckpointError", "InputError", "ModelMismatchError", "OffplanError", "PlanFileError",
-           "PolicyError", "StalePlanError", "Plan", "dumps", "load_plan", "loads", "write_atomic",
+           "CheckpointError", "InconsistentPlanError", "InputError", "ModelMismatchError", "OffplanError",
+           "PlanFileError", "PolicyError", "StalePlanError", "Plan", "dumps", "load_plan", "loads", "read_plan",
+           "write_atomic",
            "Placement", "Policy", "load_policy"]

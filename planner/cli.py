@@ -17,10 +17,13 @@ from pathlib import Path
 from . import report, yamlio
 from .build import build, default_output
 from .checkpoint import INDEX_NAME, open_checkpoint, resolve
-from .errors import OffplanError, PolicyError
+from .diff import diff_data, diff_text
+from .errors import InconsistentPlanError, OffplanError, PolicyError
 from .hardware import load_hardware
-from .plan import dumps, load_plan, write_atomic
+from .notes import is_warning
+from .plan import dumps, load_plan, read_plan, write_atomic
 from .policy import Policy, load_policy, policy_fingerprint
+from .units import human, ms, plural
 
 EXAMPLES = """examples:
   plan build plans/examples/tiny-moe.policy.yaml        # writes tiny-moe.plan.yaml beside it
@@ -77,7 +80,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="where to write the plan (default: NAME.plan.yaml beside NAME.policy.yaml; - for stdout)")
     p = cmd("show", "per-layer table, totals, and the footprint against the budget")
     p.add_argument("plan", metavar="PLAN")
-    p = cmd("diff", "what moved where between two plans, in bytes")
+    p.add_argument("--tensors", action="store_true",
+                   help="list every tensor (a fused expert group as one unit) with its placement, and its "
+                        "bytes when the checkpoint's headers are at hand")
+    p = cmd("diff", "what moved where between two plans: by layer and fused unit, with the change in "
+                    "predicted step time, GPU footprint, backend, policy and prefetch schedule")
     p.add_argument("old", metavar="OLD")
     p.add_argument("new", metavar="NEW")
     p.add_argument("--detailed-exitcode", action="store_true",
@@ -139,8 +146,12 @@ def _drop_stdout() -> None:
         pass
 
 
-def _emit(args, data, text: str) -> None:
-    print(json.dumps(data, indent=2) if args.json else text)
+def _emit(args, data, text) -> None:
+    """`--json`: the data; else the text (a string, or lines and rich tables: see report.print_to)."""
+    if args.json:
+        print(json.dumps(data, indent=2))
+    else:
+        report.print_to(sys.stdout, [text] if isinstance(text, str) else text)
 
 
 def _build(args) -> int:
@@ -151,6 +162,9 @@ def _build(args) -> int:
     out = Path(args.output) if args.output and not to_stdout else default_output(Path(args.policy))
     plan = build(policy, Path.cwd() if to_stdout else out.parent)
     text = dumps(plan)
+    warnings = [n for n in plan.notes if is_warning(n)]
+    for w in warnings:
+        print(w, file=sys.stderr)
     if to_stdout:
         sys.stdout.write(text)
         return 0
@@ -158,10 +172,11 @@ def _build(args) -> int:
     write_atomic(out, text)
     data = {"plan": str(out), **report.show_data(plan)}
     s = plan.summary
-    _emit(args, data, f"wrote {out}: {plan.tensors} tensors, backend {plan.backend}; "
-          f"GPU {report.human(s.gpu_footprint_bytes)} (incl. {report.human(s.prefetch_buffer_bytes)} "
-          f"prefetch buffers), host {report.human(s.uva_bytes + s.prefetch_bytes)}"
-          + "".join(f"\nnote: {n}" for n in plan.notes))
+    buffers = f" ({human(s.prefetch_buffer_bytes)} of it prefetch buffers)" if s.prefetch_buffer_bytes else ""
+    host = human(s.uva_bytes + s.prefetch_bytes) if s.uva_bytes + s.prefetch_bytes else "nothing offloaded"
+    _emit(args, data, [f"wrote {out}: {plural(plan.tensors, 'tensor')}, backend {plan.backend}; GPU "
+                       f"{human(s.gpu_footprint_bytes)}{buffers}, host {host}; predicted step "
+                       f"{ms(s.predicted_step_us)}", *(f"note: {n}" for n in plan.notes if n not in warnings)])
     return 0
 
 
@@ -191,22 +206,23 @@ def _refuse_to_overwrite_an_input(out: Path, policy: Policy) -> None:
 
 
 def _show(args) -> int:
-    plan = load_plan(args.plan)
-    _emit(args, report.show_data(plan), report.show_text(plan))
+    loaded = read_plan(args.plan)
+    plan = loaded.plan
+    if args.tensors:
+        sizes = loaded.checkpoint.tensors if loaded.checkpoint else None
+        _emit(args, report.tensors_data(plan, sizes), report.show_tensors(plan, sizes, loaded.unchecked))
+        return 0
+    _emit(args, report.show_data(plan), report.show(plan, loaded.unchecked))
     return 0
 
 
 def _diff(args) -> int:
-    new = load_plan(args.new)
-    sizes = None
-    try:  # bytes per moved tensor need the checkpoint's headers; counts do without
-        ckpt = open_checkpoint(new.checkpoint_dir(args.new))
-        if ckpt.fingerprint == new.checkpoint_fingerprint:
-            sizes = {n: t.nbytes for n, t in ckpt.tensors.items()}
-    except OffplanError:
-        pass
-    d = report.diff_data(load_plan(args.old), new, sizes)
-    _emit(args, d, report.diff_text(d))
+    old, new = read_plan(args.old), read_plan(args.new)
+    sizes = None  # bytes per moved tensor need the checkpoints' headers; counts do without
+    if old.checkpoint or new.checkpoint:
+        sizes = {n: t.nbytes for c in (old.checkpoint, new.checkpoint) if c for n, t in c.tensors.items()}
+    d = diff_data(old.plan, new.plan, sizes, (Path(args.old), Path(args.new)))
+    _emit(args, d, diff_text(d))
     return 2 if args.detailed_exitcode and not d["same"] else 0
 
 
@@ -236,7 +252,10 @@ def _validate(args) -> int:
 
 def _check(args) -> int:
     plan_path = Path(args.plan)
-    plan = load_plan(plan_path)
+    try:
+        plan = read_plan(plan_path).plan
+    except InconsistentPlanError as e:  # a hand edit: stale like any plan that is not what build makes
+        return _stale(args, plan_path, [e.headline, *e.problems], None)
     problems = []
     ckpt_dir = plan.checkpoint_dir(plan_path)
     ckpt = open_checkpoint(ckpt_dir)
@@ -261,17 +280,23 @@ def _check(args) -> int:
                 if moved and moved[0] in plan.params else ""
             problems.append("the plan is not what `plan build` makes of its policy and checkpoint "
                             f"(edited by hand, or built with another hardware profile or offplan version){where}")
-    data = {"plan": str(plan_path), "stale": bool(problems), "problems": problems}
     if problems:
-        text = f"{plan_path}: STALE\n" + "\n".join(f"  - {p}" for p in problems) + \
-            f"\n  rebuild it: plan build {policy_path} -o {plan_path}"
-        if args.json:
-            print(json.dumps(data, indent=2))
-        else:
-            print(text, file=sys.stderr)
-        return 2
-    _emit(args, data, f"{plan_path}: up to date with {ckpt_dir} and {policy_path}")
+        return _stale(args, plan_path, problems, policy_path)
+    _emit(args, {"plan": str(plan_path), "stale": False, "problems": []},
+          f"{plan_path}: up to date with {ckpt_dir} and {policy_path}")
     return 0
+
+
+def _stale(args, plan_path: Path, problems: list[str], policy_path: Path | None) -> int:
+    """Exit 2: the report on stdout with --json, else on stderr."""
+    if args.json:
+        print(json.dumps({"plan": str(plan_path), "stale": True, "problems": problems}, indent=2))
+        return 2
+    lines = [f"{plan_path}: STALE", *(f"  - {p}" for p in problems)]
+    if policy_path is not None:
+        lines.append(f"  rebuild it: plan build {policy_path} -o {plan_path}")
+    print("\n".join(lines), file=sys.stderr)
+    return 2
 
 
 def _apply(args) -> int:

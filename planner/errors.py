@@ -43,6 +43,10 @@ class PlanFileError(InputError):
     """A plan file is malformed or breaks `schemas/plan.schema.json`."""
 
 
+class InconsistentPlanError(PlanFileError):
+    """A plan whose parts disagree (`params:` against `layers:`, `summary:`, `prefetch:`): edited by hand."""
+
+
 class BudgetError(OffplanError):
     """No placement satisfies the GPU budget."""
 

@@ -35,7 +35,7 @@ from .checkpoint import TensorInfo
 from .cost import CostModel
 from .graph import Layer, LayerGraph
 from .policy import Placement, Policy
-from .schedule import fewest_layers, make_schedule
+from .schedule import fewest_layers, footprint
 
 GPU, UVA, PREFETCH = Placement.GPU, Placement.UVA, Placement.PREFETCH
 
@@ -76,12 +76,8 @@ def place_mixed(graph: LayerGraph, tensors: Mapping[str, TensorInfo], policy: Po
     sparse = sorted((u for u in units if u.frac < 1), key=lambda u: u.frac)
     dense = [u for u in units if u.frac >= 1]
 
-    def footprint(p) -> int:
-        sched = make_schedule(graph, p, tensors, step)
-        return sum(tensors[n].nbytes for n, k in p.items() if k is GPU) + (sched.pool_bytes if sched else 0)
-
     def to_uva(p, seq) -> None:
-        gpu = footprint(p)
+        gpu = footprint(graph, p, tensors, step)
         for u in seq:
             if gpu <= budget:
                 return
@@ -102,7 +98,7 @@ def place_mixed(graph: LayerGraph, tensors: Mapping[str, TensorInfo], policy: Po
     strategies = {}
     p = dict(place)
     to_uva(p, sparse)
-    if footprint(p) > budget:
+    if footprint(graph, p, tensors, step) > budget:
         to_prefetch(p, dense)
     strategies["sparse->uva, dense->prefetch"] = p
     p = dict(place)
@@ -115,7 +111,7 @@ def place_mixed(graph: LayerGraph, tensors: Mapping[str, TensorInfo], policy: Po
     to_uva(p, units)
     strategies["uva only"] = p
 
-    sizes = {k: footprint(p) for k, p in strategies.items()}
+    sizes = {k: footprint(graph, p, tensors, step) for k, p in strategies.items()}
     fitting = [k for k in strategies if sizes[k] <= budget]
     if not fitting:  # decide() raises the budget error with the smallest footprint
         k = min(sizes, key=sizes.get)

@@ -12,8 +12,9 @@ Steps:
 3. The backend: `auto` is prefetch if `prefetch.group_size > 0`, else uva if
    `uva.offload_gib > 0` or a budget is set, else nothing. `mixed` chooses per
    tensor by predicted step time (mixed.py).
-4. If a budget is set and the whole checkpoint fits it, the backend offloads
-   nothing and the plan says so.
+4. If a budget is set and the plan fits it with the rules' placements alone
+   (the whole checkpoint, when no rule offloads), the backend offloads
+   nothing and the plan says so: offloading more would only cost speed.
 5. uva: walk the candidates (only those matching `uva.params`, if given) and
    offload each one while the offloaded total is below `offload_gib` GiB (so
    the last one may overshoot, as in vLLM); with no amount, offload until the
@@ -21,9 +22,12 @@ Steps:
 6. prefetch: stack position i (counted over all stacks, in order) is offloaded
    iff `i % group_size >= group_size - num_in_group`; within it, the tensors
    matching `prefetch.params` (all, if none given). With no group_size, the
-   fewest layers (possibly none), spread evenly over the layers that have
-   candidates, such that GPU bytes plus the buffer pool fit the budget; if no
-   count fits, the count with the smallest footprint, which the error quotes.
+   fewest layers, spread evenly over the layers that have candidates, such
+   that GPU bytes plus the buffer pool fit the budget; if no count fits, the
+   count with the smallest footprint, which the error quotes.
+   A backend asked to offload that cannot is an error naming the key to set:
+   `backend: uva` or `prefetch` with no amount, group and budget; a group_size
+   larger than the stack; `params` or rules that leave the backend no tensor.
 7. The prefetch pool: the k-th prefetched layer uses slot k mod S, where
    S = min(step, prefetched layers) (vLLM allocates `step` slots; extra ones
    would never be used). Each slot holds one buffer per distinct
@@ -31,10 +35,17 @@ Steps:
    forward of the previous user of its slot, cyclically; for step | layers
    that is the layer `step` positions earlier, exactly vLLM's schedule.
 8. A budget that the result exceeds is an error quoting the smallest
-   budget_gib (two decimals) that this policy would fit, and what is pinned
-   to the GPU outside the stacks.
+   budget_gib that this policy fits (exact to the byte: see
+   `smallest_budget_gib`), and what is pinned to the GPU outside the stacks.
+   It is the real minimum because whether a policy fits is monotonic in the
+   budget: the fixed amounts (offload_gib, group_size) do not depend on it,
+   and the budget-driven walks only decide where to stop. The footprint is not
+   monotonic in the number of prefetched layers (each slot adds buffers), so
+   that minimum is taken over every count tried (schedule.fewest_layers), not
+   at the largest count; mixed quotes the smallest of its strategies.
 9. The cost model (cost.py) predicts every plan's bytes over the link and
    step time, per layer and in total, whatever the backend.
+10. The notes are computed from the final placements (notes.py).
 
 Example: group_size 8, num_in_group 2 over 61 layers offloads layers
 6, 7, 14, 15, 22, 23, 30, 31, 38, 39, 46, 47, 54, 55.
@@ -52,10 +63,11 @@ from .hardware import H100, Hardware
 from .mixed import place_mixed
 from .groups import fused_groups, split_groups
 from .patterns import Names
+from .notes import Outcome, notes
 from .plan import LayerBytes, PrefetchSchedule
-from .schedule import fewest_layers, make_schedule
+from .schedule import fewest_layers, footprint, make_schedule
 from .policy import GIB, Backend, Placement, Policy
-from .report import human
+from .units import human, plural
 
 GPU, UVA, PREFETCH = Placement.GPU, Placement.UVA, Placement.PREFETCH
 
@@ -75,27 +87,34 @@ def gib(n: float) -> str:
     return human(int(n))
 
 
-def _ceil_gib(n: int) -> float:
-    """The smallest budget_gib with two decimals whose bytes hold `n`."""
-    return -(-n * 100 // GIB) / 100
+def smallest_budget_gib(nbytes: int) -> str:
+    """The shortest decimal `budget_gib` whose bytes (`int(budget_gib * 2**30)`, as
+    `Policy.budget_bytes` computes them) are exactly `nbytes`: the real minimum.
+
+    >>> smallest_budget_gib(128 * 1024)   # 128 KiB
+    '0.000122071'
+    """
+    for places in range(40):
+        scale = 10**places
+        units = -(-nbytes * scale // GIB)  # ceil(nbytes / GIB, `places` decimals)
+        text = str(units) if places == 0 else f"{units // scale}.{units % scale:0{places}d}"
+        if int(float(text) * GIB) == nbytes:
+            return text
+    return repr(nbytes / GIB)  # exact: a power-of-two division (not reached for sizes below 2**53)
 
 
-def resolve_backend(policy: Policy) -> tuple[str, str]:
-    """The backend that will run, and why (for the plan's notes)."""
+def resolve_backend(policy: Policy) -> tuple[str, str | None]:
+    """The backend that will run, and why `auto` chose it (None: the policy names it)."""
     b = policy.backend
-    if b is Backend.MIXED:
-        return "mixed", "backend: mixed (per tensor, by predicted step time)"
-    if b is Backend.PREFETCH:
-        return "prefetch", "backend: prefetch"
-    if b is Backend.UVA:
-        return "uva", "backend: uva"
+    if b is not Backend.AUTO:
+        return b.value, None
     if policy.prefetch.group_size > 0:
-        return "prefetch", "backend auto chose prefetch: prefetch.group_size is set"
+        return "prefetch", "prefetch.group_size is set"
     if policy.uva.offload_gib > 0:
-        return "uva", "backend auto chose uva: uva.offload_gib is set"
+        return "uva", "uva.offload_gib is set"
     if policy.budget_gib is not None:
-        return "uva", "backend auto chose uva: budget_gib is set"
-    return "none", "backend auto offloads nothing: no offload amount or budget is set"
+        return "uva", "budget_gib is set"
+    return "none", "no offload amount or budget is set"
 
 
 def decide(graph: LayerGraph, tensors: Mapping[str, TensorInfo], policy: Policy,
@@ -125,20 +144,17 @@ def decide(graph: LayerGraph, tensors: Mapping[str, TensorInfo], policy: Policy,
                 "prefetch": names.select(policy.prefetch.params) if policy.prefetch.params else None}
     _check_groups(groups, won, selected, policy)
     model = CostModel(graph, tensors, hardware, policy.workload.batch_size, groups, top_k, roles)
-    backend, why = resolve_backend(policy)
-    notes = [why]
-    reasons: dict[str, str] = {}
-    if groups and top_k is None:
-        notes.append("the checkpoint has MoE experts but no experts-per-token (config.json or "
-                     "workload.experts_per_token): the cost model assumes each step reads every expert")
+    backend, reason = resolve_backend(policy)
     budget = policy.budget_bytes
     step = policy.prefetch.step
-    total = sum(size.values())
+    if (backend == "prefetch" or PREFETCH in place.values()) and step < 1:
+        raise PolicyError(f"{policy.path}: prefetch.step must be >= 1: rules place tensors on prefetch")
+    skipped = None
+    mixed_notes: tuple[str, ...] = ()
+    reasons: dict[str, str] = {}
 
-    if backend != "none" and budget is not None and total <= budget:
-        notes.append(f"the whole checkpoint ({gib(total)}) fits budget_gib {policy.budget_gib}: "
-                     "nothing offloaded (offloading would only cost speed)")
-        backend = "none"
+    if backend != "none" and budget is not None and footprint(graph, place, tensors, step) <= budget:
+        skipped, backend = backend, "none"  # offloading more would only cost speed
     elif backend == "uva":
         _uva(stack, fixed, place, size, tensors, policy, graph, groups, selected["uva"])
     elif backend == "prefetch":
@@ -146,17 +162,13 @@ def decide(graph: LayerGraph, tensors: Mapping[str, TensorInfo], policy: Policy,
     elif backend == "mixed":
         choice = place_mixed(graph, tensors, policy, place, fixed, groups, model)
         place = choice.place
-        notes += choice.notes
+        mixed_notes = choice.notes
         reasons = choice.why
 
     schedule = make_schedule(graph, place, tensors, step)
-    if schedule is not None and step < 1:
-        raise PolicyError(f"{policy.path}: prefetch.step must be >= 1: rules place tensors on prefetch")
-    footprint = sum(size[n] for n, p in place.items() if p is GPU) + (schedule.pool_bytes if schedule else 0)
-    if budget is not None and footprint > budget:
-        raise BudgetError(_over_budget_message(policy, backend, footprint, place, size, graph))
-    if graph.tied_embeddings:
-        notes.append("tied embeddings: the checkpoint has no lm_head tensor; the head reuses the embedding")
+    used = sum(size[n] for n, p in place.items() if p is GPU) + (schedule.pool_bytes if schedule else 0)
+    if budget is not None and used > budget:
+        raise BudgetError(_over_budget_message(policy, backend, used, place, size, graph))
     prediction = model.predict(place)
     layers = []
     for l, c in zip(graph.layers, prediction.layers):
@@ -165,7 +177,9 @@ def decide(graph: LayerGraph, tensors: Mapping[str, TensorInfo], policy: Policy,
             by[place[n]] += size[n]
         layers.append(LayerBytes(l.name, by[GPU], by[UVA], by[PREFETCH], c.h2d_bytes, c.gpu_us,
                                  reasons.get(l.name)))
-    return Decision(backend, place, schedule, tuple(layers), tuple(notes), prediction)
+    outcome = Outcome(policy, backend, reason, skipped, place, frozenset(fixed), tensors, graph, schedule,
+                      mixed_notes, bool(groups) and top_k is None)
+    return Decision(backend, place, schedule, tuple(layers), notes(outcome), prediction)
 
 
 def _check_groups(groups, won, selected, policy) -> None:
@@ -183,7 +197,15 @@ def _check_groups(groups, won, selected, policy) -> None:
 
 def _uva(stack, fixed, place, size, tensors, policy, graph, groups, selected) -> None:
     """The per-tensor walk; a fused expert group is offloaded whole when the walk reaches it."""
+    amount = policy.uva.offload_gib > 0
+    if not amount and policy.budget_bytes is None:  # only `backend: uva` gets here
+        raise PolicyError(
+            f"{policy.path}: backend: uva offloads nothing: set uva.offload_gib (GiB to offload, as vLLM's "
+            "cpu_offload_gb) or budget_gib (offload until the GPU footprint fits)"
+            + ("; uva.params only narrows which tensors those offload" if selected is not None else ""))
     cands = [n for l in stack for n in l.params if n not in fixed and (selected is None or n in selected)]
+    if not cands and (amount or selected is not None):
+        raise PolicyError(_nothing_left(policy, "uva", stack, fixed, selected))
     group_of = {m: ms for ms in groups.values() for m in ms}
 
     def units():
@@ -201,10 +223,7 @@ def _uva(stack, fixed, place, size, tensors, policy, graph, groups, selected) ->
                 place[n] = UVA
                 done += size[n]
         return
-    if policy.budget_bytes is None:
-        return
-    sched = make_schedule(graph, place, tensors, policy.prefetch.step)
-    gpu = sum(size[n] for n, p in place.items() if p is GPU) + (sched.pool_bytes if sched else 0)
+    gpu = footprint(graph, place, tensors, policy.prefetch.step)
     for unit in units():
         if gpu <= policy.budget_bytes:
             break
@@ -221,20 +240,62 @@ def _prefetch(stack, fixed, place, size, tensors, policy, graph, selected) -> No
 
     if pre.group_size > 0:
         g, k = pre.group_size, pre.num_in_group
-        for i, layer in enumerate(stack):
-            if i % g >= g - k:
-                for n in chosen(layer):
-                    place[n] = PREFETCH
+        if g > len(stack):
+            raise PolicyError(
+                f"{policy.path}: prefetch.group_size {g} is larger than the {plural(len(stack), 'layer')} of "
+                f"the layer stacks ({', '.join(graph.stacks) or 'none detected'}): layer i streams iff "
+                f"i % {g} >= {g - k}, so the groups never repeat; set prefetch.group_size to at most "
+                f"{len(stack)} (or use budget_gib and let the planner choose the layers)")
+        picked = [layer for i, layer in enumerate(stack) if i % g >= g - k]
+        if not any(chosen(l) for l in picked):
+            raise PolicyError(_nothing_left(policy, "prefetch", picked, fixed, selected,
+                                            f"prefetch.group_size {g} / num_in_group {k} streams layers "
+                                            f"{_layer_list(picked)}, but "))
+        for layer in picked:
+            for n in chosen(layer):
+                place[n] = PREFETCH
         return
-    if policy.budget_bytes is None:
-        return
+    if policy.budget_bytes is None:  # only `backend: prefetch` gets here
+        raise PolicyError(
+            f"{policy.path}: backend: prefetch offloads nothing: set prefetch.group_size (with "
+            "num_in_group: stream the last num_in_group layers of every group, as vLLM's "
+            "offload_group_size) or budget_gib (stream the fewest layers that fit)")
     eligible = [(l, c) for l, c in ((l, chosen(l)) for l in stack) if c]
+    if not eligible and selected is not None:
+        raise PolicyError(_nothing_left(policy, "prefetch", stack, fixed, selected))
     for layer, names in fewest_layers(eligible, place, tensors, graph, pre.step, policy.budget_bytes):
         for n in names:
             place[n] = PREFETCH
 
 
-def _over_budget_message(policy: Policy, backend: str, footprint: int, place, size, graph) -> str:
+def _layer_list(layers, limit: int = 6) -> str:
+    names = [l.name for l in layers]
+    return ", ".join(names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def _nothing_left(policy: Policy, key: str, layers, fixed, selected, head: str = "") -> str:
+    """Why backend `key` finds no tensor to move in `layers`; the message names the key to change.
+
+    `head` says how `layers` were picked (the group rule); without it they are the whole stacks.
+    """
+    names = [n for l in layers for n in l.params]
+    where = "those layers" if head else "the layer stacks"
+    if not names:
+        why = "the checkpoint has no layer stacks (name them with `stacks:`)"
+    elif selected is None:
+        why = f"rules place every tensor of {where} (e.g. {names[0]}); change the rules"
+    elif mine := [n for n in names if n in selected]:
+        why = (f"{key}.params selects only tensors that rules already place (e.g. {mine[0]}); "
+               f"change {key}.params or the rules")
+    elif head:
+        why = f"{key}.params selects none of their tensors (it selects e.g. {min(selected)}); change {key}.params"
+    else:
+        why = (f"{key}.params selects only tensors outside the layer stacks (e.g. {min(selected)}), which "
+               f"the backend never moves; place those with a rule (`{{match: [...], place: {key}}}`)")
+    return f"{policy.path}: backend {key} has nothing to offload: {head}{why}"
+
+
+def _over_budget_message(policy: Policy, backend: str, need: int, place, size, graph) -> str:
     pinned: dict[str, int] = {}
     stack_names = {l.name for l in graph.stack_layers()}
     for l in graph.layers:
@@ -243,8 +304,9 @@ def _over_budget_message(policy: Policy, backend: str, footprint: int, place, si
             pinned[l.name] = b
     top = sorted(pinned.items(), key=lambda kv: -kv[1])[:5]
     pinned_text = ", ".join(f"{n} {gib(b)}" for n, b in top) or "nothing"
-    head = (f"{policy.path}: the plan needs {gib(footprint)} of GPU memory but budget_gib is "
-            f"{policy.budget_gib}; budget_gib: {_ceil_gib(footprint)} is the smallest that fits this policy.")
+    head = (f"{policy.path}: the plan needs {gib(need)} ({need:,} bytes) of GPU memory but budget_gib "
+            f"{policy.budget_gib} is {policy.budget_bytes:,} bytes; the smallest budget that fits this policy "
+            f"is budget_gib: {smallest_budget_gib(need)} ({gib(need)}).")
     if backend == "uva" and policy.uva.offload_gib > 0:
         fix = (f"uva.offload_gib: {policy.uva.offload_gib} offloads too little: raise it, or remove it "
                "and let budget_gib decide how much to offload.")
@@ -253,6 +315,7 @@ def _over_budget_message(policy: Policy, backend: str, footprint: int, place, si
                f"{policy.prefetch.num_in_group} offloads too few layers: raise num_in_group, or remove "
                "group_size and let budget_gib decide.")
     else:
+        example = top[0][0].rsplit(".", 1)[-1] if top else "embed_tokens"
         fix = ("No choice of offloaded layers fits. Move more to host memory with a rule "
-               "(for example `rules: [{match: [embed_tokens], place: uva}]`), or raise budget_gib.")
+               f"(for example `rules: [{{match: [{example}], place: uva}}]`), or raise budget_gib.")
     return f"{head}\n  Pinned to the GPU outside the layer stacks: {pinned_text}.\n  {fix}"

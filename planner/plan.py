@@ -15,11 +15,13 @@ import json
 import os
 import re
 import tempfile
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import yamlio
-from .errors import OffplanError, PlanFileError
+from .checkpoint import Checkpoint, TensorInfo, open_checkpoint
+from .errors import InconsistentPlanError, OffplanError, PlanFileError
 from .policy import Placement
 
 FORMAT_VERSION = 1
@@ -247,9 +249,65 @@ def write_atomic(path: str | Path, text: str, what: str = "plan") -> None:
 
 # ---------------------------------------------------------------- reading
 
-def loads(text: str, path: str | Path = "<plan>") -> Plan:
-    """Parse and schema-check a plan; raises PlanFileError with `file:line:column`s."""
+@dataclass(frozen=True)
+class LoadedPlan:
+    """A plan read from its file and checked, with its checkpoint's headers when they are at hand."""
+
+    plan: Plan
+    checkpoint: Checkpoint | None  # the plan's checkpoint, unchanged since the build; None: not at hand
+    unchecked: str | None  # why tensor sizes were not compared (None: they were)
+
+
+def loads(text: str, path: str | Path = "<plan>", tensors: Mapping[str, TensorInfo] | None = None) -> Plan:
+    """Parse, schema-check and consistency-check a plan (consistency.py; exact with `tensors`,
+    the checkpoint's headers). Raises PlanFileError with `file:line:column`s."""
+    plan, doc = _parse(text, Path(path))
+    _refuse_inconsistent(plan, doc, tensors, None if tensors is not None else "no checkpoint given")
+    return plan
+
+
+def read_plan(path: str | Path) -> LoadedPlan:
+    """Read a plan file and check it, against its checkpoint's headers when they are at hand
+    (the checkpoint exists and its fingerprint is the plan's): `plan show`, `plan validate`,
+    `plan diff`, `plan check` and the runtime all read plans through here."""
     path = Path(path)
+    plan, doc = _parse(yamlio.read(path, PlanFileError, "plan"), path)
+    ckpt, unchecked = _checkpoint_at_hand(plan, path)
+    _refuse_inconsistent(plan, doc, ckpt.tensors if ckpt else None, unchecked)
+    return LoadedPlan(plan, ckpt, unchecked)
+
+
+def load_plan(path: str | Path) -> Plan:
+    return read_plan(path).plan
+
+
+def _checkpoint_at_hand(plan: Plan, path: Path) -> tuple[Checkpoint | None, str | None]:
+    where = plan.checkpoint_dir(path)
+    if not where.exists():
+        return None, f"its checkpoint {plan.checkpoint_path} is not at hand"
+    try:
+        ckpt = open_checkpoint(where)
+    except OffplanError:
+        return None, f"its checkpoint {plan.checkpoint_path} cannot be read"
+    if ckpt.fingerprint != plan.checkpoint_fingerprint:
+        return None, f"its checkpoint {plan.checkpoint_path} changed since the plan was built (see `plan check`)"
+    return ckpt, None
+
+
+def _refuse_inconsistent(plan: Plan, doc: yamlio.Located, tensors, unchecked: str | None) -> None:
+    from .consistency import inconsistencies  # it builds on this module's types
+
+    problems = inconsistencies(plan, doc.where, tensors, doc.data["summary"]["gpu_footprint_bytes"])
+    if problems:
+        how = ("with the tensor sizes in its checkpoint's headers" if unchecked is None
+               else f"by tensor names only: {unchecked}")
+        policy = (doc.file.parent / plan.policy_path).as_posix()
+        raise InconsistentPlanError(
+            f"{doc.file}: the plan is inconsistent (edited by hand?): params: compared with layers:, "
+            f"summary: and prefetch: {how}; rebuild it: plan build {policy} -o {doc.file}", problems)
+
+
+def _parse(text: str, path: Path) -> tuple[Plan, yamlio.Located]:
     doc = yamlio.parse(path, text, PlanFileError)
     wrong = yamlio.wrong_kind(path, doc.data, "plan")
     if wrong:
@@ -284,81 +342,7 @@ def loads(text: str, path: str | Path = "<plan>") -> Plan:
         notes=tuple(d["notes"]),
         cost=None if d["cost"] is None else Cost(**d["cost"]),
     )
-    problems = _consistency(plan, s["gpu_footprint_bytes"])
-    if problems:
-        raise PlanFileError(f"{path}: the plan is inconsistent (edited by hand?); rebuild it "
-                            "with `plan build`", problems)
-    return plan
-
-
-def load_plan(path: str | Path) -> Plan:
-    text = yamlio.read(Path(path), PlanFileError, "plan")
-    return loads(text, path)
-
-
-def _consistency(plan: Plan, footprint: int | None = None) -> list[str]:
-    """What a hand edit can break that the schema cannot see: totals and the schedule.
-
-    The schedule is checked against the rule that built it (slot k mod S,
-    S = min(step, layers), copy after the slot's previous user), because the
-    runtime follows it blindly and a wrong `after` would overwrite live weights.
-    """
-    problems = []
-    if len(plan.params) != plan.tensors:
-        problems.append(f"checkpoint.tensors is {plan.tensors} but params lists {len(plan.params)}")
-    totals = {p: 0 for p in Placement}
-    for l in plan.layers:
-        totals[Placement.GPU] += l.gpu
-        totals[Placement.UVA] += l.uva
-        totals[Placement.PREFETCH] += l.prefetch
-    s = plan.summary
-    for place, got in ((Placement.GPU, s.gpu_bytes), (Placement.UVA, s.uva_bytes),
-                       (Placement.PREFETCH, s.prefetch_bytes)):
-        if totals[place] != got:
-            problems.append(f"summary.{place.value}_bytes is {got} but the layers add up to {totals[place]}")
-    if sum(totals.values()) != plan.total_bytes:
-        problems.append(f"checkpoint.bytes is {plan.total_bytes} but the layers add up to "
-                        f"{sum(totals.values())}")
-    if footprint is not None and footprint != s.gpu_footprint_bytes:
-        problems.append(f"summary.gpu_footprint_bytes is {footprint} but gpu_bytes + "
-                        f"prefetch_buffer_bytes is {s.gpu_footprint_bytes}")
-    h2d = sum(l.h2d for l in plan.layers)
-    if h2d != s.predicted_h2d_bytes_per_step:
-        problems.append(f"summary.predicted_h2d_bytes_per_step is {s.predicted_h2d_bytes_per_step} but "
-                        f"the layers add up to {h2d}")
-    if plan.cost is not None and plan.cost.step_us != s.predicted_step_us:
-        problems.append(f"summary.predicted_step_us is {s.predicted_step_us} but the cost section "
-                        f"gives {plan.cost.step_us}")
-    pool = plan.prefetch.pool_bytes if plan.prefetch else 0
-    if pool != s.prefetch_buffer_bytes:
-        problems.append(f"summary.prefetch_buffer_bytes is {s.prefetch_buffer_bytes} but the "
-                        f"prefetch section sizes the pool at {pool}")
-    p = plan.prefetch
-    prefetching = [l.name for l in plan.layers if l.prefetch]
-    if p is None:
-        if prefetching:
-            problems.append(f"layers {', '.join(prefetching[:3])} hold prefetched bytes but the "
-                            "plan has no prefetch schedule")
-        return problems
-    buffers = sum(b.bytes for b in p.buffers)
-    if buffers != p.slot_bytes:
-        problems.append(f"prefetch.slot_bytes is {p.slot_bytes} but its buffers add up to {buffers}")
-    names = [t.layer for t in p.schedule]
-    if [n for n in names if n in set(prefetching)] != prefetching or not set(names) <= {
-            l.name for l in plan.layers}:
-        problems.append("prefetch.schedule must list exactly the layers holding prefetched bytes, "
-                        f"in order: {', '.join(prefetching[:5])}{' ...' if len(prefetching) > 5 else ''}")
-        return problems
-    slots = max(1, min(p.step, len(names)))
-    if p.slots != slots:
-        problems.append(f"prefetch.slots is {p.slots} but step {p.step} over {len(names)} layers "
-                        f"gives {slots}")
-    for k, t in enumerate(p.schedule):
-        prev = previous_user(k, slots, len(names))
-        if (t.slot, t.after) != (k % slots, names[prev]):
-            problems.append(f"prefetch.schedule[{k}]: {t.layer} must use slot {k % slots} after "
-                            f"{names[prev]}, not slot {t.slot} after {t.after}")
-    return problems
+    return plan, doc
 
 
 def relpath(target: Path, start_dir: Path) -> str:

@@ -1,28 +1,69 @@
-"""What `plan show` and `plan diff` print: plain tables for people, dicts for `--json`."""
+"""What `plan show` prints: rich tables for people, plain dicts for `--json`.
+
+Everything here returns data or rich renderables; `print_to` writes them: in
+colour at the terminal's width on a terminal, as plain text without wrapping
+or trailing spaces elsewhere (pipes, logs, tests), so lines can be grepped.
+Bytes are in binary units (`human`), times in milliseconds.
+"""
 from __future__ import annotations
 
+import io
+import sys
+from collections.abc import Iterable, Mapping
+
+from rich import box
+from rich.console import Console, RenderableType
+from rich.table import Table
+from rich.text import Text
+
+from .checkpoint import TensorInfo
+from .graph import Layer, build_graph
+from .groups import fused_groups
+from .notes import WARNING, is_warning
 from .plan import Plan
-from .policy import GIB
+from .units import human, ms, percent, plural
 
 KINDS = ("gpu", "uva", "prefetch")
 
 
-def human(n: int) -> str:
-    if n >= GIB:
-        return f"{n / GIB:.2f} GiB"
-    if n >= 2**20:
-        return f"{n / 2**20:.1f} MiB"
-    if n >= 1024:
-        return f"{n / 1024:.1f} KiB"
-    return f"{n} B"
+def print_to(file, renderables: Iterable[RenderableType | str]) -> None:
+    """Print strings (never read as markup) and rich renderables to `file` (default: stdout)."""
+    file = file or sys.stdout
+    probe = Console(file=file)
+    if probe.is_terminal:
+        for r in renderables:
+            probe.print(_styled(r) if isinstance(r, str) else r, highlight=False)
+        return
+    buf = io.StringIO()
+    plain = Console(file=buf, width=10_000, highlight=False, color_system=None)
+    for r in renderables:
+        plain.print(Text(r) if isinstance(r, str) else r)
+    file.write("".join(line.rstrip() + "\n" for line in buf.getvalue().splitlines()))
 
 
-def table(header: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
-    def line(r):
-        return "  ".join(str(c).ljust(w) if i == 0 else str(c).rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
-    return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, rows)])
+def _styled(line: str) -> Text:
+    if line.startswith(WARNING):
+        return Text.assemble(("warning:", "bold yellow"), line[len("warning:"):])
+    if line.startswith("note: "):
+        return Text.assemble(("note:", "cyan"), line[len("note:"):])
+    return Text(line)
 
+
+def table(columns: list[str], rows: list[list], footer: list | None = None, align: str | None = None) -> Table:
+    """A plain table whose cells are text (never markup). `align`: one letter per column, `l` or `r`;
+    by default the first column left and the others (numbers) right."""
+    align = align or "l" + "r" * (len(columns) - 1)
+    t = Table(box=box.SIMPLE, show_edge=False, pad_edge=False, show_footer=footer is not None,
+              header_style="bold", footer_style="bold")
+    for i, c in enumerate(columns):
+        t.add_column(c, justify="left" if align[i] == "l" else "right",
+                     footer=Text(str(footer[i])) if footer is not None else "")
+    for r in rows:
+        t.add_row(*(Text(str(c)) for c in r))
+    return t
+
+
+# ---------------------------------------------------------------- plan show
 
 def show_data(plan: Plan) -> dict:
     s = plan.summary
@@ -49,112 +90,99 @@ def show_data(plan: Plan) -> dict:
     }
 
 
-def show_text(plan: Plan) -> str:
-    d = show_data(plan)
-    why = any(l["why"] for l in d["layers"])
-    rows = [[l["name"], *(human(l[k]) if l[k] else "-" for k in KINDS),
-             "-" if l["slot"] is None else str(l["slot"]),
-             human(l["h2d_bytes_per_step"]) if l["h2d_bytes_per_step"] else "-", f"{l['gpu_us']}",
-             *([l["why"] or ""] if why else [])] for l in d["layers"]]
+def _bytes(n: int) -> str:
+    return human(n) if n else "-"
+
+
+def show(plan: Plan, unchecked: str | None = None) -> list[RenderableType | str]:
+    """The per-layer table and the totals; `unchecked` says why byte counts went unchecked."""
+    why = any(l.why for l in plan.layers)
+    slot = {t.layer: t.slot for t in plan.prefetch.schedule} if plan.prefetch else {}
+    rows = [[l.name, _bytes(l.gpu), _bytes(l.uva), _bytes(l.prefetch), slot.get(l.name, "-"), _bytes(l.h2d),
+             f"{l.us / 1e3:.3f}", *([l.why or ""] if why else [])] for l in plan.layers]
     s = plan.summary
-    rows.append(["total", human(s.gpu_bytes), human(s.uva_bytes), human(s.prefetch_bytes), "",
-                 human(s.predicted_h2d_bytes_per_step), str(plan.cost.gpu_us if plan.cost else ""),
-                 *([""] if why else [])])
-    out = [f"plan for {plan.checkpoint_path}: {plan.tensors} tensors, {human(plan.total_bytes)}, "
-           f"backend {plan.backend}", "",
-           table(["layer", "gpu", "uva", "prefetch", "slot", "h2d/step", "gpu us", *(["why"] if why else [])],
-                 rows), ""]
+    total = ["total", human(s.gpu_bytes), human(s.uva_bytes), human(s.prefetch_bytes), "",
+             human(s.predicted_h2d_bytes_per_step), f"{plan.cost.gpu_us / 1e3:.3f}" if plan.cost else "",
+             *([""] if why else [])]
+    out: list[RenderableType | str] = [
+        f"plan for {plan.checkpoint_path}: {plural(plan.tensors, 'tensor')}, {human(plan.total_bytes)}, "
+        f"backend {plan.backend}", "",
+        table(["layer", "gpu", "uva", "prefetch", "slot", "h2d/step", "gpu ms", *(["why"] if why else [])],
+              rows, total, "lrrrrrr" + ("l" if why else "")), ""]
     if plan.prefetch:
         p = plan.prefetch
-        out.append(f"prefetch: {len(p.schedule)} layers, step {p.step}, {p.slots} slots x "
+        out.append(f"prefetch: {plural(len(p.schedule), 'layer')}, step {p.step}, {plural(p.slots, 'slot')} x "
                    f"{human(p.slot_bytes)} = {human(p.pool_bytes)} of GPU buffers")
+    out += _footprint(plan)
+    if plan.cost:
+        c = plan.cost
+        bound = max((c.cpu_us, "kernel launches (CPU)"), (c.gpu_us, "GPU reads"), (c.link_us, "the host link"))[1]
+        out.append(f"predicted at batch {c.batch_size} on {c.hardware}: {human(s.predicted_h2d_bytes_per_step)} "
+                   f"over the link per step; step {ms(c.step_us)} = max(cpu {ms(c.cpu_us)}, gpu {ms(c.gpu_us)}, "
+                   f"link {ms(c.link_us)}), bound by {bound}")
+    out += [n if is_warning(n) else f"note: {n}" for n in plan.notes]
+    if unchecked:
+        out.append(f"note: the layer table is the plan's own, not recomputed from tensor sizes: {unchecked}")
+    return out
+
+
+def _footprint(plan: Plan) -> list[str]:
+    s = plan.summary
     budget = plan.budget_bytes
     verdict = "no budget set" if budget is None else (
         f"budget {human(budget)}: " + ("fits" if s.gpu_footprint_bytes <= budget else "OVER BUDGET")
         + f", {human(abs(budget - s.gpu_footprint_bytes))} "
         + ("to spare" if s.gpu_footprint_bytes <= budget else "too much"))
-    out.append(f"GPU footprint: {human(s.gpu_bytes)} resident + {human(s.prefetch_buffer_bytes)} "
-               f"prefetch buffers = {human(s.gpu_footprint_bytes)} ({verdict})")
-    out.append(f"host (pinned): {human(s.uva_bytes)} uva + {human(s.prefetch_bytes)} prefetch")
-    if plan.cost:
-        c = plan.cost
-        bound = max((c.cpu_us, "kernel launches (CPU)"), (c.gpu_us, "GPU reads"), (c.link_us, "the host link"))[1]
-        out.append(f"predicted at batch {c.batch_size} on {c.hardware}: {human(s.predicted_h2d_bytes_per_step)} "
-                   f"over the link per step; step {c.step_us / 1e3:.2f} ms = max(cpu {c.cpu_us / 1e3:.2f}, "
-                   f"gpu {c.gpu_us / 1e3:.2f}, link {c.link_us / 1e3:.2f} ms), bound by {bound}")
-    out += [f"note: {n}" for n in plan.notes]
-    return "\n".join(out)
+    parts = (f"{human(s.gpu_bytes)} resident + {human(s.prefetch_buffer_bytes)} prefetch buffers = "
+             if s.prefetch_buffer_bytes else "")
+    out = [f"GPU footprint: {parts}{human(s.gpu_footprint_bytes)} ({verdict})"]
+    offloaded = s.uva_bytes + s.prefetch_bytes
+    if not offloaded:
+        out.append("host (pinned): nothing offloaded")
+        return out
+    host = " + ".join(f"{human(b)} {k}" for k, b in (("uva", s.uva_bytes), ("prefetch", s.prefetch_bytes)) if b)
+    saved = offloaded - s.prefetch_buffer_bytes
+    out.append(f"host (pinned): {host}; offloading saves {human(max(saved, 0))} of GPU memory "
+               f"({percent(max(saved, 0), offloaded)} of the offloaded bytes)")
+    return out
 
 
-def diff_data(old: Plan, new: Plan, sizes: dict[str, int] | None = None) -> dict:
-    """What moved where. With `sizes` (tensor bytes, from the checkpoint's headers) each move
-    also gets its bytes; without, the per-layer byte deltas still say how much moved."""
-    moved: dict[str, dict[str, list[str]]] = {}
-    for name, place in new.params.items():
-        before = old.params.get(name)
-        if before is not None and before is not place:
-            moved.setdefault(f"{before.value}->{place.value}", {}).setdefault("params", []).append(name)
-    added = [n for n in new.params if n not in old.params]
-    removed = [n for n in old.params if n not in new.params]
-    old_layers = {l.name: l for l in old.layers}
-    new_layers = {l.name: l for l in new.layers}
-    layers = []
-    for name in [*new_layers, *(n for n in old_layers if n not in new_layers)]:
-        a, b = old_layers.get(name), new_layers.get(name)
-        delta = {k: (getattr(b, k) if b else 0) - (getattr(a, k) if a else 0) for k in KINDS}
-        if any(delta.values()):
-            layers.append({"name": name, **delta})
-    so, sn = old.summary, new.summary
-    summary = {k: getattr(sn, k) - getattr(so, k) for k in
-               ("gpu_bytes", "uva_bytes", "prefetch_bytes", "prefetch_buffer_bytes", "gpu_footprint_bytes")}
-    inputs_changed = {
-        "checkpoint": old.checkpoint_fingerprint != new.checkpoint_fingerprint,
-        "policy": old.policy_fingerprint != new.policy_fingerprint,
-        "backend": old.backend != new.backend,
-    }
-    same = not moved and not added and not removed and not layers and not any(summary.values()) \
-        and old.prefetch == new.prefetch and not any(inputs_changed.values())
-    moved_bytes = None if sizes is None else {
-        k: sum(sizes.get(n, 0) for n in v["params"]) for k, v in sorted(moved.items())}
-    return {"same": same, "moved": {k: v["params"] for k, v in sorted(moved.items())},
-            "moved_bytes": moved_bytes,
-            "added": added, "removed": removed, "layers": layers, "summary": summary,
-            "checkpoint_changed": inputs_changed["checkpoint"],
-            "policy_changed": inputs_changed["policy"],
-            "backend_changed": inputs_changed["backend"],
-            "schedule_changed": old.prefetch != new.prefetch}
+def units_of(layer: Layer) -> list[tuple[str, tuple[str, ...]]]:
+    """A layer's tensors as units, in order: each fused expert group once (named by the group,
+    at its first member), every other tensor alone."""
+    groups = {m: g for g, ms_ in fused_groups(layer.params).items() for m in ms_}
+    members: dict[str, list[str]] = {}
+    for n in layer.params:
+        members.setdefault(groups.get(n, n), []).append(n)
+    return [(name, tuple(ns)) for name, ns in members.items()]
 
 
-def _signed(n: int) -> str:
-    return ("+" if n > 0 else "-" if n < 0 else "") + human(abs(n)) if n else "0"
+def tensors_data(plan: Plan, sizes: Mapping[str, TensorInfo] | None) -> dict:
+    """`plan show --tensors --json`: every tensor, or fused unit, with its placement (and bytes)."""
+    rows = []
+    for layer in build_graph(plan.params, plan.stacks).layers:
+        for name, members in units_of(layer):
+            rows.append({"layer": layer.name, "name": name, "tensors": len(members),
+                         "placement": plan.params[members[0]].value,
+                         "bytes": None if sizes is None else sum(sizes[m].nbytes for m in members)})
+    return {"checkpoint": plan.checkpoint_path, "units": rows}
 
 
-def diff_text(d: dict, limit: int = 10) -> str:
-    if d["same"]:
-        return "no changes: the plans place every tensor the same way"
-    out = []
-    s = d["summary"]
-    out.append("totals: " + ", ".join(f"{k.removesuffix('_bytes')} {_signed(v)}" for k, v in s.items() if v)
-               if any(s.values()) else "totals: unchanged")
-    if d["checkpoint_changed"]:
-        out.append("the checkpoint fingerprint differs between the plans")
-    if d["policy_changed"]:
-        out.append("the policy fingerprint differs between the plans")
-    if d["backend_changed"]:
-        out.append("the backend differs between the plans")
-    for move, names in d["moved"].items():
-        nbytes = f", {human(d['moved_bytes'][move])}" if d.get("moved_bytes") else ""
-        out.append(f"{move}: {len(names)} tensors{nbytes}")
-        out += [f"  {n}" for n in names[:limit]]
-        if len(names) > limit:
-            out.append(f"  ... and {len(names) - limit} more")
-    for key in ("added", "removed"):
-        if d[key]:
-            out.append(f"{key}: {len(d[key])} tensors")
-            out += [f"  {n}" for n in d[key][:limit]]
-    if d["layers"]:
-        out += ["", table(["layer", "gpu", "uva", "prefetch"],
-                          [[l["name"], *(_signed(l[k]) for k in KINDS)] for l in d["layers"]])]
-    if d["schedule_changed"]:
-        out.append("the prefetch schedule changed")
-    return "\n".join(out)
+def show_tensors(plan: Plan, sizes: Mapping[str, TensorInfo] | None, unchecked: str | None) -> list:
+    d = tensors_data(plan, sizes)
+    rows, last = [], None
+    for u in d["units"]:
+        local = u["name"][len(u["layer"]) + 1:] or u["name"]
+        what = f"{local} (fused: {plural(u['tensors'], 'tensor')})" if u["tensors"] > 1 else local
+        rows.append([u["layer"] if u["layer"] != last else "", what, u["placement"],
+                     *([human(u["bytes"])] if sizes is not None else [])])
+        last = u["layer"]
+    units = len(d["units"])
+    grouped = f" in {plural(units, 'unit')} (a fused expert group is one unit)" if units != plan.tensors else ""
+    out: list = [f"plan for {plan.checkpoint_path}: {plural(plan.tensors, 'tensor')}{grouped}, backend "
+                 f"{plan.backend}", "",
+                 table(["layer", "tensor", "placement", *(["bytes"] if sizes is not None else [])], rows,
+                       align="lllr")]
+    if sizes is None:
+        out += ["", f"note: no bytes per tensor: {unchecked}"]
+    return out

@@ -55,6 +55,13 @@ def fewest_layers(eligible: list[tuple[Layer, list[str]]], place: Mapping[str, P
     return [eligible[i] for i in smallest[1]]
 
 
+def footprint(graph: LayerGraph, place: Mapping[str, Placement], tensors: Mapping[str, TensorInfo],
+              step: int) -> int:
+    """GPU bytes of a placement: resident tensors plus the prefetch pool it needs."""
+    sched = make_schedule(graph, place, tensors, step)
+    return sum(tensors[n].nbytes for n, p in place.items() if p is GPU) + (sched.pool_bytes if sched else 0)
+
+
 def spread(count: int, want: int) -> list[int]:
     """`want` of `count` positions, evenly spaced, each the last of its share.
 

@@ -6,7 +6,7 @@ Offloaded tensors are copied from those views directly into the pinned arena.
 GPU-resident tensors go through `Stager`: a few small pinned buffers, filled
 on the host and copied to the GPU on a side stream, so pageable memory never
 feeds a device copy and nothing larger than a chunk is staged at a time.
-`Progress` draws a one-line bar (bytes, GB/s) only when stderr is a terminal.
+`Progress` shows the load: a rich bar on a terminal, one summary line in logs.
 `check_holds_weights` refuses a header-only checkpoint before anything is allocated.
 """
 from __future__ import annotations
@@ -15,13 +15,18 @@ import mmap
 import os
 import sys
 import time
+import weakref
 from pathlib import Path
 
 import torch
+from rich.console import Console
+from rich.progress import BarColumn, DownloadColumn, ProgressColumn, TextColumn, TimeRemainingColumn
+from rich.progress import Progress as RichProgress
+from rich.text import Text
 
 from planner.checkpoint import Checkpoint
 from planner.errors import CheckpointError
-from planner.report import human
+from planner.units import human
 
 HOLE_MIN_BYTES = 2**20  # smaller shards are never called header-only: one file system block may hold them
 HOLE_FRACTION = 16  # header-only: under 1/16 of the data's bytes allocated on disk
@@ -147,28 +152,63 @@ class Stager:
         self.events = []
 
 
+class _Speed(ProgressColumn):
+    """Bytes per second in binary units (rich's own column counts in decimal GB/s)."""
+
+    def render(self, task) -> Text:
+        speed = task.finished_speed or task.speed
+        return Text("" if speed is None else f"{human(speed)}/s", style="progress.data.speed")
+
+
 class Progress:
-    """`loading 3.2/16.1 GB  5.1 GB/s` on stderr, redrawn at most 10 times a second, TTY only."""
+    """Loading progress on stderr: a rich bar on a terminal, one summary line in logs.
+
+    `enabled`:
+    - None (default): on a terminal, a bar with bytes done and total (binary
+      units), speed (GiB/s) and time left; elsewhere (a log, a pipe) no bar,
+      and one line when the load ends: `loading: 1.50 GiB in 0.82 s (1.83 GiB/s)`;
+    - True: the bar, even when stderr is not a terminal (rich then draws it once, at the end);
+    - False: nothing; the caller reports (as `plan apply` does).
+
+    The bar redraws at most 10 times a second from `update`, with no refresh
+    thread: a load that raises leaves nothing running, and the bar is closed
+    when this object goes away.
+    """
 
     def __init__(self, total: int, enabled: bool | None = None, label: str = "loading"):
         self.total = total
         self.done = 0
         self.label = label
-        self.enabled = sys.stderr.isatty() if enabled is None else enabled
         self.start = time.perf_counter()
         self._last = 0.0
+        self._summary = enabled is None and not sys.stderr.isatty()
+        self._bar = None
+        if enabled or (enabled is None and not self._summary):
+            self._bar = RichProgress(
+                TextColumn(label), BarColumn(), DownloadColumn(binary_units=True), _Speed(),
+                TimeRemainingColumn(), console=Console(file=sys.stderr), auto_refresh=False,
+                redirect_stdout=False, redirect_stderr=False)
+            self._task = self._bar.add_task(label, total=total)
+            self._bar.start()
+            self._stop = weakref.finalize(self, self._bar.stop)
 
     def update(self, n: int) -> None:
         self.done += n
+        if self._bar is None:
+            return
+        self._bar.update(self._task, completed=self.done)
         now = time.perf_counter()
-        if self.enabled and (now - self._last > 0.1 or self.done >= self.total):
+        if now - self._last > 0.1 or self.done >= self.total:
             self._last = now
-            rate = self.done / max(now - self.start, 1e-9) / 1e9
-            sys.stderr.write(f"\r{self.label} {self.done / 1e9:.2f}/{self.total / 1e9:.2f} GB  {rate:.2f} GB/s ")
-            sys.stderr.flush()
+            self._bar.refresh()
 
     def close(self) -> float:
-        """Seconds since the start; ends the bar's line."""
-        if self.enabled:
-            sys.stderr.write("\n")
-        return time.perf_counter() - self.start
+        """Ends the bar (or writes the summary line); returns the seconds since the start."""
+        seconds = time.perf_counter() - self.start
+        if self._bar is not None:
+            self._bar.refresh()
+            self._stop()
+        elif self._summary:
+            rate = f" ({human(self.done / seconds)}/s)" if seconds > 0 else ""
+            print(f"{self.label}: {human(self.done)} in {seconds:.2f} s{rate}", file=sys.stderr)
+        return seconds

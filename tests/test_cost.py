@@ -108,7 +108,7 @@ def test_mixed_respects_rules_and_budget_check():
     d = mixed(moe(), budget_mb=60, rules=rules)
     assert d.params["lm_head.weight"] is UVA
     from planner.errors import BudgetError
-    with pytest.raises(BudgetError, match="the plan needs 976.6 KiB of GPU memory"):
+    with pytest.raises(BudgetError, match=r"the plan needs 976.6 KiB \(1,000,000 bytes\) of GPU memory"):
         mixed(moe(), budget_mb=0.5)  # lm_head (1 MB) stays on the GPU unless a rule moves it
 
 

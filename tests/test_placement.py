@@ -7,14 +7,15 @@ head 4 MiB. With L layers the total is 9 + 3L MiB.
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 
 from headeronly import (GPU, PREFETCH, UVA, MiB, infos, mib, offloaded_layers, placed, plan_of,
                         policy, toy)
-from planner.errors import BudgetError
+from planner.errors import BudgetError, PolicyError
 from planner.graph import build_graph
-from planner.placement import resolve_backend
+from planner.placement import resolve_backend, smallest_budget_gib
 from planner.schedule import make_schedule, spread
 from planner.plan import Buffer, LayerBytes, Transfer
 
@@ -59,7 +60,7 @@ def test_uva_walks_params_in_order_and_overshoots_by_the_last_one():
         LayerBytes("lm_head", gpu=4 * MiB),
     )
     assert d.prefetch is None
-    assert d.notes == ("backend auto chose uva: uva.offload_gib is set",)
+    assert d.notes == ("backend uva (auto: uva.offload_gib is set): 5.0 MiB on uva from 2 layers",)
 
 
 def test_uva_exact_amount_stops_at_it():
@@ -84,7 +85,7 @@ def test_uva_budget_driven_offloads_in_order_until_it_fits():
     t = toy(4)  # 21 MiB
     d, _ = plan_of(t, policy(budget_gib=mib(17)))
     assert d.params == expect(t, uva=layer_params(0) + layer_params(1, of=[DOWN]))
-    assert d.notes == ("backend auto chose uva: budget_gib is set",)
+    assert d.notes == ("backend uva (auto: budget_gib is set): 5.0 MiB on uva from 2 layers",)
     d, _ = plan_of(t, policy(budget_gib=mib(18)))
     assert placed(d, UVA) == layer_params(0)
 
@@ -96,8 +97,9 @@ def test_uva_amount_with_a_budget_is_a_check():
     with pytest.raises(BudgetError) as e:
         plan_of(t, policy(offload_gib=mib(3), budget_gib=mib(17)))
     assert str(e.value) == (
-        "test.policy.yaml: the plan needs 18.0 MiB of GPU memory but budget_gib is 0.0166015625; "
-        "budget_gib: 0.02 is the smallest that fits this policy.\n"
+        "test.policy.yaml: the plan needs 18.0 MiB (18,874,368 bytes) of GPU memory but budget_gib "
+        "0.0166015625 is 17,825,792 bytes; the smallest budget that fits this policy is "
+        "budget_gib: 0.017578125 (18.0 MiB).\n"
         "  Pinned to the GPU outside the layer stacks: model.embed_tokens 4.0 MiB, lm_head 4.0 MiB, "
         "model.norm 1.0 MiB.\n"
         "  uva.offload_gib: 0.0029296875 offloads too little: raise it, or remove it and let "
@@ -109,15 +111,14 @@ def test_no_fit_names_the_smallest_budget_and_what_is_pinned():
     with pytest.raises(BudgetError) as e:
         plan_of(t, policy(budget_gib=mib(8)))
     assert str(e.value) == (
-        "test.policy.yaml: the plan needs 9.0 MiB of GPU memory but budget_gib is 0.0078125; "
-        "budget_gib: 0.01 is the smallest that fits this policy.\n"
+        "test.policy.yaml: the plan needs 9.0 MiB (9,437,184 bytes) of GPU memory but budget_gib "
+        "0.0078125 is 8,388,608 bytes; the smallest budget that fits this policy is "
+        "budget_gib: 0.008789063 (9.0 MiB).\n"
         "  Pinned to the GPU outside the layer stacks: model.embed_tokens 4.0 MiB, lm_head 4.0 MiB, "
         "model.norm 1.0 MiB.\n"
         "  No choice of offloaded layers fits. Move more to host memory with a rule (for example "
         "`rules: [{match: [embed_tokens], place: uva}]`), or raise budget_gib.")
-    d, _ = plan_of(t, policy(budget_gib=0.01))  # the suggestion fits: 10 MiB <= 10.24 MiB
-    assert placed(d, UVA) == layer_params(0, 1, 2) + layer_params(3, of=[DOWN])
-    d, _ = plan_of(t, policy(budget_gib=mib(9)))
+    d, _ = plan_of(t, policy(budget_gib=0.008789063))  # the suggestion is exactly 9 MiB
     assert placed(d, UVA) == layer_params(0, 1, 2, 3)
 
 
@@ -134,24 +135,26 @@ def test_whole_checkpoint_fits_the_budget_nothing_is_offloaded(kw):
     d, _ = plan_of(t, policy(**kw))
     assert d.params == expect(t)
     assert d.backend == "none" and d.prefetch is None
-    assert d.notes[1:] == (f"the whole checkpoint (21.0 MiB) fits budget_gib {kw['budget_gib']}: "
-                           "nothing offloaded (offloading would only cost speed)",)
+    assert d.notes == (f"the whole checkpoint (21.0 MiB) fits budget_gib {kw['budget_gib']}: "
+                       "nothing is offloaded (offloading would only cost speed)",)
 
 
 def test_no_settings_keep_everything_on_the_gpu():
     t = toy(3)
     d, _ = plan_of(t, policy())
     assert d.params == expect(t) and d.backend == "none"
-    assert d.notes == ("backend auto offloads nothing: no offload amount or budget is set",)
+    assert d.notes == ("nothing is offloaded: backend auto has no offload amount or budget (set "
+                       "uva.offload_gib, prefetch.group_size or budget_gib)",)
 
 
 @pytest.mark.parametrize("kw, want", [
-    ({}, ("none", "backend auto offloads nothing: no offload amount or budget is set")),
-    ({"group_size": 4, "offload_gib": 1}, ("prefetch", "backend auto chose prefetch: prefetch.group_size is set")),
-    ({"offload_gib": 1, "budget_gib": 3}, ("uva", "backend auto chose uva: uva.offload_gib is set")),
-    ({"budget_gib": 3}, ("uva", "backend auto chose uva: budget_gib is set")),
-    ({"backend": "uva", "group_size": 4}, ("uva", "backend: uva")),
-    ({"backend": "prefetch"}, ("prefetch", "backend: prefetch")),
+    ({}, ("none", "no offload amount or budget is set")),
+    ({"group_size": 4, "offload_gib": 1}, ("prefetch", "prefetch.group_size is set")),
+    ({"offload_gib": 1, "budget_gib": 3}, ("uva", "uva.offload_gib is set")),
+    ({"budget_gib": 3}, ("uva", "budget_gib is set")),
+    ({"backend": "uva", "group_size": 4}, ("uva", None)),
+    ({"backend": "prefetch"}, ("prefetch", None)),
+    ({"backend": "mixed", "budget_gib": 3}, ("mixed", None)),
 ])
 def test_auto_backend_resolution(kw, want):
     assert resolve_backend(policy(**kw)) == want
@@ -178,10 +181,11 @@ def test_rules_first_match_wins_and_place_anything():
                                       *layer_params(1, 2, 3, of=[O])])
 
 
-def test_a_rule_for_every_tensor_leaves_the_backend_nothing():
-    t = toy(2)
-    d, _ = plan_of(t, policy(offload_gib=100, rules=[(["re:."], "gpu")]))
-    assert d.params == expect(t)
+def test_a_rule_for_every_tensor_leaves_the_backend_nothing_to_offload():
+    with pytest.raises(PolicyError) as e:
+        plan_of(toy(2), policy(offload_gib=100, rules=[(["re:."], "gpu")]))
+    assert str(e.value) == ("test.policy.yaml: backend uva has nothing to offload: rules place every tensor "
+                            "of the layer stacks (e.g. model.layers.0.mlp.down_proj.weight); change the rules")
 
 
 def test_rules_can_prefetch_outside_the_stacks():
@@ -215,7 +219,7 @@ def test_prefetch_group_8_of_2_over_61_layers():
     (8, 1, 32, [7, 15, 23, 31]),
     (4, 4, 6, [0, 1, 2, 3, 4, 5]),
     (3, 1, 7, [2, 5]),
-    (10, 2, 5, []),
+    (5, 2, 5, [3, 4]),
 ])
 def test_prefetch_group_rule(group, k, layers, want):
     d, _ = plan_of(toy(layers), policy(group_size=group, num_in_group=k))
@@ -356,22 +360,23 @@ def test_prefetch_budget_no_fit_quotes_the_smallest_footprint_of_any_count():
     with pytest.raises(BudgetError) as e:
         plan_of(t, policy(backend="prefetch", budget_gib=mib(15), step=2))
     assert str(e.value).startswith(
-        "test.policy.yaml: the plan needs 19.0 MiB of GPU memory but budget_gib is 0.0146484375; "
-        "budget_gib: 0.02 is the smallest that fits this policy.")
-    d, _ = plan_of(t, policy(backend="prefetch", budget_gib=0.02, step=2))
-    assert d.backend == "none"
+        "test.policy.yaml: the plan needs 19.0 MiB (19,922,944 bytes) of GPU memory but budget_gib "
+        "0.0146484375 is 15,728,640 bytes; the smallest budget that fits this policy is "
+        "budget_gib: 0.018554688 (19.0 MiB).")
+    d, _ = plan_of(t, policy(backend="prefetch", budget_gib=0.018554688, step=2))
+    assert d.backend == "none" and d.params == expect(t)
 
 
 def test_prefetch_budget_no_fit_with_step_1():
     t = toy(4)  # 21 MiB; all 4 layers: 9 + 3 = 12 MiB at best
-    with pytest.raises(BudgetError, match=r"needs 12.0 MiB .* budget_gib: 0.02 is the smallest"):
+    with pytest.raises(BudgetError, match=r"needs 12.0 MiB .* the smallest budget that fits this policy is "
+                       r"budget_gib: 0.01171875 \(12.0 MiB\)"):
         plan_of(t, policy(backend="prefetch", budget_gib=mib(11)))
     d, _ = plan_of(t, policy(backend="prefetch", budget_gib=mib(12)))
     assert offloaded_layers(d) == [0, 1, 2, 3]
 
 
 def test_rules_prefetching_with_step_zero_is_an_error():
-    from planner.errors import PolicyError
     with pytest.raises(PolicyError, match=r"test.policy.yaml: prefetch.step must be >= 1: rules place "
                        r"tensors on prefetch"):
         plan_of(toy(2), policy(backend="uva", step=0, rules=[(["lm_head"], "prefetch")]))
@@ -416,10 +421,165 @@ def test_uva_budget_walk_keeps_groups_whole():
     (dict(offload_gib=1, uva_params=["down_proj"]), "uva.params selects 2 of the 6"),
 ])
 def test_selecting_part_of_a_fused_group_is_an_error(pol, where):
-    from planner.errors import PolicyError
     with pytest.raises(PolicyError) as err:
         plan_of(moe_toy(), policy(**pol))
     text = str(err.value)
     assert "splits fused expert groups" in text
     assert f"{where} tensors of fused group model.layers.0.mlp.experts" in text
     assert "select all of them (for example with the pattern `experts`)" in text
+
+
+# ---------------------------------------------------------------- a backend asked to offload must offload
+
+@pytest.mark.parametrize("tensors, pol, message", [
+    (toy(4), dict(backend="prefetch"),
+     "test.policy.yaml: backend: prefetch offloads nothing: set prefetch.group_size (with num_in_group: stream "
+     "the last num_in_group layers of every group, as vLLM's offload_group_size) or budget_gib (stream the "
+     "fewest layers that fit)"),
+    (toy(4), dict(backend="prefetch", prefetch_params=["mlp"]),
+     "test.policy.yaml: backend: prefetch offloads nothing: set prefetch.group_size"),
+    (toy(4), dict(backend="uva", uva_params=["mlp"]),
+     "test.policy.yaml: backend: uva offloads nothing: set uva.offload_gib (GiB to offload, as vLLM's "
+     "cpu_offload_gb) or budget_gib (offload until the GPU footprint fits); uva.params only narrows which "
+     "tensors those offload"),
+    (toy(5), dict(group_size=10, num_in_group=2),
+     "test.policy.yaml: prefetch.group_size 10 is larger than the 5 layers of the layer stacks "
+     "(model.layers): layer i streams iff i % 10 >= 8, so the groups never repeat; set "
+     "prefetch.group_size to at most 5 (or use budget_gib and let the planner choose the layers)"),
+    (toy(5), dict(group_size=6, num_in_group=3),  # it would stream layers 3 and 4: still a mistake
+     "test.policy.yaml: prefetch.group_size 6 is larger than the 5 layers"),
+    (dense_then_moe(), dict(group_size=4, num_in_group=1, prefetch_params=["down_proj"]),
+     "test.policy.yaml: backend prefetch has nothing to offload: prefetch.group_size 4 / num_in_group 1 "
+     "streams layers model.layers.3, model.layers.7, but prefetch.params selects none of their tensors (it "
+     "selects e.g. model.layers.0.mlp.down_proj.weight); change prefetch.params"),
+    (toy(4), dict(group_size=2, rules=[(["layers.1", "layers.3"], "gpu")]),
+     "test.policy.yaml: backend prefetch has nothing to offload: prefetch.group_size 2 / num_in_group 1 "
+     "streams layers model.layers.1, model.layers.3, but rules place every tensor of those layers (e.g. "
+     "model.layers.1.mlp.down_proj.weight); change the rules"),
+    (toy(4), dict(offload_gib=1, uva_params=["mlp"], rules=[(["mlp"], "gpu")]),
+     "test.policy.yaml: backend uva has nothing to offload: uva.params selects only tensors that rules "
+     "already place (e.g. model.layers.0.mlp.down_proj.weight); change uva.params or the rules"),
+    (toy(4), dict(budget_gib=mib(12), uva_params=["lm_head"]),
+     "test.policy.yaml: backend uva has nothing to offload: uva.params selects only tensors outside the "
+     "layer stacks (e.g. lm_head.weight), which the backend never moves; place those with a rule "
+     "(`{match: [...], place: uva}`)"),
+    (toy(4), dict(backend="prefetch", budget_gib=mib(12), prefetch_params=["o_proj"],
+                  rules=[(["o_proj"], "uva")]),
+     "test.policy.yaml: backend prefetch has nothing to offload: prefetch.params selects only tensors that "
+     "rules already place (e.g. model.layers.0.self_attn.o_proj.weight); change prefetch.params or the rules"),
+])
+def test_a_backend_that_would_offload_nothing_is_an_error_naming_the_key(tensors, pol, message):
+    with pytest.raises(PolicyError) as e:
+        plan_of(tensors, policy(**pol))
+    assert str(e.value).startswith(message)
+
+
+def test_an_empty_auto_policy_offloads_nothing_and_says_why():
+    d, _ = plan_of(toy(2), policy(uva_params=["mlp"]))
+    assert d.backend == "none" and set(d.params.values()) == {GPU}
+    assert d.notes == ("nothing is offloaded: backend auto has no offload amount or budget (set "
+                       "uva.offload_gib, prefetch.group_size or budget_gib) (uva.params only narrows what "
+                       "uva.offload_gib or budget_gib offloads)",)
+
+
+# ---------------------------------------------------------------- notes tell the final placements
+
+def test_rules_that_offload_are_not_reported_as_nothing_offloaded():
+    t = toy(4)
+    d, _ = plan_of(t, policy(rules=[(["layers"], "uva")]))
+    assert d.backend == "none" and placed(d, UVA) == layer_params(0, 1, 2, 3)
+    assert d.notes == ("rules place 12.0 MiB on uva (8 tensors)",
+                       "backend auto offloads nothing beyond the rules: no offload amount or budget is set")
+
+
+def test_a_budget_that_fits_with_the_rules_alone_says_so():
+    t = toy(8)
+    d, _ = plan_of(t, policy(backend="prefetch", budget_gib=mib(25),
+                             rules=[(["embed_tokens", "lm_head"], "uva")]))
+    assert d.notes == ("rules place 8.0 MiB on uva (2 tensors)",
+                       "the plan fits budget_gib 0.0244140625 with the rules' placements alone: backend "
+                       "prefetch offloads nothing more (offloading would only cost speed)")
+
+
+def test_rules_and_backend_each_report_what_they_placed():
+    d, _ = plan_of(toy(4), policy(group_size=2, rules=[(["embed_tokens"], "uva")]))
+    assert d.notes == ("rules place 4.0 MiB on uva (1 tensor)",
+                       "backend prefetch (auto: prefetch.group_size is set): 6.0 MiB on prefetch from 2 layers")
+    d, _ = plan_of(toy(4), policy(backend="uva", offload_gib=mib(3)))
+    assert d.notes == ("backend uva (named by the policy): 3.0 MiB on uva from 1 layer",)
+
+
+# ---------------------------------------------------------------- plans that save little GPU memory
+
+def test_as_many_slots_as_prefetched_layers_saves_nothing():
+    d, _ = plan_of(toy(4), policy(group_size=2, step=2))
+    assert d.prefetch.slots == 2 and d.prefetch.pool_bytes == 6 * MiB
+    assert d.notes[1:] == (
+        "warning: the plan saves little GPU memory: nothing of the 6.0 MiB offloaded; the prefetch buffers "
+        "take 6.0 MiB (2 slots x 3.0 MiB): there are as many slots as prefetched layers (2), so each "
+        "prefetched tensor has buffers of its own; lower prefetch.step or prefetch more layers",)
+
+
+def test_a_prefetched_head_saves_nothing_however_much_the_layers_save():
+    d, _ = plan_of(toy(8), policy(group_size=2, rules=[(["lm_head"], "prefetch")]))
+    # layers 1, 3, 5, 7 share their buffers (3 MiB in one slot for 12 MiB); lm_head's 4 MiB buffer is its own
+    assert d.prefetch.pool_bytes == 7 * MiB
+    assert d.notes[2:] == (
+        "warning: prefetching lm_head.weight saves no GPU memory: no other prefetched layer shares its "
+        "buffers, so its buffers take 4.0 MiB (1 slot) for the 4.0 MiB moved off the GPU; place it on uva "
+        "or keep it on the GPU",)
+
+
+def test_a_plan_saving_less_than_half_says_how_much():
+    # 3 prefetched layers through 2 slots: 9 MiB offloaded, 6 MiB of buffers, 3 MiB saved
+    d, _ = plan_of(toy(3), policy(group_size=1, step=2))
+    assert d.notes[1:] == (
+        "warning: the plan saves little GPU memory: 3.0 MiB (33% of the 9.0 MiB offloaded); the prefetch "
+        "buffers take 6.0 MiB (2 slots x 3.0 MiB)",)
+    d, _ = plan_of(toy(4), policy(group_size=1, step=2))  # 12 MiB, 6 MiB of buffers: half, no warning
+    assert not any(n.startswith("warning: ") for n in d.notes)
+
+
+# ---------------------------------------------------------------- the smallest budget is the real one
+
+def suggested(tensors, pol) -> tuple[str, int]:
+    """The budget_gib the error suggests, and the footprint in bytes it quotes."""
+    with pytest.raises(BudgetError) as e:
+        plan_of(tensors, pol)
+    m = re.search(r"needs .* \(([\d,]+) bytes\) of GPU memory.* is budget_gib: (\S+) \(", str(e.value))
+    return m[2], int(m[1].replace(",", ""))
+
+
+def uneven_layers():
+    """Layers of different shapes: with 2 slots, prefetching more layers can cost more than it moves."""
+    t = [("model.embed_tokens.weight", "U8", (4 * MiB,))]
+    t += [(f"model.layers.{i}.mlp.w", "U8", ((i % 3 + 1) * MiB,)) for i in range(9)]
+    return t + [("model.norm.weight", "U8", (MiB,)), ("lm_head.weight", "U8", (4 * MiB,))]
+
+
+@pytest.mark.parametrize("tensors, kw", [
+    (toy(4), dict()),                                         # uva walk, down to all stack tensors
+    (toy(4), dict(offload_gib=mib(3))),                       # uva amount: the budget is a check
+    (toy(8), dict(backend="prefetch")),                       # the fewest layers that fit
+    (toy(8), dict(backend="prefetch", step=3)),
+    (uneven_layers(), dict(backend="prefetch", step=2)),      # footprint not monotonic in the layer count
+    (toy(8), dict(group_size=4, num_in_group=2, step=2)),     # group: the budget is a check
+    (moe_toy(4), dict(backend="mixed", step=2)),
+    (toy(4), dict(rules=[(["lm_head"], "prefetch")], step=2)),
+])
+def test_the_suggested_budget_builds_and_one_byte_less_does_not(tensors, kw):
+    text, need = suggested(tensors, policy(budget_gib=mib(0.5), **kw))
+    assert int(float(text) * 2**30) == need
+    d, t = plan_of(tensors, policy(budget_gib=float(text), **kw))
+    gpu = sum(t[n].nbytes for n, p in d.params.items() if p is GPU)
+    assert gpu + (d.prefetch.pool_bytes if d.prefetch else 0) == need
+    with pytest.raises(BudgetError):
+        plan_of(tensors, policy(budget_gib=(need - 1) / 2**30, **kw))
+
+
+def test_smallest_budget_gib_is_the_shortest_exact_decimal():
+    assert smallest_budget_gib(128 * 1024) == "0.000122071"
+    assert smallest_budget_gib(10 * 2**30) == "10"
+    assert smallest_budget_gib(9 * MiB) == "0.008789063"
+    for n in (1, 614400, 10662744064, 2**40 + 12345):
+        assert int(float(smallest_budget_gib(n)) * 2**30) == n

@@ -129,34 +129,105 @@ def test_not_a_plan():
     assert str(plan_error("params: [\n")).startswith("p.plan.yaml:2:1: invalid YAML: ")
 
 
-@pytest.mark.parametrize("name, edit, problem", [
-    ("uva", ("  tensors: 11\n", "  tensors: 12\n"), "checkpoint.tensors is 12 but params lists 11"),
-    ("uva", ("  uva_bytes: 6291456\n", "  uva_bytes: 6291457\n"),
+def line(text: str, needle: str) -> int:
+    assert text.count(needle) == 1, needle
+    return text[:text.index(needle)].count("\n") + 1
+
+
+HEADLINE = ("p.plan.yaml: the plan is inconsistent (edited by hand?): params: compared with layers:, summary: "
+            "and prefetch: ")
+
+
+@pytest.mark.parametrize("name, edit, at, problem", [
+    ("uva", ("  tensors: 11\n", "  tensors: 12\n"), ("tensors: 12", 12),
+     "checkpoint.tensors is 12 but params lists 11"),
+    ("uva", ("  uva_bytes: 6291456\n", "  uva_bytes: 6291457\n"), ("uva_bytes: 6291457", 14),
      "summary.uva_bytes is 6291457 but the layers add up to 6291456"),
-    ("uva", ("  bytes: 22020096\n", "  bytes: 22020095\n"),
+    ("uva", ("  bytes: 22020096\n", "  bytes: 22020095\n"), ("bytes: 22020095", 10),
      "checkpoint.bytes is 22020095 but the layers add up to 22020096"),
-    ("uva", ("  gpu_footprint_bytes: 15728640\n", "  gpu_footprint_bytes: 1\n"),
+    ("uva", ("  gpu_footprint_bytes: 15728640\n", "  gpu_footprint_bytes: 1\n"), ("gpu_footprint_bytes: 1\n", 24),
      "summary.gpu_footprint_bytes is 1 but gpu_bytes + prefetch_buffer_bytes is 15728640"),
     ("prefetch", ("  prefetch_buffer_bytes: 6291456\n", "  prefetch_buffer_bytes: 3145728\n"),
+     ("prefetch_buffer_bytes: 3145728", 26),
      "summary.prefetch_buffer_bytes is 3145728 but the prefetch section sizes the pool at 6291456"),
-    ("prefetch", ("  slot_bytes: 3145728\n", "  slot_bytes: 3145729\n"),
-     "summary.prefetch_buffer_bytes is 6291456 but the prefetch section sizes the pool at 6291458"),
+    ("prefetch", ("  slot_bytes: 3145728\n", "  slot_bytes: 3145729\n"), ("slot_bytes: 3145729", 15),
+     "prefetch.slot_bytes is 3145729 but its buffers add up to 3145728"),
     ("prefetch", ("{layer: model.layers.3, slot: 1, after: model.layers.3}",
-                  "{layer: model.layers.3, slot: 0, after: model.layers.1}"),
+                  "{layer: model.layers.3, slot: 0, after: model.layers.1}"), ("{layer: model.layers.3", 7),
      "prefetch.schedule[1]: model.layers.3 must use slot 1 after model.layers.3, not slot 0 after "
      "model.layers.1"),
-    ("prefetch", ("    - {layer: model.layers.3, slot: 1, after: model.layers.3}\n", ""),
-     "prefetch.schedule must list exactly the layers holding prefetched bytes, in order: "
+    ("prefetch", ("    - {layer: model.layers.3, slot: 1, after: model.layers.3}\n", ""), ("{layer: model.layers.1", 5),
+     "prefetch.schedule: lists model.layers.1 but the layers with prefetched tensors in params: are "
      "model.layers.1, model.layers.3"),
-    ("prefetch", ("  slots: 2\n", "  slots: 1\n"),
+    ("prefetch", ("  slots: 2\n", "  slots: 1\n"), ("slots: 1", 10),
      "prefetch.slots is 1 but step 2 over 2 layers gives 2"),
+    ("prefetch", ("{name: mlp.down_proj.weight, ", "{name: mlp.up_proj.weight, "),
+     ("model.layers.1.mlp.down_proj.weight: prefetch", 40),
+     "params.model.layers.1.mlp.down_proj.weight: prefetch, but prefetch.buffers has no buffer named "
+     "mlp.down_proj.weight"),
+    # Both tensors of layer 0 moved back to the GPU: the uva bytes of its row have no tensor.
+    ("uva", ("model.layers.0.mlp.down_proj.weight: uva\n  model.layers.0.self_attn.o_proj.weight: uva",
+             "model.layers.0.mlp.down_proj.weight: gpu\n  model.layers.0.self_attn.o_proj.weight: gpu"),
+     ("{name: model.layers.0,", 41),
+     "layers[1].uva: model.layers.0 has 3145728 bytes on uva but params: place none of its tensors on uva"),
+    ("uva", ("  - {name: model.norm, ", "  - {name: model.final_norm, "), ("{name: model.final_norm", 5),
+     "layers[5]: lists model.final_norm where the tensors of params: (with stacks: ['model.layers']) "
+     "make model.norm"),
+    ("uva", ("  - {name: model.norm, gpu: 1048576, uva: 0, prefetch: 0, h2d: 0, us: 0}\n", ""),
+     ("{name: lm_head", 5),
+     "layers[5]: lists lm_head where the tensors of params: (with stacks: ['model.layers']) make model.norm "
+     "(6 layers; params: make 7)"),
 ])
-def test_hand_edited_inconsistent_plans_are_rejected(built, name, edit, problem):
+def test_hand_edited_inconsistent_plans_are_rejected(built, name, edit, at, problem):
     _, text = built[name]
     assert edit[0] in text
-    e = plan_error(text.replace(*edit))
-    assert e.headline == "p.plan.yaml: the plan is inconsistent (edited by hand?); rebuild it with `plan build`"
-    assert problem in e.problems
+    bad = text.replace(*edit)
+    e = plan_error(bad)
+    assert e.headline == (HEADLINE + "by tensor names only: no checkpoint given; rebuild it: plan build "
+                          f"{name}.policy.yaml -o p.plan.yaml")
+    assert f"p.plan.yaml:{line(bad, at[0])}:{at[1]}: {problem}" in e.problems
+
+
+def test_one_flipped_placement_is_caught_with_the_checkpoint_and_names_the_lines(tmp_path, built):
+    _, text = built["uva"]
+    tensors = open_checkpoint(tmp_path / "ckpt").tensors
+    name = "  model.layers.0.self_attn.o_proj.weight: "
+    bad = text.replace(name + "uva\n", name + "gpu\n")
+    assert loads(bad, "p.plan.yaml") is not None  # the names alone cannot tell
+    with pytest.raises(PlanFileError) as e:
+        loads(bad, "p.plan.yaml", tensors)
+    row = line(bad, "{name: model.layers.0,")
+    param = line(bad, "model.layers.0.self_attn.o_proj.weight: gpu")
+    assert e.value.headline == (HEADLINE + "with the tensor sizes in its checkpoint's headers; rebuild it: plan "
+                                "build uva.policy.yaml -o p.plan.yaml")
+    assert e.value.problems == [
+        f"p.plan.yaml:{row}:5: layers[1]: model.layers.0 has gpu 0, uva 3,145,728, prefetch 0; its tensors in "
+        f"params: have gpu 1,048,576, uva 2,097,152, prefetch 0 (p.plan.yaml:{param}:43: "
+        "params.model.layers.0.self_attn.o_proj.weight: gpu)"]
+
+
+def test_a_split_fused_group_and_wrong_buffers_are_caught(tmp_path):
+    from planner.synthetic import qwen3_moe
+    write_header_only(tmp_path / "moe", qwen3_moe(layers=2, experts=4, hidden=64, moe_intermediate=32, heads=4,
+                                                  kv_heads=2, head_dim=16, vocab=128), single=True)
+    pol = load_policy(write_policy(tmp_path, "prefetch: {group_size: 2}\n",
+                                   head="format_version: 1\ncheckpoint: ./moe\n"))
+    text = dumps(build(pol, tmp_path))
+    tensors = open_checkpoint(tmp_path / "moe").tensors
+    name = "model.layers.1.mlp.experts.2.up_proj.weight"
+    bad = text.replace(f"  {name}: prefetch\n", f"  {name}: gpu\n")
+    with pytest.raises(PlanFileError) as e:
+        loads(bad, "p.plan.yaml")
+    assert f"p.plan.yaml:{line(bad, name + ': gpu')}:{len(name) + 5}: params.{name}: gpu, but fused group " \
+        "model.layers.1.mlp.experts must have one placement (it is one tensor at run time): 11 prefetch, 1 gpu" \
+        in e.value.problems
+    bad = text.replace("shape: [32, 64], bytes: 4096}", "shape: [64, 32], bytes: 4096}", 1)
+    with pytest.raises(PlanFileError) as e:
+        loads(bad, "p.plan.yaml", tensors)
+    assert e.value.problems == [
+        f"p.plan.yaml:{line(bad, 'buffers:') + 1}:5: prefetch.buffers: the prefetched tensors need "
+        "mlp.experts.0.gate_proj.weight BF16 [32, 64], which it lacks or sizes wrongly; it has "
+        "mlp.experts.0.gate_proj.weight BF16 [64, 32], which they do not use (72.8 KiB a slot)"]
 
 
 def test_load_plan_errors(tmp_path):

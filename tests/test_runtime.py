@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
+import time
 
 import pytest
 
@@ -11,7 +13,7 @@ pytest.importorskip("transformers")
 
 import runtime  # noqa: E402
 from planner.cli import main  # noqa: E402
-from planner.errors import ModelMismatchError, OffplanError, StalePlanError  # noqa: E402
+from planner.errors import InconsistentPlanError, ModelMismatchError, OffplanError, StalePlanError  # noqa: E402
 from planner.plan import Transfer, load_plan  # noqa: E402
 from planner.policy import Placement  # noqa: E402
 from runtime.hf import build_meta_model, from_pretrained  # noqa: E402
@@ -47,6 +49,8 @@ def test_every_backend_matches_plain_loading(tmp_path, checkpoints, expected, ki
     body = POLICIES[policy]
     if kind == "tied" and "lm_head" in body:
         body = body.replace("lm_head", "embed_tokens").replace("embed_tokens], place: uva", "norm], place: uva")
+    if kind == "tied":  # 3 layers: a group of 4 would be larger than the stack; 3 / 2 streams the same layers 1, 2
+        body = body.replace("group_size: 4, num_in_group: 3", "group_size: 3, num_in_group: 2")
     plan = make_plan(tmp_path, checkpoints[kind], body)
     model, handle = from_pretrained(plan, progress=False)
     assert torch.equal(logits(model), expected[kind])
@@ -185,6 +189,75 @@ def test_cli_apply_generates(tmp_path, checkpoints, capsys):
     assert main(["apply", str(plan), "--max-new-tokens", "3", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["new_tokens"] == 3 and out["stats"]["prefetch_bytes"] > 0
+
+
+def test_cli_apply_reports_the_bundled_example(capsys):
+    """The bundled example on the CPU: what was loaded, that its weights are random and it has no
+    tokenizer, and the predicted step time next to the measured one."""
+    assert main(["apply", "plans/examples/tiny-moe.plan.yaml", "--max-new-tokens", "2", "--device", "cpu"]) == 0
+    out, err = capsys.readouterr()
+    assert err == ""  # not a terminal: no bar, and apply reports the load itself
+    lines = out.splitlines()
+    assert re.fullmatch(r"loaded plans/examples/tiny-moe.plan.yaml on cpu in \d+\.\d\d s "
+                        r"\(856\.0 KiB, [\d.]+ (KiB|MiB|GiB)/s\)", lines[0])
+    assert lines[1] == ("  resident 408.0 KiB, uva 64.0 KiB, prefetch 384.0 KiB (+192.0 KiB prefetch buffers), on the "
+                        "CPU (no CUDA: uva stays in host memory, prefetch copies synchronously)")
+    assert lines[2:4] == [
+        'note: the weights are random (its config.json says "offplan_random_weights": true): the generated tokens '
+        "mean nothing; the run shows that the plan loads and runs",
+        "note: no tokenizer beside the weights (tokenizer.json, tokenizer_config.json, tokenizer.model are missing "
+        "from plans/examples/tiny-moe): the prompt's UTF-8 bytes are the input ids, and the output is token ids"]
+    assert re.fullmatch(r"generated 2 tokens in [\d.]+ s \([\d.]+ tok/s\)", lines[4])
+    assert re.fullmatch(r"  measured [\d.]+ ms per token here \(cpu, greedy generation, prefill of the prompt "
+                        r"included\)", lines[5])
+    assert lines[6] == ("  predicted 4.80 ms per decode step by the plan, for batch 1 on NVIDIA H100 80GB HBM3 (PCIe "
+                        "Gen5 host link); this run is on the CPU: they do not compare")
+    assert re.fullmatch(r"  token ids \[\d+, \d+\]", lines[7]) and len(lines) == 8
+
+
+def test_random_weights_need_a_declaration(tmp_path):
+    from runtime.cli import declares_random_weights
+    assert not declares_random_weights(tmp_path)  # no config.json
+    (tmp_path / "config.json").write_text('{"offplan_random_weights": "yes"}')
+    assert not declares_random_weights(tmp_path)
+    (tmp_path / "config.json").write_text('{"offplan_random_weights": true}')
+    assert declares_random_weights(tmp_path)
+
+
+def test_apply_refuses_a_plan_whose_params_disagree_with_its_layers(tmp_path, checkpoints, capsys):
+    plan = make_plan(tmp_path, checkpoints["llama"], POLICIES["prefetch-s1"])
+    text = plan.read_text()
+    name = "  model.layers.1.mlp.down_proj.weight: "
+    edited = text.replace(name + "prefetch", name + "gpu")
+    assert edited != text
+    plan.write_text(edited)
+    with pytest.raises(InconsistentPlanError, match=r"layers\[2\]: model.layers.1 has gpu"):
+        from_pretrained(plan, progress=False)
+    capsys.readouterr()
+    assert main(["apply", str(plan)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {plan}: the plan is inconsistent (edited by hand?)") and "Traceback" not in err
+
+
+def test_progress_is_a_summary_line_in_logs_and_quiet_when_told(capsys):
+    from runtime.loader import Progress
+    bar = Progress(3 * 2**30)  # stderr is not a terminal here
+    for _ in range(3):
+        bar.update(2**30)
+    assert bar.close() >= 0
+    err = capsys.readouterr().err
+    assert re.fullmatch(r"loading: 3\.00 GiB in \d+\.\d\d s \([\d.]+ (MiB|GiB)/s\)\n", err)
+    bar = Progress(2**20, False)
+    bar.update(2**20)
+    bar.close()
+    assert capsys.readouterr().err == ""
+    bar = Progress(3 * 2**30, True)  # forced: rich draws the bar once, in binary units
+    for _ in range(3):
+        time.sleep(0.01)
+        bar.update(2**30)
+    bar.close()
+    err = capsys.readouterr().err
+    assert "3.0/3.0 GiB" in err and "GiB/s" in err and "GB" not in err.replace("GiB", "")
 
 
 def test_cli_apply_stale_is_one_error(tmp_path, checkpoints, capsys):

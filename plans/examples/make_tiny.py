@@ -23,7 +23,8 @@ def main() -> None:
         vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
         num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
         num_experts=8, num_experts_per_tok=2, max_position_embeddings=256, decoder_sparse_step=1,
-        mlp_only_layers=[], tie_word_embeddings=False)
+        mlp_only_layers=[], tie_word_embeddings=False,
+        offplan_random_weights=True)  # in config.json: `plan apply` says the weights are random
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     shutil.rmtree(OUT, ignore_errors=True)

@@ -1,0 +1,208 @@
+"""Does a plan say what it runs? The one check behind `plan show`, `plan validate` and `plan apply`.
+
+A plan repeats itself on purpose: `params:` is what the runtime applies;
+`layers:`, `summary:` and `prefetch:` are what a reviewer reads. A hand edit can
+make them disagree, and then review shows one thing while another runs. Every
+command that reads a plan (`planner.plan.load_plan`, which the runtime uses
+too) runs this check and refuses a plan that fails it, naming the lines that
+disagree.
+
+What is compared depends on what is at hand. The plan stores each tensor's
+placement but not its size, so:
+
+- from the plan alone: the layer table lists the layers that `params:` forms
+  (with `stacks:`), in order; each byte count of a layer's row is backed by a
+  tensor of that layer with that placement; the totals add up (summary,
+  checkpoint bytes, footprint, predicted link bytes and step time); every
+  fused expert group has one placement; `prefetch:` streams exactly the
+  layers that `params:` prefetches, each from a buffer named like its
+  tensors, through the slots and copy triggers of the rule that built it;
+- with the checkpoint's headers (sizes, dtypes, shapes: cheap to read), also
+  exactly: `params:` names the checkpoint's tensors, each layer's bytes per
+  placement are the sum of its tensors', and the buffers and slot sizes are
+  those its prefetched tensors need.
+
+Not checked: the predicted link bytes and GPU time per layer, which need the
+cost model's hardware profile (only their totals are compared).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+from .checkpoint import TensorInfo
+from .errors import PolicyError
+from .graph import Layer, LayerGraph, build_graph
+from .groups import fused_groups
+from .plan import Plan, previous_user
+from .policy import Placement
+from .schedule import make_schedule
+from .units import human
+from .yamlio import dotted
+
+KINDS = ("gpu", "uva", "prefetch")
+Where = Callable[[tuple], str]  # key path -> "file:line:column"
+
+
+def inconsistencies(plan: Plan, where: Where | None = None, tensors: Mapping[str, TensorInfo] | None = None,
+                    footprint: int | None = None) -> list[str]:
+    """Every disagreement between the plan's parts, one line each, located by `where`.
+
+    `tensors` (the checkpoint's headers) makes the byte checks exact; `footprint`
+    is the file's `summary.gpu_footprint_bytes` (not kept in `Summary`).
+    """
+    def at(*path) -> str:
+        return f"{where(path)}: {dotted(path)}" if where else dotted(path)
+
+    problems = _totals(plan, at, footprint)
+    try:
+        graph = build_graph(plan.params, plan.stacks)
+    except PolicyError as e:
+        return problems + [f"{at('stacks')}: {e.problems[0] if e.problems else e}"]
+    if tensors is not None:
+        odd = _names(plan, tensors, at)
+        if odd:  # sizes of unknown tensors: nothing else can be compared exactly
+            return problems + odd
+    problems += _layers(plan, graph.layers, at, tensors)
+    problems += _groups(plan, at)
+    problems += _prefetch(plan, graph, at, tensors)
+    return problems
+
+
+def _totals(plan: Plan, at, footprint: int | None) -> list[str]:
+    problems = []
+    if len(plan.params) != plan.tensors:
+        problems.append(f"{at('checkpoint', 'tensors')} is {plan.tensors} but params lists {len(plan.params)}")
+    totals = {k: sum(getattr(l, k) for l in plan.layers) for k in KINDS}
+    s = plan.summary
+    for k in KINDS:
+        if totals[k] != getattr(s, f"{k}_bytes"):
+            problems.append(f"{at('summary', f'{k}_bytes')} is {getattr(s, f'{k}_bytes')} but the layers "
+                            f"add up to {totals[k]}")
+    if sum(totals.values()) != plan.total_bytes:
+        problems.append(f"{at('checkpoint', 'bytes')} is {plan.total_bytes} but the layers add up to "
+                        f"{sum(totals.values())}")
+    if footprint is not None and footprint != s.gpu_footprint_bytes:
+        problems.append(f"{at('summary', 'gpu_footprint_bytes')} is {footprint} but gpu_bytes + "
+                        f"prefetch_buffer_bytes is {s.gpu_footprint_bytes}")
+    h2d = sum(l.h2d for l in plan.layers)
+    if h2d != s.predicted_h2d_bytes_per_step:
+        problems.append(f"{at('summary', 'predicted_h2d_bytes_per_step')} is {s.predicted_h2d_bytes_per_step} "
+                        f"but the layers add up to {h2d}")
+    if plan.cost is not None and plan.cost.step_us != s.predicted_step_us:
+        problems.append(f"{at('summary', 'predicted_step_us')} is {s.predicted_step_us} but the cost "
+                        f"section gives {plan.cost.step_us}")
+    pool = plan.prefetch.pool_bytes if plan.prefetch else 0
+    if pool != s.prefetch_buffer_bytes:
+        problems.append(f"{at('summary', 'prefetch_buffer_bytes')} is {s.prefetch_buffer_bytes} but the "
+                        f"prefetch section sizes the pool at {pool}")
+    return problems
+
+
+def _names(plan: Plan, tensors: Mapping[str, TensorInfo], at) -> list[str]:
+    extra = [n for n in plan.params if n not in tensors]
+    missing = [n for n in tensors if n not in plan.params]
+    return ([f"{at('params', n)}: the checkpoint has no such tensor" for n in extra]
+            + [f"{at('params')}: lacks the checkpoint's tensor {n}" for n in missing])
+
+
+def _layers(plan: Plan, layers: tuple[Layer, ...], at, tensors) -> list[str]:
+    """The layer table against `params:`: same layers in the same order; bytes backed by tensors."""
+    rows = plan.layers
+    made = [l.name for l in layers]
+    listed = [l.name for l in rows]
+    if made != listed:
+        i = next((i for i, (a, b) in enumerate(zip(made, listed)) if a != b), min(len(made), len(listed)))
+        want = made[i] if i < len(made) else "nothing"
+        got = listed[i] if i < len(listed) else "nothing"
+        path = ("layers", i) if i < len(listed) else ("layers",)
+        counts = f" ({len(listed)} layers; params: make {len(made)})" if len(made) != len(listed) else ""
+        return [f"{at(*path)}: lists {got} where the tensors of params: (with stacks: "
+                f"{list(plan.stacks)}) make {want}{counts}"]
+    problems = []
+    for i, (row, layer) in enumerate(zip(rows, layers)):
+        of = {k: [n for n in layer.params if plan.params[n].value == k] for k in KINDS}
+        if tensors is None:
+            for k in KINDS:
+                if getattr(row, k) and not of[k]:
+                    problems.append(f"{at('layers', i, k)}: {row.name} has {getattr(row, k)} bytes on {k} but "
+                                    f"params: place none of its tensors on {k}")
+            continue
+        has = {k: sum(tensors[n].nbytes for n in of[k]) for k in KINDS}
+        says = {k: getattr(row, k) for k in KINDS}
+        if has != says:
+            more = [k for k in KINDS if has[k] > says[k]]
+            lines = [f"{at('params', n)}: {k}" for k in more for n in of[k][:3]]
+            problems.append(f"{at('layers', i)}: {row.name} has " + _bytes(says) + "; its tensors in params: "
+                            "have " + _bytes(has) + (" (" + "; ".join(lines) + ")" if lines else ""))
+    return problems
+
+
+def _bytes(by: Mapping[str, int]) -> str:
+    return ", ".join(f"{k} {by[k]:,}" for k in KINDS)
+
+
+def _groups(plan: Plan, at) -> list[str]:
+    """A fused expert group becomes one tensor at run time: one placement for all its members."""
+    problems = []
+    for group, members in fused_groups(plan.params).items():
+        kinds: dict[str, list[str]] = {}
+        for m in members:
+            kinds.setdefault(plan.params[m].value, []).append(m)
+        if len(kinds) > 1:
+            minority = min(kinds.values(), key=len)
+            counts = ", ".join(f"{len(v)} {k}" for k, v in kinds.items())
+            problems.append(f"{at('params', minority[0])}: {plan.params[minority[0]].value}, but fused group "
+                            f"{group} must have one placement (it is one tensor at run time): {counts}")
+    return problems
+
+
+def _prefetch(plan: Plan, graph: LayerGraph, at, tensors) -> list[str]:
+    """The schedule against the prefetched tensors of `params:`, then the rule that builds it."""
+    streamed = [l for l in graph.layers if any(plan.params[n] is Placement.PREFETCH for n in l.params)]
+    names = [l.name for l in streamed]
+    p = plan.prefetch
+    if p is None:
+        return [f"{at('prefetch')}: is null but params: prefetch tensors of {_some(names)}"] if names else []
+    problems = []
+    listed = [t.layer for t in p.schedule]
+    if listed != names:
+        problems.append(f"{at('prefetch', 'schedule')}: lists {_some(listed)} but the layers with prefetched "
+                        f"tensors in params: are {_some(names)}")
+        return problems
+    buffers = sum(b.bytes for b in p.buffers)
+    if buffers != p.slot_bytes:
+        problems.append(f"{at('prefetch', 'slot_bytes')} is {p.slot_bytes} but its buffers add up to {buffers}")
+    slots = max(1, min(p.step, len(names)))
+    if p.slots != slots:
+        problems.append(f"{at('prefetch', 'slots')} is {p.slots} but step {p.step} over {len(names)} layers "
+                        f"gives {slots}")
+    for k, t in enumerate(p.schedule):
+        prev = previous_user(k, slots, len(names))
+        if (t.slot, t.after) != (k % slots, names[prev]):
+            problems.append(f"{at('prefetch', 'schedule', k)}: {t.layer} must use slot {k % slots} after "
+                            f"{names[prev]}, not slot {t.slot} after {t.after}")
+    if tensors is None:
+        have = {b.name for b in p.buffers}
+        for l in streamed:
+            lost = [n for n in l.params if plan.params[n] is Placement.PREFETCH and l.local(n) not in have]
+            if lost:
+                problems.append(f"{at('params', lost[0])}: prefetch, but prefetch.buffers has no buffer named "
+                                f"{l.local(lost[0])}")
+        return problems
+    want = make_schedule(graph, plan.params, tensors, p.step)
+    if want.buffers != p.buffers:
+        got = {(b.name, b.dtype, b.shape): b for b in p.buffers}
+        need = {(b.name, b.dtype, b.shape): b for b in want.buffers}
+        wrong = [f"{b.name} {b.dtype} {list(b.shape)}" for k, b in need.items() if got.get(k) != b]
+        extra = [f"{b.name} {b.dtype} {list(b.shape)}" for k, b in got.items() if k not in need]
+        problems.append(f"{at('prefetch', 'buffers')}: the prefetched tensors need " + (
+            f"{_some(wrong)}, which it lacks or sizes wrongly" if wrong else "no more")
+            + (f"; it has {_some(extra)}, which they do not use" if extra else "")
+            + f" ({human(want.slot_bytes)} a slot)")
+    return problems
+
+
+def _some(names: list[str], limit: int = 5) -> str:
+    if not names:
+        return "none"
+    return ", ".join(names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")

@@ -1,0 +1,237 @@
+"""`plan diff OLD NEW`: what a change of plan changes, for review.
+
+Moves are grouped by layer and, within a layer, by unit: a fused expert group
+(groups.py) is one unit, since it moves as one tensor at run time. Each layer
+gets one row: what moved where (with bytes when the checkpoint headers are at
+hand) and the change of its bytes per placement (always exact: from the
+plans' layer tables). Above the table: what changed in the predicted step
+time, the GPU footprint, the backend, the policy (path, content, budget,
+hardware profile, batch) and the prefetch schedule (step, slots, slot size,
+layers streamed, slot changes), and which notes came and went.
+
+Plans at different paths compare equal when they place everything alike and
+name the same files (paths are resolved, not compared as written).
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from pathlib import Path
+
+from .graph import build_graph
+from .plan import Plan, PrefetchSchedule
+from .report import KINDS, table, units_of
+from .units import human, ms, plural, signed
+
+
+def _resolved(plan: Plan, where: Path) -> Plan:
+    d = where.parent
+    return dataclasses.replace(plan, checkpoint_path=(d / plan.checkpoint_path).resolve().as_posix(),
+                               policy_path=(d / plan.policy_path).resolve().as_posix())
+
+
+def diff_data(old: Plan, new: Plan, sizes: Mapping[str, int] | None = None,
+              paths: tuple[Path, Path] | None = None) -> dict:
+    """Everything that differs, as plain data (`plan diff --json`). `sizes` (tensor bytes from the
+    checkpoints' headers) adds bytes to each move; `paths` (the two plan files) resolve the paths
+    the plans hold, so that plans in different directories compare by the files they name."""
+    a, b = (_resolved(old, paths[0]), _resolved(new, paths[1])) if paths else (old, new)
+    moved: dict[str, list[str]] = {}
+    for name, place in new.params.items():
+        before = old.params.get(name)
+        if before is not None and before is not place:
+            moved.setdefault(f"{before.value}->{place.value}", []).append(name)
+    added = [n for n in new.params if n not in old.params]
+    removed = [n for n in old.params if n not in new.params]
+    old_layers = {l.name: l for l in old.layers}
+    new_layers = {l.name: l for l in new.layers}
+    layers = []
+    for name in [*new_layers, *(n for n in old_layers if n not in new_layers)]:
+        x, y = old_layers.get(name), new_layers.get(name)
+        delta = {k: (getattr(y, k) if y else 0) - (getattr(x, k) if x else 0) for k in KINDS}
+        if any(delta.values()):
+            layers.append({"name": name, **delta})
+    so, sn = old.summary, new.summary
+    summary = {k: getattr(sn, k) - getattr(so, k) for k in
+               ("gpu_bytes", "uva_bytes", "prefetch_bytes", "prefetch_buffer_bytes", "gpu_footprint_bytes")}
+    return {
+        "same": a == b,
+        "moved": {k: v for k, v in sorted(moved.items())},
+        "moved_bytes": None if sizes is None else {
+            k: sum(sizes.get(n, 0) for n in v) for k, v in sorted(moved.items())},
+        "added": added, "removed": removed, "layers": layers, "summary": summary,
+        "units": _units(old, new, sizes),
+        "gpu_footprint_bytes": {"old": so.gpu_footprint_bytes, "new": sn.gpu_footprint_bytes},
+        "predicted_step_us": {"old": so.predicted_step_us, "new": sn.predicted_step_us},
+        "backend": {"old": old.backend, "new": new.backend},
+        "policy": {"old": old.policy_path, "new": new.policy_path,
+                   "path_changed": a.policy_path != b.policy_path},
+        "budget_bytes": {"old": old.budget_bytes, "new": new.budget_bytes},
+        "stacks": {"old": list(old.stacks), "new": list(new.stacks)},
+        "cost": {"old": _cost(old), "new": _cost(new)},
+        "prefetch": _schedule(old.prefetch, new.prefetch),
+        "notes": {"removed": [n for n in old.notes if n not in new.notes],
+                  "added": [n for n in new.notes if n not in old.notes]},
+        "checkpoint_changed": old.checkpoint_fingerprint != new.checkpoint_fingerprint,
+        "policy_changed": old.policy_fingerprint != new.policy_fingerprint,
+        "backend_changed": old.backend != new.backend,
+        "schedule_changed": old.prefetch != new.prefetch,
+    }
+
+
+def _cost(plan: Plan) -> dict | None:
+    return None if plan.cost is None else {"hardware": plan.cost.hardware, "batch_size": plan.cost.batch_size}
+
+
+def _units(old: Plan, new: Plan, sizes: Mapping[str, int] | None) -> list[dict]:
+    """Per layer (new execution order, then layers that went away), per move, the units that moved.
+    Tensors new to the checkpoint move from "-", tensors gone from it move to "-"."""
+    rows = []
+    seen = set()
+    for plan in (new, old):
+        for layer in build_graph(plan.params, plan.stacks).layers:
+            if layer.name in seen:
+                continue
+            seen.add(layer.name)
+            moves: dict[tuple[str, str], list[tuple[str, tuple[str, ...]]]] = {}
+            for unit, members in units_of(layer):
+                first = members[0]
+                before = old.params[first].value if first in old.params else "-"
+                after = new.params[first].value if first in new.params else "-"
+                if before != after:
+                    moves.setdefault((before, after), []).append((unit[len(layer.name) + 1:] or unit, members))
+            for (before, after), units in moves.items():
+                names = [m for _, ms_ in units for m in ms_]
+                rows.append({"layer": layer.name, "from": before, "to": after,
+                             "units": [u for u, _ in units], "sizes": [len(m) for _, m in units],
+                             "tensors": len(names),
+                             "bytes": None if sizes is None else sum(sizes.get(n, 0) for n in names)})
+    return rows
+
+
+def _schedule(old: PrefetchSchedule | None, new: PrefetchSchedule | None) -> dict:
+    """What changed in the prefetch section (empty when nothing did)."""
+    if old == new:
+        return {}
+    if old is None or new is None:
+        p = new or old
+        return {"added" if old is None else "removed": {
+            "step": p.step, "slots": p.slots, "slot_bytes": p.slot_bytes, "layers": [t.layer for t in p.schedule]}}
+    out = {}
+    for key in ("step", "slots", "slot_bytes"):
+        if getattr(old, key) != getattr(new, key):
+            out[key] = {"old": getattr(old, key), "new": getattr(new, key)}
+    was = {t.layer: t.slot for t in old.schedule}
+    now = {t.layer: t.slot for t in new.schedule}
+    out["layers_added"] = [n for n in now if n not in was]
+    out["layers_removed"] = [n for n in was if n not in now]
+    out["slot_changes"] = [{"layer": n, "old": was[n], "new": s} for n, s in now.items() if n in was and was[n] != s]
+    if old.buffers != new.buffers:
+        out["buffers"] = {"old": len(old.buffers), "new": len(new.buffers)}
+    return {k: v for k, v in out.items() if v}
+
+
+def _change(old, new, fmt=str) -> str:
+    return f"{fmt(old)} -> {fmt(new)}"
+
+
+def _some(names: list[str], limit: int = 4) -> str:
+    return ", ".join(names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def diff_text(d: dict) -> list:
+    """The review: the headline changes, then one table row per layer that changed."""
+    if d["same"]:
+        return ["no changes: the plans place every tensor the same way"]
+    out: list = []
+    if d["backend_changed"]:
+        out.append(f"backend: {_change(d['backend']['old'], d['backend']['new'])}")
+    pol = d["policy"]
+    if pol["path_changed"]:
+        out.append(f"policy: {_change(pol['old'], pol['new'])}"
+                   + (" (a different file; its content differs)" if d["policy_changed"] else " (same content)"))
+    elif d["policy_changed"]:
+        out.append(f"policy: {pol['new']} changed since the old plan was built")
+    if d["checkpoint_changed"]:
+        out.append("checkpoint: its headers differ (another fingerprint)"
+                   + (f": {plural(len(d['added']), 'tensor')} added, {plural(len(d['removed']), 'tensor')} removed"
+                      if d["added"] or d["removed"] else ""))
+    bud = d["budget_bytes"]
+    if bud["old"] != bud["new"]:
+        out.append(f"budget: {_change(bud['old'], bud['new'], lambda b: 'none' if b is None else human(b))}")
+    if d["stacks"]["old"] != d["stacks"]["new"]:
+        out.append(f"stacks: {_change(d['stacks']['old'], d['stacks']['new'])}")
+    cost = d["cost"]
+    if cost["old"] != cost["new"] and cost["old"] and cost["new"]:
+        for key, what in (("hardware", "hardware profile"), ("batch_size", "batch size")):
+            if cost["old"][key] != cost["new"][key]:
+                out.append(f"{what}: {_change(cost['old'][key], cost['new'][key])}")
+    fp, step = d["gpu_footprint_bytes"], d["predicted_step_us"]
+    dfp = fp["new"] - fp["old"]
+    out.append(f"GPU footprint: {_change(fp['old'], fp['new'], human)} ({signed(dfp)})" if dfp
+               else f"GPU footprint: {human(fp['new'])} (unchanged)")
+    dt = step["new"] - step["old"]
+    pct = f", {dt / step['old']:+.1%}" if step["old"] else ""
+    out.append(f"predicted step: {_change(step['old'], step['new'], ms)} ({'+' if dt > 0 else '-'}{ms(abs(dt))}{pct})"
+               if dt else f"predicted step: {ms(step['new'])} (unchanged)")
+    out += _schedule_lines(d["prefetch"])
+    moved = [u for u in d["units"] if u["from"] != "-" and u["to"] != "-"]
+    if moved:
+        out.append(f"moved: {_moved(moved, plural(len({u['layer'] for u in moved}), 'layer'))}")
+        ways = {}
+        for u in moved:
+            ways.setdefault(f"{u['from']} -> {u['to']}", []).append(u)
+        if len(ways) > 1:
+            out += [f"  {way}: {_moved(us)}" for way, us in ways.items()]
+    if d["units"] or d["layers"]:
+        out += ["", _table(d)]
+    if d["notes"]["removed"] or d["notes"]["added"]:
+        out += ["", "notes:"] + [f"  - {n}" for n in d["notes"]["removed"]] + [f"  + {n}" for n in d["notes"]["added"]]
+    return out
+
+
+def _moved(units: list[dict], where: str = "") -> str:
+    """`2 units (48 tensors) in 2 layers, 192.0 KiB`: a unit is a fused expert group, or a tensor."""
+    tensors = sum(u["tensors"] for u in units)
+    count = sum(len(u["units"]) for u in units)
+    text = plural(tensors, "tensor") if count == tensors else f"{plural(count, 'unit')} ({plural(tensors, 'tensor')})"
+    return (text + (f" in {where}" if where else "")
+            + (f", {human(sum(u['bytes'] for u in units))}" if units[0]["bytes"] is not None else ""))
+
+
+def _schedule_lines(p: dict) -> list[str]:
+    if not p:
+        return []
+    for key, verb in (("added", "new: streams"), ("removed", "gone: the old plan streamed")):
+        if key in p:
+            s = p[key]
+            return [f"prefetch: {verb} {plural(len(s['layers']), 'layer')} ({_some(s['layers'])}) with step "
+                    f"{s['step']}, {plural(s['slots'], 'slot')} x {human(s['slot_bytes'])}"]
+    parts = []
+    for key, what, fmt in (("step", "step", str), ("slots", "slots", str), ("slot_bytes", "slot size", human)):
+        if key in p:
+            parts.append(f"{what} {_change(p[key]['old'], p[key]['new'], fmt)}")
+    if "layers_added" in p:
+        parts.append(f"streams {_some(p['layers_added'])} too")
+    if "layers_removed" in p:
+        parts.append(f"no longer streams {_some(p['layers_removed'])}")
+    if "slot_changes" in p:
+        ch = p["slot_changes"]
+        parts.append(f"{plural(len(ch), 'layer')} change slot ("
+                     + _some([f"{c['layer']} {c['old']} -> {c['new']}" for c in ch]) + ")")
+    if "buffers" in p:
+        parts.append(f"buffers per slot {_change(p['buffers']['old'], p['buffers']['new'])}")
+    return ["prefetch: " + "; ".join(parts)]
+
+
+def _table(d: dict):
+    deltas = {l["name"]: l for l in d["layers"]}
+    moves: dict[str, list[str]] = {}
+    for u in d["units"]:
+        what = _some([f"{n} (fused, {s} tensors)" if s > 1 else n for n, s in zip(u["units"], u["sizes"])], 3)
+        nbytes = f" {human(u['bytes'])}" if u["bytes"] is not None else ""
+        moves.setdefault(u["layer"], []).append(f"{u['from']} -> {u['to']}{nbytes}: {what}")
+    names = list(dict.fromkeys([*moves, *deltas]))
+    rows = [[n, "\n".join(moves.get(n, ["(tensor sizes changed)"])),
+             *(signed(deltas[n][k]) if n in deltas else "0" for k in KINDS)] for n in names]
+    return table(["layer", "moved", "gpu", "uva", "prefetch"], rows, align="llrrr")

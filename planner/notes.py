@@ -1,0 +1,160 @@
+"""What a plan says it does: its notes, computed from the final placements.
+
+Reviewers read a plan's notes, so each one states a fact of the placements the
+plan holds, not of what the policy asked for:
+
+- what the backend offloaded (bytes and layers), or why it offloaded nothing;
+- what the rules placed off the GPU;
+- mixed's choice, the cost model's assumptions, tied embeddings;
+- warnings for plans that save little or no GPU memory (`saving_warnings`).
+
+A warning is a note that starts with `warning: `; `plan build` also prints it
+on stderr, and `plan show` prints it as a warning.
+
+Example: a policy whose only rule places the embedding on uva, with no amount
+or budget, gets
+    rules place 64.0 KiB on uva (1 tensor)
+    backend auto offloads nothing beyond the rules: no offload amount or budget is set
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from .checkpoint import TensorInfo
+from .graph import LayerGraph
+from .plan import PrefetchSchedule
+from .policy import Placement, Policy
+from .units import human, percent, plural
+
+GPU, UVA, PREFETCH = Placement.GPU, Placement.UVA, Placement.PREFETCH
+WARNING = "warning: "
+
+
+def is_warning(note: str) -> bool:
+    return note.startswith(WARNING)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What `placement.decide` did: everything the notes are computed from."""
+
+    policy: Policy
+    backend: str  # what ran: "none" | "uva" | "prefetch" | "mixed"
+    reason: str | None  # why `backend: auto` chose it; None when the policy names the backend
+    skipped: str | None  # the backend that did not run because the plan fits the budget without it
+    place: Mapping[str, Placement]  # final, every tensor
+    fixed: frozenset[str]  # the tensors that rules placed
+    tensors: Mapping[str, TensorInfo]
+    graph: LayerGraph
+    schedule: PrefetchSchedule | None
+    mixed: tuple[str, ...] = ()  # mixed's choice and the strategies' predictions
+    experts_without_top_k: bool = False
+
+
+def notes(o: Outcome) -> tuple[str, ...]:
+    """The plan's notes, in order: rules, backend, mixed, cost-model caveats, warnings."""
+    size = {n: t.nbytes for n, t in o.tensors.items()}
+    by_rules = {UVA: 0, PREFETCH: 0}
+    by_backend = {UVA: 0, PREFETCH: 0}
+    ruled = 0
+    for n, p in o.place.items():
+        if p is not GPU:
+            if n in o.fixed:
+                by_rules[p] += size[n]
+                ruled += 1
+            else:
+                by_backend[p] += size[n]
+    out = []
+    if ruled:
+        out.append(f"rules place {_amounts(by_rules)} ({plural(ruled, 'tensor')})")
+    out.append(_backend_note(o, by_backend, any(by_rules.values()), sum(size.values())))
+    out += o.mixed
+    if o.experts_without_top_k:
+        out.append("the checkpoint has MoE experts but no experts-per-token (config.json or "
+                   "workload.experts_per_token): the cost model assumes each step reads every expert")
+    if o.graph.tied_embeddings:
+        out.append("tied embeddings: the checkpoint has no lm_head tensor; the head reuses the embedding")
+    out += saving_warnings(o.place, o.tensors, o.graph, o.schedule)
+    return tuple(out)
+
+
+def _amounts(by: Mapping[Placement, int]) -> str:
+    parts = []
+    if by[UVA]:
+        parts.append(f"{human(by[UVA])} on uva")
+    if by[PREFETCH]:
+        parts.append(f"{human(by[PREFETCH])} on prefetch")
+    return " and ".join(parts)
+
+
+def _backend_note(o: Outcome, by_backend: Mapping[Placement, int], rules_offload: bool, total: int) -> str:
+    pol = o.policy
+    if o.skipped is not None:
+        if not rules_offload:
+            return (f"the whole checkpoint ({human(total)}) fits budget_gib {pol.budget_gib}: nothing is "
+                    "offloaded (offloading would only cost speed)")
+        return (f"the plan fits budget_gib {pol.budget_gib} with the rules' placements alone: backend "
+                f"{o.skipped} offloads nothing more (offloading would only cost speed)")
+    if o.backend == "none":
+        hint = ""
+        if pol.uva.params:
+            hint = " (uva.params only narrows what uva.offload_gib or budget_gib offloads)"
+        if rules_offload:
+            return f"backend auto offloads nothing beyond the rules: no offload amount or budget is set{hint}"
+        return ("nothing is offloaded: backend auto has no offload amount or budget (set uva.offload_gib, "
+                f"prefetch.group_size or budget_gib){hint}")
+    origin = "named by the policy" if o.reason is None else f"auto: {o.reason}"
+    layers = sum(1 for l in o.graph.layers
+                 if any(o.place[n] is not GPU and n not in o.fixed for n in l.params))
+    return f"backend {o.backend} ({origin}): {_amounts(by_backend)} from {plural(layers, 'layer')}"
+
+
+def saving_warnings(place: Mapping[str, Placement], tensors: Mapping[str, TensorInfo], graph: LayerGraph,
+                    schedule: PrefetchSchedule | None) -> list[str]:
+    """Warnings for a plan whose prefetch buffers eat what offloading saves.
+
+    Offloading saves `offloaded - pool` bytes of GPU memory (uva saves all it
+    moves; prefetch saves what it moves minus its slots). Two warnings:
+    - the plan as a whole saves less than half of what it offloads, for
+      example because it has as many slots as prefetched layers;
+    - some prefetched tensors have a buffer that no other prefetched layer
+      shares (a prefetched `lm_head`): their slots hold at least as many bytes
+      as they move, so prefetching them saves nothing.
+    """
+    if schedule is None:
+        return []
+    size = {n: t.nbytes for n, t in tensors.items()}
+    offloaded = sum(size[n] for n, p in place.items() if p is not GPU)
+    pool, slots, layers = schedule.pool_bytes, schedule.slots, len(schedule.schedule)
+    saved = offloaded - pool
+    out = []
+    every_slot = slots >= layers
+    if 2 * saved < offloaded:
+        amount = (f"{human(saved)} ({percent(saved, offloaded)} of the {human(offloaded)} offloaded)"
+                  if saved > 0 else f"nothing of the {human(offloaded)} offloaded")
+        why = f"the prefetch buffers take {human(pool)} ({plural(slots, 'slot')} x {human(schedule.slot_bytes)})"
+        if every_slot:
+            why += (f": there are as many slots as prefetched layers ({layers}), so each prefetched tensor "
+                    "has buffers of its own; lower prefetch.step or prefetch more layers")
+        out.append(f"{WARNING}the plan saves little GPU memory: {amount}; {why}")
+    if not every_slot:
+        users: dict[tuple, list[str]] = {}
+        for l in graph.layers:
+            for n in l.params:
+                if place[n] is PREFETCH:
+                    t = tensors[n]
+                    users.setdefault((l.local(n), t.dtype, t.shape), []).append(n)
+        alone = [names for names in users.values() if len(names) <= slots]
+        if alone:
+            names = [n for ns in alone for n in ns]
+            moved = sum(size[n] for n in names)
+            held = slots * sum(size[ns[0]] for ns in alone)
+            listed = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+            one = len(names) == 1
+            its, it = ("its", "it") if one else ("their", "them")
+            out.append(f"{WARNING}prefetching {listed} saves no GPU memory: no other prefetched layer "
+                       f"shares {its} buffers, so {its} buffers take {human(held)} "
+                       f"({plural(slots, 'slot')}) for the {human(moved)} moved off the GPU; place {it} "
+                       f"on uva or keep {it} on the GPU")
+    return out
