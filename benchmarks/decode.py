@@ -59,8 +59,10 @@ from planner.cost import CostModel, read_top_k  # noqa: E402
 from planner.graph import build_graph  # noqa: E402
 from planner.groups import fused_groups  # noqa: E402
 from planner.hardware import H100, Hardware, dumps_hardware, load_hardware  # noqa: E402
-from planner.plan import dumps, load_plan, write_atomic  # noqa: E402
-from planner.policy import GIB, load_policy  # noqa: E402
+from planner.files import write_atomic  # noqa: E402
+from planner.planfile import dumps, load_plan  # noqa: E402
+from planner.policy import load_policy  # noqa: E402
+from planner.units import GIB  # noqa: E402
 
 FRACTIONS = {0.25: (4, 1), 0.5: (2, 1), 0.75: (4, 3)}
 PROMPT_LEN = 16
@@ -322,7 +324,7 @@ def main(argv=None) -> int:
                        same_tokens=tokens == reference.get(mode), load_seconds=s["load_seconds"],
                        load_gb_per_s=s["load_gb_per_s"], peak_gpu_bytes_during_load=s["peak_gpu_bytes_during_load"],
                        gpu_footprint_bytes=plan.summary.gpu_footprint_bytes, pinned_host_bytes=s["pinned_host_bytes"],
-                       uva_bytes=s["uva_bytes"], prefetch_bytes=s["prefetch_bytes"], backend=plan.backend)
+                       uva_bytes=s["uva_bytes"], prefetch_bytes=s["prefetch_bytes"], backend=plan.backend.value)
                 torch._dynamo.reset()
             for b in (args.batches if "eager" in args.modes else []):
                 rate, tokens = decode(model, ids, b, args.new_tokens, args.device)
@@ -338,7 +340,7 @@ def main(argv=None) -> int:
                        peak_gpu_bytes_during_load=s["peak_gpu_bytes_during_load"],
                        gpu_footprint_bytes=plan.summary.gpu_footprint_bytes,
                        pinned_host_bytes=s["pinned_host_bytes"], uva_bytes=s["uva_bytes"],
-                       prefetch_bytes=s["prefetch_bytes"], backend=plan.backend)
+                       prefetch_bytes=s["prefetch_bytes"], backend=plan.backend.value)
         finally:
             handle.remove(restore=False)
             del model, handle

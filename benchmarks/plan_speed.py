@@ -96,7 +96,8 @@ def plan(policy_path: Path) -> int:
     """offplan end to end, as `plan build` runs it; returns the tensor count."""
     from planner.build import build, default_output
     from planner.checkpoint import open_checkpoint
-    from planner.plan import dumps, write_atomic
+    from planner.files import write_atomic
+    from planner.planfile import dumps
     from planner.policy import load_policy
 
     policy = load_policy(policy_path)

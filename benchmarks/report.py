@@ -16,7 +16,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
-from planner.plan import write_atomic  # noqa: E402
+from planner.files import write_atomic  # noqa: E402
 RESULTS = HERE / "results"
 STRATEGIES = ["accelerate", "uva-64b", "uva", "prefetch", "mixed"]
 LABELS = {"uva-64b": "uva, arena base 64 B past a page (before alignment)"}

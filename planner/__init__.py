@@ -6,11 +6,12 @@ from .build import build, build_file
 from .checkpoint import Checkpoint, TensorInfo, open_checkpoint
 from .errors import (BudgetError, CheckpointError, InconsistentPlanError, InputError, ModelMismatchError,
                      OffplanError, PlanFileError, PolicyError, StalePlanError)
-from .plan import Plan, dumps, load_plan, loads, read_plan, write_atomic
-from .policy import Placement, Policy, load_policy
+from .files import write_atomic
+from .plan import Backend, Placement, Plan
+from .planfile import dumps, load_plan, loads, read_plan
+from .policy import Policy, load_policy
 
 __all__ = ["build", "build_file", "Checkpoint", "TensorInfo", "open_checkpoint", "BudgetError",
            "CheckpointError", "InconsistentPlanError", "InputError", "ModelMismatchError", "OffplanError",
            "PlanFileError", "PolicyError", "StalePlanError", "Plan", "dumps", "load_plan", "loads", "read_plan",
-           "write_atomic",
-           "Placement", "Policy", "load_policy"]
+           "write_atomic", "Backend", "Placement", "Policy", "load_policy"]

@@ -10,8 +10,9 @@ from .patterns import Names, closest
 from .placement import decide
 from .cost import read_top_k
 from .hardware import H100, load_hardware
-from .plan import Cost, Plan, Summary, relpath
-from .policy import Placement, Policy, load_policy
+from .files import relpath
+from .plan import Cost, Placement, Plan, Summary
+from .policy import Policy, load_policy
 
 
 def default_output(policy_path: Path) -> Path:

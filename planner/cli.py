@@ -21,8 +21,10 @@ from .diff import diff_data, diff_text
 from .errors import InconsistentPlanError, OffplanError, PolicyError
 from .hardware import load_hardware
 from .notes import is_warning
-from .plan import dumps, load_plan, read_plan, write_atomic
-from .policy import Policy, load_policy, policy_fingerprint
+from .files import write_atomic
+from .planfile import dumps, load_plan, read_plan
+from .policy import Policy, load_policy
+from .staleness import stale_reasons
 from .units import human, ms, plural
 
 EXAMPLES = """examples:
@@ -174,7 +176,7 @@ def _build(args) -> int:
     s = plan.summary
     buffers = f" ({human(s.prefetch_buffer_bytes)} of it prefetch buffers)" if s.prefetch_buffer_bytes else ""
     host = human(s.uva_bytes + s.prefetch_bytes) if s.uva_bytes + s.prefetch_bytes else "nothing offloaded"
-    _emit(args, data, [f"wrote {out}: {plural(plan.tensors, 'tensor')}, backend {plan.backend}; GPU "
+    _emit(args, data, [f"wrote {out}: {plural(plan.tensors, 'tensor')}, backend {plan.backend.value}; GPU "
                        f"{human(s.gpu_footprint_bytes)}{buffers}, host {host}; predicted step "
                        f"{ms(s.predicted_step_us)}", *(f"note: {n}" for n in plan.notes if n not in warnings)])
     return 0
@@ -233,7 +235,7 @@ def _validate(args) -> int:
     if kind == "plan":
         plan = load_plan(path)
         _emit(args, {"file": str(path), "kind": "plan", "valid": True, "tensors": plan.tensors},
-              f"{path}: valid plan ({plan.tensors} tensors, backend {plan.backend})")
+              f"{path}: valid plan ({plan.tensors} tensors, backend {plan.backend.value})")
         return 0
     if kind == "hardware profile":
         hw = load_hardware(path)
@@ -244,9 +246,9 @@ def _validate(args) -> int:
     for w in policy.warnings:
         print(f"warning: {w}", file=sys.stderr)
     plan = build(policy, path.parent)
-    _emit(args, {"file": str(path), "kind": "policy", "valid": True, "backend": plan.backend},
+    _emit(args, {"file": str(path), "kind": "policy", "valid": True, "backend": plan.backend.value},
           f"{path}: valid policy (checkpoint {plan.checkpoint_path}, {plan.tensors} tensors; "
-          f"it plans backend {plan.backend})")
+          f"it plans backend {plan.backend.value})")
     return 0
 
 
@@ -256,30 +258,9 @@ def _check(args) -> int:
         plan = read_plan(plan_path).plan
     except InconsistentPlanError as e:  # a hand edit: stale like any plan that is not what build makes
         return _stale(args, plan_path, [e.headline, *e.problems], None)
-    problems = []
     ckpt_dir = plan.checkpoint_dir(plan_path)
-    ckpt = open_checkpoint(ckpt_dir)
-    if ckpt.fingerprint != plan.checkpoint_fingerprint:
-        problems.append(f"the checkpoint {ckpt_dir} changed since the plan was built "
-                        f"(fingerprint {ckpt.fingerprint[:19]}..., the plan has "
-                        f"{plan.checkpoint_fingerprint[:19]}...)")
     policy_path = plan_path.parent / plan.policy_path
-    if policy_path.is_file():
-        # Only the bytes matter: an edited policy is stale even if it no longer validates.
-        if policy_fingerprint(yamlio.read(policy_path, PolicyError, "policy")) != plan.policy_fingerprint:
-            problems.append(f"the policy {policy_path} changed since the plan was built")
-    else:
-        problems.append(f"the policy {policy_path} named by the plan is gone")
-    if not problems:
-        # Inputs unchanged: the plan must be exactly what `plan build` makes of them.
-        fresh = build(load_policy(policy_path), plan_path.parent, ckpt)
-        if dumps(fresh) != plan_path.read_text():
-            moved = [n for n, p in fresh.params.items() if plan.params.get(n) is not p]
-            where = f" ({len(moved)} placements differ, e.g. {moved[0]}: the plan says " \
-                    f"{plan.params[moved[0]].value}, the policy gives {fresh.params[moved[0]].value})" \
-                if moved and moved[0] in plan.params else ""
-            problems.append("the plan is not what `plan build` makes of its policy and checkpoint "
-                            f"(edited by hand, or built with another hardware profile or offplan version){where}")
+    problems = stale_reasons(plan, plan_path, open_checkpoint(ckpt_dir))
     if problems:
         return _stale(args, plan_path, problems, policy_path)
     _emit(args, {"plan": str(plan_path), "stale": False, "problems": []},

@@ -3,7 +3,7 @@
 A plan repeats itself on purpose: `params:` is what the runtime applies;
 `layers:`, `summary:` and `prefetch:` are what a reviewer reads. A hand edit can
 make them disagree, and then review shows one thing while another runs. Every
-command that reads a plan (`planner.plan.load_plan`, which the runtime uses
+command that reads a plan (`planner.planfile.read_plan`, which the runtime uses
 too) runs this check and refuses a plan that fails it, naming the lines that
 disagree.
 
@@ -33,9 +33,8 @@ from .checkpoint import TensorInfo
 from .errors import PolicyError
 from .graph import Layer, LayerGraph, build_graph
 from .groups import fused_groups
-from .plan import Plan, previous_user
-from .policy import Placement
-from .schedule import make_schedule
+from .plan import Placement, Plan
+from .schedule import make_schedule, previous_user
 from .units import human
 from .yamlio import dotted
 

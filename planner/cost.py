@@ -34,10 +34,9 @@ from pathlib import Path
 from .checkpoint import TensorInfo
 from .graph import LayerGraph
 from .hardware import Hardware
-from .policy import Placement
+from .plan import LayerKind, Placement, Role
 
 GPU, UVA, PREFETCH = Placement.GPU, Placement.UVA, Placement.PREFETCH
-ROLES = ("expert", "embedding", "dense")
 _TOP_K_KEYS = ("num_experts_per_tok", "moe_topk", "num_experts_per_token", "top_k", "moe_k")
 
 
@@ -85,7 +84,7 @@ class CostModel:
     """Predicts a placement's per-step traffic and time; built once per plan, asked many times."""
 
     def __init__(self, graph: LayerGraph, tensors: Mapping[str, TensorInfo], hw: Hardware, batch: int,
-                 groups: Mapping[str, list[str]], top_k: int | None, roles: Mapping[str, str] | None = None):
+                 groups: Mapping[str, list[str]], top_k: int | None, roles: Mapping[str, Role] | None = None):
         self.graph = graph
         self.hw = hw
         self.batch = batch
@@ -94,19 +93,19 @@ class CostModel:
         group_of = {m: g for g, ms in groups.items() for m in ms}
         # A tied embedding is also the head, which reads all of it every step: dense, not sparse.
         embed = set() if graph.tied_embeddings else {
-            n for l in graph.layers if l.kind == "embed" for n in l.params if len(tensors[n].shape) == 2}
-        self.role: dict[str, str] = {}
+            n for l in graph.layers if l.kind is LayerKind.EMBED for n in l.params if len(tensors[n].shape) == 2}
+        self.role: dict[str, Role] = {}
         self.frac: dict[str, float] = {}
         for layer in graph.layers:
             for n in layer.params:
                 role = (roles or {}).get(n) or (
-                    "expert" if n in group_of else "embedding" if n in embed else "dense")
-                if role == "expert" and (top_k is None or n not in group_of):
+                    Role.EXPERT if n in group_of else Role.EMBEDDING if n in embed else Role.DENSE)
+                if role is Role.EXPERT and (top_k is None or n not in group_of):
                     frac = 1.0  # unknown routing, or an override without a group: read it all
-                elif role == "expert":
+                elif role is Role.EXPERT:
                     e = counts[group_of[n]]
                     frac = 1 - (1 - min(top_k, e) / e) ** batch
-                elif role == "embedding":
+                elif role is Role.EMBEDDING:
                     frac = min(1.0, batch / max(1, tensors[n].shape[0]))
                 else:
                     frac = 1.0
@@ -132,7 +131,7 @@ class CostModel:
                         copied += self.size[n]
             gpu = read_hbm / hbm + read_uva / uva
             link = read_uva / uva + copied / h2d
-            cpu += hw.layer_overhead_us if layer.kind == "layer" else 0
+            cpu += hw.layer_overhead_us if layer.kind is LayerKind.LAYER else 0
             h2d_bytes = int(read_uva + copied)
             layers.append(LayerCost(layer.name, h2d_bytes, round(gpu), round(link)))
             total[0] += h2d_bytes

@@ -30,6 +30,7 @@ import networkx as nx
 
 from .errors import PolicyError
 from .patterns import closest
+from .plan import LayerKind
 
 _EMBED = re.compile(r"(^|\.)(embed\w*|wte|wpe|tok_embeddings|word_embeddings|patch_embed\w*)(\.|$)")
 _HEAD = re.compile(r"(^|\.)(lm_head|output|head)$")
@@ -50,7 +51,7 @@ class Layer:
     """A node of the layer graph: one layer of a stack, or one other module."""
 
     name: str  # "model.layers.7" or "model.embed_tokens"
-    kind: str  # "embed" | "layer" | "module" | "head"
+    kind: LayerKind
     params: tuple[str, ...]  # full tensor names, natural order
     stack: str | None = None  # "model.layers" for stack layers
     index: int | None = None  # 7 for "model.layers.7"
@@ -68,7 +69,7 @@ class LayerGraph:
     graph: nx.DiGraph
 
     def stack_layers(self) -> list[Layer]:
-        return [l for l in self.layers if l.kind == "layer"]
+        return [l for l in self.layers if l.kind is LayerKind.LAYER]
 
 
 _NUMBERED = re.compile(r"^(?:(.*?)\.(\d+)\.)?", re.M)
@@ -126,21 +127,22 @@ def build_graph(names: Iterable[str], stacks: Iterable[str] | None = None,
         if number and prefix in chosen_set:
             node = f"{prefix}.{number}"
             if node not in kinds:
-                kinds[node] = ("layer", prefix, int(number))
+                kinds[node] = (LayerKind.LAYER, prefix, int(number))
         else:
             node = name.rpartition(".")[0] or name
             if node not in kinds:
-                kind = "embed" if _EMBED.search(node) else "head" if _HEAD.search(node) else "module"
+                kind = (LayerKind.EMBED if _EMBED.search(node) else LayerKind.HEAD if _HEAD.search(node)
+                        else LayerKind.MODULE)
                 kinds[node] = (kind, None, None)
         by_layer.setdefault(node, []).append(name)
 
     first_seen = {p: i for i, p in enumerate(chosen)}
     stack_rank = {p: (0 if _EARLY_STACK.search(p) else 1, first_seen[p]) for p in chosen}
-    group_rank = {"embed": 0, "layer": 1, "module": 2, "head": 3}
+    group_rank = {LayerKind.EMBED: 0, LayerKind.LAYER: 1, LayerKind.MODULE: 2, LayerKind.HEAD: 3}
 
     def order(node: str) -> tuple:
         kind, stack, index = kinds[node]
-        if kind == "layer":
+        if kind is LayerKind.LAYER:
             return (1, stack_rank[stack], index)
         return (group_rank[kind], (0, 0), 0)
 
@@ -151,8 +153,8 @@ def build_graph(names: Iterable[str], stacks: Iterable[str] | None = None,
     graph = nx.DiGraph()
     graph.add_nodes_from((l.name, {"layer": l}) for l in layers)
     nx.add_path(graph, [l.name for l in layers])
-    has_embed = any(l.kind == "embed" for l in layers)
-    has_head = any(l.kind == "head" for l in layers)  # lm_head, or `output` (Meta's layout)
+    has_embed = any(l.kind is LayerKind.EMBED for l in layers)
+    has_head = any(l.kind is LayerKind.HEAD for l in layers)  # lm_head, or `output` (Meta's layout)
     return LayerGraph(layers, tuple(sorted(chosen, key=stack_rank.get)), has_embed and not has_head, graph)
 
 

@@ -34,7 +34,8 @@ from dataclasses import dataclass
 from .checkpoint import TensorInfo
 from .cost import CostModel
 from .graph import Layer, LayerGraph
-from .policy import Placement, Policy
+from .plan import LayerKind, Placement
+from .policy import Policy
 from .schedule import fewest_layers, footprint
 
 GPU, UVA, PREFETCH = Placement.GPU, Placement.UVA, Placement.PREFETCH
@@ -64,7 +65,7 @@ def place_mixed(graph: LayerGraph, tensors: Mapping[str, TensorInfo], policy: Po
     units: list[Unit] = []
     seen: set[str] = set()
     for layer in graph.layers:
-        if layer.kind not in ("layer", "embed"):
+        if layer.kind not in (LayerKind.LAYER, LayerKind.EMBED):
             continue
         for n in layer.params:
             if n in fixed or n in seen:
@@ -88,7 +89,7 @@ def place_mixed(graph: LayerGraph, tensors: Mapping[str, TensorInfo], policy: Po
     def to_prefetch(p, seq) -> None:
         by_layer: dict[str, list[str]] = {}
         for u in seq:
-            if u.layer.kind == "layer" and p[u.names[0]] is GPU:
+            if u.layer.kind is LayerKind.LAYER and p[u.names[0]] is GPU:
                 by_layer.setdefault(u.layer.name, []).extend(u.names)
         eligible = [(l, by_layer[l.name]) for l in graph.stack_layers() if l.name in by_layer]
         for _, names in fewest_layers(eligible, p, tensors, graph, step, budget):
@@ -134,6 +135,6 @@ def explain(graph: LayerGraph, place: Mapping[str, Placement], model: CostModel)
                 parts.setdefault((model.role[n], place[n]), []).append(model.frac[n])
         if parts:
             why[layer.name] = "; ".join(
-                f"{role} -> {p.value} ({max(fr):.1%} read per step)" if p is UVA else f"{role} -> {p.value}"
-                for (role, p), fr in sorted(parts.items(), key=lambda kv: (kv[0][0], kv[0][1].value)))
+                f"{role.value} -> {p.value} ({max(fr):.1%} read per step)" if p is UVA else f"{role.value} -> {p.value}"
+                for (role, p), fr in sorted(parts.items(), key=lambda kv: (kv[0][0].value, kv[0][1].value)))
     return why

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 from .checkpoint import TensorInfo
 from .graph import LayerGraph
-from .plan import PrefetchSchedule
-from .policy import Placement, Policy
+from .plan import Backend, Placement, PrefetchSchedule
+from .policy import Policy
 from .units import human, percent, plural
 
 GPU, UVA, PREFETCH = Placement.GPU, Placement.UVA, Placement.PREFETCH
@@ -40,9 +40,9 @@ class Outcome:
     """What `placement.decide` did: everything the notes are computed from."""
 
     policy: Policy
-    backend: str  # what ran: "none" | "uva" | "prefetch" | "mixed"
+    backend: Backend  # what ran: none, uva, prefetch or mixed
     reason: str | None  # why `backend: auto` chose it; None when the policy names the backend
-    skipped: str | None  # the backend that did not run because the plan fits the budget without it
+    skipped: Backend | None  # the backend that did not run because the plan fits the budget without it
     place: Mapping[str, Placement]  # final, every tensor
     fixed: frozenset[str]  # the tensors that rules placed
     tensors: Mapping[str, TensorInfo]
@@ -95,8 +95,8 @@ def _backend_note(o: Outcome, by_backend: Mapping[Placement, int], rules_offload
             return (f"the whole checkpoint ({human(total)}) fits budget_gib {pol.budget_gib}: nothing is "
                     "offloaded (offloading would only cost speed)")
         return (f"the plan fits budget_gib {pol.budget_gib} with the rules' placements alone: backend "
-                f"{o.skipped} offloads nothing more (offloading would only cost speed)")
-    if o.backend == "none":
+                f"{o.skipped.value} offloads nothing more (offloading would only cost speed)")
+    if o.backend is Backend.NONE:
         hint = ""
         if pol.uva.params:
             hint = " (uva.params only narrows what uva.offload_gib or budget_gib offloads)"
@@ -107,7 +107,7 @@ def _backend_note(o: Outcome, by_backend: Mapping[Placement, int], rules_offload
     origin = "named by the policy" if o.reason is None else f"auto: {o.reason}"
     layers = sum(1 for l in o.graph.layers
                  if any(o.place[n] is not GPU and n not in o.fixed for n in l.params))
-    return f"backend {o.backend} ({origin}): {_amounts(by_backend)} from {plural(layers, 'layer')}"
+    return f"backend {o.backend.value} ({origin}): {_amounts(by_backend)} from {plural(layers, 'layer')}"
 
 
 def saving_warnings(place: Mapping[str, Placement], tensors: Mapping[str, TensorInfo], graph: LayerGraph,

@@ -64,17 +64,17 @@ from .mixed import place_mixed
 from .groups import fused_groups, split_groups
 from .patterns import Names
 from .notes import Outcome, notes
-from .plan import LayerBytes, PrefetchSchedule
+from .plan import Backend, LayerBytes, Placement, PrefetchSchedule
 from .schedule import fewest_layers, footprint, make_schedule
-from .policy import GIB, Backend, Placement, Policy
-from .units import human, plural
+from .policy import Policy
+from .units import GIB, human, plural
 
 GPU, UVA, PREFETCH = Placement.GPU, Placement.UVA, Placement.PREFETCH
 
 
 @dataclass(frozen=True)
 class Decision:
-    backend: str  # "none" | "uva" | "prefetch" | "mixed"
+    backend: Backend  # what ran: none, uva, prefetch or mixed
     params: dict[str, Placement]  # execution order
     prefetch: PrefetchSchedule | None
     layers: tuple[LayerBytes, ...]
@@ -103,18 +103,18 @@ def smallest_budget_gib(nbytes: int) -> str:
     return repr(nbytes / GIB)  # exact: a power-of-two division (not reached for sizes below 2**53)
 
 
-def resolve_backend(policy: Policy) -> tuple[str, str | None]:
+def resolve_backend(policy: Policy) -> tuple[Backend, str | None]:
     """The backend that will run, and why `auto` chose it (None: the policy names it)."""
     b = policy.backend
     if b is not Backend.AUTO:
-        return b.value, None
+        return b, None
     if policy.prefetch.group_size > 0:
-        return "prefetch", "prefetch.group_size is set"
+        return Backend.PREFETCH, "prefetch.group_size is set"
     if policy.uva.offload_gib > 0:
-        return "uva", "uva.offload_gib is set"
+        return Backend.UVA, "uva.offload_gib is set"
     if policy.budget_gib is not None:
-        return "uva", "budget_gib is set"
-    return "none", "no offload amount or budget is set"
+        return Backend.UVA, "budget_gib is set"
+    return Backend.NONE, "no offload amount or budget is set"
 
 
 def decide(graph: LayerGraph, tensors: Mapping[str, TensorInfo], policy: Policy,
@@ -147,19 +147,19 @@ def decide(graph: LayerGraph, tensors: Mapping[str, TensorInfo], policy: Policy,
     backend, reason = resolve_backend(policy)
     budget = policy.budget_bytes
     step = policy.prefetch.step
-    if (backend == "prefetch" or PREFETCH in place.values()) and step < 1:
+    if (backend is Backend.PREFETCH or PREFETCH in place.values()) and step < 1:
         raise PolicyError(f"{policy.path}: prefetch.step must be >= 1: rules place tensors on prefetch")
     skipped = None
     mixed_notes: tuple[str, ...] = ()
     reasons: dict[str, str] = {}
 
-    if backend != "none" and budget is not None and footprint(graph, place, tensors, step) <= budget:
-        skipped, backend = backend, "none"  # offloading more would only cost speed
-    elif backend == "uva":
+    if backend is not Backend.NONE and budget is not None and footprint(graph, place, tensors, step) <= budget:
+        skipped, backend = backend, Backend.NONE  # offloading more would only cost speed
+    elif backend is Backend.UVA:
         _uva(stack, fixed, place, size, tensors, policy, graph, groups, selected["uva"])
-    elif backend == "prefetch":
+    elif backend is Backend.PREFETCH:
         _prefetch(stack, fixed, place, size, tensors, policy, graph, selected["prefetch"])
-    elif backend == "mixed":
+    elif backend is Backend.MIXED:
         choice = place_mixed(graph, tensors, policy, place, fixed, groups, model)
         place = choice.place
         mixed_notes = choice.notes
@@ -295,7 +295,7 @@ def _nothing_left(policy: Policy, key: str, layers, fixed, selected, head: str =
     return f"{policy.path}: backend {key} has nothing to offload: {head}{why}"
 
 
-def _over_budget_message(policy: Policy, backend: str, need: int, place, size, graph) -> str:
+def _over_budget_message(policy: Policy, backend: Backend, need: int, place, size, graph) -> str:
     pinned: dict[str, int] = {}
     stack_names = {l.name for l in graph.stack_layers()}
     for l in graph.layers:
@@ -307,10 +307,10 @@ def _over_budget_message(policy: Policy, backend: str, need: int, place, size, g
     head = (f"{policy.path}: the plan needs {gib(need)} ({need:,} bytes) of GPU memory but budget_gib "
             f"{policy.budget_gib} is {policy.budget_bytes:,} bytes; the smallest budget that fits this policy "
             f"is budget_gib: {smallest_budget_gib(need)} ({gib(need)}).")
-    if backend == "uva" and policy.uva.offload_gib > 0:
+    if backend is Backend.UVA and policy.uva.offload_gib > 0:
         fix = (f"uva.offload_gib: {policy.uva.offload_gib} offloads too little: raise it, or remove it "
                "and let budget_gib decide how much to offload.")
-    elif backend == "prefetch" and policy.prefetch.group_size > 0:
+    elif backend is Backend.PREFETCH and policy.prefetch.group_size > 0:
         fix = (f"prefetch.group_size {policy.prefetch.group_size} / num_in_group "
                f"{policy.prefetch.num_in_group} offloads too few layers: raise num_in_group, or remove "
                "group_size and let budget_gib decide.")

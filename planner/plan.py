@@ -1,34 +1,65 @@
-"""The plan file: typed in memory, deterministic YAML on disk.
+"""What a plan says, typed: the plan's vocabulary (enums) and its model (frozen dataclasses).
 
 A plan holds names, not modules: every checkpoint tensor exactly once, in
 execution order, with its placement, plus the summaries a reviewer reads
-(per-layer bytes, the prefetch schedule) and the fingerprints `plan check` and
-the runtime compare against. `dumps(loads(text)) == text` byte for byte, and
-the same inputs give the same bytes (no timestamps, no dict-order surprises).
+(per-layer bytes, the prefetch schedule) and the fingerprints that staleness
+checks compare against. Reading and writing it is planfile.py; checking that
+its parts agree is consistency.py; staleness is staleness.py.
 
-Paths inside a plan are relative to the plan file's directory, so a plan
-committed next to its policy stays valid in any clone.
+This module is the vocabulary the planner, the plan file and the runtime
+share; it imports nothing else of offplan.
 """
 from __future__ import annotations
 
-import json
-import os
-import re
-import tempfile
-from collections.abc import Mapping
 from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
 
-from . import yamlio
-from .checkpoint import Checkpoint, TensorInfo, open_checkpoint
-from .errors import InconsistentPlanError, OffplanError, PlanFileError
-from .policy import Placement
 
-FORMAT_VERSION = 1
-HEADER = (
-    "# offplan plan: written by `plan build`, applied exactly by the runtime. Do not edit by hand.\n"
-    "# Review: `plan show`; compare: `plan diff OLD NEW`; staleness: `plan check`.\n"
-)
+class Placement(Enum):
+    """Where one parameter lives at run time."""
+
+    GPU = "gpu"  # resident in GPU memory
+    UVA = "uva"  # pinned host memory, read in place through a zero-copy CUDA view
+    PREFETCH = "prefetch"  # pinned host memory, copied ahead of use into static GPU buffers
+
+    __hash__ = object.__hash__  # members are singletons; Enum's own hash is slow Python code
+
+
+class Backend(Enum):
+    """What decides the offloaded tensors. `auto` appears only in policies (it resolves to one of the
+    others); `none` only in plans (nothing was offloaded beyond what rules place)."""
+
+    AUTO = "auto"
+    NONE = "none"
+    UVA = "uva"
+    PREFETCH = "prefetch"
+    MIXED = "mixed"
+
+
+class Role(Enum):
+    """What fraction of a tensor one decode step reads, for the cost model (cost.py)."""
+
+    EXPERT = "expert"  # a routed expert: read when routing picks it
+    EMBEDDING = "embedding"  # an embedding table: one row per sequence
+    DENSE = "dense"  # read whole every step
+
+
+class LayerKind(Enum):
+    """A node of the layer graph (graph.py)."""
+
+    EMBED = "embed"  # embedding-like modules, first
+    LAYER = "layer"  # one layer of a repeated stack
+    MODULE = "module"  # anything else (final norms, projectors)
+    HEAD = "head"  # the output head, last
+
+
+class Runs(Enum):
+    """When a layer runs, as the layer graph knows it (graph.py)."""
+
+    STEP = "step"  # in every decode step
+    IMAGES = "images"  # only for prompts with images, in the prefill (vision towers, projectors)
+    MTP = "mtp"  # never in plain decode: multi-token prediction layers (DeepSeek-V3's last layer)
 
 
 @dataclass(frozen=True)
@@ -66,15 +97,6 @@ class Transfer:
     layer: str
     slot: int
     after: str
-
-
-def previous_user(k: int, slots: int, count: int) -> int:
-    """Index of the layer that used slot k mod `slots` before layer k, cyclically over `count`.
-
-    For k >= slots it is k - slots; the first layers of a forward wait for the
-    last users of their slots in the previous forward.
-    """
-    return k - slots if k >= slots else k + slots * ((count - 1 - k) // slots)
 
 
 @dataclass(frozen=True)
@@ -127,7 +149,7 @@ class Plan:
     total_bytes: int
     policy_path: str  # relative to the plan file's directory
     policy_fingerprint: str
-    backend: str  # what ran: "none", "uva", "prefetch" or "mixed"
+    backend: Backend  # what ran: none, uva, prefetch or mixed
     budget_bytes: int | None
     stacks: tuple[str, ...]
     tied_embeddings: bool
@@ -140,214 +162,3 @@ class Plan:
 
     def checkpoint_dir(self, plan_file: str | Path) -> Path:
         return Path(plan_file).parent / self.checkpoint_path
-
-
-# ---------------------------------------------------------------- writing
-
-_PLAIN = re.compile(r"^[A-Za-z_][A-Za-z0-9_./\-]*$")
-_RESERVED = {"true", "false", "null", "yes", "no", "on", "off", "y", "n", "~"}
-
-
-def _s(value: str) -> str:
-    if _PLAIN.match(value) and value.lower() not in _RESERVED:
-        return value
-    return json.dumps(value, ensure_ascii=False)
-
-
-def _v(value) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int):
-        return str(value)
-    if isinstance(value, str):
-        return _s(value)
-    if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(_v(v) for v in value) + "]"
-    raise TypeError(value)
-
-
-def _why(layer: LayerBytes) -> dict:
-    return {} if layer.why is None else {"why": layer.why}
-
-
-def _flow(**items) -> str:
-    return "{" + ", ".join(f"{k}: {_v(v)}" for k, v in items.items()) + "}"
-
-
-def dumps(plan: Plan) -> str:
-    s = plan.summary
-    out = [HEADER, f"format_version: {FORMAT_VERSION}\n",
-           "checkpoint:\n",
-           f"  path: {_s(plan.checkpoint_path)}\n",
-           f"  fingerprint: {_s(plan.checkpoint_fingerprint)}\n",
-           f"  tensors: {plan.tensors}\n",
-           f"  bytes: {plan.total_bytes}\n",
-           "policy:\n",
-           f"  path: {_s(plan.policy_path)}\n",
-           f"  fingerprint: {_s(plan.policy_fingerprint)}\n",
-           f"backend: {plan.backend}\n",
-           f"budget_bytes: {_v(plan.budget_bytes)}\n",
-           f"stacks: {_v(list(plan.stacks))}\n",
-           f"tied_embeddings: {_v(plan.tied_embeddings)}\n",
-           "summary:\n",
-           f"  gpu_bytes: {s.gpu_bytes}\n",
-           f"  uva_bytes: {s.uva_bytes}\n",
-           f"  prefetch_bytes: {s.prefetch_bytes}\n",
-           f"  prefetch_buffer_bytes: {s.prefetch_buffer_bytes}\n",
-           f"  gpu_footprint_bytes: {s.gpu_footprint_bytes}\n",
-           f"  predicted_h2d_bytes_per_step: {s.predicted_h2d_bytes_per_step}\n",
-           f"  predicted_step_us: {s.predicted_step_us}\n"]
-    c = plan.cost
-    out.append("cost: null\n" if c is None else
-               f"cost: {_flow(hardware=c.hardware, batch_size=c.batch_size, cpu_us=c.cpu_us, gpu_us=c.gpu_us, link_us=c.link_us)}\n")
-    out.append("notes:" + (" []\n" if not plan.notes else "\n"))
-    out += [f"  - {_s(n)}\n" for n in plan.notes]
-    out.append("layers:\n")
-    out += [f"  - {_flow(name=l.name, gpu=l.gpu, uva=l.uva, prefetch=l.prefetch, h2d=l.h2d, us=l.us, **_why(l))}\n"
-            for l in plan.layers]
-    p = plan.prefetch
-    if p is None:
-        out.append("prefetch: null\n")
-    else:
-        out += ["prefetch:\n", f"  step: {p.step}\n", f"  slots: {p.slots}\n",
-                f"  slot_bytes: {p.slot_bytes}\n", "  buffers:\n"]
-        out += [f"    - {_flow(name=b.name, dtype=b.dtype, shape=list(b.shape), bytes=b.bytes)}\n"
-                for b in p.buffers]
-        out.append("  schedule:\n")
-        out += [f"    - {_flow(layer=t.layer, slot=t.slot, after=t.after)}\n" for t in p.schedule]
-    out.append("params:\n")
-    out += [f"  {_s(name)}: {place.value}\n" for name, place in plan.params.items()]
-    return "".join(out)
-
-
-def write_atomic(path: str | Path, text: str, what: str = "plan") -> None:
-    """Write via a temp file in the same directory and rename: never half a file.
-
-    The file gets the permissions a plain `open(path, "w")` would give (mkstemp's
-    are 0600). An unwritable destination raises OffplanError naming the path.
-    """
-    path = Path(path)
-    try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    except OSError as e:
-        raise OffplanError(f"{path}: cannot write the {what}: {e.strerror}") from None
-    try:
-        with os.fdopen(fd, "w") as f:  # owns fd from here on, closed whatever happens
-            umask = os.umask(0)
-            os.umask(umask)
-            os.chmod(tmp, 0o666 & ~umask)
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException as e:
-        os.unlink(tmp)
-        if isinstance(e, OSError):
-            raise OffplanError(f"{path}: cannot write the {what}: {e.strerror}") from None
-        raise
-
-
-# ---------------------------------------------------------------- reading
-
-@dataclass(frozen=True)
-class LoadedPlan:
-    """A plan read from its file and checked, with its checkpoint's headers when they are at hand."""
-
-    plan: Plan
-    checkpoint: Checkpoint | None  # the plan's checkpoint, unchanged since the build; None: not at hand
-    unchecked: str | None  # why tensor sizes were not compared (None: they were)
-
-
-def loads(text: str, path: str | Path = "<plan>", tensors: Mapping[str, TensorInfo] | None = None) -> Plan:
-    """Parse, schema-check and consistency-check a plan (consistency.py; exact with `tensors`,
-    the checkpoint's headers). Raises PlanFileError with `file:line:column`s."""
-    plan, doc = _parse(text, Path(path))
-    _refuse_inconsistent(plan, doc, tensors, None if tensors is not None else "no checkpoint given")
-    return plan
-
-
-def read_plan(path: str | Path) -> LoadedPlan:
-    """Read a plan file and check it, against its checkpoint's headers when they are at hand
-    (the checkpoint exists and its fingerprint is the plan's): `plan show`, `plan validate`,
-    `plan diff`, `plan check` and the runtime all read plans through here."""
-    path = Path(path)
-    plan, doc = _parse(yamlio.read(path, PlanFileError, "plan"), path)
-    ckpt, unchecked = _checkpoint_at_hand(plan, path)
-    _refuse_inconsistent(plan, doc, ckpt.tensors if ckpt else None, unchecked)
-    return LoadedPlan(plan, ckpt, unchecked)
-
-
-def load_plan(path: str | Path) -> Plan:
-    return read_plan(path).plan
-
-
-def _checkpoint_at_hand(plan: Plan, path: Path) -> tuple[Checkpoint | None, str | None]:
-    where = plan.checkpoint_dir(path)
-    if not where.exists():
-        return None, f"its checkpoint {plan.checkpoint_path} is not at hand"
-    try:
-        ckpt = open_checkpoint(where)
-    except OffplanError:
-        return None, f"its checkpoint {plan.checkpoint_path} cannot be read"
-    if ckpt.fingerprint != plan.checkpoint_fingerprint:
-        return None, f"its checkpoint {plan.checkpoint_path} changed since the plan was built (see `plan check`)"
-    return ckpt, None
-
-
-def _refuse_inconsistent(plan: Plan, doc: yamlio.Located, tensors, unchecked: str | None) -> None:
-    from .consistency import inconsistencies  # it builds on this module's types
-
-    problems = inconsistencies(plan, doc.where, tensors, doc.data["summary"]["gpu_footprint_bytes"])
-    if problems:
-        how = ("with the tensor sizes in its checkpoint's headers" if unchecked is None
-               else f"by tensor names only: {unchecked}")
-        policy = (doc.file.parent / plan.policy_path).as_posix()
-        raise InconsistentPlanError(
-            f"{doc.file}: the plan is inconsistent (edited by hand?): params: compared with layers:, "
-            f"summary: and prefetch: {how}; rebuild it: plan build {policy} -o {doc.file}", problems)
-
-
-def _parse(text: str, path: Path) -> tuple[Plan, yamlio.Located]:
-    doc = yamlio.parse(path, text, PlanFileError)
-    wrong = yamlio.wrong_kind(path, doc.data, "plan")
-    if wrong:
-        raise PlanFileError(wrong)
-    if not isinstance(doc.data, dict) or "params" not in doc.data:
-        raise PlanFileError(f"{path}: not an offplan plan (no `params:` mapping); build one with "
-                            "`plan build POLICY`")
-    yamlio.validate(doc, "plan.schema.json", PlanFileError, f"{path}: the plan is invalid")
-    d = doc.data
-    p = d["prefetch"]
-    prefetch = None if p is None else PrefetchSchedule(
-        p["step"], p["slots"], p["slot_bytes"],
-        tuple(Buffer(b["name"], b["dtype"], tuple(b["shape"]), b["bytes"]) for b in p["buffers"]),
-        tuple(Transfer(t["layer"], t["slot"], t["after"]) for t in p["schedule"]))
-    s = d["summary"]
-    plan = Plan(
-        checkpoint_path=d["checkpoint"]["path"],
-        checkpoint_fingerprint=d["checkpoint"]["fingerprint"],
-        tensors=d["checkpoint"]["tensors"],
-        total_bytes=d["checkpoint"]["bytes"],
-        policy_path=d["policy"]["path"],
-        policy_fingerprint=d["policy"]["fingerprint"],
-        backend=d["backend"],
-        budget_bytes=d["budget_bytes"],
-        stacks=tuple(d["stacks"]),
-        tied_embeddings=d["tied_embeddings"],
-        summary=Summary(s["gpu_bytes"], s["uva_bytes"], s["prefetch_bytes"], s["prefetch_buffer_bytes"],
-                        s["predicted_h2d_bytes_per_step"], s["predicted_step_us"]),
-        layers=tuple(LayerBytes(**l) for l in d["layers"]),
-        prefetch=prefetch,
-        params={k: Placement(v) for k, v in d["params"].items()},
-        notes=tuple(d["notes"]),
-        cost=None if d["cost"] is None else Cost(**d["cost"]),
-    )
-    return plan, doc
-
-
-def relpath(target: Path, start_dir: Path) -> str:
-    """`target` relative to `start_dir` when possible, in POSIX form."""
-    try:
-        return Path(os.path.relpath(target.resolve(), start_dir.resolve())).as_posix()
-    except ValueError:  # another drive on Windows
-        return target.resolve().as_posix()

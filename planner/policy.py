@@ -10,75 +10,77 @@ import hashlib
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from enum import Enum
 from pathlib import Path
 
 from . import yamlio
 from .errors import PolicyError
 from .patterns import Pattern, compile_pattern
-
-GIB = 2**30
-
-
-class Placement(Enum):
-    """Where one parameter lives at run time."""
-
-    GPU = "gpu"  # resident in GPU memory
-    UVA = "uva"  # pinned host memory, read in place through a zero-copy CUDA view
-    PREFETCH = "prefetch"  # pinned host memory, copied ahead of use into static GPU buffers
-
-    __hash__ = object.__hash__  # members are singletons; Enum's own hash is slow Python code
-
-
-class Backend(Enum):
-    AUTO = "auto"
-    UVA = "uva"
-    PREFETCH = "prefetch"
-    MIXED = "mixed"
+from .plan import Backend, Placement, Role
+from .units import GIB
 
 
 @dataclass(frozen=True)
 class Rule:
-    patterns: tuple[Pattern, ...]
-    place: Placement | None  # None: the rule only sets a role
-    role: str | None = None  # "expert" | "embedding" | "dense", for the cost model
+    """`rules[i]`: tensors matching any pattern get a placement, a role, or both; first match wins.
+
+    Example: `{match: [embed_tokens, lm_head], place: gpu}`, or `{match: [shared_experts], role: dense}`.
+    """
+
+    patterns: tuple[Pattern, ...]  # `match:` vLLM segment patterns or `re:` regexes, e.g. (experts,)
+    place: Placement | None  # `place:` gpu | uva | prefetch; None: the rule only sets a role
+    role: Role | None = None  # `role:` what the cost model assumes a step reads of them
 
 
 @dataclass(frozen=True)
 class Workload:
-    batch_size: int = 1
-    experts_per_token: int | None = None  # None: from the checkpoint's config.json
+    """`workload:` what the cost model predicts for. Example: `{batch_size: 8, experts_per_token: 8}`."""
+
+    batch_size: int = 1  # sequences decoded together
+    experts_per_token: int | None = None  # MoE top-k; None: read from the checkpoint's config.json
 
 
 @dataclass(frozen=True)
 class UvaPolicy:
-    offload_gib: float = 0
-    params: tuple[Pattern, ...] = ()
+    """`uva:` vLLM's zero-copy knobs. Example: `{offload_gib: 8, params: [mlp]}`."""
+
+    offload_gib: float = 0  # GiB of layer tensors to offload, walking layers in order (vLLM cpu_offload_gb)
+    params: tuple[Pattern, ...] = ()  # only these tensors are candidates (vLLM cpu_offload_params)
 
 
 @dataclass(frozen=True)
 class PrefetchPolicy:
-    group_size: int = 0
-    num_in_group: int = 1
-    step: int = 1
-    params: tuple[Pattern, ...] = ()
+    """`prefetch:` vLLM's streaming knobs. Example: `{group_size: 8, num_in_group: 2, step: 2, params: [experts]}`
+    streams the experts of layers 6, 7, 14, 15, ... through 2 slots."""
+
+    group_size: int = 0  # layer i streams iff i % group_size >= group_size - num_in_group (offload_group_size)
+    num_in_group: int = 1  # streamed layers per group (offload_num_in_group)
+    step: int = 1  # layers copied ahead = slots in the GPU buffer pool (offload_prefetch_step)
+    params: tuple[Pattern, ...] = ()  # only these tensors of a streamed layer move (offload_params)
 
 
 @dataclass(frozen=True)
 class Policy:
-    path: Path
-    fingerprint: str  # sha256 of the policy file's bytes
-    checkpoint: Path  # resolved against the policy's directory, `~` expanded
-    checkpoint_text: str  # as written in the policy
-    backend: Backend = Backend.AUTO
-    budget_gib: float | None = None
-    stacks: tuple[str, ...] | None = None
+    """A policy file, parsed and checked (`load_policy`). Example:
+
+        format_version: 1
+        checkpoint: ./Qwen3-30B-A3B
+        budget_gib: 24
+        prefetch: {step: 2, params: [experts]}
+    """
+
+    path: Path  # the policy file
+    fingerprint: str  # sha256 of the policy file's bytes, e.g. "sha256:8a86..."
+    checkpoint: Path  # `checkpoint:` resolved against the policy's directory, `~` expanded
+    checkpoint_text: str  # as written in the policy, e.g. "./Qwen3-30B-A3B"
+    backend: Backend = Backend.AUTO  # `backend:` auto | uva | prefetch | mixed
+    budget_gib: float | None = None  # `budget_gib:` GPU memory the weights may take, buffers included, e.g. 24
+    stacks: tuple[str, ...] | None = None  # `stacks:` layer-stack prefixes when detection is wrong, e.g. (model.layers,)
     uva: UvaPolicy = UvaPolicy()
     prefetch: PrefetchPolicy = PrefetchPolicy()
     rules: tuple[Rule, ...] = ()
-    hardware: Path | None = None  # a `plan calibrate` profile, resolved like `checkpoint`
+    hardware: Path | None = None  # `hardware:` a `plan calibrate` profile, resolved like `checkpoint`
     workload: Workload = Workload()
-    warnings: tuple[str, ...] = field(default=(), compare=False)
+    warnings: tuple[str, ...] = field(default=(), compare=False)  # settings that will be ignored, located
     # "uva.params[1]" -> "policy.yaml:5:21", for every pattern and stacks entry
     locations: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
 
@@ -143,7 +145,7 @@ def load_policy(path: str | Path) -> Policy:
         locations[f"stacks[{i}]"] = doc.where(["stacks", i])
     rules = tuple(
         Rule(patterns(["rules", i, "match"], r["match"]), Placement(r["place"]) if "place" in r else None,
-             r.get("role"))
+             Role(r["role"]) if "role" in r else None)
         for i, r in enumerate(data.get("rules", []))
     )
     w = data.get("workload", {})

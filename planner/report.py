@@ -70,7 +70,7 @@ def show_data(plan: Plan) -> dict:
     slot = {t.layer: t.slot for t in plan.prefetch.schedule} if plan.prefetch else {}
     return {
         "checkpoint": plan.checkpoint_path,
-        "backend": plan.backend,
+        "backend": plan.backend.value,
         "tensors": plan.tensors,
         "layers": [{"name": l.name, "gpu": l.gpu, "uva": l.uva, "prefetch": l.prefetch,
                     "slot": slot.get(l.name), "h2d_bytes_per_step": l.h2d, "gpu_us": l.us,
@@ -106,7 +106,7 @@ def show(plan: Plan, unchecked: str | None = None) -> list[RenderableType | str]
              *([""] if why else [])]
     out: list[RenderableType | str] = [
         f"plan for {plan.checkpoint_path}: {plural(plan.tensors, 'tensor')}, {human(plan.total_bytes)}, "
-        f"backend {plan.backend}", "",
+        f"backend {plan.backend.value}", "",
         table(["layer", "gpu", "uva", "prefetch", "slot", "h2d/step", "gpu ms", *(["why"] if why else [])],
               rows, total, "lrrrrrr" + ("l" if why else "")), ""]
     if plan.prefetch:
@@ -180,7 +180,7 @@ def show_tensors(plan: Plan, sizes: Mapping[str, TensorInfo] | None, unchecked: 
     units = len(d["units"])
     grouped = f" in {plural(units, 'unit')} (a fused expert group is one unit)" if units != plan.tensors else ""
     out: list = [f"plan for {plan.checkpoint_path}: {plural(plan.tensors, 'tensor')}{grouped}, backend "
-                 f"{plan.backend}", "",
+                 f"{plan.backend.value}", "",
                  table(["layer", "tensor", "placement", *(["bytes"] if sizes is not None else [])], rows,
                        align="lllr")]
     if sizes is None:

@@ -10,10 +10,18 @@ from collections.abc import Mapping
 
 from .checkpoint import TensorInfo
 from .graph import Layer, LayerGraph
-from .plan import Buffer, PrefetchSchedule, Transfer, previous_user
-from .policy import Placement
+from .plan import Buffer, Placement, PrefetchSchedule, Transfer
 
 GPU, PREFETCH = Placement.GPU, Placement.PREFETCH
+
+
+def previous_user(k: int, slots: int, count: int) -> int:
+    """Index of the layer that used slot k mod `slots` before layer k, cyclically over `count`.
+
+    For k >= slots it is k - slots; the first layers of a forward wait for the
+    last users of their slots in the previous forward.
+    """
+    return k - slots if k >= slots else k + slots * ((count - 1 - k) // slots)
 
 
 def fewest_layers(eligible: list[tuple[Layer, list[str]]], place: Mapping[str, Placement],

@@ -1,7 +1,7 @@
 """Numbers for people: bytes in binary units, times in milliseconds, plurals."""
 from __future__ import annotations
 
-from .policy import GIB
+GIB = 2**30
 
 
 def human(n: float) -> str:

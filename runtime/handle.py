@@ -23,9 +23,10 @@ from pathlib import Path
 import torch
 
 from planner.checkpoint import Checkpoint, open_checkpoint
-from planner.errors import OffplanError, PlanFileError, StalePlanError
-from planner.plan import Plan, load_plan
-from planner.policy import Placement
+from planner.errors import OffplanError, PlanFileError
+from planner.plan import Placement, Plan
+from planner.planfile import load_plan
+from planner.staleness import require_current
 
 from .arena import PinnedArena, as_bytes, typed
 from .loader import TORCH_DTYPES, Progress, ShardReader, Stager, check_holds_weights
@@ -70,11 +71,7 @@ def _open(plan: str | Path | Plan, checkpoint) -> tuple[Plan, Checkpoint]:
         odd = sorted(set(plan.params) ^ set(ckpt.tensors))
         raise PlanFileError("the plan's tensors differ from its checkpoint's although the fingerprints match "
                             "(edited by hand?); rebuild it with `plan build POLICY`", odd)
-    if ckpt.fingerprint != plan.checkpoint_fingerprint:
-        raise StalePlanError(
-            f"the plan is stale: the checkpoint {ckpt_dir} changed since the plan was built "
-            f"(fingerprint {ckpt.fingerprint[:19]}..., the plan has {plan.checkpoint_fingerprint[:19]}...); "
-            "rebuild it with `plan build POLICY`")
+    require_current(plan, ckpt, ckpt_dir)
     return plan, ckpt
 
 

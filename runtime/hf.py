@@ -7,7 +7,7 @@ import torch
 
 from planner.checkpoint import open_checkpoint
 from planner.errors import OffplanError
-from planner.plan import load_plan
+from planner.planfile import load_plan
 
 from .handle import OffloadHandle, load
 from .loader import check_holds_weights

@@ -12,8 +12,7 @@ from __future__ import annotations
 import torch
 
 from planner.errors import OffplanError
-from planner.plan import Plan
-from planner.policy import Placement
+from planner.plan import Placement, Plan
 
 from .arena import align
 from .names import Target

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from planner.errors import ModelMismatchError
-from planner.policy import Placement
+from planner.plan import Placement
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,8 @@ from planner.dtypes import nbytes
 from planner.graph import build_graph
 from planner.patterns import compile_pattern
 from planner.placement import decide
-from planner.policy import Backend, Placement, Policy, PrefetchPolicy, Rule, UvaPolicy
+from planner.plan import Backend, Placement
+from planner.policy import Policy, PrefetchPolicy, Rule, UvaPolicy
 
 MiB = 2**20
 GPU, UVA, PREFETCH = Placement.GPU, Placement.UVA, Placement.PREFETCH

@@ -10,7 +10,7 @@ import pytest
 
 from headeronly import MiB, write_policy
 from planner.cli import main
-from planner.plan import load_plan
+from planner.planfile import load_plan
 
 UVA_POLICY = "budget_gib: 0.018\n"  # 18.4 MiB: offload layer 0 (3 MiB) of 21 MiB
 PREFETCH_POLICY = "prefetch:\n  group_size: 2\n"

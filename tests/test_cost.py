@@ -13,6 +13,7 @@ from planner.graph import build_graph
 from planner.groups import fused_groups
 from planner.hardware import Hardware, dumps_hardware, load_hardware
 from planner.placement import decide
+from planner.plan import Role
 from planner.policy import Rule, Workload, load_policy
 from planner.patterns import compile_pattern
 
@@ -45,12 +46,12 @@ def test_touched_fractions(batch, expert):
     assert m.frac["model.layers.0.mlp.experts.3.up_proj.weight"] == pytest.approx(expert)
     assert m.frac["model.embed_tokens.weight"] == pytest.approx(batch / 1000)
     assert m.frac["model.layers.0.self_attn.o_proj.weight"] == 1.0
-    assert m.role["model.layers.0.mlp.experts.3.up_proj.weight"] == "expert"
-    assert m.role["model.embed_tokens.weight"] == "embedding"
+    assert m.role["model.layers.0.mlp.experts.3.up_proj.weight"] is Role.EXPERT
+    assert m.role["model.embed_tokens.weight"] is Role.EMBEDDING
 
 
 def test_unknown_top_k_reads_every_expert_and_rules_override_roles():
-    m, _, _ = model_for(moe(), top_k=None, roles={"lm_head.weight": "embedding"})
+    m, _, _ = model_for(moe(), top_k=None, roles={"lm_head.weight": Role.EMBEDDING})
     assert m.frac["model.layers.0.mlp.experts.3.up_proj.weight"] == 1.0
     assert m.frac["lm_head.weight"] == 1e-6  # as an embedding: 1 of its 10^6 rows per step
 
@@ -114,7 +115,7 @@ def test_mixed_respects_rules_and_budget_check():
 
 def test_rule_roles_feed_the_model():
     pol = dataclasses.replace(policy("mixed", budget_gib=60e6 / 2**30),
-                              rules=(Rule((compile_pattern("self_attn"),), None, "expert"),))
+                              rules=(Rule((compile_pattern("self_attn"),), None, Role.EXPERT),))
     t = infos(moe())
     d = decide(build_graph(t), t, pol, HW, 2)
     # as "experts" outside a group the attention tensors are read whole: no change in prediction
@@ -148,4 +149,4 @@ def test_a_tied_embedding_is_dense_because_the_head_reads_it_whole():
     tied = [t for t in moe() if t[0] != "lm_head.weight"]
     m, g, _ = model_for(tied)
     assert g.tied_embeddings
-    assert (m.role["model.embed_tokens.weight"], m.frac["model.embed_tokens.weight"]) == ("dense", 1.0)
+    assert (m.role["model.embed_tokens.weight"], m.frac["model.embed_tokens.weight"]) == (Role.DENSE, 1.0)

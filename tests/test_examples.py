@@ -15,7 +15,7 @@ import pytest
 
 from planner.build import build
 from planner.cli import main
-from planner.plan import dumps
+from planner.planfile import dumps
 from planner.policy import load_policy
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "plans" / "examples"

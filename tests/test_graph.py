@@ -21,7 +21,7 @@ def test_llama_order_is_numeric_and_embed_stacks_norm_head():
     g = build_graph(sorted(names))  # index order is alphabetical: 1, 10, 11, 2, ...
     assert [l.name for l in g.layers] == (
         ["model.embed_tokens"] + [f"model.layers.{i}" for i in range(12)] + ["model.norm", "lm_head"])
-    assert [l.kind for l in g.layers] == ["embed"] + ["layer"] * 12 + ["module", "head"]
+    assert [l.kind.value for l in g.layers] == ["embed"] + ["layer"] * 12 + ["module", "head"]
     assert g.stacks == ("model.layers",)
     assert g.tied_embeddings is False
     assert [l.index for l in g.stack_layers()] == list(range(12))
@@ -64,7 +64,7 @@ def test_meta_layout_blocks_and_output_head():
     names = ["tok_embeddings.weight", "norm.weight", "output.weight"]
     names += [f"layers.{i}.attention.wq.weight" for i in range(3)]
     g = build_graph(names)
-    assert [(l.name, l.kind) for l in g.layers] == [
+    assert [(l.name, l.kind.value) for l in g.layers] == [
         ("tok_embeddings", "embed"), ("layers.0", "layer"), ("layers.1", "layer"), ("layers.2", "layer"),
         ("norm", "module"), ("output", "head")]
     assert g.tied_embeddings is False  # `output` is the head
@@ -117,7 +117,7 @@ def test_stacks_key_overrides_detection():
     assert build_graph(names).stacks == ("model.norms", "model.layers")
     g = build_graph(names, ["model.layers"])
     assert g.stacks == ("model.layers",)
-    assert [(l.name, l.kind) for l in g.layers] == [
+    assert [(l.name, l.kind.value) for l in g.layers] == [
         ("model.layers.0", "layer"), ("model.layers.1", "layer"),
         ("model.norms.0", "module"), ("model.norms.1", "module")]
 

@@ -19,7 +19,7 @@ from packaging.specifiers import SpecifierSet
 
 from planner import cli
 from planner.build import build
-from planner.plan import dumps
+from planner.planfile import dumps
 from planner.policy import load_policy
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -47,7 +47,7 @@ def test_uva_walks_params_in_order_and_overshoots_by_the_last_one():
     d, _ = plan_of(t, policy(offload_gib=mib(4)))
     # down 2 -> 2 < 4, o_proj 1 -> 3 < 4, layer 1 down 2 -> 5: stop (5 MiB > 4 MiB, as vLLM)
     assert d.params == expect(t, uva=layer_params(0) + ["model.layers.1.mlp.down_proj.weight"])
-    assert d.backend == "uva"
+    assert d.backend.value == "uva"
     assert list(d.params) == (["model.embed_tokens.weight"] + layer_params(0, 1, 2, 3)
                               + ["model.norm.weight", "lm_head.weight"])
     assert bytes_only(d.layers) == (
@@ -134,7 +134,7 @@ def test_whole_checkpoint_fits_the_budget_nothing_is_offloaded(kw):
     t = toy(4)
     d, _ = plan_of(t, policy(**kw))
     assert d.params == expect(t)
-    assert d.backend == "none" and d.prefetch is None
+    assert d.backend.value == "none" and d.prefetch is None
     assert d.notes == (f"the whole checkpoint (21.0 MiB) fits budget_gib {kw['budget_gib']}: "
                        "nothing is offloaded (offloading would only cost speed)",)
 
@@ -142,7 +142,7 @@ def test_whole_checkpoint_fits_the_budget_nothing_is_offloaded(kw):
 def test_no_settings_keep_everything_on_the_gpu():
     t = toy(3)
     d, _ = plan_of(t, policy())
-    assert d.params == expect(t) and d.backend == "none"
+    assert d.params == expect(t) and d.backend.value == "none"
     assert d.notes == ("nothing is offloaded: backend auto has no offload amount or budget (set "
                        "uva.offload_gib, prefetch.group_size or budget_gib)",)
 
@@ -157,7 +157,8 @@ def test_no_settings_keep_everything_on_the_gpu():
     ({"backend": "mixed", "budget_gib": 3}, ("mixed", None)),
 ])
 def test_auto_backend_resolution(kw, want):
-    assert resolve_backend(policy(**kw)) == want
+    backend, why = resolve_backend(policy(**kw))
+    assert (backend.value, why) == want
 
 
 def test_tied_embeddings_note():
@@ -364,7 +365,7 @@ def test_prefetch_budget_no_fit_quotes_the_smallest_footprint_of_any_count():
         "0.0146484375 is 15,728,640 bytes; the smallest budget that fits this policy is "
         "budget_gib: 0.018554688 (19.0 MiB).")
     d, _ = plan_of(t, policy(backend="prefetch", budget_gib=0.018554688, step=2))
-    assert d.backend == "none" and d.params == expect(t)
+    assert d.backend.value == "none" and d.params == expect(t)
 
 
 def test_prefetch_budget_no_fit_with_step_1():
@@ -476,7 +477,7 @@ def test_a_backend_that_would_offload_nothing_is_an_error_naming_the_key(tensors
 
 def test_an_empty_auto_policy_offloads_nothing_and_says_why():
     d, _ = plan_of(toy(2), policy(uva_params=["mlp"]))
-    assert d.backend == "none" and set(d.params.values()) == {GPU}
+    assert d.backend.value == "none" and set(d.params.values()) == {GPU}
     assert d.notes == ("nothing is offloaded: backend auto has no offload amount or budget (set "
                        "uva.offload_gib, prefetch.group_size or budget_gib) (uva.params only narrows what "
                        "uva.offload_gib or budget_gib offloads)",)
@@ -487,7 +488,7 @@ def test_an_empty_auto_policy_offloads_nothing_and_says_why():
 def test_rules_that_offload_are_not_reported_as_nothing_offloaded():
     t = toy(4)
     d, _ = plan_of(t, policy(rules=[(["layers"], "uva")]))
-    assert d.backend == "none" and placed(d, UVA) == layer_params(0, 1, 2, 3)
+    assert d.backend.value == "none" and placed(d, UVA) == layer_params(0, 1, 2, 3)
     assert d.notes == ("rules place 12.0 MiB on uva (8 tensors)",
                        "backend auto offloads nothing beyond the rules: no offload amount or budget is set")
 

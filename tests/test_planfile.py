@@ -12,8 +12,10 @@ from headeronly import MiB, toy, write_policy
 from planner.build import build, build_file
 from planner.checkpoint import open_checkpoint
 from planner.errors import OffplanError, PlanFileError
-from planner.plan import dumps, load_plan, loads, write_atomic
-from planner.policy import Placement, load_policy
+from planner.files import write_atomic
+from planner.plan import Placement
+from planner.planfile import dumps, load_plan, loads
+from planner.policy import load_policy
 from planner.synthetic import write_header_only
 from planner.yamlio import schema
 
@@ -41,7 +43,7 @@ def test_plan_content(tmp_path, built):
     assert plan.checkpoint_path == "ckpt" and plan.policy_path == "prefetch.policy.yaml"
     assert plan.checkpoint_fingerprint == open_checkpoint(tmp_path / "ckpt").fingerprint
     assert (plan.tensors, plan.total_bytes) == (11, 21 * MiB)
-    assert plan.backend == "prefetch" and plan.stacks == ("model.layers",) and not plan.tied_embeddings
+    assert plan.backend.value == "prefetch" and plan.stacks == ("model.layers",) and not plan.tied_embeddings
     s = plan.summary
     assert (s.gpu_bytes, s.uva_bytes, s.prefetch_bytes, s.prefetch_buffer_bytes) == (
         15 * MiB, 0, 6 * MiB, 6 * MiB)

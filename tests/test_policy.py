@@ -11,7 +11,8 @@ import pytest
 from headeronly import write_policy
 from planner.errors import PolicyError
 from planner.patterns import compile_pattern
-from planner.policy import Backend, Placement, Policy, PrefetchPolicy, Rule, UvaPolicy, load_policy
+from planner.plan import Backend, Placement
+from planner.policy import Policy, PrefetchPolicy, Rule, UvaPolicy, load_policy
 
 SCHEMAS = Path(__file__).resolve().parent.parent / "schemas"
 

@@ -14,8 +14,8 @@ pytest.importorskip("transformers")
 import runtime  # noqa: E402
 from planner.cli import main  # noqa: E402
 from planner.errors import InconsistentPlanError, ModelMismatchError, OffplanError, StalePlanError  # noqa: E402
-from planner.plan import Transfer, load_plan  # noqa: E402
-from planner.policy import Placement  # noqa: E402
+from planner.plan import Placement, Transfer  # noqa: E402
+from planner.planfile import load_plan  # noqa: E402
 from runtime.hf import build_meta_model, from_pretrained  # noqa: E402
 from tiny_models import llama_config, logits, make_plan, reference, save_model, save_models  # noqa: E402
 

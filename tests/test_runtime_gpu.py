@@ -11,7 +11,7 @@ pytest.importorskip("transformers")
 
 import runtime  # noqa: E402
 from planner.errors import OffplanError  # noqa: E402
-from planner.plan import load_plan  # noqa: E402
+from planner.planfile import load_plan  # noqa: E402
 from runtime.hf import build_meta_model, from_pretrained  # noqa: E402
 from tiny_models import logits, make_plan, reference, save_models  # noqa: E402
 

@@ -6,7 +6,8 @@ from pathlib import Path
 import torch
 
 from planner.build import build
-from planner.plan import dumps, write_atomic
+from planner.files import write_atomic
+from planner.planfile import dumps
 from planner.policy import load_policy
 
 

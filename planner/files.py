@@ -1,0 +1,41 @@
+"""Writing files safely, and paths as plans store them."""
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+from .errors import OffplanError
+
+
+def write_atomic(path: str | Path, text: str, what: str = "plan") -> None:
+    """Write via a temp file in the same directory and rename: never half a file.
+
+    The file gets the permissions a plain `open(path, "w")` would give (mkstemp's
+    are 0600). An unwritable destination raises OffplanError naming the path.
+    """
+    path = Path(path)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as e:
+        raise OffplanError(f"{path}: cannot write the {what}: {e.strerror}") from None
+    try:
+        with os.fdopen(fd, "w") as f:  # owns fd from here on, closed whatever happens
+            umask = os.umask(0)
+            os.umask(umask)
+            os.chmod(tmp, 0o666 & ~umask)
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException as e:
+        os.unlink(tmp)
+        if isinstance(e, OSError):
+            raise OffplanError(f"{path}: cannot write the {what}: {e.strerror}") from None
+        raise
+
+
+def relpath(target: Path, start_dir: Path) -> str:
+    """`target` relative to `start_dir` when possible, in POSIX form."""
+    try:
+        return Path(os.path.relpath(target.resolve(), start_dir.resolve())).as_posix()
+    except ValueError:  # another drive on Windows
+        return target.resolve().as_posix()

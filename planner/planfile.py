@@ -1,0 +1,207 @@
+"""The plan file: deterministic YAML on disk, typed (plan.py) in memory.
+
+`dumps(loads(text)) == text` byte for byte, and the same inputs give the same
+bytes (no timestamps, no dict-order surprises). Paths inside a plan are
+relative to the plan file's directory, so a plan committed next to its policy
+stays valid in any clone.
+
+Every reader goes through `read_plan` (or `loads`), which refuses a plan whose
+parts disagree (consistency.py): `plan show`, `validate`, `diff`, `check` and
+the runtime alike.
+"""
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import yamlio
+from .checkpoint import Checkpoint, TensorInfo, open_checkpoint
+from .consistency import inconsistencies
+from .errors import InconsistentPlanError, OffplanError, PlanFileError
+from .plan import (Backend, Buffer, Cost, LayerBytes, Placement, Plan, PrefetchSchedule, Summary,
+                   Transfer)
+
+FORMAT_VERSION = 1
+HEADER = (
+    "# offplan plan: written by `plan build`, applied exactly by the runtime. Do not edit by hand.\n"
+    "# Review: `plan show`; compare: `plan diff OLD NEW`; staleness: `plan check`.\n"
+)
+
+
+# ---------------------------------------------------------------- writing
+
+_PLAIN = re.compile(r"^[A-Za-z_][A-Za-z0-9_./\-]*$")
+_RESERVED = {"true", "false", "null", "yes", "no", "on", "off", "y", "n", "~"}
+
+
+def _s(value: str) -> str:
+    if _PLAIN.match(value) and value.lower() not in _RESERVED:
+        return value
+    return json.dumps(value, ensure_ascii=False)
+
+
+def _v(value) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, str):
+        return _s(value)
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_v(v) for v in value) + "]"
+    raise TypeError(value)
+
+
+def _why(layer: LayerBytes) -> dict:
+    return {} if layer.why is None else {"why": layer.why}
+
+
+def _flow(**items) -> str:
+    return "{" + ", ".join(f"{k}: {_v(v)}" for k, v in items.items()) + "}"
+
+
+def dumps(plan: Plan) -> str:
+    s = plan.summary
+    out = [HEADER, f"format_version: {FORMAT_VERSION}\n",
+           "checkpoint:\n",
+           f"  path: {_s(plan.checkpoint_path)}\n",
+           f"  fingerprint: {_s(plan.checkpoint_fingerprint)}\n",
+           f"  tensors: {plan.tensors}\n",
+           f"  bytes: {plan.total_bytes}\n",
+           "policy:\n",
+           f"  path: {_s(plan.policy_path)}\n",
+           f"  fingerprint: {_s(plan.policy_fingerprint)}\n",
+           f"backend: {plan.backend.value}\n",
+           f"budget_bytes: {_v(plan.budget_bytes)}\n",
+           f"stacks: {_v(list(plan.stacks))}\n",
+           f"tied_embeddings: {_v(plan.tied_embeddings)}\n",
+           "summary:\n",
+           f"  gpu_bytes: {s.gpu_bytes}\n",
+           f"  uva_bytes: {s.uva_bytes}\n",
+           f"  prefetch_bytes: {s.prefetch_bytes}\n",
+           f"  prefetch_buffer_bytes: {s.prefetch_buffer_bytes}\n",
+           f"  gpu_footprint_bytes: {s.gpu_footprint_bytes}\n",
+           f"  predicted_h2d_bytes_per_step: {s.predicted_h2d_bytes_per_step}\n",
+           f"  predicted_step_us: {s.predicted_step_us}\n"]
+    c = plan.cost
+    out.append("cost: null\n" if c is None else
+               f"cost: {_flow(hardware=c.hardware, batch_size=c.batch_size, cpu_us=c.cpu_us, gpu_us=c.gpu_us, link_us=c.link_us)}\n")
+    out.append("notes:" + (" []\n" if not plan.notes else "\n"))
+    out += [f"  - {_s(n)}\n" for n in plan.notes]
+    out.append("layers:\n")
+    out += [f"  - {_flow(name=l.name, gpu=l.gpu, uva=l.uva, prefetch=l.prefetch, h2d=l.h2d, us=l.us, **_why(l))}\n"
+            for l in plan.layers]
+    p = plan.prefetch
+    if p is None:
+        out.append("prefetch: null\n")
+    else:
+        out += ["prefetch:\n", f"  step: {p.step}\n", f"  slots: {p.slots}\n",
+                f"  slot_bytes: {p.slot_bytes}\n", "  buffers:\n"]
+        out += [f"    - {_flow(name=b.name, dtype=b.dtype, shape=list(b.shape), bytes=b.bytes)}\n"
+                for b in p.buffers]
+        out.append("  schedule:\n")
+        out += [f"    - {_flow(layer=t.layer, slot=t.slot, after=t.after)}\n" for t in p.schedule]
+    out.append("params:\n")
+    out += [f"  {_s(name)}: {place.value}\n" for name, place in plan.params.items()]
+    return "".join(out)
+
+
+# ---------------------------------------------------------------- reading
+
+@dataclass(frozen=True)
+class LoadedPlan:
+    """A plan read from its file and checked, with its checkpoint's headers when they are at hand."""
+
+    plan: Plan
+    checkpoint: Checkpoint | None  # the plan's checkpoint, unchanged since the build; None: not at hand
+    unchecked: str | None  # why tensor sizes were not compared (None: they were)
+
+
+def loads(text: str, path: str | Path = "<plan>", tensors: Mapping[str, TensorInfo] | None = None) -> Plan:
+    """Parse, schema-check and consistency-check a plan (consistency.py; exact with `tensors`,
+    the checkpoint's headers). Raises PlanFileError with `file:line:column`s."""
+    plan, doc = _parse(text, Path(path))
+    _refuse_inconsistent(plan, doc, tensors, None if tensors is not None else "no checkpoint given")
+    return plan
+
+
+def read_plan(path: str | Path) -> LoadedPlan:
+    """Read a plan file and check it, against its checkpoint's headers when they are at hand
+    (the checkpoint exists and its fingerprint is the plan's): `plan show`, `plan validate`,
+    `plan diff`, `plan check` and the runtime all read plans through here."""
+    path = Path(path)
+    plan, doc = _parse(yamlio.read(path, PlanFileError, "plan"), path)
+    ckpt, unchecked = _checkpoint_at_hand(plan, path)
+    _refuse_inconsistent(plan, doc, ckpt.tensors if ckpt else None, unchecked)
+    return LoadedPlan(plan, ckpt, unchecked)
+
+
+def load_plan(path: str | Path) -> Plan:
+    return read_plan(path).plan
+
+
+def _checkpoint_at_hand(plan: Plan, path: Path) -> tuple[Checkpoint | None, str | None]:
+    where = plan.checkpoint_dir(path)
+    if not where.exists():
+        return None, f"its checkpoint {plan.checkpoint_path} is not at hand"
+    try:
+        ckpt = open_checkpoint(where)
+    except OffplanError:
+        return None, f"its checkpoint {plan.checkpoint_path} cannot be read"
+    if ckpt.fingerprint != plan.checkpoint_fingerprint:
+        return None, f"its checkpoint {plan.checkpoint_path} changed since the plan was built (see `plan check`)"
+    return ckpt, None
+
+
+def _refuse_inconsistent(plan: Plan, doc: yamlio.Located, tensors, unchecked: str | None) -> None:
+    problems = inconsistencies(plan, doc.where, tensors, doc.data["summary"]["gpu_footprint_bytes"])
+    if problems:
+        how = ("with the tensor sizes in its checkpoint's headers" if unchecked is None
+               else f"by tensor names only: {unchecked}")
+        policy = (doc.file.parent / plan.policy_path).as_posix()
+        raise InconsistentPlanError(
+            f"{doc.file}: the plan is inconsistent (edited by hand?): params: compared with layers:, "
+            f"summary: and prefetch: {how}; rebuild it: plan build {policy} -o {doc.file}", problems)
+
+
+def _parse(text: str, path: Path) -> tuple[Plan, yamlio.Located]:
+    doc = yamlio.parse(path, text, PlanFileError)
+    wrong = yamlio.wrong_kind(path, doc.data, "plan")
+    if wrong:
+        raise PlanFileError(wrong)
+    if not isinstance(doc.data, dict) or "params" not in doc.data:
+        raise PlanFileError(f"{path}: not an offplan plan (no `params:` mapping); build one with "
+                            "`plan build POLICY`")
+    yamlio.validate(doc, "plan.schema.json", PlanFileError, f"{path}: the plan is invalid")
+    d = doc.data
+    p = d["prefetch"]
+    prefetch = None if p is None else PrefetchSchedule(
+        p["step"], p["slots"], p["slot_bytes"],
+        tuple(Buffer(b["name"], b["dtype"], tuple(b["shape"]), b["bytes"]) for b in p["buffers"]),
+        tuple(Transfer(t["layer"], t["slot"], t["after"]) for t in p["schedule"]))
+    s = d["summary"]
+    plan = Plan(
+        checkpoint_path=d["checkpoint"]["path"],
+        checkpoint_fingerprint=d["checkpoint"]["fingerprint"],
+        tensors=d["checkpoint"]["tensors"],
+        total_bytes=d["checkpoint"]["bytes"],
+        policy_path=d["policy"]["path"],
+        policy_fingerprint=d["policy"]["fingerprint"],
+        backend=Backend(d["backend"]),
+        budget_bytes=d["budget_bytes"],
+        stacks=tuple(d["stacks"]),
+        tied_embeddings=d["tied_embeddings"],
+        summary=Summary(s["gpu_bytes"], s["uva_bytes"], s["prefetch_bytes"], s["prefetch_buffer_bytes"],
+                        s["predicted_h2d_bytes_per_step"], s["predicted_step_us"]),
+        layers=tuple(LayerBytes(**l) for l in d["layers"]),
+        prefetch=prefetch,
+        params={k: Placement(v) for k, v in d["params"].items()},
+        notes=tuple(d["notes"]),
+        cost=None if d["cost"] is None else Cost(**d["cost"]),
+    )
+    return plan, doc
