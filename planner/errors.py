@@ -1,7 +1,7 @@
 """The few exceptions offplan raises for problems a user can fix.
 
 Every one of them becomes a single red message and exit code 1 in the CLI
-(`planner.cli.main`); anything else is a bug and keeps its traceback.
+(`offplan.cli.main`); anything else is a bug and keeps its traceback.
 """
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from planner.cli import main
+from offplan.cli import main
 from planner.policy import load_policy
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -337,7 +337,7 @@ def test_a_closed_stdout_ends_quietly(work, argv):
     """The reader is gone before the command writes (as `| head` does once it has its lines)."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["PYTHONPATH"] = str(ROOT)
-    proc = subprocess.Popen([sys.executable, "-m", "planner", *argv], stdout=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-m", "offplan", *argv], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, env=env)
     proc.stdout.close()
     err = proc.stderr.read().decode()

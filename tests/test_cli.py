@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from headeronly import MiB, write_policy
-from planner.cli import main
+from offplan.cli import main
 from planner.planfile import load_plan
 
 UVA_POLICY = "budget_gib: 0.018\n"  # 18.4 MiB: offload layer 0 (3 MiB) of 21 MiB

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from planner.build import build
-from planner.cli import main
+from offplan.cli import main
 from planner.planfile import dumps
 from planner.policy import load_policy
 

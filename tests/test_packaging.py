@@ -17,7 +17,7 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 
-from planner import cli
+from offplan import cli
 from planner.build import build
 from planner.planfile import dumps
 from planner.policy import load_policy
@@ -39,7 +39,7 @@ def wheel(tmp_path_factory) -> Path:
     src = tmp_path_factory.mktemp("src")
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, src / name)
-    for name in ("planner", "runtime", "schemas"):
+    for name in ("planner", "runtime", "offplan", "schemas"):
         shutil.copytree(ROOT / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
     dist = tmp_path_factory.mktemp("dist")
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",

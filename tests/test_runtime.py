@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 import runtime  # noqa: E402
-from planner.cli import main  # noqa: E402
+from offplan.cli import main  # noqa: E402
 from planner.errors import InconsistentPlanError, ModelMismatchError, OffplanError, StalePlanError  # noqa: E402
 from planner.plan import Placement, Transfer  # noqa: E402
 from planner.planfile import load_plan  # noqa: E402
@@ -216,7 +216,7 @@ def test_cli_apply_reports_the_bundled_example(capsys):
 
 
 def test_random_weights_need_a_declaration(tmp_path):
-    from runtime.cli import declares_random_weights
+    from offplan.running import declares_random_weights
     assert not declares_random_weights(tmp_path)  # no config.json
     (tmp_path / "config.json").write_text('{"offplan_random_weights": "yes"}')
     assert not declares_random_weights(tmp_path)

@@ -127,7 +127,7 @@ def test_refuses_when_gpu_memory_is_short(tmp_path, checkpoints, monkeypatch):
 
 def test_calibrate_is_physical_and_repeatable(tmp_path, capsys):
     """Two calibrations in a row: every figure inside what the hardware can do, and the two within 10%."""
-    from planner.cli import main
+    from offplan.cli import main
     from planner.hardware import load_hardware
     runs = []
     for i in range(2):
@@ -148,7 +148,7 @@ def test_calibrate_is_physical_and_repeatable(tmp_path, capsys):
 
 
 def test_bundled_example_applies_on_cuda(capsys):
-    from planner.cli import main
+    from offplan.cli import main
     assert main(["apply", "plans/examples/tiny-moe.plan.yaml", "--max-new-tokens", "8"]) == 0
     out = capsys.readouterr().out
     print(f"\n{out}")

@@ -1,4 +1,6 @@
-"""`plan apply PLAN`: load the plan's checkpoint with transformers per the plan, report, generate.
+"""The commands of `plan` that need torch: `apply` and `calibrate`.
+
+`plan apply PLAN`: load the plan's checkpoint with transformers per the plan, report, generate.
 
 What the report says about the checkpoint, and how it knows:
 - no tokenizer: none of the files transformers reads one from (`TOKENIZER_FILES`)
@@ -21,9 +23,13 @@ from pathlib import Path
 import torch
 
 from planner.errors import OffplanError
+from planner.files import write_atomic
+from planner.hardware import dumps_hardware
 from planner.units import human, ms
+from runtime.calibrate import calibrate
+from runtime.hf import from_pretrained
 
-from .hf import from_pretrained
+from .output import emit
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 RANDOM_WEIGHTS_KEY = "offplan_random_weights"
@@ -123,3 +129,16 @@ def _generate(model, handle, prompt: str, max_new_tokens: int, tokenizer_files: 
     new = out[0, ids.shape[1]:].tolist()
     return {"new_tokens": len(new), "seconds": seconds, "tokens_per_s": len(new) / seconds,
             "token_ids": new, "text": tokenizer.decode(new) if tokenizer is not None else None}
+
+
+def calibrate_command(args) -> int:
+    """`plan calibrate -o PROFILE`: measure this GPU (runtime/calibrate.py), write a hardware profile."""
+    cal = calibrate()
+    hw = cal.hardware
+    write_atomic(Path(args.output), dumps_hardware(hw), "hardware profile")
+    steps = ", ".join(f"{n}: {us:.0f}" for n, us in cal.step_us_by_layers.items())
+    emit(args, {"profile": args.output, **hw.__dict__, "step_us_by_layers": cal.step_us_by_layers, "r2": cal.r2},
+          f"wrote {args.output}: {hw.name}: H2D copy {hw.h2d_copy_gbps} GB/s, UVA read {hw.uva_read_gbps} GB/s, "
+          f"HBM read {hw.hbm_read_gbps} GB/s; CPU {hw.layer_overhead_us} us per layer + {hw.step_overhead_us} us "
+          f"per step (eager decode step by layer count, us: {steps}; R^2 {cal.r2:.4f})")
+    return 0

@@ -1,0 +1,166 @@
+"""The `plan` command: the one place that sees both the planner and the runtime.
+
+    planner/  (headers + policy -> plan file; pure Python)
+        ^
+    runtime/  (plan file -> model; torch)
+        ^
+    offplan/  (this CLI: planning commands from planner, apply and calibrate from runtime)
+
+The planner never imports the runtime; the runtime imports the planner's plan
+types and reader; this package imports both, the runtime only when `apply` or
+`calibrate` runs, so planning needs no torch. `main(argv)` returns the exit
+code; tests call it directly.
+
+Exit codes: 0 success; 1 bad input (one message, no traceback, nothing
+written); 2 "differs" for `diff --detailed-exitcode` and "stale" for `check`;
+141 (128 + SIGPIPE, like any tool killed by it) when the reader of stdout went
+away (`plan show PLAN | head`), with nothing said.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from importlib import metadata
+from pathlib import Path
+
+from planner.errors import OffplanError
+
+from . import planning
+
+EXAMPLES = """examples:
+  plan build plans/examples/tiny-moe.policy.yaml        # writes tiny-moe.plan.yaml beside it
+  plan show plans/examples/tiny-moe.plan.yaml
+  plan apply plans/examples/tiny-moe.plan.yaml
+  plan diff old.plan.yaml new.plan.yaml --detailed-exitcode
+  plan check plans/examples/tiny-moe.plan.yaml          # exit 2 if the plan is stale
+"""
+
+
+class _UsageError(Exception):
+    """A bad command line: exit 1 like any bad input (argparse's own 2 means "differs" here)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        raise _UsageError(f"{message} (see `{self.prog} --help`)")
+
+
+class _Version(argparse.Action):
+    """`plan --version`: looked up only when asked (reading distribution metadata takes ~20 ms)."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, help="print offplan's version and exit")
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(f"{parser.prog} (offplan) {version()}")
+        parser.exit()
+
+
+def version() -> str:
+    """The installed distribution's version; a source tree that pip never installed has none."""
+    try:
+        return metadata.version("offplan")
+    except metadata.PackageNotFoundError:
+        return f"unknown (not installed: running from {Path(__file__).resolve().parent.parent})"
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = _Parser(
+        prog="plan", formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EXAMPLES,
+        description="Plan, review and apply the offloading of LLM weights to pinned host memory.")
+    ap.add_argument("--version", action=_Version)
+    sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
+
+    def cmd(name, help):
+        p = sub.add_parser(name, help=help, description=help)
+        p.add_argument("--json", action="store_true", help="print machine-readable JSON")
+        return p
+
+    p = cmd("build", "read a policy and the checkpoint's headers; write the plan")
+    p.add_argument("policy", metavar="POLICY", help="policy YAML (see schemas/policy.schema.json)")
+    p.add_argument("-o", "--output", metavar="PLAN",
+                   help="where to write the plan (default: NAME.plan.yaml beside NAME.policy.yaml; - for stdout)")
+    p = cmd("show", "per-layer table, totals, and the footprint against the budget")
+    p.add_argument("plan", metavar="PLAN")
+    p.add_argument("--tensors", action="store_true",
+                   help="list every tensor (a fused expert group as one unit) with its placement, and its "
+                        "bytes when the checkpoint's headers are at hand")
+    p = cmd("diff", "what moved where between two plans: by layer and fused unit, with the change in "
+                    "predicted step time, GPU footprint, backend, policy and prefetch schedule")
+    p.add_argument("old", metavar="OLD")
+    p.add_argument("new", metavar="NEW")
+    p.add_argument("--detailed-exitcode", action="store_true",
+                   help="exit 0 if the plans are the same, 2 if they differ, 1 on error")
+    p = cmd("validate", "check a policy (schema, patterns against the checkpoint), a plan or a hardware profile")
+    p.add_argument("file", metavar="FILE")
+    p = cmd("check", "is the plan stale? exit 0 if current, 2 if its checkpoint or policy changed")
+    p.add_argument("plan", metavar="PLAN")
+    p = cmd("calibrate", "measure this GPU's copy, UVA and HBM bandwidths and per-layer overhead")
+    p.add_argument("-o", "--output", metavar="PROFILE", default="hardware.yaml",
+                   help="where to write the hardware profile (default: hardware.yaml); name it in a "
+                        "policy as `hardware: PROFILE`")
+    p = cmd("apply", "load the plan's checkpoint with transformers, per the plan, and generate")
+    p.add_argument("plan", metavar="PLAN")
+    p.add_argument("--prompt", default="The capital of France is", help="prompt for a greedy generation")
+    p.add_argument("--max-new-tokens", type=_positive, default=16, metavar="N")
+    p.add_argument("--device", default=None, choices=["cuda", "cpu"], help="default: cuda if available")
+    return ap
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number, not {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        try:
+            args = _parser().parse_args(argv)
+            code = _COMMANDS[args.command](args)
+        except SystemExit as e:  # --help, --version
+            code = e.code if isinstance(e.code, int) else 0
+        sys.stdout.flush()  # a closed pipe shows here, inside the try, not at interpreter exit
+        return code
+    except (OffplanError, _UsageError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except BrokenPipeError:
+        _drop_stdout()
+        return 141
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+def _drop_stdout() -> None:
+    """The reader of stdout is gone: send what is still buffered to /dev/null, so that
+    Python's flush at exit does not raise again (the recipe in Python's `signal` docs)."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):  # stdout is not a file (captured in tests)
+        pass
+
+
+def _needs_runtime(name: str):
+    """A command of offplan/running.py, imported when it runs: planning needs no torch."""
+    def command(args) -> int:
+        try:
+            from . import running
+        except ImportError as e:
+            raise OffplanError(f"plan {args.command} needs the runtime's dependencies ({e.name}); "
+                               "install them: pip install 'offplan[runtime]'") from None
+        return getattr(running, name)(args)
+    return command
+
+
+_COMMANDS = {"build": planning.build_command, "show": planning.show_command, "diff": planning.diff_command,
+             "validate": planning.validate_command, "check": planning.check_command,
+             "apply": _needs_runtime("apply_command"), "calibrate": _needs_runtime("calibrate_command")}

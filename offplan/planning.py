@@ -1,0 +1,147 @@
+"""The planning commands of `plan`: build, show, diff, validate, check. Pure Python, like the planner."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+from planner import yamlio
+from planner.build import build, default_output
+from planner.checkpoint import INDEX_NAME, open_checkpoint, resolve
+from planner.diff import diff_data, diff_text
+from planner.errors import InconsistentPlanError, OffplanError, PolicyError
+from planner.files import write_atomic
+from planner.hardware import load_hardware
+from planner.notes import is_warning
+from planner.planfile import dumps, load_plan, read_plan
+from planner.policy import Policy, load_policy
+from planner.report import show, show_data, show_tensors, tensors_data
+from planner.staleness import stale_reasons
+from planner.units import human, ms, plural
+
+from .output import emit
+
+
+def build_command(args) -> int:
+    policy = load_policy(args.policy)
+    for w in policy.warnings:
+        print(f"warning: {w}", file=sys.stderr)
+    to_stdout = args.output == "-"
+    out = Path(args.output) if args.output and not to_stdout else default_output(Path(args.policy))
+    plan = build(policy, Path.cwd() if to_stdout else out.parent)
+    text = dumps(plan)
+    warnings = [n for n in plan.notes if is_warning(n)]
+    for w in warnings:
+        print(w, file=sys.stderr)
+    if to_stdout:
+        sys.stdout.write(text)
+        return 0
+    _refuse_to_overwrite_an_input(out, policy)
+    write_atomic(out, text)
+    data = {"plan": str(out), **show_data(plan)}
+    s = plan.summary
+    buffers = f" ({human(s.prefetch_buffer_bytes)} of it prefetch buffers)" if s.prefetch_buffer_bytes else ""
+    host = human(s.uva_bytes + s.prefetch_bytes) if s.uva_bytes + s.prefetch_bytes else "nothing offloaded"
+    emit(args, data, [f"wrote {out}: {plural(plan.tensors, 'tensor')}, backend {plan.backend.value}; GPU "
+                       f"{human(s.gpu_footprint_bytes)}{buffers}, host {host}; predicted step "
+                       f"{ms(s.predicted_step_us)}", *(f"note: {n}" for n in plan.notes if n not in warnings)])
+    return 0
+
+
+def _refuse_to_overwrite_an_input(out: Path, policy: Policy) -> None:
+    """Writing the plan over the policy, the hardware profile or a checkpoint file would destroy it.
+
+    The same file is found whatever the spelling (`./p.yaml`, a symlink, a hard link):
+    `os.path.samefile` compares device and inode. The checkpoint's files are its
+    index, config.json and every .safetensors file beside them.
+    """
+    if out.is_dir():
+        raise OffplanError(f"{out}: is a directory; -o names the plan file to write (nothing was written)")
+    if not out.exists():
+        return
+    root = resolve(policy.checkpoint)[0]
+    inputs = [("the policy", policy.path)]
+    if policy.hardware is not None:
+        inputs.append(("the hardware profile", policy.hardware))
+    for file in [root / INDEX_NAME, root / "config.json", *sorted(root.glob("*.safetensors"))]:
+        inputs.append(("a file of the checkpoint", file))
+    for what, path in inputs:
+        if path.exists() and os.path.samefile(out, path):
+            same = "" if os.path.abspath(out) == os.path.abspath(path) else f" ({path})"
+            raise OffplanError(f"{out}: this is {what}{same}, an input of the plan: writing the plan there would "
+                               f"destroy it. Nothing was written; choose another -o (default: "
+                               f"{default_output(policy.path)})")
+
+
+def show_command(args) -> int:
+    loaded = read_plan(args.plan)
+    plan = loaded.plan
+    if args.tensors:
+        sizes = loaded.checkpoint.tensors if loaded.checkpoint else None
+        emit(args, tensors_data(plan, sizes), show_tensors(plan, sizes, loaded.unchecked))
+        return 0
+    emit(args, show_data(plan), show(plan, loaded.unchecked))
+    return 0
+
+
+def diff_command(args) -> int:
+    old, new = read_plan(args.old), read_plan(args.new)
+    sizes = None  # bytes per moved tensor need the checkpoints' headers; counts do without
+    if old.checkpoint or new.checkpoint:
+        sizes = {n: t.nbytes for c in (old.checkpoint, new.checkpoint) if c for n, t in c.tensors.items()}
+    d = diff_data(old.plan, new.plan, sizes, (Path(args.old), Path(args.new)))
+    emit(args, d, diff_text(d))
+    return 2 if args.detailed_exitcode and not d["same"] else 0
+
+
+def validate_command(args) -> int:
+    path = Path(args.file)
+    doc = yamlio.parse(path, yamlio.read(path, PolicyError, "policy or plan"), PolicyError)
+    kind = yamlio.kind(doc.data)
+    if kind == "plan":
+        plan = load_plan(path)
+        emit(args, {"file": str(path), "kind": "plan", "valid": True, "tensors": plan.tensors},
+              f"{path}: valid plan ({plan.tensors} tensors, backend {plan.backend.value})")
+        return 0
+    if kind == "hardware profile":
+        hw = load_hardware(path)
+        emit(args, {"file": str(path), "kind": "hardware profile", "valid": True, "name": hw.name},
+              f"{path}: valid hardware profile ({hw.name})")
+        return 0
+    policy = load_policy(path)
+    for w in policy.warnings:
+        print(f"warning: {w}", file=sys.stderr)
+    plan = build(policy, path.parent)
+    emit(args, {"file": str(path), "kind": "policy", "valid": True, "backend": plan.backend.value},
+          f"{path}: valid policy (checkpoint {plan.checkpoint_path}, {plan.tensors} tensors; "
+          f"it plans backend {plan.backend.value})")
+    return 0
+
+
+def check_command(args) -> int:
+    plan_path = Path(args.plan)
+    try:
+        plan = read_plan(plan_path).plan
+    except InconsistentPlanError as e:  # a hand edit: stale like any plan that is not what build makes
+        return _stale(args, plan_path, [e.headline, *e.problems], None)
+    ckpt_dir = plan.checkpoint_dir(plan_path)
+    policy_path = plan_path.parent / plan.policy_path
+    problems = stale_reasons(plan, plan_path, open_checkpoint(ckpt_dir))
+    if problems:
+        return _stale(args, plan_path, problems, policy_path)
+    emit(args, {"plan": str(plan_path), "stale": False, "problems": []},
+          f"{plan_path}: up to date with {ckpt_dir} and {policy_path}")
+    return 0
+
+
+def _stale(args, plan_path: Path, problems: list[str], policy_path: Path | None) -> int:
+    """Exit 2: the report on stdout with --json, else on stderr."""
+    if args.json:
+        print(json.dumps({"plan": str(plan_path), "stale": True, "problems": problems}, indent=2))
+        return 2
+    lines = [f"{plan_path}: STALE", *(f"  - {p}" for p in problems)]
+    if policy_path is not None:
+        lines.append(f"  rebuild it: plan build {policy_path} -o {plan_path}")
+    print("\n".join(lines), file=sys.stderr)
+    return 2
