@@ -57,7 +57,7 @@ from planner.build import build  # noqa: E402
 from planner.checkpoint import open_checkpoint  # noqa: E402
 from planner.cost import CostModel, read_top_k  # noqa: E402
 from planner.graph import build_graph  # noqa: E402
-from planner.groups import fused_groups  # noqa: E402
+from planner.groups import FusedGroups  # noqa: E402
 from planner.hardware import H100, Hardware, dumps_hardware, load_hardware  # noqa: E402
 from planner.files import write_atomic  # noqa: E402
 from planner.planfile import dumps, load_plan  # noqa: E402
@@ -181,20 +181,13 @@ def decode_static(model, handle, ids: torch.Tensor, new: int, mode: str) -> tupl
             handle.join()
             return out[:, -1:].argmax(-1)
         prefill()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(3):  # warm-up (and compilation)
+        if mode == "graph":
+            graph, static_logits = handle.capture(
+                lambda: model(static_ids, past_key_values=cache, cache_position=static_pos).logits, warmup=3)
+        else:
+            for _ in range(3):  # warm-up and compilation
                 step(static_ids, past_key_values=cache, cache_position=static_pos)
                 handle.join()
-        torch.cuda.current_stream().wait_stream(side)
-        if mode == "graph":
-            handle.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                static_logits = model(static_ids, past_key_values=cache, cache_position=static_pos).logits
-                handle.join()
-            handle.synchronize()
         token = prefill()
         tokens = [token]
         torch.cuda.synchronize()
@@ -221,7 +214,7 @@ def _plan_facts(plan_path: Path):
     plan = load_plan(plan_path)
     ckpt = open_checkpoint(plan.checkpoint_dir(plan_path))
     graph = build_graph(list(ckpt.tensors))
-    groups = fused_groups(n for l in graph.stack_layers() for n in l.params)
+    groups = FusedGroups.find(n for l in graph.stack_layers() for n in l.params)
     return plan, graph, ckpt.tensors, groups, read_top_k(ckpt.root)
 
 
@@ -321,10 +314,10 @@ def main(argv=None) -> int:
                 record(kind="decode", strategy=strategy, name=name, fraction=fraction, batch=1, mode=mode,
                        steps_per_s=rate, limit_steps_per_s=limit, ratio_to_limit=rate / limit,
                        offloaded_bytes=offloaded, predicted_step_ms=None, measured_step_ms=1e3 / rate,
-                       same_tokens=tokens == reference.get(mode), load_seconds=s["load_seconds"],
-                       load_gb_per_s=s["load_gb_per_s"], peak_gpu_bytes_during_load=s["peak_gpu_bytes_during_load"],
-                       gpu_footprint_bytes=plan.summary.gpu_footprint_bytes, pinned_host_bytes=s["pinned_host_bytes"],
-                       uva_bytes=s["uva_bytes"], prefetch_bytes=s["prefetch_bytes"], backend=plan.backend.value)
+                       same_tokens=tokens == reference.get(mode), load_seconds=s.load_seconds,
+                       load_gb_per_s=s.load_bytes_per_s / 1e9, peak_gpu_bytes_during_load=s.peak_gpu_bytes_during_load,
+                       gpu_footprint_bytes=plan.summary.gpu_footprint_bytes, pinned_host_bytes=s.pinned_host_bytes,
+                       uva_bytes=s.uva_bytes, prefetch_bytes=s.prefetch_bytes, backend=plan.backend.value)
                 torch._dynamo.reset()
             for b in (args.batches if "eager" in args.modes else []):
                 rate, tokens = decode(model, ids, b, args.new_tokens, args.device)
@@ -336,11 +329,11 @@ def main(argv=None) -> int:
                        steps_per_s=rate, limit_steps_per_s=limit, ratio_to_limit=rate / limit,
                        offloaded_bytes=offloaded, predicted_step_ms=predicted_us(plan_path, hw, b) / 1e3,
                        measured_step_ms=1e3 / rate, same_tokens=tokens == reference.get(b),
-                       load_seconds=s["load_seconds"], load_gb_per_s=s["load_gb_per_s"],
-                       peak_gpu_bytes_during_load=s["peak_gpu_bytes_during_load"],
+                       load_seconds=s.load_seconds, load_gb_per_s=s.load_bytes_per_s / 1e9,
+                       peak_gpu_bytes_during_load=s.peak_gpu_bytes_during_load,
                        gpu_footprint_bytes=plan.summary.gpu_footprint_bytes,
-                       pinned_host_bytes=s["pinned_host_bytes"], uva_bytes=s["uva_bytes"],
-                       prefetch_bytes=s["prefetch_bytes"], backend=plan.backend.value)
+                       pinned_host_bytes=s.pinned_host_bytes, uva_bytes=s.uva_bytes,
+                       prefetch_bytes=s.prefetch_bytes, backend=plan.backend.value)
         finally:
             handle.remove(restore=False)
             del model, handle

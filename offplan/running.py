@@ -15,6 +15,7 @@ profile), the measured one from this run's greedy generation.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import time
@@ -27,6 +28,7 @@ from planner.files import write_atomic
 from planner.hardware import dumps_hardware
 from planner.units import human, ms
 from runtime.calibrate import calibrate
+from runtime.handle import LoadStats
 from runtime.hf import from_pretrained
 
 from .output import emit
@@ -49,7 +51,9 @@ def apply_command(args) -> int:
         predicted = plan.summary.predicted_step_us if plan.cost else None
         measured_us = gen["seconds"] / gen["new_tokens"] * 1e6
         if args.json:
-            print(json.dumps({"stats": stats, **facts, "predicted_step_us": predicted,
+            print(json.dumps({"stats": {**dataclasses.asdict(stats), "pinned_ratio": stats.pinned_ratio,
+                                        "load_bytes_per_s": stats.load_bytes_per_s},
+                              **facts, "predicted_step_us": predicted,
                               "measured_us_per_token": round(measured_us), **gen}, indent=2))
             return 0
         for line in report(args.plan, stats, facts, gen, plan, root, measured_us):
@@ -71,21 +75,21 @@ def declares_random_weights(root: Path) -> bool:
         return False
 
 
-def report(plan_path, s: dict, facts: dict, gen: dict, plan, root: Path, measured_us: float) -> list[str]:
+def report(plan_path, s: LoadStats, facts: dict, gen: dict, plan, root: Path, measured_us: float) -> list[str]:
     """The lines `plan apply` prints (bytes in binary units, times in milliseconds)."""
-    total = s["gpu_bytes"] + s["uva_bytes"] + s["prefetch_bytes"]
-    rate = f", {human(total / s['load_seconds'])}/s" if s["load_seconds"] else ""
-    cuda = s["device"].startswith("cuda")
+    total = s.gpu_bytes + s.uva_bytes + s.prefetch_bytes
+    rate = f", {human(total / s.load_seconds)}/s" if s.load_seconds else ""
+    cuda = s.device.startswith("cuda")
     where = "GPU" if cuda else "CPU (no CUDA: uva stays in host memory, prefetch copies synchronously)"
-    buffers = f" (+{human(s['gpu_buffer_bytes'])} prefetch buffers)" if s["gpu_buffer_bytes"] else ""
-    out = [f"loaded {plan_path} on {s['device']} in {s['load_seconds']:.2f} s ({human(total)}{rate})",
-           f"  resident {human(s['gpu_bytes'])}, uva {human(s['uva_bytes'])}, prefetch "
-           f"{human(s['prefetch_bytes'])}{buffers}, on the {where}"]
-    if s["pinned_host_bytes"]:
-        out.append(f"  pinned host memory {human(s['pinned_host_bytes'])} "
-                   f"({s['pinned_ratio']:.3f}x the offloaded bytes)")
+    buffers = f" (+{human(s.gpu_buffer_bytes)} prefetch buffers)" if s.gpu_buffer_bytes else ""
+    out = [f"loaded {plan_path} on {s.device} in {s.load_seconds:.2f} s ({human(total)}{rate})",
+           f"  resident {human(s.gpu_bytes)}, uva {human(s.uva_bytes)}, prefetch "
+           f"{human(s.prefetch_bytes)}{buffers}, on the {where}"]
+    if s.pinned_host_bytes:
+        out.append(f"  pinned host memory {human(s.pinned_host_bytes)} "
+                   f"({s.pinned_ratio:.3f}x the offloaded bytes)")
     if cuda:
-        out.append(f"  peak GPU memory during the load {human(s['peak_gpu_bytes_during_load'])}")
+        out.append(f"  peak GPU memory during the load {human(s.peak_gpu_bytes_during_load)}")
     if facts["random_weights"]:
         out.append(f"note: the weights are random (its config.json says \"{RANDOM_WEIGHTS_KEY}\": true): the "
                    "generated tokens mean nothing; the run shows that the plan loads and runs")
@@ -93,7 +97,7 @@ def report(plan_path, s: dict, facts: dict, gen: dict, plan, root: Path, measure
         out.append(f"note: no tokenizer beside the weights ({', '.join(TOKENIZER_FILES)} are missing from "
                    f"{root}): the prompt's UTF-8 bytes are the input ids, and the output is token ids")
     out.append(f"generated {gen['new_tokens']} tokens in {gen['seconds']:.2f} s ({gen['tokens_per_s']:.1f} tok/s)")
-    out.append(f"  measured {ms(measured_us)} per token here ({s['device']}, greedy generation, prefill of the "
+    out.append(f"  measured {ms(measured_us)} per token here ({s.device}, greedy generation, prefill of the "
                "prompt included)")
     if plan.cost is not None:
         c = plan.cost

@@ -11,7 +11,7 @@ from .placement import decide
 from .cost import read_top_k
 from .hardware import H100, load_hardware
 from .files import relpath
-from .plan import Cost, Placement, Plan, Summary
+from .plan import Plan
 from .policy import Policy, load_policy
 
 
@@ -56,11 +56,6 @@ def _build(policy: Policy, plan_dir: Path, checkpoint: Checkpoint | None) -> Pla
     hardware = load_hardware(policy.hardware) if policy.hardware else H100
     top_k = policy.workload.experts_per_token or read_top_k(ckpt.root)
     d = decide(graph, ckpt.tensors, policy, hardware, top_k)
-    totals = {p: 0 for p in Placement}
-    for name, place in d.params.items():
-        totals[place] += ckpt.tensors[name].nbytes
-    summary = Summary(totals[Placement.GPU], totals[Placement.UVA], totals[Placement.PREFETCH],
-                      d.prefetch.pool_bytes if d.prefetch else 0, d.cost.h2d_bytes, d.cost.step_us)
     # The directory when it is the standard layout, else the file the policy named.
     if ckpt.index is None:
         ckpt_file = ckpt.root / next(iter(ckpt.tensors.values())).shard
@@ -78,12 +73,12 @@ def _build(policy: Policy, plan_dir: Path, checkpoint: Checkpoint | None) -> Pla
         budget_bytes=policy.budget_bytes,
         stacks=graph.stacks,
         tied_embeddings=graph.tied_embeddings,
-        summary=summary,
+        summary=d.summary,
         layers=d.layers,
         prefetch=d.prefetch,
         params=d.params,
         notes=d.notes,
-        cost=Cost(hardware.name, d.cost.batch_size, d.cost.cpu_us, d.cost.gpu_us, d.cost.link_us),
+        cost=d.cost,
     )
 
 

@@ -168,9 +168,9 @@ def _prefetch(plan: Plan, graph: LayerGraph, at, tensors) -> list[str]:
         problems.append(f"{at('prefetch', 'schedule')}: lists {_some(listed)} but the layers with prefetched "
                         f"tensors in params: are {_some(names)}")
         return problems
-    buffers = sum(b.bytes for b in p.buffers)
-    if buffers != p.slot_bytes:
-        problems.append(f"{at('prefetch', 'slot_bytes')} is {p.slot_bytes} but its buffers add up to {buffers}")
+    largest = max((l.bytes for l in p.layouts), default=0)
+    if largest != p.slot_bytes:
+        problems.append(f"{at('prefetch', 'slot_bytes')} is {p.slot_bytes} but the largest layout is {largest}")
     slots = max(1, min(p.step, len(names)))
     if p.slots != slots:
         problems.append(f"{at('prefetch', 'slots')} is {p.slots} but step {p.step} over {len(names)} layers "
@@ -180,24 +180,34 @@ def _prefetch(plan: Plan, graph: LayerGraph, at, tensors) -> list[str]:
         if (t.slot, t.after) != (k % slots, names[prev]):
             problems.append(f"{at('prefetch', 'schedule', k)}: {t.layer} must use slot {k % slots} after "
                             f"{names[prev]}, not slot {t.slot} after {t.after}")
+        if t.module != t.layer:
+            problems.append(f"{at('prefetch', 'schedule', k)}: {t.layer} runs in module {t.layer}, not {t.module}")
+        if not 0 <= t.layout < len(p.layouts):
+            problems.append(f"{at('prefetch', 'schedule', k)}: layout {t.layout} does not exist "
+                            f"({len(p.layouts)} layouts)")
+    if problems:
+        return problems
     if tensors is None:
-        have = {b.name for b in p.buffers}
-        for l in streamed:
-            lost = [n for n in l.params if plan.params[n] is Placement.PREFETCH and l.local(n) not in have]
-            if lost:
-                problems.append(f"{at('params', lost[0])}: prefetch, but prefetch.buffers has no buffer named "
-                                f"{l.local(lost[0])}")
+        for k, (t, l) in enumerate(zip(p.schedule, streamed)):
+            want = {l.local(n) for n in l.params if plan.params[n] is Placement.PREFETCH}
+            have = {b.name for b in p.layouts[t.layout].buffers}
+            if want != have:
+                lost, extra = sorted(want - have), sorted(have - want)
+                problems.append(f"{at('prefetch', 'schedule', k)}: layout {t.layout} of {t.layer} "
+                                + (f"lacks {_some(lost)}, which params: prefetch" if lost else "")
+                                + ("; it " if lost and extra else "")
+                                + (f"has {_some(extra)}, which params: does not prefetch" if extra else ""))
         return problems
     want = make_schedule(graph, plan.params, tensors, p.step)
-    if want.buffers != p.buffers:
-        got = {(b.name, b.dtype, b.shape): b for b in p.buffers}
-        need = {(b.name, b.dtype, b.shape): b for b in want.buffers}
-        wrong = [f"{b.name} {b.dtype} {list(b.shape)}" for k, b in need.items() if got.get(k) != b]
-        extra = [f"{b.name} {b.dtype} {list(b.shape)}" for k, b in got.items() if k not in need]
-        problems.append(f"{at('prefetch', 'buffers')}: the prefetched tensors need " + (
-            f"{_some(wrong)}, which it lacks or sizes wrongly" if wrong else "no more")
-            + (f"; it has {_some(extra)}, which they do not use" if extra else "")
-            + f" ({human(want.slot_bytes)} a slot)")
+    wrong_layouts = set()
+    for t, w in zip(p.schedule, want.schedule):
+        got, need = p.layouts[t.layout], want.layouts[w.layout]
+        if got != need and t.layout not in wrong_layouts:
+            wrong_layouts.add(t.layout)
+            wrong = [f"{b.name} at {b.offset} ({b.bytes} bytes)" for b in need.buffers if b not in got.buffers]
+            problems.append(f"{at('prefetch', 'layouts', t.layout)}: the layout of {t.layer} is not the one its "
+                            f"prefetched tensors need ({human(need.bytes)}"
+                            + (f"; it lacks or misplaces {_some(wrong)}" if wrong else "") + ")")
     return problems
 
 

@@ -33,6 +33,7 @@ from pathlib import Path
 
 from .checkpoint import TensorInfo
 from .graph import LayerGraph
+from .groups import FusedGroups
 from .hardware import Hardware
 from .plan import LayerKind, Placement, Role
 
@@ -75,22 +76,17 @@ def read_top_k(checkpoint_root: Path) -> int | None:
     return None
 
 
-def expert_counts(groups: Mapping[str, list[str]]) -> dict[str, int]:
-    """Group -> number of distinct experts in it."""
-    return {g: len({m[len(g) + 1:].split(".", 1)[0] for m in members}) for g, members in groups.items()}
-
-
 class CostModel:
     """Predicts a placement's per-step traffic and time; built once per plan, asked many times."""
 
     def __init__(self, graph: LayerGraph, tensors: Mapping[str, TensorInfo], hw: Hardware, batch: int,
-                 groups: Mapping[str, list[str]], top_k: int | None, roles: Mapping[str, Role] | None = None):
+                 groups: FusedGroups, top_k: int | None, roles: Mapping[str, Role] | None = None):
         self.graph = graph
         self.hw = hw
         self.batch = batch
         self.top_k = top_k
-        counts = expert_counts(groups)
-        group_of = {m: g for g, ms in groups.items() for m in ms}
+        counts = {g: groups.experts(g) for g in groups.members}
+        group_of = groups.group_of
         # A tied embedding is also the head, which reads all of it every step: dense, not sparse.
         embed = set() if graph.tied_embeddings else {
             n for l in graph.layers if l.kind is LayerKind.EMBED for n in l.params if len(tensors[n].shape) == 2}

@@ -126,8 +126,8 @@ def _schedule(old: PrefetchSchedule | None, new: PrefetchSchedule | None) -> dic
     out["layers_added"] = [n for n in now if n not in was]
     out["layers_removed"] = [n for n in was if n not in now]
     out["slot_changes"] = [{"layer": n, "old": was[n], "new": s} for n, s in now.items() if n in was and was[n] != s]
-    if old.buffers != new.buffers:
-        out["buffers"] = {"old": len(old.buffers), "new": len(new.buffers)}
+    was = {t.layer: old.layouts[t.layout] for t in old.schedule}
+    out["layout_changes"] = [t.layer for t in new.schedule if t.layer in was and was[t.layer] != new.layouts[t.layout]]
     return {k: v for k, v in out.items() if v}
 
 
@@ -219,8 +219,8 @@ def _schedule_lines(p: dict) -> list[str]:
         ch = p["slot_changes"]
         parts.append(f"{plural(len(ch), 'layer')} change slot ("
                      + _some([f"{c['layer']} {c['old']} -> {c['new']}" for c in ch]) + ")")
-    if "buffers" in p:
-        parts.append(f"buffers per slot {_change(p['buffers']['old'], p['buffers']['new'])}")
+    if "layout_changes" in p:
+        parts.append(f"{_some(p['layout_changes'])} laid out differently in {'its' if len(p['layout_changes']) == 1 else 'their'} slot")
     return ["prefetch: " + "; ".join(parts)]
 
 

@@ -31,12 +31,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from .checkpoint import TensorInfo
-from .cost import CostModel
+from .cost import CostModel, Prediction
+from .footprint import Footprint
 from .graph import Layer, LayerGraph
+from .groups import FusedGroups
 from .plan import LayerKind, Placement
 from .policy import Policy
-from .schedule import fewest_layers, footprint
+from .schedule import fewest_layers
 
 GPU, UVA, PREFETCH = Placement.GPU, Placement.UVA, Placement.PREFETCH
 
@@ -51,17 +52,16 @@ class Unit:
 
 @dataclass(frozen=True)
 class MixedChoice:
-    place: dict[str, Placement]
+    footprint: Footprint  # over the chosen placement
+    prediction: Prediction | None  # None when no strategy fits (the caller raises the budget error)
     notes: tuple[str, ...]
     why: dict[str, str]  # layer -> what it offloads and why
 
 
-def place_mixed(graph: LayerGraph, tensors: Mapping[str, TensorInfo], policy: Policy,
-                place: dict[str, Placement], fixed: set[str], groups: Mapping[str, list[str]],
+def place_mixed(graph: LayerGraph, policy: Policy, fp: Footprint, fixed: set[str], groups: FusedGroups,
                 model: CostModel) -> MixedChoice:
+    """Try the four strategies of the module doc on copies of `fp`; keep the fastest that fits."""
     budget = policy.budget_bytes
-    step = max(1, policy.prefetch.step)
-    group_of = {m: tuple(ms) for ms in groups.values() for m in ms}
     units: list[Unit] = []
     seen: set[str] = set()
     for layer in graph.layers:
@@ -70,59 +70,45 @@ def place_mixed(graph: LayerGraph, tensors: Mapping[str, TensorInfo], policy: Po
         for n in layer.params:
             if n in fixed or n in seen:
                 continue
-            members = group_of.get(n, (n,))
+            members = groups.unit(n)
             seen.update(members)
-            units.append(Unit(members, layer, model.frac[n],
-                              sum(tensors[m].nbytes for m in members)))
+            units.append(Unit(members, layer, model.frac[n], sum(fp.tensors[m].nbytes for m in members)))
     sparse = sorted((u for u in units if u.frac < 1), key=lambda u: u.frac)
     dense = [u for u in units if u.frac >= 1]
 
-    def to_uva(p, seq) -> None:
-        gpu = footprint(graph, p, tensors, step)
+    def to_uva(f: Footprint, seq) -> Footprint:
         for u in seq:
-            if gpu <= budget:
-                return
-            for n in u.names:
-                p[n] = UVA
-            gpu -= u.nbytes
+            if f.total <= budget:
+                break
+            f.move(u.names, UVA)
+        return f
 
-    def to_prefetch(p, seq) -> None:
+    def to_prefetch(f: Footprint, seq) -> Footprint:
         by_layer: dict[str, list[str]] = {}
         for u in seq:
-            if u.layer.kind is LayerKind.LAYER and p[u.names[0]] is GPU:
+            if u.layer.kind is LayerKind.LAYER and f.place[u.names[0]] is GPU:
                 by_layer.setdefault(u.layer.name, []).extend(u.names)
         eligible = [(l, by_layer[l.name]) for l in graph.stack_layers() if l.name in by_layer]
-        for _, names in fewest_layers(eligible, p, tensors, graph, step, budget):
-            for n in names:
-                p[n] = PREFETCH
+        for _, names in fewest_layers(eligible, f, budget):
+            f.move(names, PREFETCH)
+        return f
 
-    strategies = {}
-    p = dict(place)
-    to_uva(p, sparse)
-    if footprint(graph, p, tensors, step) > budget:
-        to_prefetch(p, dense)
-    strategies["sparse->uva, dense->prefetch"] = p
-    p = dict(place)
-    to_uva(p, sparse + dense)
-    strategies["sparse->uva, dense->uva"] = p
-    p = dict(place)
-    to_prefetch(p, units)
-    strategies["prefetch only"] = p
-    p = dict(place)
-    to_uva(p, units)
-    strategies["uva only"] = p
-
-    sizes = {k: footprint(graph, p, tensors, step) for k, p in strategies.items()}
-    fitting = [k for k in strategies if sizes[k] <= budget]
+    first = to_uva(fp.copy(), sparse)
+    strategies = {
+        "sparse->uva, dense->prefetch": first if first.total <= budget else to_prefetch(first, dense),
+        "sparse->uva, dense->uva": to_uva(fp.copy(), sparse + dense),
+        "prefetch only": to_prefetch(fp.copy(), units),
+        "uva only": to_uva(fp.copy(), units),
+    }
+    fitting = [k for k, f in strategies.items() if f.total <= budget]
     if not fitting:  # decide() raises the budget error with the smallest footprint
-        k = min(sizes, key=sizes.get)
-        return MixedChoice(strategies[k], (), {})
-    preds = {k: model.predict(strategies[k]) for k in fitting}
+        return MixedChoice(min(strategies.values(), key=lambda f: f.total), None, (), {})
+    preds = {k: model.predict(strategies[k].place) for k in fitting}
     best = min(fitting, key=lambda k: (preds[k].step_us, preds[k].h2d_bytes))
     others = ", ".join(f"{k} {preds[k].step_us / 1e3:.3f} ms" for k in fitting if k != best)
     notes = (f"mixed chose {best!r}: predicted {preds[best].step_us / 1e3:.3f} ms per step at batch "
              f"{model.batch}" + (f" (others: {others})" if others else ""),)
-    return MixedChoice(strategies[best], notes, explain(graph, strategies[best], model))
+    return MixedChoice(strategies[best], preds[best], notes, explain(graph, strategies[best].place, model))
 
 
 def explain(graph: LayerGraph, place: Mapping[str, Placement], model: CostModel) -> dict[str, str]:

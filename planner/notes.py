@@ -117,44 +117,31 @@ def saving_warnings(place: Mapping[str, Placement], tensors: Mapping[str, Tensor
     Offloading saves `offloaded - pool` bytes of GPU memory (uva saves all it
     moves; prefetch saves what it moves minus its slots). Two warnings:
     - the plan as a whole saves less than half of what it offloads, for
-      example because it has as many slots as prefetched layers;
-    - some prefetched tensors have a buffer that no other prefetched layer
-      shares (a prefetched `lm_head`): their slots hold at least as many bytes
-      as they move, so prefetching them saves nothing.
+      example because it has as many slots as prefetched layers, or streams a
+      single tensor (a prefetched `lm_head` alone: its slot is as large as it);
+    - one prefetched layer alone sizes every slot, at more than 1.5x the next
+      largest (a prefetched `lm_head` among the decoder layers): each slot
+      grows by the difference, for one layer's sake.
     """
     if schedule is None:
         return []
-    size = {n: t.nbytes for n, t in tensors.items()}
-    offloaded = sum(size[n] for n, p in place.items() if p is not GPU)
+    offloaded = sum(tensors[n].nbytes for n, p in place.items() if p is not GPU)
     pool, slots, layers = schedule.pool_bytes, schedule.slots, len(schedule.schedule)
     saved = offloaded - pool
     out = []
-    every_slot = slots >= layers
     if 2 * saved < offloaded:
         amount = (f"{human(saved)} ({percent(saved, offloaded)} of the {human(offloaded)} offloaded)"
                   if saved > 0 else f"nothing of the {human(offloaded)} offloaded")
         why = f"the prefetch buffers take {human(pool)} ({plural(slots, 'slot')} x {human(schedule.slot_bytes)})"
-        if every_slot:
-            why += (f": there are as many slots as prefetched layers ({layers}), so each prefetched tensor "
-                    "has buffers of its own; lower prefetch.step or prefetch more layers")
+        if slots >= layers:
+            why += (f": there are as many slots as prefetched layers ({layers}), so each prefetched layer "
+                    "has a slot of its own; lower prefetch.step or prefetch more layers")
         out.append(f"{WARNING}the plan saves little GPU memory: {amount}; {why}")
-    if not every_slot:
-        users: dict[tuple, list[str]] = {}
-        for l in graph.layers:
-            for n in l.params:
-                if place[n] is PREFETCH:
-                    t = tensors[n]
-                    users.setdefault((l.local(n), t.dtype, t.shape), []).append(n)
-        alone = [names for names in users.values() if len(names) <= slots]
-        if alone:
-            names = [n for ns in alone for n in ns]
-            moved = sum(size[n] for n in names)
-            held = slots * sum(size[ns[0]] for ns in alone)
-            listed = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-            one = len(names) == 1
-            its, it = ("its", "it") if one else ("their", "them")
-            out.append(f"{WARNING}prefetching {listed} saves no GPU memory: no other prefetched layer "
-                       f"shares {its} buffers, so {its} buffers take {human(held)} "
-                       f"({plural(slots, 'slot')}) for the {human(moved)} moved off the GPU; place {it} "
-                       f"on uva or keep {it} on the GPU")
+    sizes = sorted(((schedule.layouts[t.layout].bytes, t.layer) for t in schedule.schedule), reverse=True)
+    if len(sizes) > slots and sizes[0][0] > 1.5 * sizes[1][0]:
+        (big, name), (next_big, _) = sizes[0], sizes[1]
+        slots_take = "the slot takes" if slots == 1 else f"the {slots} slots take"
+        out.append(f"{WARNING}prefetching {name} sizes every slot: it needs {human(big)} where the other "
+                   f"prefetched layers need at most {human(next_big)}, so {slots_take} "
+                   f"{human(slots * (big - next_big))} more for its sake; place it on uva or keep it on the GPU")
     return out

@@ -56,17 +56,18 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from .checkpoint import TensorInfo
+from .cost import CostModel
 from .errors import BudgetError, PolicyError
-from .cost import CostModel, Prediction
+from .footprint import Footprint
 from .graph import Layer, LayerGraph
+from .groups import FusedGroups, split_groups
 from .hardware import H100, Hardware
 from .mixed import place_mixed
-from .groups import fused_groups, split_groups
-from .patterns import Names
 from .notes import Outcome, notes
-from .plan import Backend, LayerBytes, Placement, PrefetchSchedule
-from .schedule import fewest_layers, footprint, make_schedule
+from .patterns import Names
+from .plan import Backend, Cost, LayerBytes, Placement, PrefetchSchedule, Summary
 from .policy import Policy
+from .schedule import fewest_layers, make_schedule
 from .units import GIB, human, plural
 
 GPU, UVA, PREFETCH = Placement.GPU, Placement.UVA, Placement.PREFETCH
@@ -74,12 +75,15 @@ GPU, UVA, PREFETCH = Placement.GPU, Placement.UVA, Placement.PREFETCH
 
 @dataclass(frozen=True)
 class Decision:
+    """Everything a plan says about placements; `build` adds the file facts (paths, fingerprints)."""
+
     backend: Backend  # what ran: none, uva, prefetch or mixed
     params: dict[str, Placement]  # execution order
     prefetch: PrefetchSchedule | None
     layers: tuple[LayerBytes, ...]
     notes: tuple[str, ...]
-    cost: Prediction | None = None
+    summary: Summary
+    cost: Cost
 
 
 def gib(n: float) -> str:
@@ -121,13 +125,16 @@ def decide(graph: LayerGraph, tensors: Mapping[str, TensorInfo], policy: Policy,
            hardware: Hardware = H100, top_k: int | None = None) -> Decision:
     """Placements for every tensor (see the module doc); `hardware` and `top_k` (experts per
     token, from the workload or config.json) feed the cost model that every plan reports
-    and that `backend: mixed` decides with."""
-    size = {n: t.nbytes for n, t in tensors.items()}
+    and that `backend: mixed` decides with.
+
+    A pipeline over one state: the placement and its `Footprint`, which every step
+    moves tensors through, and the fused groups, found once.
+    """
     place = {n: GPU for layer in graph.layers for n in layer.params}
     names = Names(place)
     fixed: set[str] = set()
     won: list[set[str]] = []  # per rule, the tensors it places (first match wins)
-    roles: dict[str, str] = {}
+    roles = {}
     for rule in policy.rules:
         matched = names.select(rule.patterns)
         if rule.role is not None:
@@ -139,7 +146,7 @@ def decide(graph: LayerGraph, tensors: Mapping[str, TensorInfo], policy: Policy,
         for n in mine:
             place[n] = rule.place
     stack = graph.stack_layers()
-    groups = fused_groups(n for l in stack for n in l.params)
+    groups = FusedGroups.find(n for l in stack for n in l.params)
     selected = {"uva": names.select(policy.uva.params) if policy.uva.params else None,
                 "prefetch": names.select(policy.prefetch.params) if policy.prefetch.params else None}
     _check_groups(groups, won, selected, policy)
@@ -149,37 +156,41 @@ def decide(graph: LayerGraph, tensors: Mapping[str, TensorInfo], policy: Policy,
     step = policy.prefetch.step
     if (backend is Backend.PREFETCH or PREFETCH in place.values()) and step < 1:
         raise PolicyError(f"{policy.path}: prefetch.step must be >= 1: rules place tensors on prefetch")
+    fp = Footprint(graph, tensors, place, step)
     skipped = None
+    prediction = None
     mixed_notes: tuple[str, ...] = ()
     reasons: dict[str, str] = {}
 
-    if backend is not Backend.NONE and budget is not None and footprint(graph, place, tensors, step) <= budget:
+    if backend is not Backend.NONE and budget is not None and fp.total <= budget:
         skipped, backend = backend, Backend.NONE  # offloading more would only cost speed
     elif backend is Backend.UVA:
-        _uva(stack, fixed, place, size, tensors, policy, graph, groups, selected["uva"])
+        _uva(stack, fixed, fp, policy, groups, selected["uva"])
     elif backend is Backend.PREFETCH:
-        _prefetch(stack, fixed, place, size, tensors, policy, graph, selected["prefetch"])
+        _prefetch(stack, fixed, fp, policy, graph, selected["prefetch"])
     elif backend is Backend.MIXED:
-        choice = place_mixed(graph, tensors, policy, place, fixed, groups, model)
-        place = choice.place
-        mixed_notes = choice.notes
-        reasons = choice.why
-
+        choice = place_mixed(graph, policy, fp, fixed, groups, model)
+        fp, prediction, mixed_notes, reasons = choice.footprint, choice.prediction, choice.notes, choice.why
+    place = fp.place
+    if budget is not None and fp.total > budget:
+        raise BudgetError(_over_budget_message(policy, backend, fp.total, place, tensors, graph))
     schedule = make_schedule(graph, place, tensors, step)
-    used = sum(size[n] for n, p in place.items() if p is GPU) + (schedule.pool_bytes if schedule else 0)
-    if budget is not None and used > budget:
-        raise BudgetError(_over_budget_message(policy, backend, used, place, size, graph))
-    prediction = model.predict(place)
+    prediction = prediction or model.predict(place)
+    by = {GPU: 0, UVA: 0, PREFETCH: 0}
     layers = []
     for l, c in zip(graph.layers, prediction.layers):
-        by = {GPU: 0, UVA: 0, PREFETCH: 0}
+        mine = {GPU: 0, UVA: 0, PREFETCH: 0}
         for n in l.params:
-            by[place[n]] += size[n]
-        layers.append(LayerBytes(l.name, by[GPU], by[UVA], by[PREFETCH], c.h2d_bytes, c.gpu_us,
+            mine[place[n]] += tensors[n].nbytes
+        for k in by:
+            by[k] += mine[k]
+        layers.append(LayerBytes(l.name, mine[GPU], mine[UVA], mine[PREFETCH], c.h2d_bytes, c.gpu_us,
                                  reasons.get(l.name)))
+    summary = Summary(by[GPU], by[UVA], by[PREFETCH], fp.pool, prediction.h2d_bytes, prediction.step_us)
+    cost = Cost(hardware.name, prediction.batch_size, prediction.cpu_us, prediction.gpu_us, prediction.link_us)
     outcome = Outcome(policy, backend, reason, skipped, place, frozenset(fixed), tensors, graph, schedule,
-                      mixed_notes, bool(groups) and top_k is None)
-    return Decision(backend, place, schedule, tuple(layers), notes(outcome), prediction)
+                      mixed_notes, bool(groups.members) and top_k is None)
+    return Decision(backend, place, schedule, tuple(layers), notes(outcome), summary, cost)
 
 
 def _check_groups(groups, won, selected, policy) -> None:
@@ -195,7 +206,7 @@ def _check_groups(groups, won, selected, policy) -> None:
         raise PolicyError(f"{policy.path}: the policy splits fused expert groups", problems)
 
 
-def _uva(stack, fixed, place, size, tensors, policy, graph, groups, selected) -> None:
+def _uva(stack, fixed, fp: Footprint, policy: Policy, groups: FusedGroups, selected) -> None:
     """The per-tensor walk; a fused expert group is offloaded whole when the walk reaches it."""
     amount = policy.uva.offload_gib > 0
     if not amount and policy.budget_bytes is None:  # only `backend: uva` gets here
@@ -206,33 +217,28 @@ def _uva(stack, fixed, place, size, tensors, policy, graph, groups, selected) ->
     cands = [n for l in stack for n in l.params if n not in fixed and (selected is None or n in selected)]
     if not cands and (amount or selected is not None):
         raise PolicyError(_nothing_left(policy, "uva", stack, fixed, selected))
-    group_of = {m: ms for ms in groups.values() for m in ms}
 
     def units():
         for n in cands:
-            if place[n] is GPU:
-                yield group_of.get(n, (n,))
+            if fp.place[n] is GPU:
+                yield groups.unit(n)
 
-    if policy.uva.offload_gib > 0:
+    if amount:
         limit = policy.uva.offload_gib * GIB
         done = 0
         for unit in units():
             if done >= limit:
                 break
-            for n in unit:
-                place[n] = UVA
-                done += size[n]
+            fp.move(unit, UVA)
+            done += sum(fp.tensors[n].nbytes for n in unit)
         return
-    gpu = footprint(graph, place, tensors, policy.prefetch.step)
     for unit in units():
-        if gpu <= policy.budget_bytes:
+        if fp.total <= policy.budget_bytes:
             break
-        for n in unit:
-            place[n] = UVA
-            gpu -= size[n]
+        fp.move(unit, UVA)
 
 
-def _prefetch(stack, fixed, place, size, tensors, policy, graph, selected) -> None:
+def _prefetch(stack, fixed, fp: Footprint, policy: Policy, graph: LayerGraph, selected) -> None:
     pre = policy.prefetch
 
     def chosen(layer: Layer) -> list[str]:
@@ -252,8 +258,7 @@ def _prefetch(stack, fixed, place, size, tensors, policy, graph, selected) -> No
                                             f"prefetch.group_size {g} / num_in_group {k} streams layers "
                                             f"{_layer_list(picked)}, but "))
         for layer in picked:
-            for n in chosen(layer):
-                place[n] = PREFETCH
+            fp.move(chosen(layer), PREFETCH)
         return
     if policy.budget_bytes is None:  # only `backend: prefetch` gets here
         raise PolicyError(
@@ -263,9 +268,8 @@ def _prefetch(stack, fixed, place, size, tensors, policy, graph, selected) -> No
     eligible = [(l, c) for l, c in ((l, chosen(l)) for l in stack) if c]
     if not eligible and selected is not None:
         raise PolicyError(_nothing_left(policy, "prefetch", stack, fixed, selected))
-    for layer, names in fewest_layers(eligible, place, tensors, graph, pre.step, policy.budget_bytes):
-        for n in names:
-            place[n] = PREFETCH
+    for layer, names in fewest_layers(eligible, fp, policy.budget_bytes):
+        fp.move(names, PREFETCH)
 
 
 def _layer_list(layers, limit: int = 6) -> str:
@@ -295,11 +299,11 @@ def _nothing_left(policy: Policy, key: str, layers, fixed, selected, head: str =
     return f"{policy.path}: backend {key} has nothing to offload: {head}{why}"
 
 
-def _over_budget_message(policy: Policy, backend: Backend, need: int, place, size, graph) -> str:
+def _over_budget_message(policy: Policy, backend: Backend, need: int, place, tensors, graph) -> str:
     pinned: dict[str, int] = {}
     stack_names = {l.name for l in graph.stack_layers()}
     for l in graph.layers:
-        b = sum(size[n] for n in l.params if place[n] is GPU and l.name not in stack_names)
+        b = sum(tensors[n].nbytes for n in l.params if place[n] is GPU and l.name not in stack_names)
         if b:
             pinned[l.name] = b
     top = sorted(pinned.items(), key=lambda kv: -kv[1])[:5]

@@ -73,38 +73,56 @@ class LayerBytes:
     h2d: int = 0  # predicted bytes over the host link per decode step
     us: int = 0  # predicted GPU time per step (HBM and UVA reads)
     why: str | None = None  # mixed plans: what the layer offloads and why
+    runs: Runs = Runs.STEP  # when it runs (graph.py); the cost model counts only what runs every step
 
 
 @dataclass(frozen=True)
 class Buffer:
-    """One buffer of a prefetch slot: a tensor name within the layer, its dtype and shape."""
+    """Where one prefetched checkpoint tensor sits in its layer's slot: name within the layer, dtype,
+    shape, and its byte offset from the start of the slot."""
 
     name: str
     dtype: str
     shape: tuple[int, ...]
+    offset: int
     bytes: int
 
 
 @dataclass(frozen=True)
+class Layout:
+    """A prefetched layer's slot image (slots.py): its tensors at their offsets, `bytes` long.
+    Layers with the same tensors share one layout."""
+
+    bytes: int
+    buffers: tuple[Buffer, ...]
+
+
+@dataclass(frozen=True)
 class Transfer:
-    """Copy `layer`'s prefetched tensors into `slot` once `after`'s forward has run.
+    """Copy `layer`'s prefetched tensors into `slot`, laid out as `layouts[layout]`, once `after`'s
+    forward has run; the runtime hooks the forward of the module at path `module`.
 
     `after` is the previous user of the slot (cyclically), so a copy never
     overwrites a buffer that a layer still has to read. The runtime also issues
-    every transfer once at load, so the first forward finds its layers ready.
+    the first transfer of every slot at load, so the first forward finds its
+    layers ready.
     """
 
     layer: str
+    module: str
+    layout: int
     slot: int
     after: str
 
 
 @dataclass(frozen=True)
 class PrefetchSchedule:
+    """`step` slots at most (vLLM's offload_prefetch_step), each `slot_bytes`: the largest layout."""
+
     step: int
     slots: int
     slot_bytes: int
-    buffers: tuple[Buffer, ...]
+    layouts: tuple[Layout, ...]
     schedule: tuple[Transfer, ...]
 
     @property

@@ -21,10 +21,10 @@ from . import yamlio
 from .checkpoint import Checkpoint, TensorInfo, open_checkpoint
 from .consistency import inconsistencies
 from .errors import InconsistentPlanError, OffplanError, PlanFileError
-from .plan import (Backend, Buffer, Cost, LayerBytes, Placement, Plan, PrefetchSchedule, Summary,
-                   Transfer)
+from .plan import (Backend, Buffer, Cost, LayerBytes, Layout, Placement, Plan, PrefetchSchedule, Runs,
+                   Summary, Transfer)
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: slot layouts with offsets, module paths, `runs`
 HEADER = (
     "# offplan plan: written by `plan build`, applied exactly by the runtime. Do not edit by hand.\n"
     "# Review: `plan show`; compare: `plan diff OLD NEW`; staleness: `plan check`.\n"
@@ -57,8 +57,11 @@ def _v(value) -> str:
     raise TypeError(value)
 
 
-def _why(layer: LayerBytes) -> dict:
-    return {} if layer.why is None else {"why": layer.why}
+def _row(layer: LayerBytes) -> str:
+    runs = {} if layer.runs is Runs.STEP else {"runs": layer.runs.value}
+    why = {} if layer.why is None else {"why": layer.why}
+    return _flow(name=layer.name, **runs, gpu=layer.gpu, uva=layer.uva, prefetch=layer.prefetch, h2d=layer.h2d,
+                 us=layer.us, **why)
 
 
 def _flow(**items) -> str:
@@ -94,18 +97,20 @@ def dumps(plan: Plan) -> str:
     out.append("notes:" + (" []\n" if not plan.notes else "\n"))
     out += [f"  - {_s(n)}\n" for n in plan.notes]
     out.append("layers:\n")
-    out += [f"  - {_flow(name=l.name, gpu=l.gpu, uva=l.uva, prefetch=l.prefetch, h2d=l.h2d, us=l.us, **_why(l))}\n"
-            for l in plan.layers]
+    out += [f"  - {_row(l)}\n" for l in plan.layers]
     p = plan.prefetch
     if p is None:
         out.append("prefetch: null\n")
     else:
         out += ["prefetch:\n", f"  step: {p.step}\n", f"  slots: {p.slots}\n",
-                f"  slot_bytes: {p.slot_bytes}\n", "  buffers:\n"]
-        out += [f"    - {_flow(name=b.name, dtype=b.dtype, shape=list(b.shape), bytes=b.bytes)}\n"
-                for b in p.buffers]
+                f"  slot_bytes: {p.slot_bytes}\n", "  layouts:\n"]
+        for layout in p.layouts:
+            out += [f"    - bytes: {layout.bytes}\n", "      buffers:\n"]
+            out += [f"        - {_flow(name=b.name, dtype=b.dtype, shape=list(b.shape), offset=b.offset, bytes=b.bytes)}\n"
+                    for b in layout.buffers]
         out.append("  schedule:\n")
-        out += [f"    - {_flow(layer=t.layer, slot=t.slot, after=t.after)}\n" for t in p.schedule]
+        out += [f"    - {_flow(layer=t.layer, module=t.module, layout=t.layout, slot=t.slot, after=t.after)}\n"
+                for t in p.schedule]
     out.append("params:\n")
     out += [f"  {_s(name)}: {place.value}\n" for name, place in plan.params.items()]
     return "".join(out)
@@ -177,13 +182,17 @@ def _parse(text: str, path: Path) -> tuple[Plan, yamlio.Located]:
     if not isinstance(doc.data, dict) or "params" not in doc.data:
         raise PlanFileError(f"{path}: not an offplan plan (no `params:` mapping); build one with "
                             "`plan build POLICY`")
+    if isinstance(doc.data, dict) and doc.data.get("format_version") == 1:
+        raise PlanFileError(f"{path}: a format 1 plan, from an offplan without slot layouts in plans; "
+                            "rebuild it with `plan build POLICY`")
     yamlio.validate(doc, "plan.schema.json", PlanFileError, f"{path}: the plan is invalid")
     d = doc.data
     p = d["prefetch"]
     prefetch = None if p is None else PrefetchSchedule(
         p["step"], p["slots"], p["slot_bytes"],
-        tuple(Buffer(b["name"], b["dtype"], tuple(b["shape"]), b["bytes"]) for b in p["buffers"]),
-        tuple(Transfer(t["layer"], t["slot"], t["after"]) for t in p["schedule"]))
+        tuple(Layout(l["bytes"], tuple(Buffer(b["name"], b["dtype"], tuple(b["shape"]), b["offset"], b["bytes"])
+                                       for b in l["buffers"])) for l in p["layouts"]),
+        tuple(Transfer(t["layer"], t["module"], t["layout"], t["slot"], t["after"]) for t in p["schedule"]))
     s = d["summary"]
     plan = Plan(
         checkpoint_path=d["checkpoint"]["path"],
@@ -198,7 +207,7 @@ def _parse(text: str, path: Path) -> tuple[Plan, yamlio.Located]:
         tied_embeddings=d["tied_embeddings"],
         summary=Summary(s["gpu_bytes"], s["uva_bytes"], s["prefetch_bytes"], s["prefetch_buffer_bytes"],
                         s["predicted_h2d_bytes_per_step"], s["predicted_step_us"]),
-        layers=tuple(LayerBytes(**l) for l in d["layers"]),
+        layers=tuple(LayerBytes(**{**l, "runs": Runs(l.get("runs", "step"))}) for l in d["layers"]),
         prefetch=prefetch,
         params={k: Placement(v) for k, v in d["params"].items()},
         notes=tuple(d["notes"]),

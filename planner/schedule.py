@@ -1,16 +1,22 @@
-"""The prefetch pool: which layers to stream when a budget decides, slots, buffers and copy triggers.
+"""The prefetch schedule: which layers to stream when a budget decides, slots, layouts and copy triggers.
 
 Shared by the vLLM-style prefetch backend (placement.py) and the mixed backend
 (mixed.py): both describe a placement; this module turns the prefetched part
-of it into the plan's schedule.
+of it into the plan's schedule. The k-th streamed layer (in execution order)
+uses slot k mod S, S = min(step, streamed layers), is laid out in it as
+slots.py says, and its copy starts once the previous user of that slot has
+run (cyclically: the first layers of a forward wait for the last ones of the
+one before). The runtime hooks the module at the layer's path.
 """
 from __future__ import annotations
 
 from collections.abc import Mapping
 
 from .checkpoint import TensorInfo
+from .footprint import Footprint
 from .graph import Layer, LayerGraph
-from .plan import Buffer, Placement, PrefetchSchedule, Transfer
+from .plan import Layout, Placement, PrefetchSchedule, Transfer
+from .slots import layout_bytes, layout_of
 
 GPU, PREFETCH = Placement.GPU, Placement.PREFETCH
 
@@ -24,50 +30,34 @@ def previous_user(k: int, slots: int, count: int) -> int:
     return k - slots if k >= slots else k + slots * ((count - 1 - k) // slots)
 
 
-def fewest_layers(eligible: list[tuple[Layer, list[str]]], place: Mapping[str, Placement],
-                  tensors: Mapping[str, TensorInfo], graph: LayerGraph, step: int,
-                  budget: int) -> list[tuple[Layer, list[str]]]:
+def fewest_layers(eligible: list[tuple[Layer, list[str]]], fp: Footprint, budget: int
+                  ) -> list[tuple[Layer, list[str]]]:
     """The fewest of `eligible` (layer, tensors to stream) layers, spread evenly, whose
-    streaming brings GPU bytes plus the buffer pool within `budget`.
+    streaming brings the footprint within `budget`.
 
-    Tries 0, 1, 2, ... layers. The footprint is not monotonic in the count (each
-    new slot, or a layer with new shapes, can add more pool than it moves), so
-    when nothing fits the choice with the smallest footprint is returned: the
+    Tries 0, 1, 2, ... layers. The footprint is not monotonic in the count (a
+    new slot, or a larger layer, can add more pool than it moves), so when
+    nothing fits the choice with the smallest footprint is returned: the
     caller's budget error then quotes the smallest budget that would fit.
     """
     if not eligible:
         return []
-    size = {n: tensors[n].nbytes for _, names in eligible for n in names}
     # Per-layer facts, so trying every count costs O(layers), not O(tensors).
-    keyed = [{(l.local(n), tensors[n].dtype, tensors[n].shape): size[n] for n in c} for l, c in eligible]
-    moved = [sum(size[n] for n in c) for _, c in eligible]
-    get = place.__getitem__
-    already = [l for l in graph.layers if PREFETCH in map(get, l.params)]
-    already_keys = {(l.local(n), tensors[n].dtype, tensors[n].shape): tensors[n].nbytes
-                    for l in already for n in l.params if place[n] is PREFETCH}
-    base = sum(tensors[n].nbytes for n, p in place.items() if p is GPU)
+    facts = []
+    for layer, names in eligible:
+        moved = sum(fp.tensors[n].nbytes for n in names if fp.place[n] is GPU)
+        streaming = set(names) | {n for n in layer.params if fp.place[n] is PREFETCH}
+        facts.append((layer.name, moved, layout_bytes([n for n in layer.params if n in streaming], fp.tensors)))
     count = len(eligible)
     smallest = None
     for want in range(count + 1):
         idx = spread(count, want)
-        keys = dict(already_keys)
-        for i in idx:
-            keys.update(keyed[i])
-        units = len({eligible[i][0].name for i in idx} | {l.name for l in already})
-        pool = min(step, units) * sum(keys.values())
-        footprint = base - sum(moved[i] for i in idx) + pool
-        if smallest is None or footprint < smallest[0]:
-            smallest = (footprint, idx)
-        if footprint <= budget:
+        total = fp.if_streamed(facts[i] for i in idx)
+        if smallest is None or total < smallest[0]:
+            smallest = (total, idx)
+        if total <= budget:
             break
     return [eligible[i] for i in smallest[1]]
-
-
-def footprint(graph: LayerGraph, place: Mapping[str, Placement], tensors: Mapping[str, TensorInfo],
-              step: int) -> int:
-    """GPU bytes of a placement: resident tensors plus the prefetch pool it needs."""
-    sched = make_schedule(graph, place, tensors, step)
-    return sum(tensors[n].nbytes for n, p in place.items() if p is GPU) + (sched.pool_bytes if sched else 0)
 
 
 def spread(count: int, want: int) -> list[int]:
@@ -80,23 +70,17 @@ def spread(count: int, want: int) -> list[int]:
 
 def make_schedule(graph: LayerGraph, place: Mapping[str, Placement],
                   tensors: Mapping[str, TensorInfo], step: int) -> PrefetchSchedule | None:
-    """Slots, buffers and copy triggers for the layers holding prefetched tensors."""
+    """Slots, layouts and copy triggers for the layers holding prefetched tensors (module doc)."""
     get = place.__getitem__
-    units = [l for l in graph.layers if PREFETCH in map(get, l.params)]  # the scan runs in C
-    if not units:
+    streamed = [l for l in graph.layers if PREFETCH in map(get, l.params)]  # the scan runs in C
+    if not streamed:
         return None
-    buffers: dict[tuple, Buffer] = {}
-    for l in units:
-        for n in l.params:
-            if place[n] is PREFETCH:
-                t = tensors[n]
-                key = (l.local(n), t.dtype, t.shape)
-                if key not in buffers:
-                    buffers[key] = Buffer(key[0], t.dtype, t.shape, t.nbytes)
-    count = len(units)
+    count = len(streamed)
     slots = max(1, min(step, count))
+    layouts: dict[Layout, int] = {}
     schedule = []
-    for k, l in enumerate(units):
-        schedule.append(Transfer(l.name, k % slots, units[previous_user(k, slots, count)].name))
-    slot_bytes = sum(b.bytes for b in buffers.values())
-    return PrefetchSchedule(max(step, 1), slots, slot_bytes, tuple(buffers.values()), tuple(schedule))
+    for k, l in enumerate(streamed):
+        layout = layout_of(l, [n for n in l.params if place[n] is PREFETCH], tensors)
+        index = layouts.setdefault(layout, len(layouts))
+        schedule.append(Transfer(l.name, l.name, index, k % slots, streamed[previous_user(k, slots, count)].name))
+    return PrefetchSchedule(max(step, 1), slots, max(l.bytes for l in layouts), tuple(layouts), tuple(schedule))

@@ -3,7 +3,7 @@
     import runtime
     handle = runtime.load(model, "plans/x.plan.yaml")   # model built on the meta device
     handle = runtime.apply(model, "plans/x.plan.yaml")  # model already materialized
-    handle.stats()
+    handle.stats()                                      # a LoadStats
     handle.remove()
 
 `runtime.hf.from_pretrained(plan)` builds the transformers model from the
@@ -11,6 +11,7 @@ checkpoint's config.json on the meta device and loads it per the plan.
 This package is the only part of offplan that imports torch.
 """
 from . import hf
-from .handle import OffloadHandle, apply, load
+from .handle import LoadStats, OffloadHandle
+from .load_steps import apply, load
 
-__all__ = ["OffloadHandle", "apply", "hf", "load"]
+__all__ = ["LoadStats", "OffloadHandle", "apply", "hf", "load"]

@@ -5,11 +5,10 @@ from pathlib import Path
 
 import torch
 
-from planner.checkpoint import open_checkpoint
 from planner.errors import OffplanError
-from planner.planfile import load_plan
 
-from .handle import OffloadHandle, load
+from .handle import OffloadHandle
+from .load_steps import load, open_plan
 from .loader import check_holds_weights
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -46,11 +45,8 @@ def from_pretrained(plan: str | Path, *, device: str | torch.device | None = Non
     Returns (model, handle). Example:
         model, handle = runtime.hf.from_pretrained("plans/examples/tiny-moe.plan.yaml")
     """
-    plan_path = Path(plan)
-    checkpoint_dir = load_plan(plan_path).checkpoint_dir(plan_path)
-    check_holds_weights(open_checkpoint(checkpoint_dir))  # before config.json, which a header-only one lacks
-    if checkpoint_dir.is_file():
-        checkpoint_dir = checkpoint_dir.parent
-    model = build_meta_model(checkpoint_dir, dtype)
-    handle = load(model, plan_path, device=device, uva=uva, progress=progress)
+    opened, ckpt = open_plan(plan, None)  # the plan is read (and checked) once
+    check_holds_weights(ckpt)  # before config.json, which a header-only checkpoint lacks
+    model = build_meta_model(ckpt.root, dtype)
+    handle = load(model, opened, checkpoint=ckpt, device=device, uva=uva, progress=progress)
     return model, handle

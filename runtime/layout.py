@@ -1,101 +1,137 @@
-"""Where each offloaded tensor lives: offsets in the pinned arena and in the prefetch slots.
+"""Where each offloaded tensor lives in pinned host memory and in the prefetch slots, as the plan says.
 
-The arena holds uva tensors first, each `ALIGN`-aligned, then every prefetched
-layer's tensors laid out in the order of its slot, so that copying a layer into
-its slot is one contiguous run per stretch of tensors the layer shares with the
-slot (one run per layer when all layers hold the same tensors). A slot has one
-buffer per distinct (name within the layer module, dtype, shape) over all
-prefetched layers, as the plan's pool does.
+The plan carries the prefetch layout (planner/slots.py): each streamed layer's
+module path, its slot, and each of its checkpoint tensors' offset in a slot
+image. The runtime does not lay anything out itself; it reads that and checks
+it against the model:
+
+- the module at the layer's path exists, and holds the layer's prefetched tensors;
+- every model tensor of the layer (a fused expert parameter included) is one
+  contiguous span of the slot image: each of its checkpoint pieces sits at the
+  offset where transformers' own conversion puts it (checkpoint_names.py), so
+  the tensor is a view of the slot;
+- the pool the plan sizes (`slots x slot_bytes`) is the one its summary states.
+
+Host memory: one pinned arena holds the uva tensors first (ALIGN apart, in plan
+order: an allocation, not a decision), then each streamed layer's slot image
+as the plan lays it out, so a prefetch is one copy of `Layout.bytes`.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
-from planner.errors import OffplanError
+from planner.errors import ModelMismatchError, PlanFileError
 from planner.plan import Placement, Plan
 
 from .arena import align
-from .names import Target
-from .prefetch import PrefetchLayer
+from .checkpoint_names import Target
 
 UVA, PREFETCH = Placement.UVA, Placement.PREFETCH
-# (arena bytes, arena offset by id(target), prefetch layers by plan name, bytes per slot)
-Layout = tuple[int, dict[int, int], dict[str, PrefetchLayer], int]
 
 
-def plan_layer_of(plan: Plan):
-    """A function from a checkpoint tensor name to the plan layer holding it."""
-    names = {l.name for l in plan.layers}
+@dataclass
+class StreamedLayer:
+    """One prefetched layer as the engine needs it: its module, slot, and slot image in the arena."""
 
-    def layer_of(tensor: str) -> str:
-        if tensor in names:
-            return tensor
-        parts = tensor.split(".")
-        for i in range(len(parts) - 1, 0, -1):
-            prefix = ".".join(parts[:i])
-            if prefix in names:
-                return prefix
-        raise OffplanError(f"{tensor}: no layer of the plan holds it (plan edited by hand?)")
-    return layer_of
+    name: str  # the plan's layer name
+    module: torch.nn.Module
+    slot: int
+    host_offset: int  # where its slot image starts in the arena
+    nbytes: int  # the image's length: one copy moves it all
 
 
-def common_module(names: list[str]) -> str:
-    """The deepest module path shared by `names` (the module a plan layer maps to)."""
-    parts = [n.split(".") for n in names]
-    common = []
-    for segs in zip(*parts):
-        if len(set(segs)) > 1:
-            break
-        common.append(segs[0])
-    if len(common) == min(len(p) for p in parts):
-        common = common[:-1]
-    return ".".join(common)
+@dataclass
+class HostLayout:
+    arena_bytes: int
+    host_offset: dict[str, int] = field(default_factory=dict)  # target name -> its offset in the arena
+    slot_offset: dict[str, int] = field(default_factory=dict)  # prefetched target name -> its offset in a slot
+    streamed_in: dict[str, str] = field(default_factory=dict)  # prefetched target name -> its layer
+    layers: list[StreamedLayer] = field(default_factory=list)  # in schedule order
 
 
-def layout(targets: list[Target], plan: Plan, model: torch.nn.Module) -> Layout:
-    """Arena offsets for offloaded targets, and the prefetch layers with their slot runs."""
-    offsets: dict[int, int] = {}
+def lay_out(targets: list[Target], plan: Plan, model: torch.nn.Module) -> HostLayout:
+    """The arena and slot offsets of every offloaded target, from the plan (module doc)."""
+    out = HostLayout(0)
     cursor = 0
     for t in targets:
         if t.placement is UVA:
-            offsets[id(t)] = cursor
-            cursor += align(t.nbytes)
-    layers: dict[str, PrefetchLayer] = {}
-    slot_of: dict[int, int] = {}
-    slot_bytes = 0
+            out.host_offset[t.name] = cursor
+            cursor = align(cursor + t.nbytes)
     sched = plan.prefetch
-    if sched is not None:
-        layer_of = plan_layer_of(plan)
-        members: dict[str, list[Target]] = {}
-        everything: dict[str, list[str]] = {}
-        for t in targets:
-            layer = layer_of(t.pieces[0].source)
-            everything.setdefault(layer, []).append(t.name)
-            if t.placement is PREFETCH:
-                members.setdefault(layer, []).append(t)
-        keys: dict[tuple, int] = {}
-        for tr in sched.schedule:
-            module_name = common_module(everything[tr.layer])
-            module = model.get_submodule(module_name)
-            for t in members.get(tr.layer, []):
-                key = (t.name[len(module_name):], t.dtype, t.shape)
-                if key not in keys:
-                    keys[key] = slot_bytes
-                    slot_bytes += align(t.nbytes)
-                slot_of[id(t)] = keys[key]
-            layers[tr.layer] = PrefetchLayer(tr.layer, module, tr.slot)
-        for tr in sched.schedule:
-            base = cursor
-            runs: list[list[int]] = []
-            mine = sorted(members.get(tr.layer, []), key=lambda t: slot_of[id(t)])
-            for t in mine:
-                s = slot_of[id(t)]
-                offsets[id(t)] = base + s
-                size = align(t.nbytes)
-                if runs and runs[-1][1] + runs[-1][2] == s and runs[-1][0] + runs[-1][2] == base + s:
-                    runs[-1][2] += size
-                else:
-                    runs.append([base + s, s, size])
-            layers[tr.layer].runs = [tuple(r) for r in runs]
-            cursor = base + max((slot_of[id(t)] + align(t.nbytes) for t in mine), default=0)
-    return cursor, offsets, layers, slot_bytes
+    if sched is None:
+        out.arena_bytes = cursor
+        return out
+    if sched.pool_bytes != plan.summary.prefetch_buffer_bytes:
+        raise PlanFileError(f"the plan's prefetch pool ({sched.slots} slots x {sched.slot_bytes} bytes) is not "
+                            f"its summary's prefetch_buffer_bytes ({plan.summary.prefetch_buffer_bytes}); rebuild it")
+    by_layer: dict[str, list[Target]] = {t.layer: [] for t in sched.schedule}
+    for t in targets:
+        if t.placement is PREFETCH:
+            layer = _layer_of(t, by_layer)
+            by_layer[layer].append(t)
+    problems: list[str] = []
+    for tr in sched.schedule:
+        image = sched.layouts[tr.layout]
+        module = _module(model, tr.module, tr.layer, by_layer[tr.layer], problems)
+        offsets = {b.name: b for b in image.buffers}
+        for t in by_layer[tr.layer]:
+            at = _slot_offset(t, tr.layer, offsets, image.bytes, problems)
+            if at is not None:
+                out.slot_offset[t.name] = at
+                out.host_offset[t.name] = cursor + at
+                out.streamed_in[t.name] = tr.layer
+        out.layers.append(StreamedLayer(tr.layer, module, tr.slot, cursor, image.bytes))
+        cursor = align(cursor + image.bytes)
+    if problems:
+        raise ModelMismatchError(f"the plan's prefetch layout does not fit this model ({type(model).__name__}); "
+                                 "rebuild the plan with this offplan, or report the model", problems)
+    out.arena_bytes = cursor
+    return out
+
+
+def _layer_of(t: Target, layers: dict[str, list]) -> str:
+    """The streamed layer whose name prefixes the target's first checkpoint source."""
+    source = t.pieces[0].source
+    for name in layers:
+        if source.startswith(name + "."):
+            return name
+    raise PlanFileError(f"{source}: prefetched, but no layer of the plan's schedule holds it; rebuild the plan")
+
+
+def _module(model, path: str, layer: str, targets: list[Target], problems: list[str]) -> torch.nn.Module | None:
+    try:
+        module = model.get_submodule(path)
+    except AttributeError:
+        problems.append(f"{layer}: the plan runs it in module {path}, which this model does not have")
+        return None
+    outside = [t.name for t in targets if not t.name.startswith(path + ".")]
+    if outside:
+        problems.append(f"{layer}: {outside[0]} is prefetched with the layer but lives outside its module {path}")
+    return module
+
+
+def _slot_offset(t: Target, layer: str, buffers: dict, image_bytes: int, problems: list[str]) -> int | None:
+    """Where `t` starts in the slot image: each checkpoint piece must sit where the target's own
+    layout puts it (a meta tensor's view of `piece.index` gives that offset)."""
+    start = None
+    probe = torch.empty(t.shape, dtype=t.dtype, device="meta")
+    for piece in t.pieces:
+        local = piece.source[len(layer) + 1:]
+        b = buffers.get(local)
+        if b is None:
+            problems.append(f"{piece.source}: prefetched, but the layout of {layer} has no buffer {local}")
+            return None
+        inside = (probe[piece.index] if piece.index else probe).storage_offset() * t.dtype.itemsize
+        if start is None:
+            start = b.offset - inside
+        if b.offset - inside != start:
+            problems.append(f"{t.name}: its piece {piece.source} sits at slot offset {b.offset}, but the "
+                            f"model's tensor needs it {inside} bytes after {start}: transformers fuses these "
+                            "experts in another order than the plan lays them out")
+            return None
+    if start < 0 or start + t.nbytes > image_bytes:
+        problems.append(f"{t.name}: [{start}, {start + t.nbytes}) lies outside the {image_bytes}-byte slot image")
+        return None
+    return start

@@ -24,9 +24,8 @@ stream: at the end of a captured forward it joins the copies the last layers
 start for the first ones; in eager use, call it after a forward that a graph
 replay follows.
 
-Each prefetched layer's pinned bytes are laid out in the order of its slot,
-so a copy is one `cudaMemcpyAsync` per contiguous run (one per layer when all
-layers have the same tensors).
+Each prefetched layer's pinned bytes are its slot image, laid out as the plan
+says (layout.py), so a copy is one `cudaMemcpyAsync` of the image.
 
 Without CUDA the same schedule runs with synchronous copies into CPU slots:
 CI exercises the rotation, and a wrong rotation gives wrong outputs.
@@ -37,8 +36,6 @@ slots freed). It is the only owner of its streams and events.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 
 from planner.errors import OffplanError
@@ -46,38 +43,32 @@ from planner.plan import PrefetchSchedule
 
 from . import ops
 from .arena import PinnedArena
-
-
-@dataclass
-class PrefetchLayer:
-    name: str  # plan layer name
-    module: torch.nn.Module
-    slot: int
-    runs: list[tuple[int, int, int]] = field(default_factory=list)  # (arena offset, slot offset, bytes)
+from .layout import StreamedLayer
 
 
 class PrefetchEngine:
-    def __init__(self, schedule: PrefetchSchedule, layers: dict[str, PrefetchLayer], slot_bytes: int,
-                 arena: PinnedArena, device: torch.device):
+    def __init__(self, schedule: PrefetchSchedule, streamed: list[StreamedLayer], arena: PinnedArena,
+                 device: torch.device):
         self.schedule = schedule
-        self.layers = layers
+        self.layers = {l.name: l for l in streamed}
         self.arena = arena
         self.device = device
         self.cuda = device.type == "cuda"
-        self.slots = [torch.empty(slot_bytes, dtype=torch.uint8, device=device) for _ in range(schedule.slots)]
+        self.slots = [torch.empty(schedule.slot_bytes, dtype=torch.uint8, device=device)
+                      for _ in range(schedule.slots)]
         self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
-        self.ready = {name: torch.cuda.Event() for name in layers} if self.cuda else {}
+        self.ready = {name: torch.cuda.Event() for name in self.layers} if self.cuda else {}
         self.starts: dict[str, list[str]] = {}
         for t in schedule.schedule:
             self.starts.setdefault(t.after, []).append(t.layer)
         self.hooks = []
         self.copies = 0  # layer copies issued, for stats and tests
-        self.names = list(layers)  # the ops name layers by index
+        self.names = list(self.layers)  # the ops name layers by index
         self._complete: set[str] = set()  # copies known finished: no wait needed (see synchronize)
         self.expected = 0  # index of the prefetched layer the next forward step should reach
         self.reprimes = 0  # forwards that started over after one stopped part-way
         self.key = ops.register(self)
-        for i, (name, layer) in enumerate(layers.items()):
+        for i, layer in enumerate(self.layers.values()):
             self.hooks.append(layer.module.register_forward_pre_hook(self._pre_hook(i), with_kwargs=True))
             self.hooks.append(layer.module.register_forward_hook(self._post_hook(i)))
         self._prime()
@@ -94,6 +85,7 @@ class PrefetchEngine:
         return sum(s.numel() for s in self.slots)
 
     def slot_view(self, layer: str, offset: int, nbytes: int) -> torch.Tensor:
+        """Bytes [offset, offset + nbytes) of the slot `layer` streams through: where its tensor lives."""
         return self.slots[self.layers[layer].slot][offset:offset + nbytes]
 
     def _pre_hook(self, index: int):
@@ -147,16 +139,15 @@ class PrefetchEngine:
         slot = self.slots[layer.slot]
         self.copies += 1
         self._complete.discard(name)
+        image = self.arena.host_view(layer.host_offset, layer.nbytes)
         if not self.cuda:
-            for a, s, n in layer.runs:
-                slot[s:s + n].copy_(self.arena.host_view(a, n))
+            slot[:layer.nbytes].copy_(image)
             return
         done = torch.cuda.Event()
         done.record(torch.cuda.current_stream(self.device))
         self.copy_stream.wait_event(done)
         with torch.cuda.stream(self.copy_stream):
-            for a, s, n in layer.runs:
-                slot[s:s + n].copy_(self.arena.host_view(a, n), non_blocking=True)
+            slot[:layer.nbytes].copy_(image, non_blocking=True)
             self.ready[name].record(self.copy_stream)
 
     def synchronize(self) -> None:
@@ -178,39 +169,3 @@ class PrefetchEngine:
         self.slots = []
         self.ready = {}
         self.copy_stream = None
-
-
-class OnDemandCopies:
-    """UVA disabled: copy a module's offloaded tensors to the GPU just before it runs.
-
-    For each module owning such tensors, the pre-hook swaps each parameter's
-    data for a fresh GPU copy of its pinned host bytes; the post-hook swaps
-    the pinned host tensor back, so the GPU copy is freed after the module ran.
-    """
-
-    def __init__(self, entries: list[tuple[torch.nn.Module, str, torch.Tensor]], device: torch.device):
-        self.device = device
-        by_module: dict[int, tuple[torch.nn.Module, list]] = {}
-        for module, attr, host in entries:
-            by_module.setdefault(id(module), (module, []))[1].append((attr, host))
-        self.hooks = []
-        for module, items in by_module.values():
-            self.hooks.append(module.register_forward_pre_hook(self._pre(items)))
-            self.hooks.append(module.register_forward_hook(self._post(items)))
-
-    def _pre(self, items):
-        def hook(module, args):
-            for attr, host in items:
-                getattr(module, attr).data = host.to(self.device, non_blocking=True)
-        return hook
-
-    def _post(self, items):
-        def hook(module, args, output):
-            for attr, host in items:
-                getattr(module, attr).data = host
-        return hook
-
-    def remove(self) -> None:
-        for h in self.hooks:
-            h.remove()
-        self.hooks = []

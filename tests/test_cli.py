@@ -168,7 +168,7 @@ def test_build_warns_on_stderr_when_a_plan_saves_little(work, capsys):
     assert code == 0
     assert err == ("warning: the plan saves little GPU memory: nothing of the 6.0 MiB offloaded; the prefetch "
                    "buffers take 6.0 MiB (2 slots x 3.0 MiB): there are as many slots as prefetched layers (2), "
-                   "so each prefetched tensor has buffers of its own; lower prefetch.step or prefetch more layers\n")
+                   "so each prefetched layer has a slot of its own; lower prefetch.step or prefetch more layers\n")
     assert "warning" not in out
     _, out, _ = run(capsys, "show", "slots.plan.yaml")
     assert out.splitlines()[-1] == err.strip()  # a note of the plan, shown as a warning

@@ -49,8 +49,8 @@ def test_no_graph_breaks_and_outputs_equal_eager(tmp_path, checkpoints, kind, po
                 for _ in range(2):  # the second pass runs the copies the first pass's last layers started
                     assert torch.equal(compiled(x).logits, eager)
         s = handle.stats()
-        assert s["uva_bytes"] + s["prefetch_bytes"] > 0
-        assert (s["prefetch_copies"] > 0) == (s["prefetch_bytes"] > 0)
+        assert s.uva_bytes + s.prefetch_bytes > 0
+        assert (s.prefetch_copies > 0) == (s.prefetch_bytes > 0)
     finally:
         torch._dynamo.reset()
         handle.remove(restore=False)

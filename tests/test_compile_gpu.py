@@ -64,25 +64,14 @@ def test_cuda_graph_decode_step_replays_exactly(tmp_path, checkpoints, policy):
             handle.join()
         static_ids = torch.zeros(1, 1, dtype=torch.long, device="cuda")
         static_pos = torch.tensor([8], device="cuda")
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up outside the capture, as CUDA graphs require
-            for _ in range(2):
-                model(static_ids, past_key_values=graph_cache, cache_position=static_pos)
-                handle.join()
-        torch.cuda.current_stream().wait_stream(side)
-        handle.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            static_logits = model(static_ids, past_key_values=graph_cache, cache_position=static_pos).logits
-            handle.join()
-        handle.synchronize()
+        graph, static_logits = handle.capture(
+            lambda: model(static_ids, past_key_values=graph_cache, cache_position=static_pos).logits)
         # transformers' StaticCache advances its own position counter on every step: the warm-up
         # moved it, so start the graph's cache over from the same prefill as the eager one.
         graph_cache.reset()
         model(prompt, past_key_values=graph_cache, cache_position=torch.arange(8, device="cuda"))
         handle.join()
-        copies = handle.stats()["prefetch_copies"]
+        copies = handle.stats().prefetch_copies
         for step in range(100):
             token = torch.randint(0, 256, (1, 1), device="cuda")
             static_ids.copy_(token)
@@ -94,5 +83,5 @@ def test_cuda_graph_decode_step_replays_exactly(tmp_path, checkpoints, policy):
             torch.cuda.synchronize()
             assert torch.equal(static_logits, want), step
         # replays ran the captured copies; only the eager steps issued new ones from Python
-        assert handle.stats()["prefetch_copies"] - copies == 100 * 2
+        assert handle.stats().prefetch_copies - copies == 100 * 2
     handle.remove(restore=False)

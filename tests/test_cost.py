@@ -10,7 +10,7 @@ from headeronly import GPU, PREFETCH, UVA, infos, policy
 from planner.cost import CostModel, read_top_k
 from planner.errors import PolicyError
 from planner.graph import build_graph
-from planner.groups import fused_groups
+from planner.groups import FusedGroups
 from planner.hardware import Hardware, dumps_hardware, load_hardware
 from planner.placement import decide
 from planner.plan import Role
@@ -36,7 +36,7 @@ def moe(layers=4, experts=8) -> list:
 def model_for(tensors, batch=1, top_k=2, roles=None):
     t = infos(tensors)
     g = build_graph(t)
-    groups = fused_groups(n for l in g.stack_layers() for n in l.params)
+    groups = FusedGroups.find(n for l in g.stack_layers() for n in l.params)
     return CostModel(g, t, HW, batch, groups, top_k, roles), g, t
 
 

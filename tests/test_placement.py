@@ -17,7 +17,7 @@ from planner.errors import BudgetError, PolicyError
 from planner.graph import build_graph
 from planner.placement import resolve_backend, smallest_budget_gib
 from planner.schedule import make_schedule, spread
-from planner.plan import Buffer, LayerBytes, Transfer
+from planner.plan import Buffer, LayerBytes, Layout, Transfer
 
 DOWN, O = "mlp.down_proj.weight", "self_attn.o_proj.weight"
 
@@ -193,10 +193,10 @@ def test_rules_can_prefetch_outside_the_stacks():
     t = toy(2)
     d, _ = plan_of(t, policy(rules=[(["lm_head", "embed_tokens"], "prefetch")], step=1))
     assert d.params == expect(t, prefetch=["model.embed_tokens.weight", "lm_head.weight"])
-    # One buffer per (local name, dtype, shape): both are a 4 MiB U8 `weight`.
-    assert d.prefetch.buffers == (Buffer("weight", "U8", (4 * MiB,), 4 * MiB),)
-    assert d.prefetch.schedule == (Transfer("model.embed_tokens", 0, "lm_head"),
-                                   Transfer("lm_head", 0, "model.embed_tokens"))
+    # Both layers are one 4 MiB U8 `weight`: one layout serves both, hooked at their own modules.
+    assert d.prefetch.layouts == (Layout(4 * MiB, (Buffer("weight", "U8", (4 * MiB,), 0, 4 * MiB),)),)
+    assert d.prefetch.schedule == (Transfer("model.embed_tokens", "model.embed_tokens", 0, 0, "lm_head"),
+                                   Transfer("lm_head", "lm_head", 0, 0, "model.embed_tokens"))
 
 
 # ---------------------------------------------------------------- prefetch
@@ -211,9 +211,10 @@ def test_prefetch_group_8_of_2_over_61_layers():
     assert d.params == expect(t, prefetch=layer_params(*GROUP_8_2_OF_61))
     p = d.prefetch
     assert (p.step, p.slots, p.slot_bytes, p.pool_bytes) == (1, 1, 3 * MiB, 3 * MiB)
-    assert p.buffers == (Buffer(DOWN, "U8", (2 * MiB,), 2 * MiB), Buffer(O, "U8", (1 * MiB,), 1 * MiB))
+    assert p.layouts == (Layout(3 * MiB, (Buffer(DOWN, "U8", (2 * MiB,), 0, 2 * MiB),
+                                          Buffer(O, "U8", (1 * MiB,), 2 * MiB, 1 * MiB))),)
     names = [f"model.layers.{i}" for i in GROUP_8_2_OF_61]
-    assert p.schedule == tuple(Transfer(n, 0, names[k - 1]) for k, n in enumerate(names))
+    assert p.schedule == tuple(Transfer(n, n, 0, 0, names[k - 1]) for k, n in enumerate(names))
 
 
 @pytest.mark.parametrize("group, k, layers, want", [
@@ -245,22 +246,35 @@ def test_prefetch_params_filter_skips_layers_without_a_match():
     # Odd layers are chosen; layer 1 is dense (no experts) and is skipped.
     assert d.params == expect(t, prefetch=[f"model.layers.{i}.mlp.experts.{e}.w" for i in (3, 5, 7) for e in (0, 1)])
     p = d.prefetch
-    assert p.buffers == (Buffer("mlp.experts.0.w", "U8", (MiB,), MiB), Buffer("mlp.experts.1.w", "U8", (MiB,), MiB))
+    assert p.layouts == (Layout(2 * MiB, (Buffer("mlp.experts.0.w", "U8", (MiB,), 0, MiB),
+                                          Buffer("mlp.experts.1.w", "U8", (MiB,), MiB, MiB))),)
     assert (p.step, p.slots, p.slot_bytes, p.pool_bytes) == (2, 2, 2 * MiB, 4 * MiB)
-    assert p.schedule == (Transfer("model.layers.3", 0, "model.layers.7"),
-                          Transfer("model.layers.5", 1, "model.layers.5"),
-                          Transfer("model.layers.7", 0, "model.layers.3"))
+    assert p.schedule == (Transfer("model.layers.3", "model.layers.3", 0, 0, "model.layers.7"),
+                          Transfer("model.layers.5", "model.layers.5", 0, 1, "model.layers.5"),
+                          Transfer("model.layers.7", "model.layers.7", 0, 0, "model.layers.3"))
 
 
-def test_buffer_pool_has_one_buffer_per_local_name_dtype_and_shape():
+def test_each_layer_has_its_own_slot_image_every_tensor_256_byte_aligned():
     t = [("model.layers.0.w", "BF16", (4, 8)), ("model.layers.0.s", "F32", (2,)),
          ("model.layers.1.w", "BF16", (4, 8)), ("model.layers.1.s", "F32", (3,)),
          ("model.layers.2.w", "F16", (4, 8)), ("model.layers.2.s", "F32", (2,))]
     d, _ = plan_of(t, policy(group_size=1, step=2))
     p = d.prefetch
-    assert p.buffers == (Buffer("s", "F32", (2,), 8), Buffer("w", "BF16", (4, 8), 64),
-                         Buffer("s", "F32", (3,), 12), Buffer("w", "F16", (4, 8), 64))
-    assert (p.slots, p.slot_bytes, p.pool_bytes) == (2, 148, 296)
+    assert p.layouts == (Layout(512, (Buffer("s", "F32", (2,), 0, 8), Buffer("w", "BF16", (4, 8), 256, 64))),
+                         Layout(512, (Buffer("s", "F32", (3,), 0, 12), Buffer("w", "BF16", (4, 8), 256, 64))),
+                         Layout(512, (Buffer("s", "F32", (2,), 0, 8), Buffer("w", "F16", (4, 8), 256, 64))))
+    assert [t.layout for t in p.schedule] == [0, 1, 2]
+    assert (p.slots, p.slot_bytes, p.pool_bytes) == (2, 512, 1024)
+
+
+def test_a_slot_holds_the_largest_layer_not_the_union_of_all_layers_tensors():
+    """DeepSeek-like: dense layers (o_proj 1 + down 3 MiB) and MoE layers (o_proj 1 + 2 experts of 1 MiB).
+    vLLM's one buffer per name over all layers would make a slot 6 MiB; the largest layer is 4 MiB."""
+    d, _ = plan_of(dense_then_moe(), policy(group_size=1, step=2))
+    p = d.prefetch
+    assert [l.bytes for l in p.layouts] == [4 * MiB, 3 * MiB]
+    assert (p.slots, p.slot_bytes, p.pool_bytes) == (2, 4 * MiB, 8 * MiB)
+    assert [t.layout for t in p.schedule] == [0, 0] + [1] * 6
 
 
 def test_slots_never_exceed_the_prefetched_layers():
@@ -352,20 +366,21 @@ def test_prefetch_group_size_with_budget_is_a_check():
 
 
 def test_prefetch_budget_no_fit_quotes_the_smallest_footprint_of_any_count():
-    # Every layer has its own shape, so with 2 slots each prefetched layer adds twice
-    # its bytes to the pool: offloading only makes it worse, and the smallest
-    # footprint is that of offloading nothing (the whole 19 MiB).
+    # Layers of 1, 2, 3, 4 MiB through 2 slots of the largest streamed layer: streaming
+    # 0..4 layers (spread evenly) needs 19, 19, 21, 20, 17 MiB. Not monotonic, so the
+    # search tries every count; the smallest, all four layers, is what the error quotes.
     t = [("model.embed_tokens.weight", "U8", (4 * MiB,))]
     t += [(f"model.layers.{i}.mlp.w", "U8", ((i + 1) * MiB,)) for i in range(4)]
     t += [("model.norm.weight", "U8", (MiB,)), ("lm_head.weight", "U8", (4 * MiB,))]
     with pytest.raises(BudgetError) as e:
         plan_of(t, policy(backend="prefetch", budget_gib=mib(15), step=2))
     assert str(e.value).startswith(
-        "test.policy.yaml: the plan needs 19.0 MiB (19,922,944 bytes) of GPU memory but budget_gib "
+        "test.policy.yaml: the plan needs 17.0 MiB (17,825,792 bytes) of GPU memory but budget_gib "
         "0.0146484375 is 15,728,640 bytes; the smallest budget that fits this policy is "
-        "budget_gib: 0.018554688 (19.0 MiB).")
-    d, _ = plan_of(t, policy(backend="prefetch", budget_gib=0.018554688, step=2))
-    assert d.backend.value == "none" and d.params == expect(t)
+        "budget_gib: 0.016601563 (17.0 MiB).")
+    d, _ = plan_of(t, policy(backend="prefetch", budget_gib=0.016601563, step=2))
+    assert d.params == expect(t, prefetch=[f"model.layers.{i}.mlp.w" for i in range(4)])
+    assert (d.prefetch.slots, d.prefetch.slot_bytes, d.summary.gpu_footprint_bytes) == (2, 4 * MiB, 17 * MiB)
 
 
 def test_prefetch_budget_no_fit_with_step_1():
@@ -518,17 +533,21 @@ def test_as_many_slots_as_prefetched_layers_saves_nothing():
     assert d.notes[1:] == (
         "warning: the plan saves little GPU memory: nothing of the 6.0 MiB offloaded; the prefetch buffers "
         "take 6.0 MiB (2 slots x 3.0 MiB): there are as many slots as prefetched layers (2), so each "
-        "prefetched tensor has buffers of its own; lower prefetch.step or prefetch more layers",)
+        "prefetched layer has a slot of its own; lower prefetch.step or prefetch more layers",)
 
 
-def test_a_prefetched_head_saves_nothing_however_much_the_layers_save():
+def test_a_prefetched_head_shares_the_slot_but_one_that_sizes_it_is_named():
+    # lm_head (4 MiB) through the slot of layers 1, 3, 5, 7 (3 MiB each): one 4 MiB slot for 16 MiB moved
     d, _ = plan_of(toy(8), policy(group_size=2, rules=[(["lm_head"], "prefetch")]))
-    # layers 1, 3, 5, 7 share their buffers (3 MiB in one slot for 12 MiB); lm_head's 4 MiB buffer is its own
-    assert d.prefetch.pool_bytes == 7 * MiB
+    assert d.prefetch.pool_bytes == 4 * MiB
+    assert not any(n.startswith("warning: ") for n in d.notes)
+    # streaming only o_proj (1 MiB a layer), the head alone makes the slot 4 MiB
+    d, _ = plan_of(toy(8), policy(group_size=2, prefetch_params=["o_proj"], rules=[(["lm_head"], "prefetch")]))
+    assert d.prefetch.pool_bytes == 4 * MiB
     assert d.notes[2:] == (
-        "warning: prefetching lm_head.weight saves no GPU memory: no other prefetched layer shares its "
-        "buffers, so its buffers take 4.0 MiB (1 slot) for the 4.0 MiB moved off the GPU; place it on uva "
-        "or keep it on the GPU",)
+        "warning: prefetching lm_head sizes every slot: it needs 4.0 MiB where the other prefetched layers "
+        "need at most 1.0 MiB, so the slot takes 3.0 MiB more for its sake; place it on uva or keep it on "
+        "the GPU",)
 
 
 def test_a_plan_saving_less_than_half_says_how_much():

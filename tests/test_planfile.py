@@ -56,7 +56,11 @@ def test_plan_content(tmp_path, built):
         f"  {n}: {'prefetch' if n.startswith(('model.layers.1.', 'model.layers.3.')) else 'gpu'}\n"
         for n in names))
     assert "  - {name: model.layers.1, gpu: 0, uva: 0, prefetch: 3145728, h2d: 3145728, us: 1}\n" in text
-    assert "    - {layer: model.layers.1, slot: 0, after: model.layers.1}\n" in text
+    assert "    - {layer: model.layers.1, module: model.layers.1, layout: 0, slot: 0, after: model.layers.1}\n" in text
+    assert ("  layouts:\n    - bytes: 3145728\n      buffers:\n"
+            "        - {name: mlp.down_proj.weight, dtype: U8, shape: [2097152], offset: 0, bytes: 2097152}\n"
+            "        - {name: self_attn.o_proj.weight, dtype: U8, shape: [1048576], offset: 2097152, bytes: 1048576}\n"
+            ) in text
     assert "\n  gpu_footprint_bytes: 22020096\n" in text
 
 
@@ -112,7 +116,7 @@ def test_schema_violations_are_located(built):
     _, text = built["uva"]
     bad = text.replace("backend: uva\n", "backend: gpu\n").replace(
         "model.layers.2.mlp.down_proj.weight: gpu", "model.layers.2.mlp.down_proj.weight: disk")
-    bad = bad.replace("format_version: 1\n", "format_version: 1\nextra: 1\n")
+    bad = bad.replace("format_version: 2\n", "format_version: 2\nextra: 1\n")
     e = plan_error(bad)
     assert e.headline == "p.plan.yaml: the plan is invalid"
     line = lambda s: bad[:bad.index(s)].count("\n") + 1  # noqa: E731
@@ -123,6 +127,13 @@ def test_schema_violations_are_located(built):
         f"p.plan.yaml:{line(': disk')}:40: params.model.layers.2.mlp.down_proj.weight: 'disk' is not one "
         "of gpu, uva, prefetch",
     ]
+
+
+def test_a_format_1_plan_says_to_rebuild(built):
+    _, text = built["prefetch"]
+    assert str(plan_error(text.replace("format_version: 2\n", "format_version: 1\n"))) == (
+        "p.plan.yaml: a format 1 plan, from an offplan without slot layouts in plans; rebuild it with "
+        "`plan build POLICY`")
 
 
 def test_not_a_plan():
@@ -153,20 +164,24 @@ HEADLINE = ("p.plan.yaml: the plan is inconsistent (edited by hand?): params: co
      ("prefetch_buffer_bytes: 3145728", 26),
      "summary.prefetch_buffer_bytes is 3145728 but the prefetch section sizes the pool at 6291456"),
     ("prefetch", ("  slot_bytes: 3145728\n", "  slot_bytes: 3145729\n"), ("slot_bytes: 3145729", 15),
-     "prefetch.slot_bytes is 3145729 but its buffers add up to 3145728"),
-    ("prefetch", ("{layer: model.layers.3, slot: 1, after: model.layers.3}",
-                  "{layer: model.layers.3, slot: 0, after: model.layers.1}"), ("{layer: model.layers.3", 7),
+     "prefetch.slot_bytes is 3145729 but the largest layout is 3145728"),
+    ("prefetch", ("{layer: model.layers.3, module: model.layers.3, layout: 0, slot: 1, after: model.layers.3}",
+                  "{layer: model.layers.3, module: model.layers.3, layout: 0, slot: 0, after: model.layers.1}"),
+     ("{layer: model.layers.3", 7),
      "prefetch.schedule[1]: model.layers.3 must use slot 1 after model.layers.3, not slot 0 after "
      "model.layers.1"),
-    ("prefetch", ("    - {layer: model.layers.3, slot: 1, after: model.layers.3}\n", ""), ("{layer: model.layers.1", 5),
+    ("prefetch", ("    - {layer: model.layers.3, module: model.layers.3, layout: 0, slot: 1, after: model.layers.3}\n",
+                  ""), ("{layer: model.layers.1", 5),
      "prefetch.schedule: lists model.layers.1 but the layers with prefetched tensors in params: are "
      "model.layers.1, model.layers.3"),
     ("prefetch", ("  slots: 2\n", "  slots: 1\n"), ("slots: 1", 10),
      "prefetch.slots is 1 but step 2 over 2 layers gives 2"),
-    ("prefetch", ("{name: mlp.down_proj.weight, ", "{name: mlp.up_proj.weight, "),
-     ("model.layers.1.mlp.down_proj.weight: prefetch", 40),
-     "params.model.layers.1.mlp.down_proj.weight: prefetch, but prefetch.buffers has no buffer named "
-     "mlp.down_proj.weight"),
+    ("prefetch", ("{name: mlp.down_proj.weight, ", "{name: mlp.up_proj.weight, "), ("{layer: model.layers.1", 7),
+     "prefetch.schedule[0]: layout 0 of model.layers.1 lacks mlp.down_proj.weight, which params: prefetch; it "
+     "has mlp.up_proj.weight, which params: does not prefetch"),
+    ("prefetch", ("{layer: model.layers.3, module: model.layers.3, ", "{layer: model.layers.3, module: model.layers.2, "),
+     ("{layer: model.layers.3", 7),
+     "prefetch.schedule[1]: model.layers.3 runs in module model.layers.3, not model.layers.2"),
     # Both tensors of layer 0 moved back to the GPU: the uva bytes of its row have no tensor.
     ("uva", ("model.layers.0.mlp.down_proj.weight: uva\n  model.layers.0.self_attn.o_proj.weight: uva",
              "model.layers.0.mlp.down_proj.weight: gpu\n  model.layers.0.self_attn.o_proj.weight: gpu"),
@@ -223,13 +238,14 @@ def test_a_split_fused_group_and_wrong_buffers_are_caught(tmp_path):
     assert f"p.plan.yaml:{line(bad, name + ': gpu')}:{len(name) + 5}: params.{name}: gpu, but fused group " \
         "model.layers.1.mlp.experts must have one placement (it is one tensor at run time): 11 prefetch, 1 gpu" \
         in e.value.problems
-    bad = text.replace("shape: [32, 64], bytes: 4096}", "shape: [64, 32], bytes: 4096}", 1)
+    gate = "mlp.experts.0.gate_proj.weight, dtype: BF16, shape: "
+    bad = text.replace(gate + "[32, 64]", gate + "[64, 32]")
     with pytest.raises(PlanFileError) as e:
         loads(bad, "p.plan.yaml", tensors)
     assert e.value.problems == [
-        f"p.plan.yaml:{line(bad, 'buffers:') + 1}:5: prefetch.buffers: the prefetched tensors need "
-        "mlp.experts.0.gate_proj.weight BF16 [32, 64], which it lacks or sizes wrongly; it has "
-        "mlp.experts.0.gate_proj.weight BF16 [64, 32], which they do not use (72.8 KiB a slot)"]
+        f"p.plan.yaml:{line(bad, '- bytes: 75264')}:7: prefetch.layouts[0]: the layout of model.layers.1 is not "
+        "the one its prefetched tensors need (73.5 KiB; it lacks or misplaces mlp.experts.0.gate_proj.weight "
+        "at 16640 (4096 bytes))"]
 
 
 def test_load_plan_errors(tmp_path):

@@ -12,9 +12,10 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 import runtime  # noqa: E402
+import runtime.load_steps as load_steps  # noqa: E402
 from offplan.cli import main  # noqa: E402
 from planner.errors import InconsistentPlanError, ModelMismatchError, OffplanError, StalePlanError  # noqa: E402
-from planner.plan import Placement, Transfer  # noqa: E402
+from planner.plan import Placement  # noqa: E402
 from planner.planfile import load_plan  # noqa: E402
 from runtime.hf import build_meta_model, from_pretrained  # noqa: E402
 from tiny_models import llama_config, logits, make_plan, reference, save_model, save_models  # noqa: E402
@@ -59,7 +60,7 @@ def test_every_backend_matches_plain_loading(tmp_path, checkpoints, expected, ki
     for name, place in load_plan(plan).params.items():
         placed[place.value] += 1
     if placed["prefetch"]:
-        assert stats["prefetch_copies"] > 0 and stats["gpu_buffer_bytes"] > 0
+        assert stats.prefetch_copies > 0 and stats.gpu_buffer_bytes > 0
     handle.remove()
     assert torch.equal(logits(model), expected[kind])  # plain tensors again, same values
 
@@ -100,7 +101,7 @@ def test_wrong_slot_rotation_changes_outputs(tmp_path, checkpoints, expected):
     assert torch.equal(logits(good.model), expected["llama"])
     # A rotation that ignores k mod step: every layer in slot 0, so a copy lands on a slot
     # whose layer has not run yet.
-    wrong = tuple(Transfer(t.layer, 0, t.after) for t in plan.prefetch.schedule)
+    wrong = tuple(dataclasses.replace(t, slot=0) for t in plan.prefetch.schedule)
     bad_plan = dataclasses.replace(plan, prefetch=dataclasses.replace(plan.prefetch, schedule=wrong))
     bad = runtime.load(build_meta_model(checkpoints["llama"]), bad_plan, checkpoint=checkpoints["llama"])
     assert not torch.equal(logits(bad.model), expected["llama"])
@@ -119,7 +120,7 @@ def test_a_forward_that_stops_part_way_does_not_poison_the_next(tmp_path, checkp
         logits(model)
     layer.forward = original
     assert torch.equal(logits(model), expected["llama"])  # the slots were primed again
-    assert handle.stats()["prefetch_reprimes"] == 1
+    assert handle.stats().prefetch_reprimes == 1
     assert torch.equal(logits(model), expected["llama"])
     with pytest.raises(OffplanError, match="ran out of order"):
         with torch.no_grad():
@@ -132,7 +133,7 @@ def test_apply_moves_a_materialized_model(tmp_path, checkpoints, expected):
     model = reference(checkpoints["moe"])
     handle = runtime.apply(model, plan)
     assert torch.equal(logits(model), expected["moe"])
-    assert handle.stats()["uva_bytes"] > 0 and handle.stats()["prefetch_bytes"] > 0
+    assert handle.stats().uva_bytes > 0 and handle.stats().prefetch_bytes > 0
     handle.remove()
     assert torch.equal(logits(model), expected["moe"])
 
@@ -178,7 +179,7 @@ def test_failed_load_leaves_no_hooks(tmp_path, checkpoints, monkeypatch):
 
     def boom(*a, **k):
         raise RuntimeError("disk on fire")
-    monkeypatch.setattr(runtime.handle.OffloadHandle, "_materialize_buffers", boom)
+    monkeypatch.setattr(load_steps, "_materialize_buffers", boom)  # the last load step
     with pytest.raises(RuntimeError, match="disk on fire"):
         runtime.load(model, plan)
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())

@@ -63,7 +63,7 @@ def test_cuda_logits_equal_all_gpu(tmp_path, checkpoints, expected, kind, policy
 def test_uva_disabled_copies_on_demand(tmp_path, checkpoints, expected, kind):
     plan = make_plan(tmp_path, checkpoints[kind], POLICIES["uva-part"])
     model, handle = from_pretrained(plan, uva=False, progress=False)
-    assert not handle.stats()["uva_in_place"]
+    assert not handle.stats().uva_in_place
     assert torch.equal(logits(model, "cuda"), expected[kind])
     handle.remove(restore=False)
 
@@ -77,7 +77,7 @@ def test_uva_parameters_are_zero_copy_views(tmp_path, checkpoints):
     host = handle.arena.host_view(0, handle.arena.nbytes)
     assert host.data_ptr() <= w.data_ptr() < host.data_ptr() + host.numel()  # same address: no copy
     assert handle.arena.base % 4096 == 0  # page-aligned: UVA reads run at the link's speed
-    assert torch.cuda.memory_allocated() - before < handle.stats()["uva_bytes"]
+    assert torch.cuda.memory_allocated() - before < handle.stats().uva_bytes
     handle.remove(restore=False)
 
 
@@ -89,11 +89,11 @@ def test_load_peak_and_pinned_ratio(tmp_path, checkpoints, policy):
     s = handle.stats()
     largest = max(t.nbytes for t in handle.targets)
     slack = 512 * len(handle.targets)  # allocator and arena alignment
-    assert s["peak_gpu_bytes_during_load"] <= plan.summary.gpu_footprint_bytes + largest + slack
-    if s["uva_bytes"] + s["prefetch_bytes"]:
-        assert s["pinned_ratio"] <= 1.02
-    print(f"\n[{policy}] footprint {plan.summary.gpu_footprint_bytes} peak {s['peak_gpu_bytes_during_load']} "
-          f"largest {largest} pinned_ratio {s['pinned_ratio']} load {s['load_gb_per_s']:.2f} GB/s")
+    assert s.peak_gpu_bytes_during_load <= plan.summary.gpu_footprint_bytes + largest + slack
+    if s.uva_bytes + s.prefetch_bytes:
+        assert s.pinned_ratio <= 1.02
+    print(f"\n[{policy}] footprint {plan.summary.gpu_footprint_bytes} peak {s.peak_gpu_bytes_during_load} "
+          f"largest {largest} pinned_ratio {s.pinned_ratio} load {s.load_bytes_per_s / 1e9:.2f} GB/s")
     handle.remove(restore=False)
 
 

@@ -1,4 +1,4 @@
-"""Which checkpoint tensors make up which model tensor.
+"""The checkpoint-to-transformers mapping: which checkpoint tensors make up which model tensor.
 
 Most models name their parameters exactly as the checkpoint does. transformers
 5.x does not always: it fuses per-expert checkpoint tensors into one runtime

@@ -1,0 +1,217 @@
+"""`load` and `apply`: carry out a plan on a model, step by step.
+
+The runtime never decides a placement: every tensor goes where the plan says,
+or the call fails. The steps:
+
+1. open: the plan (parsed once) and its checkpoint's headers; refuse a stale
+   plan (planner/staleness.py), and a header-only checkpoint when loading;
+2. map names: checkpoint tensors to model tensors (checkpoint_names.py), one
+   error listing everything that does not match;
+3. lay out: the arena and slot offsets, read from the plan (layout.py);
+4. allocate: check free GPU memory, then the pinned arena, resident tensors
+   and the prefetch slots;
+5. fill: each tensor straight into place, from the checkpoint's mmap (`load`)
+   or from the model's current tensors (`apply`);
+6. bind: views of the slots (prefetch) and of the arena (uva) or the staging
+   buffer (`uva=False`), assigned into the model (`load_state_dict(assign=True)`),
+   buffers computed, hooks registered.
+
+From step 4 on an `OffloadHandle` owns what was allocated; on any failure it
+releases all of it before the error propagates.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from planner.checkpoint import Checkpoint, open_checkpoint
+from planner.errors import OffplanError, PlanFileError
+from planner.plan import Placement, Plan
+from planner.planfile import load_plan
+from planner.staleness import require_current
+
+from .arena import PinnedArena, as_bytes, typed
+from .checkpoint_names import Target, map_tensors
+from .handle import OffloadHandle
+from .layout import lay_out
+from .loader import TORCH_DTYPES, Progress, ShardReader, Stager, check_holds_weights
+from .prefetch import PrefetchEngine
+from .staging import UvaStaging
+
+GPU, UVA, PREFETCH = Placement.GPU, Placement.UVA, Placement.PREFETCH
+
+
+def load(model: torch.nn.Module, plan: str | Path | Plan, *, checkpoint: str | Path | Checkpoint | None = None,
+         device: str | torch.device | None = None, uva: bool = True, progress: bool | None = None) -> OffloadHandle:
+    """Fill a model built on the meta device from the plan's checkpoint, each tensor straight into place.
+
+    `device` defaults to cuda when available; without CUDA everything lives on
+    the CPU and prefetch runs its schedule with synchronous copies. `uva=False`
+    copies uva tensors to the GPU just before their module runs (staging.py)
+    instead of reading them in place. `progress` forces the bar on or off
+    (default: on a terminal). A `Plan` object needs `checkpoint=`: a directory,
+    or the `Checkpoint` whose headers were already read (then it is not read again).
+    """
+    plan, ckpt = open_plan(plan, checkpoint)
+    check_holds_weights(ckpt)
+    return _run(model, plan, ckpt, device, uva, progress, from_checkpoint=True)
+
+
+def apply(model: torch.nn.Module, plan: str | Path | Plan, *, checkpoint: str | Path | Checkpoint | None = None,
+          device: str | torch.device | None = None, uva: bool = True) -> OffloadHandle:
+    """Move the tensors of an already materialized model (CPU or GPU) to match the plan."""
+    plan, ckpt = open_plan(plan, checkpoint)
+    return _run(model, plan, ckpt, device, uva, False, from_checkpoint=False)
+
+
+def open_plan(plan: str | Path | Plan, checkpoint: str | Path | Checkpoint | None) -> tuple[Plan, Checkpoint]:
+    """Step 1: the plan and its checkpoint's headers; a stale plan is refused."""
+    if isinstance(plan, Plan):
+        if checkpoint is None:
+            raise OffplanError("a Plan object carries no location: pass checkpoint=DIR")
+    else:
+        path = Path(plan)
+        plan = load_plan(path)
+        checkpoint = checkpoint if checkpoint is not None else plan.checkpoint_dir(path)
+    if isinstance(checkpoint, Checkpoint):
+        ckpt, ckpt_dir = checkpoint, checkpoint.root
+    else:
+        ckpt_dir = Path(checkpoint)
+        ckpt = open_checkpoint(ckpt_dir)
+    if ckpt.fingerprint == plan.checkpoint_fingerprint and set(plan.params) != set(ckpt.tensors):
+        odd = sorted(set(plan.params) ^ set(ckpt.tensors))
+        raise PlanFileError("the plan's tensors differ from its checkpoint's although the fingerprints match "
+                            "(edited by hand?); rebuild it with `plan build POLICY`", odd)
+    require_current(plan, ckpt, ckpt_dir)
+    return plan, ckpt
+
+
+def _run(model, plan: Plan, ckpt: Checkpoint, device, uva: bool, progress, *, from_checkpoint: bool) -> OffloadHandle:
+    device = torch.device(device) if device is not None else torch.device(
+        "cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    targets = map_tensors(model, {n: (ckpt.tensors[n].shape, p) for n, p in plan.params.items()})  # step 2
+    layout = lay_out(targets, plan, model)  # step 3
+    handle = OffloadHandle(model, plan, ckpt, device, targets, layout)
+    try:
+        with torch.no_grad():
+            placed = _allocate_and_fill(handle, from_checkpoint, progress)  # steps 4 and 5
+            _bind(handle, placed, staged=handle.cuda and not uva)  # step 6
+    except BaseException:
+        # load(): the model was empty (meta) and goes back to empty, GPU tensors included;
+        # apply(): the user's model keeps its values, offloaded ones copied back to the CPU.
+        handle.release(restore=not from_checkpoint, failed=from_checkpoint)
+        raise
+    return handle
+
+
+def _check_gpu_memory(device: torch.device, resident: int, pool: int) -> None:
+    free, total = torch.cuda.mem_get_info(device)
+    need = resident + pool
+    if need > free:
+        gib = 2**30
+        raise OffplanError(
+            f"the plan needs {need / gib:.2f} GiB of GPU memory ({resident / gib:.2f} GiB resident + "
+            f"{pool / gib:.2f} GiB prefetch buffers) but only {free / gib:.2f} GiB of {total / gib:.2f} GiB "
+            f"is free on {device}; rebuild the plan with budget_gib <= {free / gib * 0.95:.1f}")
+
+
+def _allocate_and_fill(h: OffloadHandle, from_checkpoint: bool, progress) -> dict[str, torch.Tensor]:
+    """Steps 4 and 5: the arena and resident tensors, filled; returns each target's tensor by name."""
+    if h.cuda:
+        resident = sum(t.nbytes for t in h.targets if t.placement is GPU)
+        _check_gpu_memory(h.device, resident, h.plan.prefetch.pool_bytes if h.plan.prefetch else 0)
+        torch.cuda.synchronize(h.device)
+        torch.cuda.reset_peak_memory_stats(h.device)
+        h.start_alloc = torch.cuda.memory_allocated(h.device)
+    h.arena = PinnedArena(h.layout.arena_bytes, cuda=h.cuda, device=h.device)
+    current = h.model.state_dict(keep_vars=True) if not from_checkpoint else None
+    reader = ShardReader(h.checkpoint) if from_checkpoint else None
+    stager = Stager(h.device) if h.cuda and from_checkpoint else None
+    bar = Progress(sum(t.nbytes for t in h.targets), progress)
+    placed: dict[str, torch.Tensor] = {}
+    try:
+        for t in h.targets:
+            if t.placement is GPU:
+                dst = torch.empty(t.shape, dtype=t.dtype, device=h.device)
+            else:
+                dst = typed(h.arena.host_view(h.layout.host_offset[t.name], t.nbytes), t.dtype, t.shape)
+            if from_checkpoint:
+                _fill(h.checkpoint, t, dst, reader, stager)
+            else:
+                dst.copy_(current[t.name].detach())
+            bar.update(t.nbytes)
+            placed[t.name] = dst
+        if stager is not None:
+            stager.finish()
+    finally:
+        if reader is not None:
+            reader.close()
+    h.load_seconds = bar.close()
+    return placed
+
+
+def _fill(ckpt: Checkpoint, t: Target, dst: torch.Tensor, reader: ShardReader, stager: Stager | None) -> None:
+    for piece in t.pieces:
+        part = dst[piece.index] if piece.index else dst
+        info = ckpt.tensors[piece.source]
+        same = TORCH_DTYPES.get(info.dtype, None) == t.dtype or (
+            info.dtype not in TORCH_DTYPES and info.nbytes == part.numel() * part.element_size())
+        if not same:
+            part.copy_(reader.typed(piece.source))  # dtype conversion: rare, so the plain path
+            continue
+        src = reader.raw(piece.source)
+        out = as_bytes(part)
+        if out.device.type == "cuda":
+            stager.copy(src, out)
+        else:
+            out.copy_(src)
+
+
+def _bind(h: OffloadHandle, placed: dict[str, torch.Tensor], staged: bool) -> None:
+    """Step 6: the tensors the model runs with (slot, arena or staging views), assigned; hooks registered."""
+    if h.plan.prefetch is not None:
+        h.engine = PrefetchEngine(h.plan.prefetch, h.layout.layers, h.arena, h.device)
+        for t in h.targets:
+            if t.placement is PREFETCH:
+                view = h.engine.slot_view(h.layout.streamed_in[t.name], h.layout.slot_offset[t.name], t.nbytes)
+                placed[t.name] = typed(view, t.dtype, t.shape)
+    uva = [t for t in h.targets if t.placement is UVA]
+    if staged and uva:
+        h.staging = UvaStaging(uva, h.layout.host_offset, h.arena, h.model, h.device)
+        placed.update(h.staging.views)
+    else:
+        for t in uva:
+            placed[t.name] = typed(h.arena.device_view(h.layout.host_offset[t.name], t.nbytes), t.dtype, t.shape)
+    state = {alias: placed[t.name] for t in h.targets for alias in t.aliases}
+    h.model.load_state_dict(state, assign=True, strict=True)
+    h.assigned = True
+    _materialize_buffers(h.model, h.device)
+    if h.cuda:
+        if h.engine is not None:
+            torch.cuda.current_stream(h.device).wait_stream(h.engine.copy_stream)
+        torch.cuda.synchronize(h.device)
+        h.peak_gpu_bytes = torch.cuda.max_memory_allocated(h.device) - h.start_alloc
+
+
+def _materialize_buffers(model: torch.nn.Module, device: torch.device) -> None:
+    """Non-persistent buffers (rotary tables) are not in checkpoints: build them on the device."""
+    pending = []
+    for module in model.modules():
+        for name, buf in list(module.named_buffers(recurse=False)):
+            if buf is None:
+                continue
+            if buf.is_meta:
+                module.register_buffer(name, torch.empty_like(buf, device=device), persistent=False)
+                pending.append(module)
+            elif buf.device != device:
+                persistent = name in module.state_dict(keep_vars=True)
+                module.register_buffer(name, buf.to(device), persistent=persistent)
+    init = getattr(model, "_init_weights", None)
+    for module in dict.fromkeys(pending):
+        if init is None or any(True for _ in module.parameters(recurse=False)):
+            raise OffplanError(f"{type(module).__name__}: buffers left on the meta device and no way to "
+                               "compute them; build the model with its buffers materialized")
+        init(module)  # transformers recomputes rotary tables and the like here
