@@ -50,19 +50,17 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from planner.build import build  # noqa: E402
-from planner.checkpoint import open_checkpoint  # noqa: E402
-from planner.cost import CostModel, read_top_k  # noqa: E402
-from planner.graph import build_graph  # noqa: E402
-from planner.groups import FusedGroups  # noqa: E402
-from planner.hardware import H100, Hardware, dumps_hardware, load_hardware  # noqa: E402
-from planner.files import write_atomic  # noqa: E402
-from planner.planfile import dumps, load_plan  # noqa: E402
-from planner.policy import load_policy  # noqa: E402
-from planner.units import GIB  # noqa: E402
+from planner.build import build
+from planner.checkpoint import open_checkpoint
+from planner.config import read_config
+from planner.cost import CostModel
+from planner.graph import build_graph
+from planner.groups import FusedGroups
+from planner.hardware import H100, Hardware, dumps_hardware, load_hardware
+from planner.files import write_atomic
+from planner.planfile import dumps, load_plan
+from planner.policy import load_policy
+from planner.units import GIB
 
 FRACTIONS = {0.25: (4, 1), 0.5: (2, 1), 0.75: (4, 3)}
 PROMPT_LEN = 16
@@ -213,9 +211,9 @@ def _plan_facts(plan_path: Path):
     """The plan, its checkpoint's layer graph, tensors, expert groups and top-k: read once per plan."""
     plan = load_plan(plan_path)
     ckpt = open_checkpoint(plan.checkpoint_dir(plan_path))
-    graph = build_graph(list(ckpt.tensors))
+    graph = build_graph(list(ckpt.tensors), facts=read_config(ckpt.root))
     groups = FusedGroups.find(n for l in graph.stack_layers() for n in l.params)
-    return plan, graph, ckpt.tensors, groups, read_top_k(ckpt.root)
+    return plan, graph, ckpt.tensors, groups, read_config(ckpt.root).top_k
 
 
 def predicted_us(plan_path: Path, hw: Hardware, batch: int) -> int:
@@ -283,7 +281,7 @@ def main(argv=None) -> int:
     record(kind="hardware", **hw.__dict__)
     floor = hw.h2d_copy_gbps  # measured in this run: the PCIe floor
 
-    graph = build_graph(list(info.tensors))
+    graph = build_graph(list(info.tensors), facts=read_config(ckpt))
     layers = [l for l in graph.stack_layers()]
     decoder_bytes = sum(info.tensors[n].nbytes for l in layers for n in l.params)
     ids = prompts(config_for(args.model, args.layers).vocab_size, args.device)

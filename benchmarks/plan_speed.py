@@ -8,7 +8,7 @@ The targets (issue 2, "Performance"): planning takes under 2x the time the
 `safetensors` library needs to open every shard and list its keys and shapes,
 and peak memory stays under 500 MB.
 
-What is measured, on a header-only checkpoint from `planner.synthetic.deepseek_v3()`
+What is measured, on a header-only checkpoint from `tests/synthetic.py`: `deepseek_v3()`
 (91,991 tensors in 163 shards of about 4.2 GB, data regions are sparse holes):
 
 - baseline: read `model.safetensors.index.json` with `json`, then for every shard
@@ -66,7 +66,8 @@ TARGET_MB = 500
 
 def make_checkpoint(root: Path) -> Path:
     """Write (or reuse) the header-only checkpoint and the policy under `root`; return the policy."""
-    from planner import synthetic
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the test fixtures
+    import synthetic
 
     ckpt = root / "checkpoint"
     if not (ckpt / "model.safetensors.index.json").is_file():

@@ -14,9 +14,9 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
+from planner.files import write_atomic
+
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
-from planner.files import write_atomic  # noqa: E402
 RESULTS = HERE / "results"
 STRATEGIES = ["accelerate", "uva-64b", "uva", "prefetch", "mixed"]
 LABELS = {"uva-64b": "uva, arena base 64 B past a page (before alignment)"}

@@ -8,7 +8,7 @@ from .errors import PolicyError
 from .graph import build_graph
 from .patterns import Names, closest
 from .placement import decide
-from .cost import read_top_k
+from .config import read_config
 from .hardware import H100, load_hardware
 from .files import relpath
 from .plan import Plan
@@ -52,9 +52,10 @@ def _build(policy: Policy, plan_dir: Path, checkpoint: Checkpoint | None) -> Pla
     ckpt = checkpoint or open_checkpoint(policy.checkpoint)
     names = list(ckpt.tensors)
     check_patterns(policy, names)
-    graph = build_graph(names, policy.stacks, policy.where)
+    facts = read_config(ckpt.root)
+    graph = build_graph(names, policy.stacks, policy.where, facts)
     hardware = load_hardware(policy.hardware) if policy.hardware else H100
-    top_k = policy.workload.experts_per_token or read_top_k(ckpt.root)
+    top_k = policy.workload.experts_per_token or facts.top_k
     d = decide(graph, ckpt.tensors, policy, hardware, top_k)
     # The directory when it is the standard layout, else the file the policy named.
     if ckpt.index is None:

@@ -8,6 +8,9 @@ sequence, batch b) reads:
   (unless the embedding is tied to the head, which reads it whole);
 - dense: everything else, read whole every step.
 Rules may override a role (`rules: [{match: [lm_head], role: dense}]`).
+Only what runs in every decode step counts (graph.py `Runs`): a vision tower
+runs only in the prefill of a prompt with images, an MTP layer never in plain
+decode, so wherever they live they cost a decode step nothing.
 
 Time per step: three resources work at once, and the slowest sets the pace.
     cpu  = step overhead + stack layers x layer overhead   (launching kernels, eagerly)
@@ -26,19 +29,16 @@ prefetch is assumed perfect, so a plan whose offloaded layers sit together
 """
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 
 from .checkpoint import TensorInfo
 from .graph import LayerGraph
 from .groups import FusedGroups
 from .hardware import Hardware
-from .plan import LayerKind, Placement, Role
+from .plan import LayerKind, Placement, Role, Runs
 
 GPU, UVA, PREFETCH = Placement.GPU, Placement.UVA, Placement.PREFETCH
-_TOP_K_KEYS = ("num_experts_per_tok", "moe_topk", "num_experts_per_token", "top_k", "moe_k")
 
 
 @dataclass(frozen=True)
@@ -63,19 +63,6 @@ class Prediction:
         return max(self.cpu_us, self.gpu_us, self.link_us)
 
 
-def read_top_k(checkpoint_root: Path) -> int | None:
-    """Experts per token from the checkpoint's config.json, when it has one."""
-    try:
-        config = json.loads((Path(checkpoint_root) / "config.json").read_text())
-    except (OSError, ValueError):
-        return None
-    for scope in (config, config.get("text_config") or {}):
-        for key in _TOP_K_KEYS:
-            if isinstance(scope.get(key), int) and scope[key] > 0:
-                return scope[key]
-    return None
-
-
 class CostModel:
     """Predicts a placement's per-step traffic and time; built once per plan, asked many times."""
 
@@ -96,7 +83,9 @@ class CostModel:
             for n in layer.params:
                 role = (roles or {}).get(n) or (
                     Role.EXPERT if n in group_of else Role.EMBEDDING if n in embed else Role.DENSE)
-                if role is Role.EXPERT and (top_k is None or n not in group_of):
+                if layer.runs is not Runs.STEP:
+                    frac = 0.0  # not in a decode step at all
+                elif role is Role.EXPERT and (top_k is None or n not in group_of):
                     frac = 1.0  # unknown routing, or an override without a group: read it all
                 elif role is Role.EXPERT:
                     e = counts[group_of[n]]
@@ -116,6 +105,9 @@ class CostModel:
         total = [0, 0.0, 0.0]
         cpu = hw.step_overhead_us
         for layer in self.graph.layers:
+            if layer.runs is not Runs.STEP:
+                layers.append(LayerCost(layer.name, 0, 0, 0))
+                continue
             read_hbm = read_uva = copied = 0.0
             for n in layer.params:
                 p, b = place[n], self.size[n] * self.frac[n]

@@ -1,20 +1,33 @@
-"""The layer graph: which tensors form the repeated stacks, and in what order things run.
+"""The layer graph: which tensors form the layers, in what order they run, and when.
 
-Algorithm. A tensor name's *stack prefix* is everything before its first
+Layers. A tensor name's *stack prefix* is everything before its first
 all-digit segment (`model.layers.12.mlp...` -> `model.layers`, layer 12). A
-prefix seen with two or more distinct numbers is a stack (`transformer.h`,
-`blocks`, `language_model.model.layers`, `vision_tower...encoder.layers`).
-When that guess is wrong (a model with `norms.0`/`norms.1`, or two stacks of
-which only one should be offloaded), the policy's `stacks:` key names the
-prefixes to use and the rest is treated as ordinary modules.
-
+prefix with two or more numbers is a stack, unless it has fewer than four and
+a gap: an `nn.Sequential` of modules and activations (Qwen2-VL's
+`visual.merger.mlp.0` and `.2`) is a module, not two layers. The policy's
+`stacks:` key overrides detection.
 Every other tensor belongs to the module that owns it (its name without the
-last segment). The execution order, a chain in a networkx DiGraph, is:
-embedding-like modules, then the stacks (vision/audio/encoder stacks first,
-then the rest in the order they appear), each in numeric order (10 after 9),
-then the remaining modules (final norms), then the head. Within a layer,
-tensors are in natural order (numbers compared as numbers), which is the
-stable order used everywhere a layer's tensors are walked.
+last segment).
+
+Order: embedding-like modules, then the stacks (vision/audio/encoder stacks
+first), each in numeric order (10 after 9), then the remaining modules (final
+norms, projectors), then the head. Within a layer, tensors are in natural
+order (numbers compared as numbers).
+
+When each layer runs (`Runs`), which placement and the cost model act on:
+- `images`: a vision tower and its projector (by name: `visual`,
+  `vision_tower`, `vision_model`, `multi_modal_projector`, ...) run only for a
+  prompt with images, in its prefill, never in a text decode step;
+- `mtp`: a multi-token-prediction layer never runs in plain decode: a layer
+  of a text stack numbered past config.json's `num_hidden_layers` when
+  `num_nextn_predict_layers` says there are such (DeepSeek-V3's layer 61), or
+  a module under an `mtp` segment;
+- `step`: everything else, in every decode step.
+
+The networkx graph holds the layers as nodes (with `layer` and `runs`), the
+execution order as `order` edges, and a tied embedding (one tensor that is
+also the head) as the node attribute `tied`. `schedule_problems` adds a
+prefetch schedule's copy-start edges and checks them for slot overlap.
 
 Limits: the order is inferred from names only. Modules that run between two
 stacks (a VLM's projector) are put after the stacks; this only affects the
@@ -23,18 +36,22 @@ order in which the plan lists them, never where they are placed.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import networkx as nx
 
+from .config import ModelFacts
 from .errors import PolicyError
 from .patterns import closest
-from .plan import LayerKind
+from .plan import LayerKind, Runs, Transfer
 
 _EMBED = re.compile(r"(^|\.)(embed\w*|wte|wpe|tok_embeddings|word_embeddings|patch_embed\w*)(\.|$)")
 _HEAD = re.compile(r"(^|\.)(lm_head|output|head)$")
 _EARLY_STACK = re.compile(r"vision|visual|audio|encoder")
+_VISION = re.compile(r"(^|\.)(visual|vision_tower|vision_model|vision_encoder|vision_embed\w*|multi_modal_projector"
+                     r"|mm_projector|image_newline)(\.|$)")
+_MTP = re.compile(r"(^|\.)(mtp|mtp_layers)(\.|$)")
 
 
 def natural_key(name: str) -> str:
@@ -55,6 +72,7 @@ class Layer:
     params: tuple[str, ...]  # full tensor names, natural order
     stack: str | None = None  # "model.layers" for stack layers
     index: int | None = None  # 7 for "model.layers.7"
+    runs: Runs = Runs.STEP
 
     def local(self, param: str) -> str:
         """The tensor's name within this layer (`mlp.down_proj.weight`)."""
@@ -65,11 +83,19 @@ class Layer:
 class LayerGraph:
     layers: tuple[Layer, ...]  # execution order
     stacks: tuple[str, ...]
-    tied_embeddings: bool
     graph: nx.DiGraph
+
+    @property
+    def tied_embeddings(self) -> bool:
+        """True when an embedding is also the head (no head tensor): it is read whole every step."""
+        return any(data.get("tied") for _, data in self.graph.nodes(data=True))
 
     def stack_layers(self) -> list[Layer]:
         return [l for l in self.layers if l.kind is LayerKind.LAYER]
+
+    def rarely_run(self) -> list[Layer]:
+        """Layers that do not run in every decode step (vision, MTP), in execution order."""
+        return [l for l in self.layers if l.runs is not Runs.STEP]
 
 
 _NUMBERED = re.compile(r"^(?:(.*?)\.(\d+)\.)?", re.M)
@@ -96,20 +122,33 @@ def _natural_order(node: str, params: list[str], keys: dict[str, str]) -> tuple[
     return tuple(p for _, p in sorted(zip(map(keys.__getitem__, local), params)))
 
 
+def _runs(node: str, kind: LayerKind, stack: str | None, index: int | None, facts: ModelFacts) -> Runs:
+    if _VISION.search(node):
+        return Runs.IMAGES
+    if _MTP.search(node):
+        return Runs.MTP
+    if (kind is LayerKind.LAYER and facts.mtp_layers and facts.layers is not None and index >= facts.layers
+            and not _EARLY_STACK.search(stack)):
+        return Runs.MTP
+    return Runs.STEP
+
+
 def build_graph(names: Iterable[str], stacks: Iterable[str] | None = None,
-                where: Callable[[str], str] | None = None) -> LayerGraph:
-    """Group tensor names into layers and order them for execution (see module doc).
+                where: Callable[[str], str] | None = None, facts: ModelFacts | None = None) -> LayerGraph:
+    """Group tensor names into layers, order them and say when each runs (see module doc).
 
     `stacks` overrides detection; `where` turns a key path (`stacks[0]`) into the
-    policy's `file:line:column` for the error naming a prefix that holds no tensor.
+    policy's `file:line:column` for the error naming a prefix that holds no tensor;
+    `facts` (config.py) tells MTP layers apart.
     """
     names = list(names)
+    facts = facts or ModelFacts()
     hits = _numbered(names)
     found: dict[str, set[int]] = {}
     for prefix, number in hits:
         if number:
-            found.setdefault(prefix, set()).add(number)
-    detected = [p for p, idx in found.items() if len(idx) >= 2]
+            found.setdefault(prefix, set()).add(int(number))
+    detected = [p for p, idx in found.items() if len(idx) >= 4 or (len(idx) >= 2 and max(idx) - min(idx) == len(idx) - 1)]
     if stacks is None:
         chosen = detected
     else:
@@ -122,7 +161,7 @@ def build_graph(names: Iterable[str], stacks: Iterable[str] | None = None,
     chosen_set = set(chosen)
 
     by_layer: dict[str, list[str]] = {}
-    kinds: dict[str, tuple[str, str | None, int | None]] = {}
+    kinds: dict[str, tuple[LayerKind, str | None, int | None]] = {}
     for name, (prefix, number) in zip(names, hits):
         if number and prefix in chosen_set:
             node = f"{prefix}.{number}"
@@ -148,20 +187,56 @@ def build_graph(names: Iterable[str], stacks: Iterable[str] | None = None,
 
     nodes = sorted(by_layer, key=lambda n: (order(n), natural_key(n)))
     keys: dict[str, str] = {}  # natural keys of local names, shared by every layer of a stack
-    layers = tuple(Layer(n, kinds[n][0], _natural_order(n, by_layer[n], keys), kinds[n][1], kinds[n][2])
-                   for n in nodes)
+    layers = tuple(Layer(n, kinds[n][0], _natural_order(n, by_layer[n], keys), kinds[n][1], kinds[n][2],
+                         _runs(n, *kinds[n], facts)) for n in nodes)
     graph = nx.DiGraph()
-    graph.add_nodes_from((l.name, {"layer": l}) for l in layers)
-    nx.add_path(graph, [l.name for l in layers])
-    has_embed = any(l.kind is LayerKind.EMBED for l in layers)
+    graph.add_nodes_from((l.name, {"layer": l, "runs": l.runs}) for l in layers)
+    graph.add_edges_from(zip(nodes, nodes[1:]), kind="order")
     has_head = any(l.kind is LayerKind.HEAD for l in layers)  # lm_head, or `output` (Meta's layout)
-    return LayerGraph(layers, tuple(sorted(chosen, key=stack_rank.get)), has_embed and not has_head, graph)
+    if not has_head:  # the head reuses the (text) embedding: one tensor, read whole every step
+        embed = next((l for l in layers if l.kind is LayerKind.EMBED and l.runs is Runs.STEP), None)
+        if embed is not None:
+            graph.nodes[embed.name]["tied"] = True
+    return LayerGraph(layers, tuple(sorted(chosen, key=stack_rank.get)), graph)
+
+
+def schedule_problems(graph: LayerGraph, schedule: Sequence[Transfer]) -> list[str]:
+    """A prefetch schedule's copy-start edges, added to the graph (`kind="copy"`) and checked.
+
+    Each transfer is an edge `after -> layer`: the copy into the layer's slot
+    starts once `after` has run, in the same forward when `after` runs first,
+    else in the forward before (and at load, for the first). Unrolled over
+    forwards, every copy edge thus points forward in time: a schedule cannot
+    deadlock. What it can do is overwrite weights still to be read: no layer
+    may hold the slot between `after` and `layer`, and `after` must be the
+    slot's previous holder.
+    """
+    streamed = [t.layer for t in schedule]
+    slot = {t.layer: t.slot for t in schedule}
+    at = {name: i for i, name in enumerate(streamed)}
+    problems = []
+    for t in schedule:
+        graph.graph.add_edge(t.after, t.layer, kind="copy")
+        if t.after not in at:
+            problems.append(f"{t.layer}: its copy starts after {t.after}, which streams nothing")
+            continue
+        i, j = at[t.after], at[t.layer]
+        between = streamed[i + 1:j] if i < j else streamed[i + 1:] + streamed[:j]
+        holders = [n for n in between if slot[n] == t.slot]
+        if holders:
+            problems.append(f"{t.layer}: its copy into slot {t.slot} starts after {t.after}, while {holders[0]} "
+                            "still holds that slot")
+        elif slot[t.after] != t.slot:
+            problems.append(f"{t.layer}: its copy into slot {t.slot} starts after {t.after}, which streams through "
+                            f"slot {slot[t.after]}")
+    return problems
 
 
 def execution_order(graph: LayerGraph, selected: Iterable[str]) -> list[str]:
     """The selected layer names in the order the graph runs them."""
     selected = set(selected)
-    return [n for n in nx.topological_sort(graph.graph) if n in selected]
+    order = nx.subgraph_view(graph.graph, filter_edge=lambda a, b: graph.graph[a][b]["kind"] == "order")
+    return [n for n in nx.topological_sort(order) if n in selected]
 
 
 def _did_you_mean(word: str, options: list[str]) -> str:

@@ -6,8 +6,10 @@ prefetch would copy them whole. Dense tensors are read whole every step; for
 them prefetch wins, because its copies overlap compute, until the link is
 saturated, and then UVA and prefetch cost the same link time.
 
-Algorithm. Candidates are the tensors of the layer stacks and of embedding
-modules that no rule placed; a fused expert group is one unit. Four strategies
+Algorithm. Candidates are the tensors of the layer stacks, of embedding
+modules, and of whatever runs in no decode step (vision towers, MTP layers),
+that no rule placed; a fused expert group is one unit. What runs in no decode
+step reads nothing per step, so it counts as the sparsest and goes to uva first. Four strategies
 each build a placement that fits the budget:
 
 1. sparse -> uva, then dense -> prefetch: sparse units, least-touched first,
@@ -35,7 +37,7 @@ from .cost import CostModel, Prediction
 from .footprint import Footprint
 from .graph import Layer, LayerGraph
 from .groups import FusedGroups
-from .plan import LayerKind, Placement
+from .plan import LayerKind, Placement, Runs
 from .policy import Policy
 from .schedule import fewest_layers
 
@@ -65,7 +67,7 @@ def place_mixed(graph: LayerGraph, policy: Policy, fp: Footprint, fixed: set[str
     units: list[Unit] = []
     seen: set[str] = set()
     for layer in graph.layers:
-        if layer.kind not in (LayerKind.LAYER, LayerKind.EMBED):
+        if layer.kind not in (LayerKind.LAYER, LayerKind.EMBED) and layer.runs is Runs.STEP:
             continue
         for n in layer.params:
             if n in fixed or n in seen:
@@ -86,7 +88,7 @@ def place_mixed(graph: LayerGraph, policy: Policy, fp: Footprint, fixed: set[str
     def to_prefetch(f: Footprint, seq) -> Footprint:
         by_layer: dict[str, list[str]] = {}
         for u in seq:
-            if u.layer.kind is LayerKind.LAYER and f.place[u.names[0]] is GPU:
+            if u.layer.kind is LayerKind.LAYER and u.layer.runs is Runs.STEP and f.place[u.names[0]] is GPU:
                 by_layer.setdefault(u.layer.name, []).extend(u.names)
         eligible = [(l, by_layer[l.name]) for l in graph.stack_layers() if l.name in by_layer]
         for _, names in fewest_layers(eligible, f, budget):

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from .checkpoint import TensorInfo
 from .graph import LayerGraph
-from .plan import Backend, Placement, PrefetchSchedule
+from .plan import Backend, Placement, PrefetchSchedule, Runs
 from .policy import Policy
 from .units import human, percent, plural
 
@@ -70,6 +70,7 @@ def notes(o: Outcome) -> tuple[str, ...]:
         out.append(f"rules place {_amounts(by_rules)} ({plural(ruled, 'tensor')})")
     out.append(_backend_note(o, by_backend, any(by_rules.values()), sum(size.values())))
     out += o.mixed
+    out += _rarely_run(o)
     if o.experts_without_top_k:
         out.append("the checkpoint has MoE experts but no experts-per-token (config.json or "
                    "workload.experts_per_token): the cost model assumes each step reads every expert")
@@ -77,6 +78,23 @@ def notes(o: Outcome) -> tuple[str, ...]:
         out.append("tied embeddings: the checkpoint has no lm_head tensor; the head reuses the embedding")
     out += saving_warnings(o.place, o.tensors, o.graph, o.schedule)
     return tuple(out)
+
+
+def _rarely_run(o: Outcome) -> list[str]:
+    """What the cost model leaves out of a decode step (graph.py `Runs`), and where it went."""
+    rare = o.graph.rarely_run()
+    if not rare:
+        return []
+    parts, moved = [], 0
+    for runs, what in ((Runs.IMAGES, "run only with images"), (Runs.MTP, "predict extra tokens (MTP)")):
+        layers = [l for l in rare if l.runs is runs]
+        if layers:
+            size = sum(o.tensors[n].nbytes for l in layers for n in l.params)
+            parts.append(f"{plural(len(layers), 'layer')} that {what} ({human(size)})")
+        moved += sum(o.tensors[n].nbytes for l in layers for n in l.params
+                     if o.place[n] is not GPU and n not in o.fixed)
+    where = f"; {human(moved)} of them offloaded, first" if moved and o.policy.budget_bytes is not None else ""
+    return [f"not in a decode step, so the cost model counts them in none: {' and '.join(parts)}{where}"]
 
 
 def _amounts(by: Mapping[Placement, int]) -> str:

@@ -9,6 +9,10 @@ Steps:
 2. Candidates for the backend are the remaining tensors of the layer stacks;
    embeddings, final norms and the head stay on the GPU unless a rule moves them.
    Fused expert groups (groups.py) move whole; selecting part of one is an error.
+   Where a budget drives the placement (not vLLM's own knobs, which keep
+   vLLM's order), what runs in no decode step (graph.py: vision towers and
+   their projectors, MTP layers) goes to uva first, stacks or not: it costs a
+   decode step nothing wherever it lives.
 3. The backend: `auto` is prefetch if `prefetch.group_size > 0`, else uva if
    `uva.offload_gib > 0` or a budget is set, else nothing. `mixed` chooses per
    tensor by predicted step time (mixed.py).
@@ -18,20 +22,21 @@ Steps:
 5. uva: walk the candidates (only those matching `uva.params`, if given) and
    offload each one while the offloaded total is below `offload_gib` GiB (so
    the last one may overshoot, as in vLLM); with no amount, offload until the
-   GPU footprint is within the budget.
+   GPU footprint is within the budget, rarely-run layers first.
 6. prefetch: stack position i (counted over all stacks, in order) is offloaded
    iff `i % group_size >= group_size - num_in_group`; within it, the tensors
-   matching `prefetch.params` (all, if none given). With no group_size, the
-   fewest layers, spread evenly over the layers that have candidates, such
-   that GPU bytes plus the buffer pool fit the budget; if no count fits, the
-   count with the smallest footprint, which the error quotes.
+   matching `prefetch.params` (all, if none given). With no group_size,
+   rarely-run layers go to uva first; then the fewest layers that run every
+   step, spread evenly over those that have candidates, stream such that GPU
+   bytes plus the buffer pool fit the budget; if no count fits, the count
+   with the smallest footprint, which the error quotes.
    A backend asked to offload that cannot is an error naming the key to set:
    `backend: uva` or `prefetch` with no amount, group and budget; a group_size
    larger than the stack; `params` or rules that leave the backend no tensor.
 7. The prefetch pool: the k-th prefetched layer uses slot k mod S, where
    S = min(step, prefetched layers) (vLLM allocates `step` slots; extra ones
-   would never be used). Each slot holds one buffer per distinct
-   (name within the layer, dtype, shape). A layer's copy starts after the
+   would never be used). A slot holds the largest prefetched layer, each
+   laid out in it as slots.py says. A layer's copy starts after the
    forward of the previous user of its slot, cyclically; for step | layers
    that is the layer `step` positions earlier, exactly vLLM's schedule.
 8. A budget that the result exceeds is an error quoting the smallest
@@ -40,7 +45,7 @@ Steps:
    It is the real minimum because whether a policy fits is monotonic in the
    budget: the fixed amounts (offload_gib, group_size) do not depend on it,
    and the budget-driven walks only decide where to stop. The footprint is not
-   monotonic in the number of prefetched layers (each slot adds buffers), so
+   monotonic in the number of prefetched layers (each slot adds a layer), so
    that minimum is taken over every count tried (schedule.fewest_layers), not
    at the largest count; mixed quotes the smallest of its strategies.
 9. The cost model (cost.py) predicts every plan's bytes over the link and
@@ -65,7 +70,7 @@ from .hardware import H100, Hardware
 from .mixed import place_mixed
 from .notes import Outcome, notes
 from .patterns import Names
-from .plan import Backend, Cost, LayerBytes, Placement, PrefetchSchedule, Summary
+from .plan import Backend, Cost, LayerBytes, Placement, PrefetchSchedule, Runs, Summary
 from .policy import Policy
 from .schedule import fewest_layers, make_schedule
 from .units import GIB, human, plural
@@ -165,9 +170,9 @@ def decide(graph: LayerGraph, tensors: Mapping[str, TensorInfo], policy: Policy,
     if backend is not Backend.NONE and budget is not None and fp.total <= budget:
         skipped, backend = backend, Backend.NONE  # offloading more would only cost speed
     elif backend is Backend.UVA:
-        _uva(stack, fixed, fp, policy, groups, selected["uva"])
+        _uva(stack, fixed, fp, policy, groups, selected["uva"], graph.rarely_run())
     elif backend is Backend.PREFETCH:
-        _prefetch(stack, fixed, fp, policy, graph, selected["prefetch"])
+        _prefetch(stack, fixed, fp, policy, graph, selected["prefetch"], groups)
     elif backend is Backend.MIXED:
         choice = place_mixed(graph, policy, fp, fixed, groups, model)
         fp, prediction, mixed_notes, reasons = choice.footprint, choice.prediction, choice.notes, choice.why
@@ -185,7 +190,7 @@ def decide(graph: LayerGraph, tensors: Mapping[str, TensorInfo], policy: Policy,
         for k in by:
             by[k] += mine[k]
         layers.append(LayerBytes(l.name, mine[GPU], mine[UVA], mine[PREFETCH], c.h2d_bytes, c.gpu_us,
-                                 reasons.get(l.name)))
+                                 reasons.get(l.name), l.runs))
     summary = Summary(by[GPU], by[UVA], by[PREFETCH], fp.pool, prediction.h2d_bytes, prediction.step_us)
     cost = Cost(hardware.name, prediction.batch_size, prediction.cpu_us, prediction.gpu_us, prediction.link_us)
     outcome = Outcome(policy, backend, reason, skipped, place, frozenset(fixed), tensors, graph, schedule,
@@ -206,8 +211,20 @@ def _check_groups(groups, won, selected, policy) -> None:
         raise PolicyError(f"{policy.path}: the policy splits fused expert groups", problems)
 
 
-def _uva(stack, fixed, fp: Footprint, policy: Policy, groups: FusedGroups, selected) -> None:
-    """The per-tensor walk; a fused expert group is offloaded whole when the walk reaches it."""
+def _rarely_run_first(rare: list[Layer], fixed, fp: Footprint, budget: int, groups: FusedGroups, selected) -> None:
+    """Budget-driven placement offloads to uva what does not run in every decode step first (vision
+    towers, MTP layers: graph.py): it costs a decode step nothing, wherever it lives."""
+    for layer in rare:
+        for n in layer.params:
+            if fp.total <= budget:
+                return
+            if n not in fixed and fp.place[n] is GPU and (selected is None or n in selected):
+                fp.move(groups.unit(n), UVA)
+
+
+def _uva(stack, fixed, fp: Footprint, policy: Policy, groups: FusedGroups, selected, rare: list[Layer]) -> None:
+    """The per-tensor walk; a fused expert group is offloaded whole when the walk reaches it.
+    With an amount, vLLM's walk over the stacks in order; with a budget, rarely-run layers first."""
     amount = policy.uva.offload_gib > 0
     if not amount and policy.budget_bytes is None:  # only `backend: uva` gets here
         raise PolicyError(
@@ -232,13 +249,14 @@ def _uva(stack, fixed, fp: Footprint, policy: Policy, groups: FusedGroups, selec
             fp.move(unit, UVA)
             done += sum(fp.tensors[n].nbytes for n in unit)
         return
+    _rarely_run_first(rare, fixed, fp, policy.budget_bytes, groups, selected)
     for unit in units():
         if fp.total <= policy.budget_bytes:
             break
         fp.move(unit, UVA)
 
 
-def _prefetch(stack, fixed, fp: Footprint, policy: Policy, graph: LayerGraph, selected) -> None:
+def _prefetch(stack, fixed, fp: Footprint, policy: Policy, graph: LayerGraph, selected, groups: FusedGroups) -> None:
     pre = policy.prefetch
 
     def chosen(layer: Layer) -> list[str]:
@@ -265,11 +283,14 @@ def _prefetch(stack, fixed, fp: Footprint, policy: Policy, graph: LayerGraph, se
             f"{policy.path}: backend: prefetch offloads nothing: set prefetch.group_size (with "
             "num_in_group: stream the last num_in_group layers of every group, as vLLM's "
             "offload_group_size) or budget_gib (stream the fewest layers that fit)")
-    eligible = [(l, c) for l, c in ((l, chosen(l)) for l in stack) if c]
-    if not eligible and selected is not None:
+    eligible = [(l, c) for l, c in ((l, chosen(l)) for l in stack if l.runs is Runs.STEP) if c]
+    rare = graph.rarely_run()
+    if not eligible and not rare and selected is not None:
         raise PolicyError(_nothing_left(policy, "prefetch", stack, fixed, selected))
-    for layer, names in fewest_layers(eligible, fp, policy.budget_bytes):
-        fp.move(names, PREFETCH)
+    _rarely_run_first(rare, fixed, fp, policy.budget_bytes, groups, selected)
+    if fp.total > policy.budget_bytes:
+        for layer, names in fewest_layers(eligible, fp, policy.budget_bytes):
+            fp.move(names, PREFETCH)
 
 
 def _layer_list(layers, limit: int = 6) -> str:

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 
 from .checkpoint import TensorInfo
 from .footprint import Footprint
-from .graph import Layer, LayerGraph
+from .graph import Layer, LayerGraph, schedule_problems
 from .plan import Layout, Placement, PrefetchSchedule, Transfer
 from .slots import layout_bytes, layout_of
 
@@ -83,4 +83,7 @@ def make_schedule(graph: LayerGraph, place: Mapping[str, Placement],
         layout = layout_of(l, [n for n in l.params if place[n] is PREFETCH], tensors)
         index = layouts.setdefault(layout, len(layouts))
         schedule.append(Transfer(l.name, l.name, index, k % slots, streamed[previous_user(k, slots, count)].name))
+    problems = schedule_problems(graph, schedule)
+    if problems:  # the rule above never makes such a schedule: a bug, not an input error
+        raise AssertionError("; ".join(problems))
     return PrefetchSchedule(max(step, 1), slots, max(l.bytes for l in layouts), tuple(layouts), tuple(schedule))

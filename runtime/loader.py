@@ -44,7 +44,7 @@ TORCH_DTYPES = {
 def check_holds_weights(checkpoint: Checkpoint) -> None:
     """Refuse a header-only checkpoint: valid headers over data regions that are holes in sparse files.
 
-    `plans/examples/make_checkpoints.py` (`planner.synthetic`) writes such
+    `plans/examples/make_checkpoints.py` (`tests/synthetic.py`) writes such
     checkpoints so that big models can be planned without their weights; loading
     one would read zeros. A shard counts as header-only when the file system
     has allocated (`st_blocks`) under 1/16 of the bytes its tensors need. A real

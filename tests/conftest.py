@@ -24,7 +24,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def toy_ckpt(tmp_path):
     """A 4-layer header-only checkpoint at tmp_path/ckpt, in two shards (see headeronly.toy)."""
-    from planner.synthetic import write_header_only
+    from synthetic import write_header_only
 
     from headeronly import toy
     return write_header_only(tmp_path / "ckpt", toy(4), shard_bytes=16 * 2**20)

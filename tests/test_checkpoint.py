@@ -13,7 +13,7 @@ from headeronly import MiB, entries, toy, write_index, write_raw_shard
 from planner.checkpoint import TensorInfo, open_checkpoint, resolve
 from planner.dtypes import BITS, nbytes
 from planner.errors import CheckpointError
-from planner.synthetic import deepseek_v3, write_header_only
+from synthetic import deepseek_v3, write_header_only
 
 
 def problems_of(path) -> list[str]:

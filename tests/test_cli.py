@@ -148,7 +148,7 @@ lm_head              weight                    gpu         4.0 MiB
 
 
 def test_show_tensors_lists_a_fused_expert_group_as_one_unit(tmp_path, monkeypatch, capsys):
-    from planner.synthetic import qwen3_moe, write_header_only
+    from synthetic import qwen3_moe, write_header_only
     monkeypatch.chdir(tmp_path)
     write_header_only(tmp_path / "ckpt", qwen3_moe(layers=2, experts=4, hidden=64, moe_intermediate=32, heads=4,
                                                    kv_heads=2, head_dim=16, vocab=128), single=True)

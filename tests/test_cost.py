@@ -7,7 +7,8 @@ import json
 import pytest
 
 from headeronly import GPU, PREFETCH, UVA, infos, policy
-from planner.cost import CostModel, read_top_k
+from planner.config import ModelFacts, read_config
+from planner.cost import CostModel
 from planner.errors import PolicyError
 from planner.graph import build_graph
 from planner.groups import FusedGroups
@@ -137,12 +138,17 @@ def test_policy_mixed_needs_a_budget_and_reads_workload(tmp_path):
     assert load_hardware(pol.hardware) == HW
 
 
-def test_read_top_k(tmp_path):
-    assert read_top_k(tmp_path) is None
+def test_read_config(tmp_path):
+    assert read_config(tmp_path) == ModelFacts()
     (tmp_path / "config.json").write_text(json.dumps({"num_experts_per_tok": 8}))
-    assert read_top_k(tmp_path) == 8
-    (tmp_path / "config.json").write_text(json.dumps({"text_config": {"moe_topk": 6}}))
-    assert read_top_k(tmp_path) == 6
+    assert read_config(tmp_path).top_k == 8
+    (tmp_path / "config.json").write_text(json.dumps({"text_config": {"moe_topk": 6, "num_hidden_layers": 28},
+                                                      "vision_config": {"depth": 32}, "num_hidden_layers": 99}))
+    assert read_config(tmp_path) == ModelFacts(top_k=6, layers=28, vision=True)  # the text model's facts win
+    (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 61, "num_nextn_predict_layers": 1}))
+    assert read_config(tmp_path) == ModelFacts(layers=61, mtp_layers=1)
+    (tmp_path / "config.json").write_text("[1, 2]")
+    assert read_config(tmp_path) == ModelFacts()
 
 
 def test_a_tied_embedding_is_dense_because_the_head_reads_it_whole():

@@ -3,7 +3,7 @@
 Each `plans/examples/*.policy.yaml` has its `.plan.yaml` committed beside it.
 The header-only checkpoints they name are git-ignored and regenerated here
 when missing or outdated (`make_checkpoints.py` keeps a stamp, so this is a
-no-op after the first run). A drift means the planner, `planner.synthetic` or
+no-op after the first run). A drift means the planner, `tests/synthetic.py` or
 a policy changed without the plan being rebuilt.
 """
 from __future__ import annotations

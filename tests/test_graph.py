@@ -9,7 +9,7 @@ from planner.build import build
 from planner.errors import PolicyError
 from planner.graph import build_graph, execution_order, natural_key
 from planner.policy import load_policy
-from planner.synthetic import llama, write_header_only
+from synthetic import llama, write_header_only
 
 
 def layer_names(names, stacks=None) -> list[str]:

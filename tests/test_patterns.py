@@ -10,7 +10,7 @@ from planner.build import build, check_patterns
 from planner.errors import PolicyError
 from planner.patterns import closest, compile_pattern
 from planner.policy import load_policy
-from planner.synthetic import qwen3_moe, write_header_only
+from synthetic import qwen3_moe, write_header_only
 
 
 @pytest.mark.parametrize("pattern, name, hit", [

@@ -16,7 +16,7 @@ from planner.files import write_atomic
 from planner.plan import Placement
 from planner.planfile import dumps, load_plan, loads
 from planner.policy import load_policy
-from planner.synthetic import write_header_only
+from synthetic import write_header_only
 from planner.yamlio import schema
 
 POLICIES = {
@@ -224,7 +224,7 @@ def test_one_flipped_placement_is_caught_with_the_checkpoint_and_names_the_lines
 
 
 def test_a_split_fused_group_and_wrong_buffers_are_caught(tmp_path):
-    from planner.synthetic import qwen3_moe
+    from synthetic import qwen3_moe
     write_header_only(tmp_path / "moe", qwen3_moe(layers=2, experts=4, hidden=64, moe_intermediate=32, heads=4,
                                                   kv_heads=2, head_dim=16, vocab=128), single=True)
     pol = load_policy(write_policy(tmp_path, "prefetch: {group_size: 2}\n",

@@ -4,7 +4,7 @@
     python plans/examples/make_checkpoints.py --force    # rewrite them all
 
 Each checkpoint under `checkpoints/<name>/` has real shard sizes and real
-headers (from `planner.synthetic`), but its data regions are sparse holes: a
+headers (from `tests/synthetic.py`), but its data regions are sparse holes: a
 60 GB model costs a few megabytes of disk. They are git-ignored; the plans
 built from them are committed, and `tests/test_examples.py` fails when a plan
 drifts from what `plan build` produces.
@@ -16,7 +16,7 @@ and shapes are what matter to the planner.
 
 Idempotence: each checkpoint directory holds a `.synthetic.sha256` stamp of
 the tensor list and shard size it was written from. A checkpoint is rewritten
-only when the stamp is missing, differs (planner.synthetic changed), or a file
+only when the stamp is missing, differs (tests/synthetic.py changed), or a file
 the index names is gone.
 """
 from __future__ import annotations
@@ -29,9 +29,11 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from planner import synthetic
-
 HERE = Path(__file__).resolve().parent
+# The header-only architectures are the tests' fixtures (tests/synthetic.py); the examples plan the same ones.
+sys.path.insert(0, str(HERE.parent.parent / "tests"))
+import synthetic  # noqa: E402
+
 ROOT = HERE / "checkpoints"
 STAMP = ".synthetic.sha256"
 

@@ -12,7 +12,7 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
-from .dtypes import nbytes
+from planner.dtypes import nbytes
 
 Tensor = tuple[str, str, tuple[int, ...]]  # name, dtype, shape
 
@@ -162,3 +162,29 @@ def deepseek_v3(layers=61, dense_layers=3, hidden=7168, intermediate=18432, expe
                     (f"{p}.shared_head.head.weight", "BF16", (vocab, hidden))]
     out += [("model.norm.weight", "BF16", (hidden,)), ("lm_head.weight", "BF16", (vocab, hidden))]
     return out
+
+
+def qwen2_vl(layers=28, hidden=1536, intermediate=8960, heads=12, kv_heads=2, vocab=151936, depth=32,
+             vision=1280, vision_mlp=5120, patch=14, temporal=2, dtype="BF16") -> list[Tensor]:
+    """Qwen2-VL-2B by default: a ViT (`visual.blocks`) whose merger (`visual.merger.mlp.0` and `.2`: an
+    nn.Sequential around a GELU) projects into the text model's embedding space."""
+    out: list[Tensor] = [("visual.patch_embed.proj.weight", dtype, (vision, 3, temporal, patch, patch))]
+    for i in range(depth):
+        p = f"visual.blocks.{i}"
+        for norm in ("norm1", "norm2"):
+            out += [(f"{p}.{norm}.weight", dtype, (vision,)), (f"{p}.{norm}.bias", dtype, (vision,))]
+        out += [(f"{p}.attn.qkv.weight", dtype, (3 * vision, vision)), (f"{p}.attn.qkv.bias", dtype, (3 * vision,)),
+                (f"{p}.attn.proj.weight", dtype, (vision, vision)), (f"{p}.attn.proj.bias", dtype, (vision,)),
+                (f"{p}.mlp.fc1.weight", dtype, (vision_mlp, vision)), (f"{p}.mlp.fc1.bias", dtype, (vision_mlp,)),
+                (f"{p}.mlp.fc2.weight", dtype, (vision, vision_mlp)), (f"{p}.mlp.fc2.bias", dtype, (vision,))]
+    merged = 4 * vision  # 2x2 patches merged
+    out += [("visual.merger.ln_q.weight", dtype, (vision,)), ("visual.merger.ln_q.bias", dtype, (vision,)),
+            ("visual.merger.mlp.0.weight", dtype, (merged, merged)), ("visual.merger.mlp.0.bias", dtype, (merged,)),
+            ("visual.merger.mlp.2.weight", dtype, (hidden, merged)), ("visual.merger.mlp.2.bias", dtype, (hidden,))]
+    text = [t for t in llama(layers, hidden, intermediate, heads, kv_heads, vocab, dtype=dtype)]
+    hd = hidden // heads
+    for i in range(layers):
+        p = f"model.layers.{i}.self_attn"
+        text += [(f"{p}.q_proj.bias", dtype, (heads * hd,)), (f"{p}.k_proj.bias", dtype, (kv_heads * hd,)),
+                 (f"{p}.v_proj.bias", dtype, (kv_heads * hd,))]
+    return out + text

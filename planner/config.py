@@ -1,0 +1,53 @@
+"""What the planner reads from a checkpoint's config.json: the facts that names alone do not give.
+
+- `top_k`: experts per token, for the cost model (the policy's
+  `workload.experts_per_token` overrides it);
+- `layers`: the text model's decoder layers (`num_hidden_layers`); a layer of
+  the main stack numbered past them is a multi-token-prediction (MTP) layer
+  when `mtp_layers` (`num_nextn_predict_layers`: DeepSeek-V3, GLM-4.5) says
+  there are some: it never runs in plain decode;
+- `vision`: the model has a vision tower (`vision_config`).
+
+A vision-language model nests the text facts under `text_config`, which wins.
+A missing or unreadable config.json gives no facts (names still decide).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+_TOP_K_KEYS = ("num_experts_per_tok", "moe_topk", "num_experts_per_token", "top_k", "moe_k")
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    top_k: int | None = None
+    layers: int | None = None
+    mtp_layers: int = 0
+    vision: bool = False
+
+
+def _int(scope: dict, *keys: str) -> int | None:
+    for key in keys:
+        value = scope.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
+def read_config(checkpoint_root: str | Path) -> ModelFacts:
+    """The facts of the checkpoint's config.json (module doc); empty facts without one."""
+    try:
+        config = json.loads((Path(checkpoint_root) / "config.json").read_text())
+    except (OSError, ValueError):
+        return ModelFacts()
+    if not isinstance(config, dict):
+        return ModelFacts()
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+    scopes = (text, config)  # the text model's facts first
+    return ModelFacts(
+        top_k=next((v for s in scopes if (v := _int(s, *_TOP_K_KEYS))), None),
+        layers=next((v for s in scopes if (v := _int(s, "num_hidden_layers"))), None),
+        mtp_layers=next((v for s in scopes if (v := _int(s, "num_nextn_predict_layers"))), 0),
+        vision=isinstance(config.get("vision_config"), dict))

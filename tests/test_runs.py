@@ -1,0 +1,104 @@
+"""What runs when (graph.py `Runs`): vision towers and MTP layers run in no decode step, so the cost
+model counts them in none and a budget offloads them first; the prefetch schedule's copy edges."""
+from __future__ import annotations
+
+import json
+
+from headeronly import write_policy
+from planner.build import build
+from planner.config import ModelFacts
+from planner.graph import build_graph, schedule_problems
+from planner.plan import Placement, Runs, Transfer
+from planner.planfile import dumps
+from planner.policy import load_policy
+from synthetic import deepseek_v3, qwen2_vl, write_header_only
+
+GPU, UVA = Placement.GPU, Placement.UVA
+
+
+def small_deepseek():
+    """61 decoder layers as in DeepSeek-V3 (3 dense, 58 MoE) plus its MTP layer 61, in small tensors."""
+    return deepseek_v3(layers=61, dense_layers=3, hidden=64, intermediate=128, experts=4, moe_intermediate=32,
+                       heads=2, q_lora=32, kv_lora=16, nope=8, rope=8, v_head=8, vocab=256)
+
+
+def small_qwen2_vl():
+    return qwen2_vl(layers=4, hidden=64, intermediate=128, heads=4, kv_heads=2, vocab=256, depth=4, vision=32,
+                    vision_mlp=64, patch=2, temporal=1)
+
+
+def checkpoint(tmp_path, tensors, config: dict):
+    write_header_only(tmp_path / "ckpt", tensors, single=True)
+    (tmp_path / "ckpt" / "config.json").write_text(json.dumps(config))
+    return tmp_path
+
+
+def test_deepseek_v3s_layer_61_is_multi_token_prediction():
+    names = [n for n, _, _ in small_deepseek()]
+    g = build_graph(names, facts=ModelFacts(top_k=8, layers=61, mtp_layers=1))
+    runs = {l.name: l.runs for l in g.layers}
+    assert runs["model.layers.61"] is Runs.MTP
+    assert {l.name for l in g.rarely_run()} == {"model.layers.61"}
+    assert all(runs[f"model.layers.{i}"] is Runs.STEP for i in range(61))
+    # without config.json's facts, names cannot tell: every layer runs every step
+    assert not build_graph(names).rarely_run()
+
+
+def test_qwen2_vl_vision_tower_runs_only_with_images_and_its_merger_mlp_is_no_stack():
+    names = [n for n, _, _ in small_qwen2_vl()]
+    g = build_graph(names)
+    assert g.stacks == ("visual.blocks", "model.layers")  # not visual.merger.mlp (items 0 and 2)
+    rare = {l.name: l.runs for l in g.rarely_run()}
+    assert rare == {"visual.patch_embed.proj": Runs.IMAGES, **{f"visual.blocks.{i}": Runs.IMAGES for i in range(4)},
+                    "visual.merger.ln_q": Runs.IMAGES, "visual.merger.mlp.0": Runs.IMAGES,
+                    "visual.merger.mlp.2": Runs.IMAGES}
+    assert not g.tied_embeddings  # the patch embedding is no text embedding
+
+
+def test_a_budget_offloads_the_mtp_layer_first_and_the_cost_model_ignores_it(tmp_path):
+    root = checkpoint(tmp_path, small_deepseek(), {"num_hidden_layers": 61, "num_nextn_predict_layers": 1,
+                                                   "num_experts_per_tok": 2})
+    tensors = small_deepseek()
+    mtp = sum(t[2][0] * (t[2][1] if len(t[2]) > 1 else 1) * (1 if t[1] == "F8_E4M3" else 4 if t[1] == "F32" else 2)
+              for t in tensors if t[0].startswith("model.layers.61."))
+    total = sum(t[2][0] * (t[2][1] if len(t[2]) > 1 else 1) * (1 if t[1] == "F8_E4M3" else 4 if t[1] == "F32" else 2)
+                for t in tensors)
+    pol = load_policy(write_policy(root, f"budget_gib: {(total - mtp) / 2**30!r}\n",
+                                   head="format_version: 1\ncheckpoint: ./ckpt\n"))
+    plan = build(pol, root)
+    off = [n for n, p in plan.params.items() if p is not GPU]
+    assert off and all(n.startswith("model.layers.61.") for n in off)  # exactly the MTP layer
+    row = next(l for l in plan.layers if l.name == "model.layers.61")
+    assert (row.runs, row.uva, row.h2d, row.us) == (Runs.MTP, mtp, 0, 0)
+    assert plan.summary.predicted_h2d_bytes_per_step == 0  # it runs in no decode step
+    assert any(n.startswith("not in a decode step, so the cost model counts them in none: 1 layer that predict "
+                            "extra tokens (MTP)") for n in plan.notes)
+
+
+def test_a_budget_offloads_the_vision_tower_first(tmp_path):
+    root = checkpoint(tmp_path, small_qwen2_vl(), {"vision_config": {"depth": 4}, "num_hidden_layers": 4})
+    plan = build(load_policy(write_policy(root, "backend: prefetch\nbudget_gib: 0.000200868\nprefetch: {step: 2}\n",
+                                          head="format_version: 1\ncheckpoint: ./ckpt\n")), root)
+    vision = [n for n in plan.params if n.startswith("visual.")]
+    assert all(plan.params[n] is UVA for n in vision)  # before any text layer streams
+    assert plan.prefetch is None or all(not t.layer.startswith("visual.") for t in plan.prefetch.schedule)
+    assert [l.runs.value for l in plan.layers if l.name.startswith("visual.")] == ["images"] * 8
+    assert "{name: visual.blocks.0, runs: images, " in dumps(plan)  # the plan file says so too
+
+
+def test_schedule_copy_edges_are_checked_for_slot_overlap():
+    g = build_graph([f"model.layers.{i}.w" for i in range(4)])
+    names = [f"model.layers.{i}" for i in range(4)]
+    good = [Transfer(n, n, 0, k % 2, names[(k - 2) % 4]) for k, n in enumerate(names)]  # 2 slots, vLLM's rule
+    assert schedule_problems(g, good) == []
+    assert g.graph["model.layers.1"]["model.layers.3"]["kind"] == "copy"  # the copy edges join the graph
+    early = list(good)
+    early[3] = Transfer(names[3], names[3], 0, 1, names[0])  # slot 1 is layer 1's until layer 1 has run
+    assert schedule_problems(g, early) == [
+        "model.layers.3: its copy into slot 1 starts after model.layers.0, while model.layers.1 still holds that slot"]
+    late = list(good)
+    late[2] = Transfer(names[2], names[2], 0, 0, names[3])  # layer 0 holds slot 0 until it runs, after layer 3
+    assert schedule_problems(g, late) == [
+        "model.layers.2: its copy into slot 0 starts after model.layers.3, while model.layers.0 still holds that slot"]
+    assert schedule_problems(g, [Transfer(names[0], names[0], 0, 0, "lm_head")]) == [
+        "model.layers.0: its copy starts after lm_head, which streams nothing"]
