@@ -221,7 +221,7 @@ def predicted_us(plan_path: Path, hw: Hardware, batch: int) -> int:
     return CostModel(graph, tensors, hw, batch, groups, top_k).predict(plan.params).step_us
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="llama-8b", choices=["llama-8b", "qwen3-30b-a3b", "tiny"])
@@ -241,158 +241,164 @@ def main(argv=None) -> int:
     ap.add_argument("--modes", nargs="+", default=["eager"], choices=["eager", "compiled", "graph"],
                     help="eager: HF generate; compiled / graph: a static-cache loop at batch 1, through "
                          "torch.compile or replaying a captured CUDA graph")
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
 
-    import runtime
-    import runtime.arena
-    from runtime.hf import build_meta_model
 
-    cuda = args.device == "cuda"
-    args.out.mkdir(parents=True, exist_ok=True)
-    log = args.out / f"decode-{args.model}.jsonl"
-    log.write_text("")
-    work = args.dir / args.model
-    work.mkdir(parents=True, exist_ok=True)
+class Bench:
+    """One run: the checkpoint, the hardware measured now, the all-GPU references, and the records."""
 
-    mismatches = []
+    def __init__(self, args: argparse.Namespace):
+        self.args = args
+        self.cuda = args.device == "cuda"
+        args.out.mkdir(parents=True, exist_ok=True)
+        self.log = args.out / f"decode-{args.model}.jsonl"
+        self.log.write_text("")
+        self.work = args.dir / args.model
+        self.work.mkdir(parents=True, exist_ok=True)
+        self.mismatches: list[str] = []
+        self.reference: dict = {}  # batch or mode -> all-GPU greedy tokens
+        self.allgpu_step: dict = {}  # batch or mode -> the best all-GPU step, seconds
+        t = time.perf_counter()
+        self.ckpt = make_checkpoint(args.model, args.layers, self.work / "ckpt", args.device)
+        self.info = open_checkpoint(self.ckpt)
+        self.record(kind="checkpoint", model=args.model, tensors=len(self.info.tensors), bytes=self.info.total_bytes,
+                    seconds=round(time.perf_counter() - t, 1),
+                    device=torch.cuda.get_device_name() if self.cuda else "cpu", torch=torch.__version__)
+        if args.hardware:
+            self.hw = load_hardware(args.hardware)
+        elif self.cuda:
+            from runtime.calibrate import calibrate
+            self.hw = calibrate().hardware
+        else:
+            self.hw = H100
+        self.hw_path = self.work / "hw.yaml"
+        self.hw_path.write_text(dumps_hardware(self.hw))
+        self.record(kind="hardware", **self.hw.__dict__)
+        self.layers = build_graph(list(self.info.tensors), facts=read_config(self.ckpt)).stack_layers()
+        self.decoder_bytes = sum(self.info.tensors[n].nbytes for l in self.layers for n in l.params)
+        self.ids = prompts(config_for(args.model, args.layers).vocab_size, args.device)
 
-    def record(**r):
-        with log.open("a") as f:
+    def record(self, **r) -> None:
+        with self.log.open("a") as f:
             f.write(json.dumps(r) + "\n")
         print(json.dumps(r), flush=True)
         if r.get("same_tokens") is False and r.get("mode", "eager") != "compiled":
-            mismatches.append(r["name"])
+            self.mismatches.append(r["name"])
 
-    t = time.perf_counter()
-    ckpt = make_checkpoint(args.model, args.layers, work / "ckpt", args.device)
-    info = open_checkpoint(ckpt)
-    record(kind="checkpoint", model=args.model, tensors=len(info.tensors), bytes=info.total_bytes,
-           seconds=round(time.perf_counter() - t, 1), device=torch.cuda.get_device_name() if cuda else "cpu",
-           torch=torch.__version__)
-    if args.hardware:
-        hw = load_hardware(args.hardware)
-    elif cuda:
-        from runtime.calibrate import calibrate
-        hw = calibrate().hardware
-    else:
-        hw = H100
-    hw_path = work / "hw.yaml"
-    hw_path.write_text(dumps_hardware(hw))
-    record(kind="hardware", **hw.__dict__)
-    floor = hw.h2d_copy_gbps  # measured in this run: the PCIe floor
+    def _decoded(self, strategy: str, name: str, fraction: float, key, rate: float, tokens: list,
+                 offloaded: int, **extra) -> None:
+        """Record one measurement; all-GPU runs set the reference tokens and the best step for `key`."""
+        if strategy == "gpu":
+            self.reference.setdefault(key, tokens)
+            self.allgpu_step[key] = min(self.allgpu_step.get(key, 1e9), 1 / rate)
+        # The limit: the link cannot move the offloaded bytes faster, offloading cannot beat all-GPU.
+        limit = 1 / max(offloaded / (self.hw.h2d_copy_gbps * 1e9), self.allgpu_step.get(key, 0))
+        mode = {} if isinstance(key, int) else {"mode": key}
+        self.record(kind="decode", strategy=strategy, name=name, fraction=fraction,
+                    batch=key if isinstance(key, int) else 1, **mode, steps_per_s=rate, limit_steps_per_s=limit,
+                    ratio_to_limit=rate / limit, offloaded_bytes=offloaded, measured_step_ms=1e3 / rate,
+                    same_tokens=tokens == self.reference.get(key), **extra)
 
-    graph = build_graph(list(info.tensors), facts=read_config(ckpt))
-    layers = [l for l in graph.stack_layers()]
-    decoder_bytes = sum(info.tensors[n].nbytes for l in layers for n in l.params)
-    ids = prompts(config_for(args.model, args.layers).vocab_size, args.device)
-    reference: dict[int, list] = {}
-    allgpu_step: dict[int, float] = {}
+    def run_offplan(self, name: str, strategy: str, fraction: float, plan_path: Path, offloaded: int) -> None:
+        import runtime
+        import runtime.arena
+        from runtime.hf import build_meta_model
 
-    def run_offplan(name: str, strategy: str, fraction: float, plan_path: Path, offloaded: int):
         gc.collect()
-        if cuda:
+        if self.cuda:
             torch.cuda.empty_cache()
-        model = build_meta_model(ckpt)
+        model = build_meta_model(self.ckpt)
         runtime.arena.BASE_OFFSET = 64 if strategy == "uva-64b" else 0
         try:
-            handle = runtime.load(model, plan_path, device=args.device, progress=False)
+            handle = runtime.load(model, plan_path, device=self.args.device, progress=False)
         finally:
             runtime.arena.BASE_OFFSET = 0
-        s = handle.stats()
-        plan = load_plan(plan_path)
+        s, plan = handle.stats(), load_plan(plan_path)
+        facts = dict(load_seconds=s.load_seconds, load_gb_per_s=s.load_bytes_per_s / 1e9,
+                     peak_gpu_bytes_during_load=s.peak_gpu_bytes_during_load,
+                     gpu_footprint_bytes=plan.summary.gpu_footprint_bytes, pinned_host_bytes=s.pinned_host_bytes,
+                     uva_bytes=s.uva_bytes, prefetch_bytes=s.prefetch_bytes, backend=plan.backend.value)
         try:
-            for mode in args.modes:
-                if mode == "eager" or not cuda:
+            for mode in self.args.modes:
+                if mode == "eager" or not self.cuda:
                     continue
-                rate, tokens = decode_static(model, handle, ids, args.new_tokens, mode)
-                if strategy == "gpu":
-                    reference.setdefault(mode, tokens)
-                    allgpu_step[mode] = min(allgpu_step.get(mode, 1e9), 1 / rate)
-                limit = 1 / max(offloaded / (floor * 1e9), allgpu_step.get(mode, 0))
-                record(kind="decode", strategy=strategy, name=name, fraction=fraction, batch=1, mode=mode,
-                       steps_per_s=rate, limit_steps_per_s=limit, ratio_to_limit=rate / limit,
-                       offloaded_bytes=offloaded, predicted_step_ms=None, measured_step_ms=1e3 / rate,
-                       same_tokens=tokens == reference.get(mode), load_seconds=s.load_seconds,
-                       load_gb_per_s=s.load_bytes_per_s / 1e9, peak_gpu_bytes_during_load=s.peak_gpu_bytes_during_load,
-                       gpu_footprint_bytes=plan.summary.gpu_footprint_bytes, pinned_host_bytes=s.pinned_host_bytes,
-                       uva_bytes=s.uva_bytes, prefetch_bytes=s.prefetch_bytes, backend=plan.backend.value)
+                rate, tokens = decode_static(model, handle, self.ids, self.args.new_tokens, mode)
+                self._decoded(strategy, name, fraction, mode, rate, tokens, offloaded, predicted_step_ms=None,
+                              **facts)
                 torch._dynamo.reset()
-            for b in (args.batches if "eager" in args.modes else []):
-                rate, tokens = decode(model, ids, b, args.new_tokens, args.device)
-                if strategy == "gpu":
-                    reference.setdefault(b, tokens)
-                    allgpu_step[b] = min(allgpu_step.get(b, 1e9), 1 / rate)
-                limit = 1 / max(offloaded / (floor * 1e9), allgpu_step.get(b, 0))
-                record(kind="decode", strategy=strategy, name=name, fraction=fraction, batch=b,
-                       steps_per_s=rate, limit_steps_per_s=limit, ratio_to_limit=rate / limit,
-                       offloaded_bytes=offloaded, predicted_step_ms=predicted_us(plan_path, hw, b) / 1e3,
-                       measured_step_ms=1e3 / rate, same_tokens=tokens == reference.get(b),
-                       load_seconds=s.load_seconds, load_gb_per_s=s.load_bytes_per_s / 1e9,
-                       peak_gpu_bytes_during_load=s.peak_gpu_bytes_during_load,
-                       gpu_footprint_bytes=plan.summary.gpu_footprint_bytes,
-                       pinned_host_bytes=s.pinned_host_bytes, uva_bytes=s.uva_bytes,
-                       prefetch_bytes=s.prefetch_bytes, backend=plan.backend.value)
+            for b in (self.args.batches if "eager" in self.args.modes else []):
+                rate, tokens = decode(model, self.ids, b, self.args.new_tokens, self.args.device)
+                self._decoded(strategy, name, fraction, b, rate, tokens, offloaded,
+                              predicted_step_ms=predicted_us(plan_path, self.hw, b) / 1e3, **facts)
         finally:
             handle.remove(restore=False)
             del model, handle
 
-    def run_accelerate(fraction: float, off: list[int], offloaded: int):
+    def run_accelerate(self, fraction: float, off: list[int], offloaded: int) -> None:
         from transformers import AutoModelForCausalLM
         gc.collect()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
         device_map = {"model.embed_tokens": 0, "model.norm": 0, "model.rotary_emb": 0, "lm_head": 0}
-        device_map.update({f"model.layers.{i}": "cpu" if i in off else 0 for i in range(len(layers))})
+        device_map.update({f"model.layers.{i}": "cpu" if i in off else 0 for i in range(len(self.layers))})
         t = time.perf_counter()
-        model = AutoModelForCausalLM.from_pretrained(ckpt, device_map=device_map, dtype=torch.bfloat16).eval()
+        model = AutoModelForCausalLM.from_pretrained(self.ckpt, device_map=device_map, dtype=torch.bfloat16).eval()
         torch.cuda.synchronize()
         seconds = time.perf_counter() - t
-        peak = torch.cuda.max_memory_allocated() - base
+        facts = dict(predicted_step_ms=None, load_seconds=seconds, load_gb_per_s=self.info.total_bytes / seconds / 1e9,
+                     peak_gpu_bytes_during_load=torch.cuda.max_memory_allocated() - base, gpu_footprint_bytes=None,
+                     pinned_host_bytes=None, uva_bytes=None, prefetch_bytes=None, backend="accelerate")
         try:
-            for b in args.accelerate_batches:
-                rate, tokens = decode(model, ids, b, args.new_tokens, args.device)
-                limit = 1 / max(offloaded / (floor * 1e9), allgpu_step.get(b, 0))
-                record(kind="decode", strategy="accelerate", name=f"accelerate-{fraction}", fraction=fraction,
-                       batch=b, steps_per_s=rate, limit_steps_per_s=limit, ratio_to_limit=rate / limit,
-                       offloaded_bytes=offloaded, predicted_step_ms=None, measured_step_ms=1e3 / rate,
-                       same_tokens=tokens == reference.get(b), load_seconds=seconds,
-                       load_gb_per_s=info.total_bytes / seconds / 1e9, peak_gpu_bytes_during_load=peak,
-                       gpu_footprint_bytes=None, pinned_host_bytes=None, uva_bytes=None, prefetch_bytes=None,
-                       backend="accelerate")
+            for b in self.args.accelerate_batches:
+                rate, tokens = decode(model, self.ids, b, self.args.new_tokens, self.args.device)
+                self._decoded("accelerate", f"accelerate-{fraction}", fraction, b, rate, tokens, offloaded, **facts)
         finally:
             del model
 
-    run_offplan("gpu", "gpu", 0.0, make_plan(work, "gpu", policy_text("gpu", 0, [], hw_path, None)), 0)
-    for f in args.fractions:
-        off = offloaded_layers(len(layers), f)
-        offloaded = sum(info.tensors[n].nbytes for i in off for n in layers[i].params)
-        record(kind="fraction", fraction=f, layers=off, offloaded_bytes=offloaded,
-               of_decoder=offloaded / decoder_bytes)
-        prefetch_plan = make_plan(work, f"prefetch-{f}", policy_text("prefetch", f, off, hw_path, None))
+    def fraction(self, f: float) -> None:
+        """Every strategy with the same layers offloaded: layer i iff i % g >= g - n (FRACTIONS)."""
+        off = offloaded_layers(len(self.layers), f)
+        offloaded = sum(self.info.tensors[n].nbytes for i in off for n in self.layers[i].params)
+        self.record(kind="fraction", fraction=f, layers=off, offloaded_bytes=offloaded,
+                    of_decoder=offloaded / self.decoder_bytes)
+        prefetch_plan = make_plan(self.work, f"prefetch-{f}", policy_text("prefetch", f, off, self.hw_path, None))
         budget = load_plan(prefetch_plan).summary.gpu_footprint_bytes / GIB
-        for strategy in args.strategies:
+        for strategy in self.args.strategies:
             if strategy == "accelerate":
-                if cuda:
-                    run_accelerate(f, off, offloaded)
+                if self.cuda:
+                    self.run_accelerate(f, off, offloaded)
                 continue
             plan = prefetch_plan if strategy == "prefetch" else make_plan(
-                work, f"{strategy}-{f}", policy_text(strategy, f, off, hw_path, budget))
+                self.work, f"{strategy}-{f}", policy_text(strategy, f, off, self.hw_path, budget))
             p = load_plan(plan)
-            run_offplan(f"{strategy}-{f}", strategy, f, plan, p.summary.uva_bytes + p.summary.prefetch_bytes)
-    # All-GPU once more, last: the report takes the faster of the two as the reference.
-    run_offplan("gpu-end", "gpu", 0.0, work / "gpu.plan.yaml", 0)
+            self.run_offplan(f"{strategy}-{f}", strategy, f, plan, p.summary.uva_bytes + p.summary.prefetch_bytes)
+
+    def experts_on_host(self) -> None:
+        """A mixed plan whose budget holds everything but the experts."""
+        experts = sum(self.info.tensors[n].nbytes for n in self.info.tensors if ".experts." in n)
+        budget = (self.info.total_bytes - experts) / GIB * 1.02
+        plan = make_plan(self.work, "mixed-experts-host",
+                         policy_text("mixed-experts-host", 1.0, [], self.hw_path, budget))
+        s = load_plan(plan).summary
+        self.record(kind="fraction", fraction="experts", offloaded_bytes=s.uva_bytes + s.prefetch_bytes,
+                    of_decoder=(s.uva_bytes + s.prefetch_bytes) / self.decoder_bytes, experts_bytes=experts)
+        self.run_offplan("mixed-experts-host", "mixed", 1.0, plan, s.uva_bytes + s.prefetch_bytes)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    bench = Bench(args)
+    gpu_plan = make_plan(bench.work, "gpu", policy_text("gpu", 0, [], bench.hw_path, None))
+    bench.run_offplan("gpu", "gpu", 0.0, gpu_plan, 0)
+    for f in args.fractions:
+        bench.fraction(f)
+    bench.run_offplan("gpu-end", "gpu", 0.0, gpu_plan, 0)  # again, last: the report takes the faster
     if args.experts_host:
-        experts = sum(info.tensors[n].nbytes for n in info.tensors if ".experts." in n)
-        budget = (info.total_bytes - experts) / GIB * 1.02
-        plan = make_plan(work, "mixed-experts-host", policy_text("mixed-experts-host", 1.0, [], hw_path, budget))
-        p = load_plan(plan)
-        record(kind="fraction", fraction="experts", offloaded_bytes=p.summary.uva_bytes + p.summary.prefetch_bytes,
-               of_decoder=(p.summary.uva_bytes + p.summary.prefetch_bytes) / decoder_bytes,
-               experts_bytes=experts)
-        run_offplan("mixed-experts-host", "mixed", 1.0, plan, p.summary.uva_bytes + p.summary.prefetch_bytes)
-    if mismatches:  # compiled runs are exempt: Inductor's default fusions round differently (RESULTS.md)
-        print(f"FAILED: greedy tokens differ from all-GPU's for {', '.join(sorted(set(mismatches)))}", file=sys.stderr)
+        bench.experts_on_host()
+    if bench.mismatches:  # compiled runs are exempt: Inductor's default fusions round differently (RESULTS.md)
+        print(f"FAILED: greedy tokens differ from all-GPU's for {', '.join(sorted(set(bench.mismatches)))}",
+              file=sys.stderr)
         return 1
     return 0
 

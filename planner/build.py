@@ -3,9 +3,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .checkpoint import INDEX_NAME, Checkpoint, no_gc, open_checkpoint
+from .checkpoint import INDEX_NAME, Checkpoint, open_checkpoint
 from .errors import PolicyError
 from .graph import build_graph
+from .nogc import no_gc
 from .patterns import Names, closest
 from .placement import decide
 from .config import read_config

@@ -15,11 +15,9 @@ layout changes it; rewriting weight values in place does not.
 """
 from __future__ import annotations
 
-import gc
 import hashlib
 import json
 import os
-from contextlib import contextmanager
 from dataclasses import dataclass
 from math import prod
 from pathlib import Path
@@ -27,6 +25,7 @@ from typing import NamedTuple
 
 from .dtypes import BITS, nbytes
 from .errors import CheckpointError
+from .nogc import no_gc
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -209,19 +208,6 @@ def _entry_problem(where: str, entry, data_len: int) -> str:
     if end - begin != want:
         return f"{where}: data_offsets [{begin}, {end}] hold {end - begin} bytes but {dtype} x {shape} needs {want}"
     return f"{where}: data_offsets end {end} lies past the data region ({data_len} bytes; file truncated?)"
-
-
-@contextmanager
-def no_gc():
-    """Planning allocates ~1M small objects and frees none until the end: the cyclic
-    collector would rescan them over and over (13% of the time on DeepSeek-V3)."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
 
 
 def open_checkpoint(path: str | os.PathLike) -> Checkpoint:

@@ -39,6 +39,10 @@ class PolicyError(InputError):
     """The policy YAML is malformed, breaks the schema, or is inconsistent."""
 
 
+class HardwareProfileError(InputError):
+    """A hardware profile (written by `plan calibrate`) is unreadable or breaks its schema."""
+
+
 class PlanFileError(InputError):
     """A plan file is malformed or breaks `schemas/plan.schema.json`."""
 

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import yamlio
-from .errors import PolicyError
+from .errors import HardwareProfileError
+from .schema import validate
 
 
 @dataclass(frozen=True)
@@ -41,11 +42,11 @@ H100 = Hardware(
 def load_hardware(path: str | Path) -> Hardware:
     """Read and validate a profile written by `plan calibrate` (errors name file:line:column)."""
     path = Path(path)
-    doc = yamlio.parse(path, yamlio.read(path, PolicyError, "hardware profile"), PolicyError)
+    doc = yamlio.parse(path, yamlio.read(path, HardwareProfileError, "hardware profile"), HardwareProfileError)
     wrong = yamlio.wrong_kind(path, doc.data, "hardware profile")
     if wrong:
-        raise PolicyError(wrong)
-    yamlio.validate(doc, "hardware.schema.json", PolicyError, f"{path}: the hardware profile is invalid")
+        raise HardwareProfileError(wrong)
+    validate(doc, "hardware.schema.json", HardwareProfileError, f"{path}: the hardware profile is invalid")
     d = doc.data
     return Hardware(d["name"], float(d["h2d_copy_gbps"]), float(d["uva_read_gbps"]),
                     float(d["hbm_read_gbps"]), float(d["layer_overhead_us"]),

@@ -73,7 +73,8 @@ from .patterns import Names
 from .plan import Backend, Cost, LayerBytes, Placement, PrefetchSchedule, Runs, Summary
 from .policy import Policy
 from .schedule import fewest_layers, make_schedule
-from .units import GIB, human, plural
+from .placement_errors import layer_list, nothing_left, over_budget
+from .units import GIB, plural
 
 GPU, UVA, PREFETCH = Placement.GPU, Placement.UVA, Placement.PREFETCH
 
@@ -89,27 +90,6 @@ class Decision:
     notes: tuple[str, ...]
     summary: Summary
     cost: Cost
-
-
-def gib(n: float) -> str:
-    """Bytes for a message: GiB to two places, or MiB/KiB/B below 1 GiB."""
-    return human(int(n))
-
-
-def smallest_budget_gib(nbytes: int) -> str:
-    """The shortest decimal `budget_gib` whose bytes (`int(budget_gib * 2**30)`, as
-    `Policy.budget_bytes` computes them) are exactly `nbytes`: the real minimum.
-
-    >>> smallest_budget_gib(128 * 1024)   # 128 KiB
-    '0.000122071'
-    """
-    for places in range(40):
-        scale = 10**places
-        units = -(-nbytes * scale // GIB)  # ceil(nbytes / GIB, `places` decimals)
-        text = str(units) if places == 0 else f"{units // scale}.{units % scale:0{places}d}"
-        if int(float(text) * GIB) == nbytes:
-            return text
-    return repr(nbytes / GIB)  # exact: a power-of-two division (not reached for sizes below 2**53)
 
 
 def resolve_backend(policy: Policy) -> tuple[Backend, str | None]:
@@ -178,7 +158,7 @@ def decide(graph: LayerGraph, tensors: Mapping[str, TensorInfo], policy: Policy,
         fp, prediction, mixed_notes, reasons = choice.footprint, choice.prediction, choice.notes, choice.why
     place = fp.place
     if budget is not None and fp.total > budget:
-        raise BudgetError(_over_budget_message(policy, backend, fp.total, place, tensors, graph))
+        raise BudgetError(over_budget(policy, backend, fp.total, place, tensors, graph))
     schedule = make_schedule(graph, place, tensors, step)
     prediction = prediction or model.predict(place)
     by = {GPU: 0, UVA: 0, PREFETCH: 0}
@@ -233,7 +213,7 @@ def _uva(stack, fixed, fp: Footprint, policy: Policy, groups: FusedGroups, selec
             + ("; uva.params only narrows which tensors those offload" if selected is not None else ""))
     cands = [n for l in stack for n in l.params if n not in fixed and (selected is None or n in selected)]
     if not cands and (amount or selected is not None):
-        raise PolicyError(_nothing_left(policy, "uva", stack, fixed, selected))
+        raise PolicyError(nothing_left(policy, "uva", stack, fixed, selected))
 
     def units():
         for n in cands:
@@ -272,9 +252,9 @@ def _prefetch(stack, fixed, fp: Footprint, policy: Policy, graph: LayerGraph, se
                 f"{len(stack)} (or use budget_gib and let the planner choose the layers)")
         picked = [layer for i, layer in enumerate(stack) if i % g >= g - k]
         if not any(chosen(l) for l in picked):
-            raise PolicyError(_nothing_left(policy, "prefetch", picked, fixed, selected,
+            raise PolicyError(nothing_left(policy, "prefetch", picked, fixed, selected,
                                             f"prefetch.group_size {g} / num_in_group {k} streams layers "
-                                            f"{_layer_list(picked)}, but "))
+                                            f"{layer_list(picked)}, but "))
         for layer in picked:
             fp.move(chosen(layer), PREFETCH)
         return
@@ -286,61 +266,8 @@ def _prefetch(stack, fixed, fp: Footprint, policy: Policy, graph: LayerGraph, se
     eligible = [(l, c) for l, c in ((l, chosen(l)) for l in stack if l.runs is Runs.STEP) if c]
     rare = graph.rarely_run()
     if not eligible and not rare and selected is not None:
-        raise PolicyError(_nothing_left(policy, "prefetch", stack, fixed, selected))
+        raise PolicyError(nothing_left(policy, "prefetch", stack, fixed, selected))
     _rarely_run_first(rare, fixed, fp, policy.budget_bytes, groups, selected)
     if fp.total > policy.budget_bytes:
         for layer, names in fewest_layers(eligible, fp, policy.budget_bytes):
             fp.move(names, PREFETCH)
-
-
-def _layer_list(layers, limit: int = 6) -> str:
-    names = [l.name for l in layers]
-    return ", ".join(names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")
-
-
-def _nothing_left(policy: Policy, key: str, layers, fixed, selected, head: str = "") -> str:
-    """Why backend `key` finds no tensor to move in `layers`; the message names the key to change.
-
-    `head` says how `layers` were picked (the group rule); without it they are the whole stacks.
-    """
-    names = [n for l in layers for n in l.params]
-    where = "those layers" if head else "the layer stacks"
-    if not names:
-        why = "the checkpoint has no layer stacks (name them with `stacks:`)"
-    elif selected is None:
-        why = f"rules place every tensor of {where} (e.g. {names[0]}); change the rules"
-    elif mine := [n for n in names if n in selected]:
-        why = (f"{key}.params selects only tensors that rules already place (e.g. {mine[0]}); "
-               f"change {key}.params or the rules")
-    elif head:
-        why = f"{key}.params selects none of their tensors (it selects e.g. {min(selected)}); change {key}.params"
-    else:
-        why = (f"{key}.params selects only tensors outside the layer stacks (e.g. {min(selected)}), which "
-               f"the backend never moves; place those with a rule (`{{match: [...], place: {key}}}`)")
-    return f"{policy.path}: backend {key} has nothing to offload: {head}{why}"
-
-
-def _over_budget_message(policy: Policy, backend: Backend, need: int, place, tensors, graph) -> str:
-    pinned: dict[str, int] = {}
-    stack_names = {l.name for l in graph.stack_layers()}
-    for l in graph.layers:
-        b = sum(tensors[n].nbytes for n in l.params if place[n] is GPU and l.name not in stack_names)
-        if b:
-            pinned[l.name] = b
-    top = sorted(pinned.items(), key=lambda kv: -kv[1])[:5]
-    pinned_text = ", ".join(f"{n} {gib(b)}" for n, b in top) or "nothing"
-    head = (f"{policy.path}: the plan needs {gib(need)} ({need:,} bytes) of GPU memory but budget_gib "
-            f"{policy.budget_gib} is {policy.budget_bytes:,} bytes; the smallest budget that fits this policy "
-            f"is budget_gib: {smallest_budget_gib(need)} ({gib(need)}).")
-    if backend is Backend.UVA and policy.uva.offload_gib > 0:
-        fix = (f"uva.offload_gib: {policy.uva.offload_gib} offloads too little: raise it, or remove it "
-               "and let budget_gib decide how much to offload.")
-    elif backend is Backend.PREFETCH and policy.prefetch.group_size > 0:
-        fix = (f"prefetch.group_size {policy.prefetch.group_size} / num_in_group "
-               f"{policy.prefetch.num_in_group} offloads too few layers: raise num_in_group, or remove "
-               "group_size and let budget_gib decide.")
-    else:
-        example = top[0][0].rsplit(".", 1)[-1] if top else "embed_tokens"
-        fix = ("No choice of offloaded layers fits. Move more to host memory with a rule "
-               f"(for example `rules: [{{match: [{example}], place: uva}}]`), or raise budget_gib.")
-    return f"{head}\n  Pinned to the GPU outside the layer stacks: {pinned_text}.\n  {fix}"

@@ -23,6 +23,7 @@ from .consistency import inconsistencies
 from .errors import InconsistentPlanError, OffplanError, PlanFileError
 from .plan import (Backend, Buffer, Cost, LayerBytes, Layout, Placement, Plan, PrefetchSchedule, Runs,
                    Summary, Transfer)
+from .schema import validate
 
 FORMAT_VERSION = 2  # 2: slot layouts with offsets, module paths, `runs`
 HEADER = (
@@ -185,7 +186,7 @@ def _parse(text: str, path: Path) -> tuple[Plan, yamlio.Located]:
     if isinstance(doc.data, dict) and doc.data.get("format_version") == 1:
         raise PlanFileError(f"{path}: a format 1 plan, from an offplan without slot layouts in plans; "
                             "rebuild it with `plan build POLICY`")
-    yamlio.validate(doc, "plan.schema.json", PlanFileError, f"{path}: the plan is invalid")
+    validate(doc, "plan.schema.json", PlanFileError, f"{path}: the plan is invalid")
     d = doc.data
     p = d["prefetch"]
     prefetch = None if p is None else PrefetchSchedule(

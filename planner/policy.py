@@ -16,6 +16,7 @@ from . import yamlio
 from .errors import PolicyError
 from .patterns import Pattern, compile_pattern
 from .plan import Backend, Placement, Role
+from .schema import validate
 from .units import GIB
 
 
@@ -118,7 +119,7 @@ def load_policy(path: str | Path) -> Policy:
         found = "the file is empty" if doc.data is None else f"it holds {yamlio.shown(doc.data)}"
         raise PolicyError(f"{path}: a policy is a YAML mapping but {found}; start with `format_version: 1` "
                           "and `checkpoint: DIR`")
-    yamlio.validate(doc, "policy.schema.json", PolicyError, f"{path}: the policy is invalid")
+    validate(doc, "policy.schema.json", PolicyError, f"{path}: the policy is invalid")
     data = doc.data
     problems: list[str] = []
 

@@ -15,7 +15,8 @@ from headeronly import (GPU, PREFETCH, UVA, MiB, infos, mib, offloaded_layers, p
                         policy, toy)
 from planner.errors import BudgetError, PolicyError
 from planner.graph import build_graph
-from planner.placement import resolve_backend, smallest_budget_gib
+from planner.placement import resolve_backend
+from planner.placement_errors import smallest_budget_gib
 from planner.schedule import make_schedule, spread
 from planner.plan import Buffer, LayerBytes, Layout, Transfer
 

@@ -17,7 +17,7 @@ from planner.plan import Placement
 from planner.planfile import dumps, load_plan, loads
 from planner.policy import load_policy
 from synthetic import write_header_only
-from planner.yamlio import schema
+from planner.schema import schema
 
 POLICIES = {
     "none": "",

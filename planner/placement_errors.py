@@ -1,0 +1,83 @@
+"""What placement says when it cannot do what a policy asks: the budget is too small, a backend has nothing
+to offload. Each message names the key to change, with the exact values (see placement.py, steps 6 and 8)."""
+from __future__ import annotations
+
+from .plan import Backend, Placement
+from .policy import Policy
+from .units import GIB, human
+
+GPU = Placement.GPU
+
+
+def gib(n: float) -> str:
+    """Bytes for a message: GiB to two places, or MiB/KiB/B below 1 GiB."""
+    return human(int(n))
+
+
+def smallest_budget_gib(nbytes: int) -> str:
+    """The shortest decimal `budget_gib` whose bytes (`int(budget_gib * 2**30)`, as
+    `Policy.budget_bytes` computes them) are exactly `nbytes`: the real minimum.
+
+    >>> smallest_budget_gib(128 * 1024)   # 128 KiB
+    '0.000122071'
+    """
+    for places in range(40):
+        scale = 10**places
+        units = -(-nbytes * scale // GIB)  # ceil(nbytes / GIB, `places` decimals)
+        text = str(units) if places == 0 else f"{units // scale}.{units % scale:0{places}d}"
+        if int(float(text) * GIB) == nbytes:
+            return text
+    return repr(nbytes / GIB)  # exact: a power-of-two division (not reached for sizes below 2**53)
+
+
+def layer_list(layers, limit: int = 6) -> str:
+    names = [l.name for l in layers]
+    return ", ".join(names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def nothing_left(policy: Policy, key: str, layers, fixed, selected, head: str = "") -> str:
+    """Why backend `key` finds no tensor to move in `layers`; the message names the key to change.
+
+    `head` says how `layers` were picked (the group rule); without it they are the whole stacks.
+    """
+    names = [n for l in layers for n in l.params]
+    where = "those layers" if head else "the layer stacks"
+    if not names:
+        why = "the checkpoint has no layer stacks (name them with `stacks:`)"
+    elif selected is None:
+        why = f"rules place every tensor of {where} (e.g. {names[0]}); change the rules"
+    elif mine := [n for n in names if n in selected]:
+        why = (f"{key}.params selects only tensors that rules already place (e.g. {mine[0]}); "
+               f"change {key}.params or the rules")
+    elif head:
+        why = f"{key}.params selects none of their tensors (it selects e.g. {min(selected)}); change {key}.params"
+    else:
+        why = (f"{key}.params selects only tensors outside the layer stacks (e.g. {min(selected)}), which "
+               f"the backend never moves; place those with a rule (`{{match: [...], place: {key}}}`)")
+    return f"{policy.path}: backend {key} has nothing to offload: {head}{why}"
+
+
+def over_budget(policy: Policy, backend: Backend, need: int, place, tensors, graph) -> str:
+    pinned: dict[str, int] = {}
+    stack_names = {l.name for l in graph.stack_layers()}
+    for l in graph.layers:
+        b = sum(tensors[n].nbytes for n in l.params if place[n] is GPU and l.name not in stack_names)
+        if b:
+            pinned[l.name] = b
+    top = sorted(pinned.items(), key=lambda kv: -kv[1])[:5]
+    pinned_text = ", ".join(f"{n} {gib(b)}" for n, b in top) or "nothing"
+    head = (f"{policy.path}: the plan needs {gib(need)} ({need:,} bytes) of GPU memory but budget_gib "
+            f"{policy.budget_gib} is {policy.budget_bytes:,} bytes; the smallest budget that fits this policy "
+            f"is budget_gib: {smallest_budget_gib(need)} ({gib(need)}).")
+    if backend is Backend.UVA and policy.uva.offload_gib > 0:
+        fix = (f"uva.offload_gib: {policy.uva.offload_gib} offloads too little: raise it, or remove it "
+               "and let budget_gib decide how much to offload.")
+    elif backend is Backend.PREFETCH and policy.prefetch.group_size > 0:
+        fix = (f"prefetch.group_size {policy.prefetch.group_size} / num_in_group "
+               f"{policy.prefetch.num_in_group} offloads too few layers: raise num_in_group, or remove "
+               "group_size and let budget_gib decide.")
+    else:
+        example = top[0][0].rsplit(".", 1)[-1] if top else "embed_tokens"
+        fix = ("No choice of offloaded layers fits. Move more to host memory with a rule "
+               f"(for example `rules: [{{match: [{example}], place: uva}}]`), or raise budget_gib.")
+    return f"{head}\n  Pinned to the GPU outside the layer stacks: {pinned_text}.\n  {fix}"
