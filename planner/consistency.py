@@ -32,7 +32,7 @@ from collections.abc import Callable, Mapping
 from .checkpoint import TensorInfo
 from .errors import PolicyError
 from .graph import Layer, LayerGraph, build_graph
-from .groups import fused_groups
+from .groups import FusedGroups, experts_map
 from .plan import Placement, Plan
 from .schedule import make_schedule, previous_user
 from .units import human
@@ -119,6 +119,10 @@ def _layers(plan: Plan, layers: tuple[Layer, ...], at, tensors) -> list[str]:
                 f"{list(plan.stacks)}) make {want}{counts}"]
     problems = []
     for i, (row, layer) in enumerate(zip(rows, layers)):
+        split = experts_map(layer.params, plan.params.__getitem__, layer.name + ".")
+        if split != row.experts:
+            problems.append(f"{at('layers', i)}: {row.name} says experts {row.experts!r} but params: place them "
+                            f"{split!r}")
         of = {k: [n for n in layer.params if plan.params[n].value == k] for k in KINDS}
         if tensors is None:
             for k in KINDS:
@@ -141,17 +145,27 @@ def _bytes(by: Mapping[str, int]) -> str:
 
 
 def _groups(plan: Plan, at) -> list[str]:
-    """A fused expert group becomes one tensor at run time: one placement for all its members."""
+    """Fused experts (groups.py): one placement per expert of a fused parameter, and a group
+    prefetched whole (its parameters are views of one slot) or not at all."""
     problems = []
-    for group, members in fused_groups(plan.params).items():
+    groups = FusedGroups.find(plan.params)
+    for group, members in groups.members.items():
         kinds: dict[str, list[str]] = {}
         for m in members:
             kinds.setdefault(plan.params[m].value, []).append(m)
-        if len(kinds) > 1:
+        if "prefetch" in kinds and len(kinds) > 1:
             minority = min(kinds.values(), key=len)
             counts = ", ".join(f"{len(v)} {k}" for k, v in kinds.items())
             problems.append(f"{at('params', minority[0])}: {plan.params[minority[0]].value}, but fused group "
-                            f"{group} must have one placement (it is one tensor at run time): {counts}")
+                            f"{group} is prefetched, so all of it must be (its parameters are views of one "
+                            f"slot): {counts}")
+            continue
+        for m in members:
+            unit = groups.expert(m)
+            if m == unit[0] and len({plan.params[n] for n in unit}) > 1:
+                odd = next(n for n in unit if plan.params[n] is not plan.params[m])
+                problems.append(f"{at('params', odd)}: {plan.params[odd].value}, but {m} is "
+                                f"{plan.params[m].value}: they are one row of a fused parameter at run time")
     return problems
 
 

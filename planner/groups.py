@@ -1,28 +1,31 @@
-"""Fused expert groups: checkpoint tensors that become one tensor at run time.
+"""Fused expert groups: checkpoint tensors that the runtime holds as a few stacked parameters.
 
-Checkpoints store MoE experts one tensor each (`mlp.experts.7.up_proj.weight`),
-but transformers 5.x and vLLM fuse every expert of a layer's `experts` module
-into a few stacked tensors (`mlp.experts.gate_up_proj` [E, 2I, H]). A placement
-that splits such a group cannot be applied: the fused tensor lives in one place.
-So the planner treats the per-expert tensors of one `experts` module as a unit:
+Checkpoints store MoE experts one tensor each (`mlp.experts.7.up_proj.weight`).
+transformers 5.x and vLLM stack every expert of a layer's `experts` module
+along a first dimension and join gate and up along the next:
+`gate_up_proj[e] = [gate_e; up_e]` (vLLM's `w13`, from Mixtral's `w1` and
+`w3`); every other projection (`down_proj`, `w2`) is stacked alone. The same
+suffix (`.weight`, `.bias`, `.weight_scale_inv`) fuses with its own kind only.
+So a fused parameter's bytes are `gate_0, up_0, gate_1, up_1, ...` or
+`down_0, down_1, ...`, the memory order that slots.py lays out and the
+runtime checks against transformers' own conversion.
 
-- the uva walk offloads a group whole, when it reaches its first tensor;
-- prefetch offloads whole layers, so groups stay whole;
-- a rule or a `params` pattern that selects part of a group is an error.
+Three units follow, coarse to fine:
+- the group: every tensor of one `experts` module. Prefetch streams a group
+  whole (its parameters are views of the slot);
+- the parameter: one fused parameter's pieces over all experts (a layer's
+  w13, or w2): the unit of vLLM's uva walk (`uva.offload_gib`);
+- the expert: one expert's pieces of one parameter (`gate_e` and `up_e`, or
+  `down_e`): the unit of per-expert placement. A group's experts may be split
+  between the GPU and uva, one expert of one parameter at a time; the runtime
+  reads the resident ones from HBM and the others in place (runtime/experts.py).
+A rule or `params` pattern that splits an expert, or prefetches part of a
+group, is an error.
 
-Grouping is by name: `<prefix>.experts.<N>.<rest>` belongs to group
+Grouping is by name: `<prefix>.experts.<N>.<proj><suffix>` belongs to group
 `<prefix>.experts`. Shared experts (`mlp.shared_experts.*`) carry no number and
-stay ordinary tensors.
-
-Within a group, `units` gives the runtime parameters in memory order. Both
-transformers 5.x and vLLM stack experts along a first dimension and join the
-gate and up projections along the next: `gate_up_proj[e] = [gate_e; up_e]`
-(vLLM's `w13`, from Mixtral's `w1` and `w3`), so that parameter's bytes are
-`gate_0, up_0, gate_1, up_1, ...`; every other projection (`down_proj`, `w2`)
-is stacked alone, `down_0, down_1, ...`. The same suffix (`.weight`, `.bias`,
-`.weight_scale_inv`) fuses with its own kind only. A prefetch slot lays each
-unit out contiguously (slots.py), so that the runtime's fused tensor is a view
-of the slot; the runtime checks this against transformers' own conversion.
+stay ordinary tensors. Experts stored already fused (`mlp.experts.gate_up_proj`)
+carry none either: one tensor, placed whole.
 """
 from __future__ import annotations
 
@@ -30,73 +33,161 @@ import re
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
-_EXPERT = re.compile(r"^(.*\.experts)\.\d+\..*$", re.M)
 _MEMBER = re.compile(r"^(.*\.experts)\.(\d+)\.([^.]+)(.*)$")
 # projection -> (the fused parameter it joins, its place within one expert's block)
 FUSED = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1), "w1": ("w13", 0), "w3": ("w13", 1)}
 
 
-def fused_groups(names: Iterable[str]) -> dict[str, list[str]]:
-    """Group name -> its member tensor names, in the order given (one regex scan over all names)."""
-    groups: dict[str, list[str]] = {}
-    for m in _EXPERT.finditer("\n".join(names)):
-        groups.setdefault(m[1], []).append(m[0])
-    return groups
-
-
-@dataclass(frozen=True)
-class FusedGroups:
-    """A checkpoint's fused expert groups, found once per plan and shared by every step that needs them."""
-
-    members: dict[str, tuple[str, ...]]  # group -> its member tensors, in checkpoint order
-    group_of: dict[str, str]  # member -> its group
-
-    @classmethod
-    def find(cls, names: Iterable[str]) -> "FusedGroups":
-        members = {g: tuple(ms) for g, ms in fused_groups(names).items()}
-        return cls(members, {m: g for g, ms in members.items() for m in ms})
-
-    def unit(self, name: str) -> tuple[str, ...]:
-        """What moves with `name`: its whole group, or the tensor alone."""
-        group = self.group_of.get(name)
-        return (name,) if group is None else self.members[group]
-
-    def experts(self, group: str) -> int:
-        """How many distinct experts the group holds."""
-        return len({m[len(group) + 1:].split(".", 1)[0] for m in self.members[group]})
-
-
-def split_groups(groups: FusedGroups, selected: Collection[str], what: str) -> list[str]:
-    """Problems for groups that `selected` holds only partly, one line per group."""
-    problems = []
-    for group, members in groups.members.items():
-        picked = [m for m in members if m in selected]
-        if picked and len(picked) < len(members):
-            problems.append(
-                f"{what} selects {len(picked)} of the {len(members)} tensors of fused group {group} "
-                f"(e.g. {picked[0]}); transformers and vLLM fuse a layer's experts into one tensor, so "
-                f"select all of them (for example with the pattern `experts`)")
-    return problems
+def _key(name: str):
+    """(group, parameter, expert, place in the expert's block) of an expert tensor, or None."""
+    m = _MEMBER.match(name)
+    if m is None:
+        return None
+    fused, part = FUSED.get(m[3], (m[3], 0))
+    return m[1], f"{fused}{m[4]}", int(m[2]), part
 
 
 def units(names: Iterable[str]) -> list[tuple[str, ...]]:
-    """`names` grouped as the runtime holds them, each unit's members in memory order (module doc).
+    """`names` grouped into fused parameters, each unit's members in memory order (module doc).
 
     Units come in the order of their first member in `names`; a tensor that is
     no expert's is a unit of its own.
 
     >>> units(["m.experts.0.up_proj.weight", "m.experts.0.gate_proj.weight", "m.experts.1.gate_proj.weight",
     ...        "m.experts.1.up_proj.weight", "m.experts.0.down_proj.weight", "m.norm.weight"])
-    [('m.experts.0.gate_proj.weight', 'm.experts.0.up_proj.weight', 'm.experts.1.gate_proj.weight', \
+    [('m.experts.0.gate_proj.weight', 'm.experts.0.up_proj.weight', 'm.experts.1.gate_proj.weight', \\
 'm.experts.1.up_proj.weight'), ('m.experts.0.down_proj.weight',), ('m.norm.weight',)]
     """
     members: dict[tuple, list[tuple[tuple[int, int], str]]] = {}
     for n in names:
-        m = _MEMBER.match(n)
-        if m is None:
+        k = _key(n)
+        if k is None:
             members[(n,)] = [((0, 0), n)]
-            continue
-        group, expert, proj, suffix = m[1], int(m[2]), m[3], m[4]
-        fused, part = FUSED.get(proj, (proj, 0))
-        members.setdefault((group, fused, suffix), []).append(((expert, part), n))
+        else:
+            members.setdefault(k[:2], []).append((k[2:], n))
     return [tuple(n for _, n in sorted(ms)) for ms in members.values()]
+
+
+@dataclass(frozen=True)
+class FusedGroups:
+    """A checkpoint's fused expert groups, found once per plan; the three units of the module doc."""
+
+    members: dict[str, tuple[str, ...]]  # group -> its member tensors, in checkpoint order
+    group_of: dict[str, str]  # member -> its group
+    param_of: dict[str, tuple[str, ...]]  # member -> its parameter unit, in memory order
+    expert_of: dict[str, tuple[str, ...]]  # member -> its expert unit, in memory order
+    index_of: dict[str, int]  # member -> its expert number
+
+    @classmethod
+    def find(cls, names: Iterable[str]) -> "FusedGroups":
+        members: dict[str, list[str]] = {}
+        params: dict[tuple, list] = {}
+        experts: dict[tuple, list] = {}
+        index_of = {}
+        for n in names:
+            k = _key(n)
+            if k is None:
+                continue
+            group, param, expert, part = k
+            members.setdefault(group, []).append(n)
+            params.setdefault((group, param), []).append(((expert, part), n))
+            experts.setdefault((group, param, expert), []).append((part, n))
+            index_of[n] = expert
+        param_of = {n: unit for ms in params.values() for unit in [tuple(n for _, n in sorted(ms))] for n in unit}
+        expert_of = {n: unit for ms in experts.values() for unit in [tuple(n for _, n in sorted(ms))] for n in unit}
+        return cls({g: tuple(ms) for g, ms in members.items()}, {m: g for g, ms in members.items() for m in ms},
+                   param_of, expert_of, index_of)
+
+    def group(self, name: str) -> tuple[str, ...]:
+        """Everything that streams with `name`: its whole group, or the tensor alone."""
+        g = self.group_of.get(name)
+        return (name,) if g is None else self.members[g]
+
+    def param(self, name: str) -> tuple[str, ...]:
+        """vLLM's unit: `name`'s fused parameter over all experts (w13 or w2), or the tensor alone."""
+        return self.param_of.get(name, (name,))
+
+    def expert(self, name: str) -> tuple[str, ...]:
+        """The per-expert unit: `name`'s expert of its fused parameter, or the tensor alone."""
+        return self.expert_of.get(name, (name,))
+
+    def experts(self, group: str) -> int:
+        """How many distinct experts the group holds."""
+        return len({self.index_of[m] for m in self.members[group]})
+
+
+def whole_groups(names: list[str], groups: "FusedGroups") -> list[str]:
+    """`names` without the members of any group they hold only part of: what prefetch may stream."""
+    have = set(names)
+    return [n for n in names if all(m in have for m in groups.group(n))]
+
+
+def split_units(groups: FusedGroups, selected: Collection[str], what: str, whole_groups: bool) -> list[str]:
+    """Problems where `selected` holds part of a unit it must take whole, one line per unit.
+
+    `whole_groups` (prefetch): the unit is the group; else the expert of a fused parameter.
+    """
+    problems = []
+    seen: set[tuple[str, ...]] = set()
+    for m in selected:
+        unit = groups.group(m) if whole_groups else groups.expert(m)
+        if len(unit) < 2 or unit in seen:
+            continue
+        seen.add(unit)
+        picked = [n for n in unit if n in selected]
+        if len(picked) < len(unit):
+            if whole_groups:
+                problems.append(
+                    f"{what} selects {len(picked)} of the {len(unit)} tensors of fused group {groups.group_of[m]} "
+                    f"(e.g. {picked[0]}); prefetch streams a group whole, since its fused parameters are views of "
+                    "one slot: select all of them (for example with the pattern `experts`), or place experts on uva")
+            else:
+                missing = next(n for n in unit if n not in selected)
+                problems.append(
+                    f"{what} selects {picked[0]} but not {missing}: they are one row of a fused parameter at run "
+                    "time (transformers and vLLM join gate and up), so select both")
+    return sorted(problems)
+
+
+def ranges(numbers: Iterable[int]) -> str:
+    """`0-3,7,9-10`: sorted numbers with runs folded."""
+    out, run = [], []
+    for n in sorted(numbers):
+        if run and n == run[-1] + 1:
+            run.append(n)
+            continue
+        if run:
+            out.append(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}")
+        run = [n]
+    if run:
+        out.append(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}")
+    return ",".join(out)
+
+
+def experts_map(names: Iterable[str], placement_of, prefix: str) -> str | None:
+    """Which experts of each split group are where, compactly: `mlp.experts: gpu 0-31, uva 32-127`.
+
+    Only groups whose experts are not all in one place appear; when the
+    group's fused parameters differ, each gets its own entry
+    (`mlp.experts.gate_up_proj: ...; mlp.experts.down_proj: ...`). `prefix`
+    (the layer's name and a dot) is cut from the names. None when nothing is split.
+    """
+    maps: dict[str, dict[str, dict[str, set[int]]]] = {}  # group -> parameter -> placement -> experts
+    for n in names:
+        k = _key(n)
+        if k is not None:
+            group, param, expert, _ = k
+            place = placement_of(n).value
+            maps.setdefault(group, {}).setdefault(param, {}).setdefault(place, set()).add(expert)
+    entries = []
+    for group, params in maps.items():
+        if all(len(p) == 1 for p in params.values()) and len({next(iter(p)) for p in params.values()}) == 1:
+            continue  # the whole group in one place
+        local = group[len(prefix):] if group.startswith(prefix) else group
+        described = {param: ", ".join(f"{place} {ranges(e)}" for place, e in sorted(by.items()))
+                     for param, by in sorted(params.items())}
+        if len(set(described.values())) == 1:
+            entries.append(f"{local}: {next(iter(described.values()))}")
+        else:
+            entries += [f"{local}.{param}: {text}" for param, text in described.items()]
+    return "; ".join(entries) or None

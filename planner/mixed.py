@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from .cost import CostModel, Prediction
 from .footprint import Footprint
 from .graph import Layer, LayerGraph
-from .groups import FusedGroups
+from .groups import FusedGroups, whole_groups
 from .plan import LayerKind, Placement, Runs
 from .policy import Policy
 from .schedule import fewest_layers
@@ -72,7 +72,7 @@ def place_mixed(graph: LayerGraph, policy: Policy, fp: Footprint, fixed: set[str
         for n in layer.params:
             if n in fixed or n in seen:
                 continue
-            members = groups.unit(n)
+            members = groups.expert(n)
             seen.update(members)
             units.append(Unit(members, layer, model.frac[n], sum(fp.tensors[m].nbytes for m in members)))
     sparse = sorted((u for u in units if u.frac < 1), key=lambda u: u.frac)
@@ -90,7 +90,8 @@ def place_mixed(graph: LayerGraph, policy: Policy, fp: Footprint, fixed: set[str
         for u in seq:
             if u.layer.kind is LayerKind.LAYER and u.layer.runs is Runs.STEP and f.place[u.names[0]] is GPU:
                 by_layer.setdefault(u.layer.name, []).extend(u.names)
-        eligible = [(l, by_layer[l.name]) for l in graph.stack_layers() if l.name in by_layer]
+        eligible = [(l, names) for l in graph.stack_layers() if l.name in by_layer
+                    for names in [whole_groups(by_layer[l.name], groups)] if names]
         for _, names in fewest_layers(eligible, f, budget):
             f.move(names, PREFETCH)
         return f

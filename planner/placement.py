@@ -65,7 +65,7 @@ from .cost import CostModel
 from .errors import BudgetError, PolicyError
 from .footprint import Footprint
 from .graph import Layer, LayerGraph
-from .groups import FusedGroups, split_groups
+from .groups import FusedGroups, experts_map, split_units, whole_groups
 from .hardware import H100, Hardware
 from .mixed import place_mixed
 from .notes import Outcome, notes
@@ -170,7 +170,7 @@ def decide(graph: LayerGraph, tensors: Mapping[str, TensorInfo], policy: Policy,
         for k in by:
             by[k] += mine[k]
         layers.append(LayerBytes(l.name, mine[GPU], mine[UVA], mine[PREFETCH], c.h2d_bytes, c.gpu_us,
-                                 reasons.get(l.name), l.runs))
+                                 reasons.get(l.name), l.runs, experts_map(l.params, place.__getitem__, l.name + ".")))
     summary = Summary(by[GPU], by[UVA], by[PREFETCH], fp.pool, prediction.h2d_bytes, prediction.step_us)
     cost = Cost(hardware.name, prediction.batch_size, prediction.cpu_us, prediction.gpu_us, prediction.link_us)
     outcome = Outcome(policy, backend, reason, skipped, place, frozenset(fixed), tensors, graph, schedule,
@@ -179,16 +179,16 @@ def decide(graph: LayerGraph, tensors: Mapping[str, TensorInfo], policy: Policy,
 
 
 def _check_groups(groups, won, selected, policy) -> None:
-    """Rules and `params` patterns must select fused expert groups whole (see groups.py)."""
+    """Rules and `params` patterns select experts whole, and prefetch whole groups (see groups.py)."""
     problems = []
     for i, (rule, mine) in enumerate(zip(policy.rules, won)):
         if rule.place is not None:
-            problems += split_groups(groups, mine, f"rules[{i}] (place: {rule.place.value})")
+            problems += split_units(groups, mine, f"rules[{i}] (place: {rule.place.value})", rule.place is PREFETCH)
     for key in ("uva", "prefetch"):
         if selected[key] is not None:
-            problems += split_groups(groups, selected[key], f"{key}.params")
+            problems += split_units(groups, selected[key], f"{key}.params", key == "prefetch")
     if problems:
-        raise PolicyError(f"{policy.path}: the policy splits fused expert groups", problems)
+        raise PolicyError(f"{policy.path}: the policy splits fused experts", problems)
 
 
 def _rarely_run_first(rare: list[Layer], fixed, fp: Footprint, budget: int, groups: FusedGroups, selected) -> None:
@@ -199,7 +199,7 @@ def _rarely_run_first(rare: list[Layer], fixed, fp: Footprint, budget: int, grou
             if fp.total <= budget:
                 return
             if n not in fixed and fp.place[n] is GPU and (selected is None or n in selected):
-                fp.move(groups.unit(n), UVA)
+                fp.move(groups.expert(n), UVA)
 
 
 def _uva(stack, fixed, fp: Footprint, policy: Policy, groups: FusedGroups, selected, rare: list[Layer]) -> None:
@@ -215,22 +215,22 @@ def _uva(stack, fixed, fp: Footprint, policy: Policy, groups: FusedGroups, selec
     if not cands and (amount or selected is not None):
         raise PolicyError(nothing_left(policy, "uva", stack, fixed, selected))
 
-    def units():
+    def units(unit):
         for n in cands:
             if fp.place[n] is GPU:
-                yield groups.unit(n)
+                yield unit(n)
 
-    if amount:
+    if amount:  # vLLM's walk, in vLLM's units: a fused parameter (w13, w2) whole
         limit = policy.uva.offload_gib * GIB
         done = 0
-        for unit in units():
+        for unit in units(groups.param):
             if done >= limit:
                 break
             fp.move(unit, UVA)
             done += sum(fp.tensors[n].nbytes for n in unit)
         return
     _rarely_run_first(rare, fixed, fp, policy.budget_bytes, groups, selected)
-    for unit in units():
+    for unit in units(groups.expert):
         if fp.total <= policy.budget_bytes:
             break
         fp.move(unit, UVA)
@@ -240,7 +240,8 @@ def _prefetch(stack, fixed, fp: Footprint, policy: Policy, graph: LayerGraph, se
     pre = policy.prefetch
 
     def chosen(layer: Layer) -> list[str]:
-        return [n for n in layer.params if n not in fixed and (selected is None or n in selected)]
+        names = [n for n in layer.params if n not in fixed and (selected is None or n in selected)]
+        return whole_groups(names, groups)
 
     if pre.group_size > 0:
         g, k = pre.group_size, pre.num_in_group

@@ -74,6 +74,7 @@ class LayerBytes:
     us: int = 0  # predicted GPU time per step (HBM and UVA reads)
     why: str | None = None  # mixed plans: what the layer offloads and why
     runs: Runs = Runs.STEP  # when it runs (graph.py); the cost model counts only what runs every step
+    experts: str | None = None  # split expert groups: which experts are where (groups.experts_map)
 
 
 @dataclass(frozen=True)

@@ -61,8 +61,9 @@ def _v(value) -> str:
 def _row(layer: LayerBytes) -> str:
     runs = {} if layer.runs is Runs.STEP else {"runs": layer.runs.value}
     why = {} if layer.why is None else {"why": layer.why}
+    experts = {} if layer.experts is None else {"experts": layer.experts}
     return _flow(name=layer.name, **runs, gpu=layer.gpu, uva=layer.uva, prefetch=layer.prefetch, h2d=layer.h2d,
-                 us=layer.us, **why)
+                 us=layer.us, **experts, **why)
 
 
 def _flow(**items) -> str:

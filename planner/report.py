@@ -18,7 +18,7 @@ from rich.text import Text
 
 from .checkpoint import TensorInfo
 from .graph import Layer, build_graph
-from .groups import fused_groups
+from .groups import FusedGroups
 from .notes import WARNING, is_warning
 from .plan import Plan
 from .units import human, ms, percent, plural
@@ -150,7 +150,7 @@ def _footprint(plan: Plan) -> list[str]:
 def units_of(layer: Layer) -> list[tuple[str, tuple[str, ...]]]:
     """A layer's tensors as units, in order: each fused expert group once (named by the group,
     at its first member), every other tensor alone."""
-    groups = {m: g for g, ms_ in fused_groups(layer.params).items() for m in ms_}
+    groups = FusedGroups.find(layer.params).group_of
     members: dict[str, list[str]] = {}
     for n in layer.params:
         members.setdefault(groups.get(n, n), []).append(n)

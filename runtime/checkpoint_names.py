@@ -43,6 +43,9 @@ class Target:
     dtype: torch.dtype
     pieces: list[Piece] = field(default_factory=list)
     placement: Placement | None = None
+    # A fused expert parameter split between the GPU and uva (planner/groups.py): placement is UVA (the whole
+    # parameter in pinned memory), and these experts are also resident in HBM (runtime/experts.py).
+    resident: tuple[int, ...] = ()
 
     @property
     def nbytes(self) -> int:
@@ -180,17 +183,14 @@ def map_tensors(model: torch.nn.Module, checkpoint: Mapping[str, tuple[tuple[int
         if covered != total:
             problems.append(f"{tgt.name}: the checkpoint fills {covered} of its {total} elements")
         places = {checkpoint[p.source][1] for p in tgt.pieces}
-        if len(places) > 1:
-            by_place = {}
-            for p in tgt.pieces:
-                by_place.setdefault(checkpoint[p.source][1].value, []).append(p.source)
-            detail = "; ".join(f"{k}: {v[0]}" + (f" and {len(v) - 1} more" if len(v) > 1 else "")
-                               for k, v in sorted(by_place.items()))
-            problems.append(f"{tgt.name} is one tensor in the model but its sources are placed differently "
-                            f"({detail}); place them together (rebuild the plan: the planner keeps fused "
-                            "expert groups together)")
+        if len(places) == 1:
+            tgt.placement = places.pop()
             continue
-        tgt.placement = places.pop()
+        split = _split_experts(tgt, {p.source: checkpoint[p.source][1] for p in tgt.pieces})
+        if isinstance(split, str):
+            problems.append(split)
+            continue
+        tgt.placement, tgt.resident = Placement.UVA, split
     problems = [f"model tensor {n} is missing from the plan (no checkpoint tensor fills it)" for n in fold(missing)] \
         + [f"plan entry {n} is missing from the model" for n in fold(unused)] + problems
     if problems:
@@ -199,6 +199,24 @@ def map_tensors(model: torch.nn.Module, checkpoint: Mapping[str, tuple[tuple[int
     order = {n: i for i, n in enumerate(checkpoint)}
     unique.sort(key=lambda t: min(order[p.source] for p in t.pieces))
     return unique
+
+
+def _split_experts(tgt: Target, place: Mapping[str, Placement]) -> tuple[int, ...] | str:
+    """The experts on the GPU of a fused parameter whose experts are split between the GPU and uva,
+    or why the split cannot be applied: an expert's pieces disagree, or part of it is prefetched."""
+    by_expert: dict[int, set[Placement]] = {}
+    for p in tgt.pieces:
+        if not p.index:
+            return f"{tgt.name}: its sources are placed differently, but it is no stack of experts"
+        by_expert.setdefault(p.index[0], set()).add(place[p.source])
+    odd = [e for e, ps in by_expert.items() if len(ps) > 1]
+    if odd:
+        return (f"{tgt.name}: expert {odd[0]}'s pieces are placed apart, but they are one row of the parameter; "
+                "rebuild the plan (the planner keeps an expert's gate and up together)")
+    if any(Placement.PREFETCH in ps for ps in by_expert.values()):
+        return (f"{tgt.name}: part of it is prefetched; a prefetched parameter is a view of one slot, so all of "
+                "it must be (rebuild the plan)")
+    return tuple(sorted(e for e, ps in by_expert.items() if Placement.GPU in ps))
 
 
 _NUMBER = re.compile(r"(?<=\.)\d+(?=\.|$)")

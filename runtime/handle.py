@@ -14,6 +14,7 @@ import torch
 from planner.checkpoint import Checkpoint
 from planner.plan import Placement, Plan
 
+from . import experts
 from .arena import PinnedArena, typed
 from .checkpoint_names import Target
 from .layout import HostLayout
@@ -68,6 +69,8 @@ class OffloadHandle:
         self.engine: PrefetchEngine | None = None
         self.staging: UvaStaging | None = None
         self.assigned = False  # the model holds our tensors
+        self.bound_experts: list[torch.nn.Module] = []  # experts modules given resident rows (experts.py)
+        self.experts_before: str | None = None  # the experts implementation before "offplan"
         self.load_seconds = 0.0
         self.start_alloc = 0
         self.peak_gpu_bytes = 0
@@ -75,7 +78,9 @@ class OffloadHandle:
     def stats(self) -> LoadStats:
         by = {p: 0 for p in Placement}
         for t in self.targets:
-            by[t.placement] += t.nbytes
+            on_gpu = t.nbytes // t.shape[0] * len(t.resident)  # experts of a split parameter kept in HBM
+            by[t.placement] += t.nbytes - on_gpu
+            by[GPU] += on_gpu
         return LoadStats(
             device=str(self.device), gpu_bytes=by[GPU], uva_bytes=by[UVA], prefetch_bytes=by[PREFETCH],
             host_bytes=self.arena.nbytes if self.arena is not None else 0,
@@ -141,6 +146,11 @@ class OffloadHandle:
         if self.staging is not None:
             self.staging.remove()
             self.staging = None
+        for module in self.bound_experts:
+            experts.unbind(module)
+        if self.bound_experts:
+            self.model.set_experts_implementation(self.experts_before)
+        self.bound_experts = []
         if self.engine is not None:
             self.engine.remove()
             self.engine = None

@@ -14,7 +14,9 @@ or the call fails. The steps:
    or from the model's current tensors (`apply`);
 6. bind: views of the slots (prefetch) and of the arena (uva) or the staging
    buffer (`uva=False`), assigned into the model (`load_state_dict(assign=True)`),
-   buffers computed, hooks registered.
+   buffers computed, hooks registered; experts in pinned memory read through
+   offplan's experts implementation (experts.py), with the resident rows of a
+   split fused parameter copied to HBM.
 
 From step 4 on an `OffloadHandle` owns what was allocated; on any failure it
 releases all of it before the error propagates.
@@ -26,11 +28,12 @@ from pathlib import Path
 import torch
 
 from planner.checkpoint import Checkpoint, open_checkpoint
-from planner.errors import OffplanError, PlanFileError
+from planner.errors import ModelMismatchError, OffplanError, PlanFileError
 from planner.plan import Placement, Plan
 from planner.planfile import load_plan
 from planner.staleness import require_current
 
+from . import experts
 from .arena import PinnedArena, as_bytes, typed
 from .checkpoint_names import Target, map_tensors
 from .handle import OffloadHandle
@@ -121,7 +124,8 @@ def _check_gpu_memory(device: torch.device, resident: int, pool: int) -> None:
 def _allocate_and_fill(h: OffloadHandle, from_checkpoint: bool, progress) -> dict[str, torch.Tensor]:
     """Steps 4 and 5: the arena and resident tensors, filled; returns each target's tensor by name."""
     if h.cuda:
-        resident = sum(t.nbytes for t in h.targets if t.placement is GPU)
+        resident = sum(t.nbytes for t in h.targets if t.placement is GPU) + sum(
+            t.nbytes // t.shape[0] * len(t.resident) for t in h.targets if t.resident)
         _check_gpu_memory(h.device, resident, h.plan.prefetch.pool_bytes if h.plan.prefetch else 0)
         torch.cuda.synchronize(h.device)
         torch.cuda.reset_peak_memory_stats(h.device)
@@ -189,11 +193,53 @@ def _bind(h: OffloadHandle, placed: dict[str, torch.Tensor], staged: bool) -> No
     h.model.load_state_dict(state, assign=True, strict=True)
     h.assigned = True
     _materialize_buffers(h.model, h.device)
+    _bind_experts(h, placed)
     if h.cuda:
         if h.engine is not None:
             torch.cuda.current_stream(h.device).wait_stream(h.engine.copy_stream)
         torch.cuda.synchronize(h.device)
         h.peak_gpu_bytes = torch.cuda.max_memory_allocated(h.device) - h.start_alloc
+
+
+def _bind_experts(h: OffloadHandle, placed: dict[str, torch.Tensor]) -> None:
+    """Experts in pinned memory run through offplan's experts implementation (experts.py): each such fused
+    parameter's resident rows (the experts the plan keeps on the GPU) copied to HBM and bound to its module."""
+    host = [t for t in h.targets if t.placement is UVA and not h.staging and _experts_module(h.model, t) is not None]
+    if not host:
+        return
+    experts.register()
+    for t in host:
+        module = _experts_module(h.model, t)
+        param = t.name.rpartition(".")[2]
+        full = placed[t.name]
+        rows = torch.empty((max(1, len(t.resident)), *t.shape[1:]), dtype=t.dtype, device=h.device)
+        if t.resident:
+            index = torch.tensor(t.resident)
+            rows.copy_(typed(h.arena.host_view(h.layout.host_offset[t.name], t.nbytes), t.dtype, t.shape)[index])
+        slot = torch.full((t.shape[0],), -1, dtype=torch.int32)
+        slot[list(t.resident)] = torch.arange(len(t.resident), dtype=torch.int32)
+        experts.bind(module, param, rows, slot.to(h.device))
+        if module not in h.bound_experts:
+            h.bound_experts.append(module)
+        del full
+    h.experts_before = h.model.config._experts_implementation
+    h.model.set_experts_implementation("offplan")
+
+
+def _experts_module(model: torch.nn.Module, t: Target) -> torch.nn.Module | None:
+    """The module of a fused expert parameter that takes offplan's experts implementation, else None.
+
+    A parameter split between the GPU and pinned memory needs one: an error names the class that lacks it."""
+    module = model.get_submodule(t.name.rpartition(".")[0])
+    if experts.supports(module) and t.name.rpartition(".")[2] in experts.fused_params(module):
+        return module
+    if t.resident:
+        raise ModelMismatchError(f"{t.name}: the plan keeps experts {list(t.resident)[:4]}... of it on the GPU and "
+                                 f"the rest in pinned memory, but {type(module).__name__} does not dispatch through "
+                                 "transformers' experts interface (`use_experts_implementation`), which offplan "
+                                 "needs to read them apart; place the whole group together (rebuild the plan with a "
+                                 "rule for its experts)")
+    return None
 
 
 def _materialize_buffers(model: torch.nn.Module, device: torch.device) -> None:

@@ -43,11 +43,19 @@ def test_no_graph_breaks_and_outputs_equal_eager(tmp_path, checkpoints, kind, po
             assert torch.equal(torch.compile(model, backend="aot_eager")(x).logits, eager)
             torch._dynamo.reset()
             # Inductor fuses differently from eager; with its precision emulation on, a compiled
-            # model rounds like eager does, so any difference left would be offplan's.
+            # model rounds like eager does, so any difference left would be offplan's. Except for
+            # batched_mm's arithmetic (one GEMV per pair), which offplan's experts implementation runs for
+            # experts in pinned memory: Inductor lowers it with another rounding, for transformers' own
+            # batched_mm too (all on the CPU, nothing offloaded: 0.0039 max difference, one bf16 step).
+            offplan_experts = model.config._experts_implementation == "offplan"
             with inductor_config.patch(emulate_precision_casts=True):
                 compiled = torch.compile(model)
                 for _ in range(2):  # the second pass runs the copies the first pass's last layers started
-                    assert torch.equal(compiled(x).logits, eager)
+                    if offplan_experts:
+                        torch.testing.assert_close(compiled(x).logits, eager, rtol=0, atol=8e-3)
+                    else:
+                        assert torch.equal(compiled(x).logits, eager)
+            assert offplan_experts == (kind == "moe" and policy == "mixed")
         s = handle.stats()
         assert s.uva_bytes + s.prefetch_bytes > 0
         assert (s.prefetch_copies > 0) == (s.prefetch_bytes > 0)

@@ -418,32 +418,44 @@ def experts_of(*layers: int, experts: int = 2) -> list[str]:
             for p in ("down_proj", "gate_proj", "up_proj")]
 
 
-def test_uva_walk_offloads_a_fused_expert_group_whole():
+def test_uva_walk_offloads_a_fused_parameter_whole_as_vllm():
     t = moe_toy()
-    # Natural order puts mlp.experts first; 1.5 MiB would stop after two expert tensors,
-    # the group of 6 goes whole instead, and then the walk stops (6 MiB >= 1.5 MiB).
+    # Natural order puts mlp.experts.0.down_proj first; vLLM's unit is the fused parameter: the layer's
+    # down_proj over both experts (w2, 2 MiB). 1.5 MiB stops the walk after it.
     d, _ = plan_of(t, policy(offload_gib=mib(1.5)))
-    assert placed(d, UVA) == experts_of(0)
+    assert placed(d, UVA) == [f"model.layers.0.mlp.experts.{e}.down_proj.weight" for e in (0, 1)]
 
 
-def test_uva_budget_walk_keeps_groups_whole():
+def test_uva_budget_walk_moves_one_expert_of_one_parameter_at_a_time():
     t = moe_toy()  # 2 + 3 * 7 = 23 MiB
-    d, _ = plan_of(t, policy(budget_gib=mib(20)))  # 3 MiB to shed: one whole group of 6 MiB
-    assert placed(d, UVA) == experts_of(0)
+    d, _ = plan_of(t, policy(budget_gib=mib(20)))  # 3 MiB to shed: expert 0's down (1), then its gate+up (2)
+    assert placed(d, UVA) == [f"model.layers.0.mlp.experts.0.{p}.weight" for p in ("down_proj", "gate_proj", "up_proj")]
+    assert d.layers[1].experts == "mlp.experts: gpu 1, uva 0"  # the layer row says which experts are where
 
 
 @pytest.mark.parametrize("pol, where", [
-    (dict(rules=[(["re:experts\\.1\\."], "uva")]), "rules[0] (place: uva) selects 3 of the 6"),
-    (dict(backend="prefetch", group_size=1, prefetch_params=["gate_proj"]), "prefetch.params selects 2 of the 6"),
-    (dict(offload_gib=1, uva_params=["down_proj"]), "uva.params selects 2 of the 6"),
+    (dict(rules=[(["re:experts\\.1\\.gate_proj"], "uva")]),
+     "rules[0] (place: uva) selects model.layers.0.mlp.experts.1.gate_proj.weight but not "
+     "model.layers.0.mlp.experts.1.up_proj.weight: they are one row of a fused parameter at run time"),
+    (dict(offload_gib=1, uva_params=["up_proj"]),
+     "uva.params selects model.layers.0.mlp.experts.0.up_proj.weight but not "
+     "model.layers.0.mlp.experts.0.gate_proj.weight"),
+    (dict(backend="prefetch", group_size=1, prefetch_params=["gate_proj"]),
+     "prefetch.params selects 2 of the 6 tensors of fused group model.layers.0.mlp.experts (e.g. "
+     "model.layers.0.mlp.experts.0.gate_proj.weight); prefetch streams a group whole"),
 ])
-def test_selecting_part_of_a_fused_group_is_an_error(pol, where):
+def test_splitting_a_fused_expert_or_prefetching_part_of_a_group_is_an_error(pol, where):
     with pytest.raises(PolicyError) as err:
         plan_of(moe_toy(), policy(**pol))
     text = str(err.value)
-    assert "splits fused expert groups" in text
-    assert f"{where} tensors of fused group model.layers.0.mlp.experts" in text
-    assert "select all of them (for example with the pattern `experts`)" in text
+    assert "splits fused experts" in text
+    assert where in text
+
+
+def test_whole_experts_may_be_placed_apart():
+    d, _ = plan_of(moe_toy(), policy(rules=[(["re:experts\\.1\\."], "uva")]))
+    assert placed(d, UVA) == [f"model.layers.{i}.mlp.experts.1.{p}.weight" for i in range(3)
+                              for p in ("down_proj", "gate_proj", "up_proj")]
 
 
 # ---------------------------------------------------------------- a backend asked to offload must offload

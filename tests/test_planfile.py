@@ -236,8 +236,8 @@ def test_a_split_fused_group_and_wrong_buffers_are_caught(tmp_path):
     with pytest.raises(PlanFileError) as e:
         loads(bad, "p.plan.yaml")
     assert f"p.plan.yaml:{line(bad, name + ': gpu')}:{len(name) + 5}: params.{name}: gpu, but fused group " \
-        "model.layers.1.mlp.experts must have one placement (it is one tensor at run time): 11 prefetch, 1 gpu" \
-        in e.value.problems
+        "model.layers.1.mlp.experts is prefetched, so all of it must be (its parameters are views of one slot): " \
+        "11 prefetch, 1 gpu" in e.value.problems
     gate = "mlp.experts.0.gate_proj.weight, dtype: BF16, shape: "
     bad = text.replace(gate + "[32, 64]", gate + "[64, 32]")
     with pytest.raises(PlanFileError) as e:

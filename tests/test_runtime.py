@@ -163,7 +163,7 @@ def test_fused_sources_placed_apart_are_refused(tmp_path, checkpoints):
     params = dict(plan.params)
     params["model.layers.0.mlp.experts.1.up_proj.weight"] = Placement.UVA
     bad = dataclasses.replace(plan, params=params)
-    with pytest.raises(ModelMismatchError, match="gate_up_proj is one tensor in the model but its sources"):
+    with pytest.raises(ModelMismatchError, match="gate_up_proj: expert 1's pieces are placed apart, but they are one row"):
         runtime.load(build_meta_model(checkpoints["moe"]), bad, checkpoint=checkpoints["moe"])
 
 

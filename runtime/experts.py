@@ -1,0 +1,201 @@
+"""The `offplan` experts implementation: every routed expert read once per step, from HBM or pinned memory.
+
+transformers 5.x stacks a layer's experts into fused parameters
+(`gate_up_proj` [E, 2I, H], `down_proj` [E, H, I]) and dispatches the
+experts' forward through `ALL_EXPERTS_FUNCTIONS`. offplan registers its own
+entry, "offplan", and the runtime selects it (`set_experts_implementation`)
+for a model whose plan puts experts in pinned host memory. A fused parameter
+with experts there is one uva tensor (the whole parameter, pinned, read in
+place); those the plan keeps on the GPU are also held in HBM, their rows in a
+resident copy (`bind`). Per forward, for T tokens with top-k routing over E experts:
+
+1. the unique experts touched, in a list of static size U = min(E, T*k): the
+   hit experts first, by number, then padding. No host synchronization, so a
+   decode step is captured in a CUDA graph and replayed;
+2. each fused parameter's rows for those U slots, staged in HBM (`gather`):
+   copied from the resident rows for experts on the GPU, read once through the
+   zero-copy view for the others, and not read at all for padding, so padding
+   costs no link bytes. With T*k >= E every expert is staged: each host row
+   still crosses the link once;
+3. the experts' arithmetic over the staged rows, every (token, k) pair routed
+   to its slot: for T*k <= `BATCHED_PAIRS`, transformers' `batched_mm`
+   arithmetic exactly (a GEMV per pair, the same kernels on the same values,
+   so outputs are bitwise those of `batched_mm` on the whole parameter);
+   above, transformers' `grouped_mm` arithmetic over the U staged experts
+   (one weight copy per pair would not fit).
+
+On CUDA the gather is a Triton kernel that reads a host row only when its slot
+needs it (the link is the bottleneck: a kernel reading through a zero-copy
+view moves about 50 GB/s on PCIe Gen5). On the CPU, and on CUDA without
+Triton, it is `index_select` (which on CUDA would read padding rows over the
+link too). The kernel is an opaque custom op (`offplan::gather_rows`), so
+torch.compile traces the rest without a graph break.
+
+A module whose fused parameters are all in HBM (on the GPU, or prefetched into
+a slot) has nothing to deduplicate: it runs transformers' `batched_mm` as is.
+"""
+from __future__ import annotations
+
+import torch
+
+BATCHED_PAIRS = 256  # (token, expert) pairs up to which the batched_mm arithmetic runs (decode)
+_PREFIX = "offplan_"  # non-persistent buffers bound on an experts module: `offplan_slot_<param>`, `offplan_rows_<param>`
+
+
+def supports(module: torch.nn.Module) -> bool:
+    """Whether `module` dispatches through transformers' experts interface (`use_experts_implementation`)."""
+    return all(hasattr(module, a) for a in ("has_gate", "has_bias", "is_transposed", "num_experts"))
+
+
+def fused_params(module: torch.nn.Module) -> list[str]:
+    """The module's fused parameters, as transformers' experts functions read them."""
+    names = ["gate_up_proj"] if module.has_gate else ["up_proj"]
+    names.append("down_proj")
+    if module.has_bias:
+        names += [f"{n}_bias" for n in names]
+    return names
+
+
+def bind(module: torch.nn.Module, param: str, resident: torch.Tensor, slot: torch.Tensor) -> None:
+    """Give the forward `param`'s resident rows and each expert's row in them (-1: read it in place).
+
+    Non-persistent buffers: part of the module for torch.compile and CUDA graphs,
+    never of its state_dict. `unbind` removes them.
+    """
+    module.register_buffer(f"{_PREFIX}rows_{param}", resident, persistent=False)
+    module.register_buffer(f"{_PREFIX}slot_{param}", slot, persistent=False)
+
+
+def unbind(module: torch.nn.Module) -> None:
+    for name in [n for n, _ in module.named_buffers(recurse=False) if n.startswith(_PREFIX)]:
+        delattr(module, name)
+
+
+def _stage(module, param: str, order: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    full = getattr(module, param)
+    slot = getattr(module, f"{_PREFIX}slot_{param}", None)
+    if slot is None:  # all of it in HBM
+        return full.index_select(0, order)
+    return gather_rows(full, getattr(module, f"{_PREFIX}rows_{param}"), slot, order, valid)
+
+
+def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, transposed: bool) -> torch.Tensor:
+    """One GEMV per pair: x [S, in], w [S, out, in] ([S, in, out] transposed) -> [S, out], as batched_mm does."""
+    out = torch.bmm(x.unsqueeze(1), w).squeeze(1) if transposed else torch.bmm(w, x.unsqueeze(-1)).squeeze(-1)
+    return out if b is None else out.add_(b)
+
+
+def _grouped(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, b: torch.Tensor | None,
+             transposed: bool) -> torch.Tensor:
+    """x [S, in] sorted by slot, w [U, ...], offsets: cumulative rows per slot -> [S, out], as grouped_mm does."""
+    weight = w if transposed else w.transpose(-2, -1)
+    out = torch.nn.functional.grouped_mm(x.to(weight.dtype), weight, offs=offsets)
+    return out if b is None else out.add_(b)
+
+
+def offplan_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                            top_k_weights: torch.Tensor) -> torch.Tensor:
+    """The "offplan" entry of ALL_EXPERTS_FUNCTIONS (module doc). hidden_states [T, H], top_k_* [T, k]."""
+    if not any(n.startswith(_PREFIX) for n, _ in self.named_buffers(recurse=False)):
+        from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+        return ALL_EXPERTS_FUNCTIONS["batched_mm"](self, hidden_states, top_k_index, top_k_weights)
+    num_tokens, k = top_k_index.shape
+    experts, pairs = self.num_experts, top_k_index.numel()
+    size = min(experts, pairs)
+    ids = top_k_index.reshape(-1)
+    hit = torch.zeros(experts, dtype=torch.int32, device=ids.device).index_fill_(0, ids, 1)
+    order = torch.sort(hit, descending=True, stable=True).indices[:size]  # hit experts first, by number
+    valid = hit.index_select(0, order)
+    slot_of = torch.zeros(experts, dtype=torch.long, device=ids.device).index_copy_(
+        0, order, torch.arange(size, device=ids.device))
+    pos = slot_of.index_select(0, ids)  # [T*k]: each pair's slot
+    rows = {p: _stage(self, p, order, valid) for p in fused_params(self)}
+    weights = top_k_weights.reshape(-1)
+    first = "gate_up_proj" if self.has_gate else "up_proj"
+    bias = (lambda p: rows[f"{p}_bias"]) if self.has_bias else (lambda p: None)
+    if pairs <= BATCHED_PAIRS:  # batched_mm's arithmetic: one weight copy per pair, from HBM
+        x = hidden_states.repeat_interleave(k, dim=0)
+        up = _linear(x, rows[first].index_select(0, pos), None if bias(first) is None else bias(first)[pos],
+                     self.is_transposed)
+        up = self._apply_gate(up) if self.has_gate else self.act_fn(up)
+        down = bias("down_proj")
+        out = _linear(up, rows["down_proj"].index_select(0, pos), None if down is None else down[pos],
+                      self.is_transposed)
+        return (out * weights.unsqueeze(-1)).view(num_tokens, k, -1).sum(dim=1).to(hidden_states.dtype)
+    # grouped_mm's arithmetic over the staged experts, pairs sorted by slot
+    pos_sorted, perm = torch.sort(pos)
+    x = hidden_states[perm // k]
+    counts = torch.histc(pos_sorted.float() if x.device.type == "cpu" else pos_sorted.int(), bins=size, min=0,
+                         max=size - 1)
+    offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
+    up = _grouped(x, rows[first], offsets, None if bias(first) is None else bias(first)[pos_sorted],
+                  self.is_transposed)
+    up = self._apply_gate(up) if self.has_gate else self.act_fn(up)
+    down = bias("down_proj")
+    out = _grouped(up, rows["down_proj"], offsets, None if down is None else down[pos_sorted], self.is_transposed)
+    out = out * weights[perm].unsqueeze(-1)
+    inverse = torch.empty_like(perm)
+    inverse[perm] = torch.arange(perm.numel(), device=perm.device)
+    return out[inverse].view(num_tokens, k, -1).sum(dim=1).to(hidden_states.dtype)
+
+
+# ---------------------------------------------------------------- the gather
+
+def _gather_reference(full, resident, slot, order, valid) -> torch.Tensor:
+    """rows[u] = resident[slot[e]] if slot[e] >= 0 else full[e], e = order[u] (padding rows: any)."""
+    s = slot.index_select(0, order)
+    from_resident = resident.index_select(0, s.clamp(min=0)) if resident.shape[0] else None
+    rows = full.index_select(0, order)
+    if from_resident is None:
+        return rows
+    keep = (s >= 0).view(-1, *([1] * (rows.dim() - 1)))
+    return torch.where(keep, from_resident, rows)
+
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the CPU build of torch: the reference gather serves
+    triton = None
+
+if triton is not None:
+    @triton.jit
+    def _gather_kernel(out, full, resident, slot, order, valid, row_numel, BLOCK: tl.constexpr):
+        u = tl.program_id(0)
+        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < row_numel
+        if tl.load(valid + u) != 0:
+            e = tl.load(order + u).to(tl.int64)
+            s = tl.load(slot + e).to(tl.int64)
+            if s >= 0:
+                x = tl.load(resident + s * row_numel + offs, mask=mask)
+            else:
+                x = tl.load(full + e * row_numel + offs, mask=mask)
+            tl.store(out + u.to(tl.int64) * row_numel + offs, x, mask=mask)
+
+
+@torch.library.custom_op("offplan::gather_rows", mutates_args=())
+def gather_rows(full: torch.Tensor, resident: torch.Tensor, slot: torch.Tensor, order: torch.Tensor,
+                valid: torch.Tensor) -> torch.Tensor:
+    """Rows of `full` [E, ...] for the slots `order` [U]: each expert's from `resident` where `slot` has it,
+    else from `full` in place (through the zero-copy view: over the link); padding slots (`valid` 0) read
+    nothing and hold garbage, which no pair reads."""
+    if not full.is_cuda or triton is None:
+        return _gather_reference(full, resident, slot, order, valid)
+    row_numel = full[0].numel()
+    out = torch.empty((order.numel(), *full.shape[1:]), dtype=full.dtype, device=order.device)
+    block = 4096
+    _gather_kernel[(order.numel(), triton.cdiv(row_numel, block))](
+        out, full, resident, slot, order, valid, row_numel, BLOCK=block)
+    return out
+
+
+@gather_rows.register_fake
+def _(full, resident, slot, order, valid):
+    return full.new_empty((order.shape[0], *full.shape[1:]))
+
+
+def register() -> None:
+    """Add "offplan" to transformers' experts implementations (idempotent)."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+    ALL_EXPERTS_FUNCTIONS.register("offplan", offplan_experts_forward)
