@@ -162,14 +162,14 @@ def decode(model, ids: torch.Tensor, batch: int, new: int, device) -> tuple[floa
     return new / max(tn - t1, 1e-9), out[:, PROMPT_LEN:].tolist()
 
 
-def decode_static(model, handle, ids: torch.Tensor, new: int, mode: str) -> tuple[float, list]:
-    """Batch-1 greedy decode with a static KV cache: `compiled` runs a torch.compile'd forward,
+def decode_static(model, handle, ids: torch.Tensor, new: int, mode: str, batch: int = 1) -> tuple[float, list]:
+    """Greedy decode of `batch` sequences with a static KV cache: `compiled` runs a torch.compile'd forward,
     `graph` replays one captured decode step (CUDA graph). Returns (steps per second, tokens)."""
     from transformers import StaticCache
-    prompt = ids[:1]
+    prompt = ids[:batch]
     pos = torch.arange(PROMPT_LEN, device=prompt.device)
     cache = StaticCache(config=model.config, max_cache_len=PROMPT_LEN + new + 8)
-    static_ids = torch.zeros(1, 1, dtype=torch.long, device=prompt.device)
+    static_ids = torch.zeros(batch, 1, dtype=torch.long, device=prompt.device)
     static_pos = torch.tensor([PROMPT_LEN], device=prompt.device)
     step = torch.compile(model) if mode == "compiled" else model
     with torch.no_grad():

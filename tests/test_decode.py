@@ -6,6 +6,7 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
+import decode_bench  # noqa: E402
 from decode_bench import run_decode  # noqa: E402
 
 
@@ -16,3 +17,26 @@ def test_decode_benchmark_runs_on_the_cpu(tmp_path):
     assert {(r["name"], r["batch"]) for r in records} == {
         (name, b) for name in ("gpu", "uva-0.5", "uva-64b-0.5", "prefetch-0.5", "mixed-0.5", "gpu-end") for b in (1, 2)}
     assert all(r["same_tokens"] and r["steps_per_s"] > 0 for r in records)
+
+
+def test_moe_benchmark_runs_on_the_cpu(tmp_path):
+    import importlib.util
+    import json
+    import sys
+    root = decode_bench.ROOT / "benchmarks"
+    sys.path.insert(0, str(root))  # moe.py imports its sibling decode.py, as `python benchmarks/moe.py` does
+    try:
+        spec = importlib.util.spec_from_file_location("moe_bench_main", root / "moe.py")
+        moe = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(moe)
+        code = moe.main(["--model", "tiny", "--layers", "2", "--device", "cpu", "--batches", "1", "2",
+                         "--new-tokens", "2", "--modes", "eager", "--dir", str(tmp_path / "work"),
+                         "--out", str(tmp_path / "out")])
+    finally:
+        sys.path.remove(str(root))
+    assert code == 0
+    rows = [json.loads(l) for l in (tmp_path / "out" / "moe-tiny.jsonl").read_text().splitlines()]
+    runs = {(r["name"], r["implementation"], r["batch"]) for r in rows if r["kind"] == "decode"}
+    assert ("experts-host-offplan", "offplan", 2) in runs and ("gpu-grouped_mm", "grouped_mm", 1) in runs
+    assert all(r["same_tokens_as_batched_mm"] for r in rows if r["kind"] == "decode")
+    assert {r["batch"] for r in rows if r["kind"] == "floor"} == {1, 2}

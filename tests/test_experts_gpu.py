@@ -1,0 +1,96 @@
+"""offplan's experts implementation on CUDA (marked `gpu`): the Triton gather reads pinned rows through the zero-copy
+view, outputs equal batched_mm bitwise, and a decode step with experts in pinned memory replays in a CUDA graph."""
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from runtime import experts  # noqa: E402
+from runtime.arena import PinnedArena, typed  # noqa: E402
+from runtime.hf import from_pretrained  # noqa: E402
+from test_experts import SPLIT, configs  # noqa: E402
+from tiny_models import make_plan, reference, save_model  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("moe")
+    return {name: save_model(config, root / name) for name, config in configs().items()}
+
+
+def test_gather_rows_reads_pinned_rows_in_place_and_resident_rows_from_hbm():
+    assert experts.triton is not None  # the kernel path, not the reference, runs here
+    e, shape = 16, (96, 128)
+    arena = PinnedArena(e * 96 * 128 * 2, cuda=True)
+    host = typed(arena.host_view(0, arena.nbytes), torch.bfloat16, (e, *shape))
+    host.copy_(torch.randn(e, *shape, dtype=torch.bfloat16))
+    full = typed(arena.device_view(0, arena.nbytes), torch.bfloat16, (e, *shape))
+    resident_ids = [1, 5, 6]
+    resident = host[resident_ids].cuda() + 1  # marked: a row from HBM shows by its value
+    slot = torch.full((e,), -1, dtype=torch.int32)
+    slot[resident_ids] = torch.arange(3, dtype=torch.int32)
+    order = torch.tensor([5, 0, 9, 1, 3, 2], device="cuda")
+    valid = torch.tensor([1, 1, 1, 1, 1, 0], dtype=torch.int32, device="cuda")
+    rows = experts.gather_rows(full, resident, slot.cuda(), order, valid)
+    want = torch.stack([resident[1], host[0].cuda(), host[9].cuda(), resident[0], host[3].cuda()])
+    assert torch.equal(rows[:5], want)
+    del full, rows
+    arena.release()
+
+
+@pytest.mark.parametrize("name", ["qwen3-moe", "mixtral", "qwen2-moe"])
+def test_split_experts_on_cuda_equal_batched_mm_bitwise(tmp_path, models, name):
+    plan = make_plan(tmp_path, models[name], SPLIT)
+    model, handle = from_pretrained(plan, progress=False)
+    assert model.config._experts_implementation == "offplan"
+    ref = reference(models[name], "cuda")
+    ref.set_experts_implementation("batched_mm")
+    for tokens in (1, 9):
+        torch.manual_seed(3)
+        ids = torch.randint(0, 256, (2, tokens), device="cuda")
+        with torch.no_grad():
+            assert torch.equal(model(ids).logits, ref(ids).logits), tokens
+    handle.remove(restore=False)
+
+
+def test_decode_step_with_experts_in_pinned_memory_replays_in_a_cuda_graph(tmp_path, models):
+    from transformers import StaticCache
+    plan = make_plan(tmp_path, models["qwen3-moe"], SPLIT)
+    model, handle = from_pretrained(plan, progress=False)
+    cfg = model.config
+    graph_cache, eager_cache = StaticCache(config=cfg, max_cache_len=64), StaticCache(config=cfg, max_cache_len=64)
+    prompt = torch.randint(0, 256, (1, 8), device="cuda")
+    static_ids = torch.zeros(1, 1, dtype=torch.long, device="cuda")
+    static_pos = torch.tensor([8], device="cuda")
+    with torch.no_grad():
+        graph, static_logits = handle.capture(
+            lambda: model(static_ids, past_key_values=graph_cache, cache_position=static_pos).logits)
+        for cache in (graph_cache, eager_cache):
+            cache.reset()
+            model(prompt, past_key_values=cache, cache_position=torch.arange(8, device="cuda"))
+        for step in range(20):
+            token = torch.randint(0, 256, (1, 1), device="cuda")
+            static_ids.copy_(token)
+            static_pos.fill_(8 + step)
+            graph.replay()
+            want = model(token, past_key_values=eager_cache, cache_position=torch.tensor([8 + step], device="cuda"))
+            torch.cuda.synchronize()
+            assert torch.equal(static_logits, want.logits), step
+    handle.remove(restore=False)
+
+
+def test_no_graph_break_under_torch_compile_on_cuda(tmp_path, models):
+    plan = make_plan(tmp_path, models["qwen3-moe"], SPLIT)
+    model, handle = from_pretrained(plan, progress=False)
+    ids = torch.randint(0, 256, (2, 5), device="cuda")
+    try:
+        with torch.no_grad():
+            explained = torch._dynamo.explain(model)(ids)
+        assert explained.graph_break_count == 0, [b.reason for b in explained.break_reasons]
+    finally:
+        torch._dynamo.reset()
+        handle.remove(restore=False)
