@@ -18,11 +18,14 @@ resident copy (`bind`). Per forward, for T tokens with top-k routing over E expe
    costs no link bytes. With T*k >= E every expert is staged: each host row
    still crosses the link once;
 3. the experts' arithmetic over the staged rows, every (token, k) pair routed
-   to its slot: for T*k <= `BATCHED_PAIRS`, transformers' `batched_mm`
-   arithmetic exactly (a GEMV per pair, the same kernels on the same values,
-   so outputs are bitwise those of `batched_mm` on the whole parameter);
-   above, transformers' `grouped_mm` arithmetic over the U staged experts
-   (one weight copy per pair would not fit).
+   to its slot (`arithmetic` says which): for T*k <= `BATCHED_PAIRS` (one or
+   two tokens), transformers' `batched_mm` arithmetic exactly (a GEMV per
+   pair over a weight copy per pair: the same kernels on the same values, so
+   outputs are bitwise those of `batched_mm` on the whole parameter); above,
+   transformers' `grouped_mm` arithmetic over the U staged experts, bitwise
+   that of `grouped_mm`. Measured on the H100 (benchmarks/RESULTS.md), these
+   are the fastest all-GPU paths at batch 1 and from batch 8 on; batched_mm's
+   weight copy per pair costs 2.4 GB of HBM traffic per layer at batch 32.
 
 On CUDA the gather is a Triton kernel that reads a host row only when its slot
 needs it (the link is the bottleneck: a kernel reading through a zero-copy
@@ -38,7 +41,7 @@ from __future__ import annotations
 
 import torch
 
-BATCHED_PAIRS = 256  # (token, expert) pairs up to which the batched_mm arithmetic runs (decode)
+BATCHED_PAIRS = 16  # (token, expert) pairs up to which the batched_mm arithmetic runs: decode of 1-2 tokens
 _PREFIX = "offplan_"  # non-persistent buffers bound on an experts module: `offplan_slot_<param>`, `offplan_rows_<param>`
 
 
@@ -69,6 +72,12 @@ def bind(module: torch.nn.Module, param: str, resident: torch.Tensor, slot: torc
 def unbind(module: torch.nn.Module) -> None:
     for name in [n for n, _ in module.named_buffers(recurse=False) if n.startswith(_PREFIX)]:
         delattr(module, name)
+
+
+def arithmetic(pairs: int) -> str:
+    """Which transformers experts implementation's arithmetic a forward of `pairs` (token, expert) pairs
+    reproduces, bitwise: "batched_mm" or "grouped_mm" (module doc, step 3)."""
+    return "batched_mm" if pairs <= BATCHED_PAIRS else "grouped_mm"
 
 
 def _stage(module, param: str, order: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -113,7 +122,7 @@ def offplan_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, 
     weights = top_k_weights.reshape(-1)
     first = "gate_up_proj" if self.has_gate else "up_proj"
     bias = (lambda p: rows[f"{p}_bias"]) if self.has_bias else (lambda p: None)
-    if pairs <= BATCHED_PAIRS:  # batched_mm's arithmetic: one weight copy per pair, from HBM
+    if arithmetic(pairs) == "batched_mm":  # one weight copy per pair, from HBM
         x = hidden_states.repeat_interleave(k, dim=0)
         up = _linear(x, rows[first].index_select(0, pos), None if bias(first) is None else bias(first)[pos],
                      self.is_transposed)

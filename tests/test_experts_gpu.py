@@ -43,17 +43,20 @@ def test_gather_rows_reads_pinned_rows_in_place_and_resident_rows_from_hbm():
 
 
 @pytest.mark.parametrize("name", ["qwen3-moe", "mixtral", "qwen2-moe"])
-def test_split_experts_on_cuda_equal_batched_mm_bitwise(tmp_path, models, name):
+def test_split_experts_on_cuda_equal_transformers_bitwise(tmp_path, models, name):
     plan = make_plan(tmp_path, models[name], SPLIT)
     model, handle = from_pretrained(plan, progress=False)
     assert model.config._experts_implementation == "offplan"
-    ref = reference(models[name], "cuda")
-    ref.set_experts_implementation("batched_mm")
+    k = model.config.num_experts_per_tok
     for tokens in (1, 9):
+        impl = experts.arithmetic(2 * tokens * k)
+        ref = reference(models[name], "cuda")
+        ref.set_experts_implementation(impl)
         torch.manual_seed(3)
         ids = torch.randint(0, 256, (2, tokens), device="cuda")
         with torch.no_grad():
-            assert torch.equal(model(ids).logits, ref(ids).logits), tokens
+            assert torch.equal(model(ids).logits, ref(ids).logits), (tokens, impl)
+        del ref
     handle.remove(restore=False)
 
 
