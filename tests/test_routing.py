@@ -15,7 +15,7 @@ from planner.graph import build_graph
 from planner.groups import FusedGroups
 from planner.hardware import Hardware
 from planner.planfile import dumps, load_plan
-from planner.policy import load_policy
+from planner.policy import Workload, load_policy
 from planner.routing import (HEADER, LayerHits, RoutingProfile, dumps_profile, load_profile, mismatches,
                              profile_fingerprint, skew)
 from synthetic import qwen3_moe, write_header_only
@@ -220,7 +220,9 @@ def mixed_policy(work, routing: str | None, shed_experts: int = 8):
 def test_mixed_keeps_the_most_hit_experts_on_the_gpu(work):
     fp = open_checkpoint(work / "ckpt").fingerprint
     profile_file(work, fp=fp)
-    plan, _ = build_file(mixed_policy(work, "r.routing.yaml"), work / "m.plan.yaml")
+    policy = mixed_policy(work, "r.routing.yaml")
+    assert load_policy(policy).workload == Workload(1, None, work / "r.routing.yaml", "r.routing.yaml")
+    plan, _ = build_file(policy, work / "m.plan.yaml")
     rows = {l.name: l.experts for l in plan.layers if l.experts}
     assert rows == {"model.layers.0": "mlp.experts: gpu 0,2,5,7, uva 1,3-4,6",
                     "model.layers.1": "mlp.experts: gpu 1,3-4,6, uva 0,2,5,7"}
@@ -309,6 +311,14 @@ def test_diff_and_validate_name_the_profile(work, capsys):
     capsys.readouterr()
     assert main(["diff", "uniform.plan.yaml", "profiled.plan.yaml"]) == 0
     assert "routing profile: none (uniform) -> r.routing.yaml\n" in capsys.readouterr().out
+    path = work / "r.routing.yaml"
+    path.write_text(path.read_text().replace("prompts: prompts.txt", "prompts: other.txt"))
+    assert main(["build", "m.policy.yaml", "-o", "again.plan.yaml"]) == 0
+    capsys.readouterr()
+    assert main(["diff", "profiled.plan.yaml", "again.plan.yaml"]) == 0
+    assert "routing profile: r.routing.yaml changed since the old plan was built\n" in capsys.readouterr().out
+    assert main(["show", "profiled.plan.yaml", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["routing"] == "r.routing.yaml"
     assert main(["validate", "r.routing.yaml"]) == 0
     assert capsys.readouterr().out == ("r.routing.yaml: valid routing profile (2 MoE layers, 100 decode tokens; each "
                                        "layer's most-hit expert (of 8) takes 32.5% of decode hits (12.5% if "
