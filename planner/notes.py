@@ -109,7 +109,7 @@ def _routing(o: Outcome) -> list[str]:
     if p is None:
         return ["routing assumed uniform: no workload.routing profile (record one with `plan profile`)"
                 ] if o.uniform_routing else []
-    name = o.policy.workload.routing_text
+    name = o.policy.workload.routing_text or (p.path.name if p.path else "(not from a file)")
     out = [f"routing from the profile {name} (workload.routing): {plural(p.decode_tokens, 'decode token')} of "
            f"{plural(p.sequences, 'prompt')} ({p.prompts}); {skew(p).text()}"]
     if o.checkpoint_fingerprint is not None and p.checkpoint_fingerprint != o.checkpoint_fingerprint:
