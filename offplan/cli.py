@@ -4,11 +4,11 @@
         ^
     runtime/  (plan file -> model; torch)
         ^
-    offplan/  (this CLI: planning commands from planner, apply and calibrate from runtime)
+    offplan/  (this CLI: planning commands from planner; apply, calibrate and profile from runtime)
 
 The planner never imports the runtime; the runtime imports the planner's plan
-types and reader; this package imports both, the runtime only when `apply` or
-`calibrate` runs, so planning needs no torch. `main(argv)` returns the exit
+types and reader; this package imports both, the runtime only when `apply`, `calibrate` or
+`profile` runs, so planning needs no torch. `main(argv)` returns the exit
 code; tests call it directly.
 
 Exit codes: 0 success; 1 bad input (one message, no traceback, nothing
@@ -28,12 +28,15 @@ from planner.errors import OffplanError
 
 from . import planning
 
+RANDOM_PROMPTS, PROMPT_LEN, SEED = 8, 32, 0  # `plan profile`'s random prompts, without --prompts
+
 EXAMPLES = """examples:
   plan build plans/examples/tiny-moe.policy.yaml        # writes tiny-moe.plan.yaml beside it
   plan show plans/examples/tiny-moe.plan.yaml
   plan apply plans/examples/tiny-moe.plan.yaml
   plan diff old.plan.yaml new.plan.yaml --detailed-exitcode
   plan check plans/examples/tiny-moe.plan.yaml          # exit 2 if the plan is stale
+  plan profile plans/examples/tiny-moe -o tiny-moe.routing.yaml   # then `workload: {routing: ...}`
 """
 
 
@@ -92,9 +95,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("new", metavar="NEW")
     p.add_argument("--detailed-exitcode", action="store_true",
                    help="exit 0 if the plans are the same, 2 if they differ, 1 on error")
-    p = cmd("validate", "check a policy (schema, patterns against the checkpoint), a plan or a hardware profile")
+    p = cmd("validate", "check a policy (schema, patterns against the checkpoint), a plan, a hardware profile or "
+                        "a routing profile")
     p.add_argument("file", metavar="FILE")
-    p = cmd("check", "is the plan stale? exit 0 if current, 2 if its checkpoint or policy changed")
+    p = cmd("check", "is the plan stale? exit 0 if current, 2 if its checkpoint, policy or routing profile changed")
     p.add_argument("plan", metavar="PLAN")
     p = cmd("calibrate", "measure this GPU's copy, UVA and HBM bandwidths and per-layer overhead")
     p.add_argument("-o", "--output", metavar="PROFILE", default="hardware.yaml",
@@ -105,17 +109,38 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", default="The capital of France is", help="prompt for a greedy generation")
     p.add_argument("--max-new-tokens", type=_positive, default=16, metavar="N")
     p.add_argument("--device", default=None, choices=["cuda", "cpu"], help="default: cuda if available")
+    p = cmd("profile", "run prompts through the model and record which experts each MoE layer routes them to, "
+                       "decode and prefill apart; write a routing profile for a policy's workload.routing")
+    p.add_argument("source", metavar="CHECKPOINT_OR_PLAN",
+                   help="a checkpoint directory (loaded whole on one device) or a plan (loaded per the plan)")
+    p.add_argument("-o", "--output", metavar="PROFILE", required=True,
+                   help="where to write the routing profile; name it in a policy as `workload: {routing: PROFILE}`")
+    p.add_argument("--prompts", metavar="FILE",
+                   help="one prompt per line, tokenized with the checkpoint's tokenizer (default: random token ids)")
+    p.add_argument("--random-prompts", type=_positive, metavar="N",
+                   help=f"N prompts of random token ids, seed {SEED} (default without --prompts: {RANDOM_PROMPTS})")
+    p.add_argument("--prompt-len", type=_at_least_2, metavar="L",
+                   help=f"tokens per random prompt (default: {PROMPT_LEN})")
+    p.add_argument("--new-tokens", type=_at_least_2, default=32, metavar="M",
+                   help="tokens generated greedily per prompt: 1 from the prefill, M-1 decode steps (default: 32)")
+    p.add_argument("--device", default=None, choices=["cuda", "cpu"], help="default: cuda if available")
     return ap
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a whole number, not {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
-    return value
+def _at_least(low: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a whole number, not {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, not {value}")
+        return value
+    return parse
+
+
+_positive = _at_least(1)
+_at_least_2 = _at_least(2)  # a prompt of one token is not told from a decode step; M-1 decode steps
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -163,4 +188,5 @@ def _needs_runtime(name: str):
 
 _COMMANDS = {"build": planning.build_command, "show": planning.show_command, "diff": planning.diff_command,
              "validate": planning.validate_command, "check": planning.check_command,
-             "apply": _needs_runtime("apply_command"), "calibrate": _needs_runtime("calibrate_command")}
+             "apply": _needs_runtime("apply_command"), "calibrate": _needs_runtime("calibrate_command"),
+             "profile": _needs_runtime("profile_command")}

@@ -16,6 +16,7 @@ from planner.hardware import load_hardware
 from planner.notes import is_warning
 from planner.planfile import dumps, load_plan, read_plan
 from planner.policy import Policy, load_policy
+from planner.routing import load_profile, skew
 from planner.report import show, show_data, show_tensors, tensors_data
 from planner.staleness import stale_reasons
 from planner.units import human, ms, plural
@@ -109,6 +110,12 @@ def validate_command(args) -> int:
         emit(args, {"file": str(path), "kind": "hardware profile", "valid": True, "name": hw.name},
               f"{path}: valid hardware profile ({hw.name})")
         return 0
+    if kind == "routing profile":
+        profile = load_profile(path)
+        emit(args, {"file": str(path), "kind": "routing profile", "valid": True, "layers": len(profile.layers)},
+             f"{path}: valid routing profile ({plural(len(profile.layers), 'MoE layer')}, "
+             f"{plural(profile.decode_tokens, 'decode token')}; {skew(profile).text()})")
+        return 0
     policy = load_policy(path)
     for w in policy.warnings:
         print(f"warning: {w}", file=sys.stderr)
@@ -130,8 +137,11 @@ def check_command(args) -> int:
     problems = stale_reasons(plan, plan_path, open_checkpoint(ckpt_dir))
     if problems:
         return _stale(args, plan_path, problems, policy_path)
+    inputs = [str(ckpt_dir), str(policy_path)]
+    if plan.routing is not None:
+        inputs.append(str(plan_path.parent / plan.routing.path))
     emit(args, {"plan": str(plan_path), "stale": False, "problems": []},
-          f"{plan_path}: up to date with {ckpt_dir} and {policy_path}")
+          f"{plan_path}: up to date with {', '.join(inputs[:-1])} and {inputs[-1]}")
     return 0
 
 

@@ -12,8 +12,9 @@ from .placement import decide
 from .config import read_config
 from .hardware import H100, load_hardware
 from .files import relpath
-from .plan import Plan
+from .plan import Plan, RoutingRef
 from .policy import Policy, load_policy
+from .routing import load_profile
 
 
 def default_output(policy_path: Path) -> Path:
@@ -57,7 +58,8 @@ def _build(policy: Policy, plan_dir: Path, checkpoint: Checkpoint | None) -> Pla
     graph = build_graph(names, policy.stacks, policy.where, facts)
     hardware = load_hardware(policy.hardware) if policy.hardware else H100
     top_k = policy.workload.experts_per_token or facts.top_k
-    d = decide(graph, ckpt.tensors, policy, hardware, top_k)
+    routing = load_profile(policy.workload.routing) if policy.workload.routing else None
+    d = decide(graph, ckpt.tensors, policy, hardware, top_k, routing, ckpt.fingerprint)
     # The directory when it is the standard layout, else the file the policy named.
     if ckpt.index is None:
         ckpt_file = ckpt.root / next(iter(ckpt.tensors.values())).shard
@@ -81,6 +83,7 @@ def _build(policy: Policy, plan_dir: Path, checkpoint: Checkpoint | None) -> Pla
         params=d.params,
         notes=d.notes,
         cost=d.cost,
+        routing=None if routing is None else RoutingRef(relpath(routing.path, plan_dir), routing.fingerprint),
     )
 
 

@@ -2,8 +2,12 @@
 
 Roles say what fraction of a tensor one decode step (one new token per
 sequence, batch b) reads:
-- expert: a member of a fused expert group (see groups.py). Top-k routing over
-  E experts touches an expected 1 - (1 - k/E)^b of them per step;
+- expert: a member of a fused expert group (see groups.py). Routing picks
+  expert e for a token with probability p_e, so a step of b tokens reads it
+  with probability 1 - (1 - p_e)^b. With a routing profile (routing.py), p_e
+  is the expert's share of the profile's decode tokens (decode hits / decode
+  tokens: top-k routing makes them add up to k); without one, routing is
+  assumed uniform, p_e = k/E for each of a layer's E experts;
 - embedding: a 2-D tensor of an embedding module: b of its V rows per step
   (unless the embedding is tied to the head, which reads it whole);
 - dense: everything else, read whole every step.
@@ -22,8 +26,10 @@ sit inside the kernels that need them, so they count as GPU time; prefetch
 copies run on their own stream ahead of use, so they do not. Both cross the
 same PCIe link, so the link term adds them.
 
-Limits: decode only (prefill is not modelled); expert routing is assumed
-uniform (real routers are skewed, which touches fewer experts); the overlap of
+Limits: decode only (prefill is not modelled); without a routing profile,
+expert routing is assumed uniform (real routers are skewed, which touches
+fewer experts); with one, the tokens of a batch are assumed routed
+independently of each other, as the profile's prompts were; the overlap of
 prefetch is assumed perfect, so a plan whose offloaded layers sit together
 (nothing to overlap with) is predicted optimistic.
 """
@@ -37,6 +43,7 @@ from .graph import LayerGraph
 from .groups import FusedGroups
 from .hardware import Hardware
 from .plan import LayerKind, Placement, Role, Runs
+from .routing import RoutingProfile
 
 GPU, UVA, PREFETCH = Placement.GPU, Placement.UVA, Placement.PREFETCH
 
@@ -67,13 +74,17 @@ class CostModel:
     """Predicts a placement's per-step traffic and time; built once per plan, asked many times."""
 
     def __init__(self, graph: LayerGraph, tensors: Mapping[str, TensorInfo], hw: Hardware, batch: int,
-                 groups: FusedGroups, top_k: int | None, roles: Mapping[str, Role] | None = None):
+                 groups: FusedGroups, top_k: int | None, roles: Mapping[str, Role] | None = None,
+                 routing: RoutingProfile | None = None):
+        """`routing`: a profile that counts every group that runs in decode (routing.mismatches
+        checks it); None: uniform routing over `top_k` of each group's experts."""
         self.graph = graph
         self.hw = hw
         self.batch = batch
         self.top_k = top_k
         counts = {g: groups.experts(g) for g in groups.members}
         group_of = groups.group_of
+        chance = {g: routing.probabilities(g) for g in groups.members if g in routing.layers} if routing else {}
         # A tied embedding is also the head, which reads all of it every step: dense, not sparse.
         embed = set() if graph.tied_embeddings else {
             n for l in graph.layers if l.kind is LayerKind.EMBED for n in l.params if len(tensors[n].shape) == 2}
@@ -85,6 +96,8 @@ class CostModel:
                     Role.EXPERT if n in group_of else Role.EMBEDDING if n in embed else Role.DENSE)
                 if layer.runs is not Runs.STEP:
                     frac = 0.0  # not in a decode step at all
+                elif role is Role.EXPERT and group_of.get(n) in chance:
+                    frac = 1 - (1 - chance[group_of[n]][groups.index_of[n]]) ** batch
                 elif role is Role.EXPERT and (top_k is None or n not in group_of):
                     frac = 1.0  # unknown routing, or an override without a group: read it all
                 elif role is Role.EXPERT:

@@ -6,7 +6,7 @@ gets one row: what moved where (with bytes when the checkpoint headers are at
 hand) and the change of its bytes per placement (always exact: from the
 plans' layer tables). Above the table: what changed in the predicted step
 time, the GPU footprint, the backend, the policy (path, content, budget,
-hardware profile, batch) and the prefetch schedule (step, slots, slot size,
+hardware profile, batch, routing profile) and the prefetch schedule (step, slots, slot size,
 layers streamed, slot changes), and which notes came and went.
 
 Plans at different paths compare equal when they place everything alike and
@@ -26,8 +26,9 @@ from .units import human, ms, plural, signed
 
 def _resolved(plan: Plan, where: Path) -> Plan:
     d = where.parent
+    routing = plan.routing and dataclasses.replace(plan.routing, path=(d / plan.routing.path).resolve().as_posix())
     return dataclasses.replace(plan, checkpoint_path=(d / plan.checkpoint_path).resolve().as_posix(),
-                               policy_path=(d / plan.policy_path).resolve().as_posix())
+                               policy_path=(d / plan.policy_path).resolve().as_posix(), routing=routing)
 
 
 def diff_data(old: Plan, new: Plan, sizes: Mapping[str, int] | None = None,
@@ -66,6 +67,9 @@ def diff_data(old: Plan, new: Plan, sizes: Mapping[str, int] | None = None,
         "backend": {"old": old.backend.value, "new": new.backend.value},
         "policy": {"old": old.policy_path, "new": new.policy_path,
                    "path_changed": a.policy_path != b.policy_path},
+        "routing": {"old": old.routing and old.routing.path, "new": new.routing and new.routing.path,
+                    "changed": a.routing != b.routing,
+                    "path_changed": (a.routing and a.routing.path) != (b.routing and b.routing.path)},
         "budget_bytes": {"old": old.budget_bytes, "new": new.budget_bytes},
         "stacks": {"old": list(old.stacks), "new": list(new.stacks)},
         "cost": {"old": _cost(old), "new": _cost(new)},
@@ -156,6 +160,10 @@ def diff_text(d: dict) -> list:
         out.append("checkpoint: its headers differ (another fingerprint)"
                    + (f": {plural(len(d['added']), 'tensor')} added, {plural(len(d['removed']), 'tensor')} removed"
                       if d["added"] or d["removed"] else ""))
+    rt = d["routing"]
+    if rt["changed"]:
+        out.append(f"routing profile: {_change(rt['old'], rt['new'], lambda p: 'none (uniform)' if p is None else p)}"
+                   if rt["path_changed"] else f"routing profile: {rt['new']} changed since the old plan was built")
     bud = d["budget_bytes"]
     if bud["old"] != bud["new"]:
         out.append(f"budget: {_change(bud['old'], bud['new'], lambda b: 'none' if b is None else human(b))}")

@@ -43,6 +43,10 @@ class HardwareProfileError(InputError):
     """A hardware profile (written by `plan calibrate`) is unreadable or breaks its schema."""
 
 
+class RoutingProfileError(InputError):
+    """A routing profile (written by `plan profile`) is unreadable, breaks its schema, or is another model's."""
+
+
 class PlanFileError(InputError):
     """A plan file is malformed or breaks `schemas/plan.schema.json`."""
 

@@ -8,7 +8,7 @@ saturated, and then UVA and prefetch cost the same link time.
 
 Algorithm. Candidates are the tensors of the layer stacks, of embedding
 modules, and of whatever runs in no decode step (vision towers, MTP layers),
-that no rule placed; a fused expert group is one unit. What runs in no decode
+that no rule placed; a routed expert is a unit (below). What runs in no decode
 step reads nothing per step, so it counts as the sparsest and goes to uva first. Four strategies
 each build a placement that fits the budget:
 
@@ -24,9 +24,15 @@ The cost model (cost.py) predicts each; the fastest wins, ties going to fewer
 bytes over the link. The plan's notes give every strategy's prediction, and
 each offloaded layer says what it holds and why.
 
+Routed experts are units of one expert of one fused parameter (groups.py),
+ranked by the fraction a step reads: with a routing profile
+(`workload.routing`), the experts its decode tokens never or rarely took go
+to uva first and the most-hit ones stay on the GPU; without one, every
+expert of a layer reads alike and the walk takes them in order.
+
 Limits: each strategy is greedy (no search over arbitrary subsets), and the
-prediction is only as good as the hardware profile and the uniform-routing
-assumption (see cost.py).
+prediction is only as good as the hardware profile and the routing (a
+profile's prompts, or uniform: see cost.py).
 """
 from __future__ import annotations
 

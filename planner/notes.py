@@ -5,7 +5,8 @@ plan holds, not of what the policy asked for:
 
 - what the backend offloaded (bytes and layers), or why it offloaded nothing;
 - what the rules placed off the GPU;
-- mixed's choice, the cost model's assumptions, tied embeddings;
+- mixed's choice, the cost model's assumptions (routing: uniform, or the profile
+  and how skewed it is), tied embeddings;
 - warnings for plans that save little or no GPU memory (`saving_warnings`).
 
 A warning is a note that starts with `warning: `; `plan build` also prints it
@@ -25,6 +26,7 @@ from .checkpoint import TensorInfo
 from .graph import LayerGraph
 from .plan import Backend, Placement, PrefetchSchedule, Runs
 from .policy import Policy
+from .routing import RoutingProfile, skew
 from .units import human, percent, plural
 
 GPU, UVA, PREFETCH = Placement.GPU, Placement.UVA, Placement.PREFETCH
@@ -50,6 +52,9 @@ class Outcome:
     schedule: PrefetchSchedule | None
     mixed: tuple[str, ...] = ()  # mixed's choice and the strategies' predictions
     experts_without_top_k: bool = False
+    routing: RoutingProfile | None = None  # the policy's routing profile (`workload.routing`)
+    uniform_routing: bool = False  # MoE layers run in decode, top-k known, no profile: routing assumed uniform
+    checkpoint_fingerprint: str | None = None  # the plan's checkpoint, against the profile's
 
 
 def notes(o: Outcome) -> tuple[str, ...]:
@@ -71,6 +76,7 @@ def notes(o: Outcome) -> tuple[str, ...]:
     out.append(_backend_note(o, by_backend, any(by_rules.values()), sum(size.values())))
     out += o.mixed
     out += _rarely_run(o)
+    out += _routing(o)
     if o.experts_without_top_k:
         out.append("the checkpoint has MoE experts but no experts-per-token (config.json or "
                    "workload.experts_per_token): the cost model assumes each step reads every expert")
@@ -95,6 +101,22 @@ def _rarely_run(o: Outcome) -> list[str]:
                      if o.place[n] is not GPU and n not in o.fixed)
     where = f"; {human(moved)} of them offloaded, first" if moved and o.policy.budget_bytes is not None else ""
     return [f"not in a decode step, so the cost model counts them in none: {' and '.join(parts)}{where}"]
+
+
+def _routing(o: Outcome) -> list[str]:
+    """Where the cost model's expert routing comes from: a profile (and how skewed it is), or uniform."""
+    p = o.routing
+    if p is None:
+        return ["routing assumed uniform: no workload.routing profile (record one with `plan profile`)"
+                ] if o.uniform_routing else []
+    name = o.policy.workload.routing_text or (p.path.name if p.path else "(not from a file)")
+    out = [f"routing from the profile {name} (workload.routing): {plural(p.decode_tokens, 'decode token')} of "
+           f"{plural(p.sequences, 'prompt')} ({p.prompts}); {skew(p).text()}"]
+    if o.checkpoint_fingerprint is not None and p.checkpoint_fingerprint != o.checkpoint_fingerprint:
+        out.append(f"{WARNING}the routing profile {name} was recorded on another checkpoint ({p.checkpoint_path}, "
+                   f"{p.checkpoint_fingerprint[:19]}...): its layers and experts match this one's, but it predicts "
+                   "this one's routing only if the two route alike (record one: `plan profile`)")
+    return out
 
 
 def _amounts(by: Mapping[Placement, int]) -> str:

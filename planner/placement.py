@@ -49,7 +49,10 @@ Steps:
    that minimum is taken over every count tried (schedule.fewest_layers), not
    at the largest count; mixed quotes the smallest of its strategies.
 9. The cost model (cost.py) predicts every plan's bytes over the link and
-   step time, per layer and in total, whatever the backend.
+   step time, per layer and in total, whatever the backend: from the
+   routing profile (`workload.routing`, routing.py) where the policy names
+   one, which must count every MoE layer of the checkpoint, else assuming
+   uniform routing.
 10. The notes are computed from the final placements (notes.py).
 
 Example: group_size 8, num_in_group 2 over 61 layers offloads layers
@@ -72,6 +75,7 @@ from .notes import Outcome, notes
 from .patterns import Names
 from .plan import Backend, Cost, LayerBytes, Placement, PrefetchSchedule, Runs, Summary
 from .policy import Policy
+from .routing import RoutingProfile, check_fits
 from .schedule import fewest_layers, make_schedule
 from .placement_errors import layer_list, nothing_left, over_budget
 from .units import GIB, plural
@@ -107,10 +111,13 @@ def resolve_backend(policy: Policy) -> tuple[Backend, str | None]:
 
 
 def decide(graph: LayerGraph, tensors: Mapping[str, TensorInfo], policy: Policy,
-           hardware: Hardware = H100, top_k: int | None = None) -> Decision:
-    """Placements for every tensor (see the module doc); `hardware` and `top_k` (experts per
-    token, from the workload or config.json) feed the cost model that every plan reports
-    and that `backend: mixed` decides with.
+           hardware: Hardware = H100, top_k: int | None = None, routing: RoutingProfile | None = None,
+           checkpoint_fingerprint: str | None = None) -> Decision:
+    """Placements for every tensor (see the module doc); `hardware`, `top_k` (experts per
+    token, from the workload or config.json) and `routing` (the policy's routing profile,
+    which must fit the checkpoint's MoE layers) feed the cost model that every plan reports
+    and that `backend: mixed` decides with. `checkpoint_fingerprint` tells the notes whether
+    the profile was recorded on this checkpoint.
 
     A pipeline over one state: the placement and its `Footprint`, which every step
     moves tensors through, and the fused groups, found once.
@@ -135,7 +142,11 @@ def decide(graph: LayerGraph, tensors: Mapping[str, TensorInfo], policy: Policy,
     selected = {"uva": names.select(policy.uva.params) if policy.uva.params else None,
                 "prefetch": names.select(policy.prefetch.params) if policy.prefetch.params else None}
     _check_groups(groups, won, selected, policy)
-    model = CostModel(graph, tensors, hardware, policy.workload.batch_size, groups, top_k, roles)
+    in_step = {n for l in graph.layers if l.runs is Runs.STEP for n in l.params}
+    moe = {g: groups.experts(g) for g, members in groups.members.items() if members[0] in in_step}
+    if routing is not None:
+        check_fits(routing, moe, top_k, policy.where("workload.routing"), policy.checkpoint)
+    model = CostModel(graph, tensors, hardware, policy.workload.batch_size, groups, top_k, roles, routing)
     backend, reason = resolve_backend(policy)
     budget = policy.budget_bytes
     step = policy.prefetch.step
@@ -174,7 +185,8 @@ def decide(graph: LayerGraph, tensors: Mapping[str, TensorInfo], policy: Policy,
     summary = Summary(by[GPU], by[UVA], by[PREFETCH], fp.pool, prediction.h2d_bytes, prediction.step_us)
     cost = Cost(hardware.name, prediction.batch_size, prediction.cpu_us, prediction.gpu_us, prediction.link_us)
     outcome = Outcome(policy, backend, reason, skipped, place, frozenset(fixed), tensors, graph, schedule,
-                      mixed_notes, bool(groups.members) and top_k is None)
+                      mixed_notes, bool(groups.members) and top_k is None and routing is None,
+                      routing, bool(moe) and top_k is not None and routing is None, checkpoint_fingerprint)
     return Decision(backend, place, schedule, tuple(layers), notes(outcome), summary, cost)
 
 

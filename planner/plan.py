@@ -161,6 +161,15 @@ class Cost:
 
 
 @dataclass(frozen=True)
+class RoutingRef:
+    """The routing profile a plan was built with (planner/routing.py): path relative to the plan
+    file's directory, and the fingerprint of its bytes, which staleness compares."""
+
+    path: str
+    fingerprint: str
+
+
+@dataclass(frozen=True)
 class Plan:
     checkpoint_path: str  # relative to the plan file's directory
     checkpoint_fingerprint: str
@@ -178,6 +187,7 @@ class Plan:
     params: dict[str, Placement]  # execution order
     notes: tuple[str, ...] = field(default=())
     cost: Cost | None = None
+    routing: RoutingRef | None = None  # None: routing assumed uniform (no `workload.routing`)
 
     def checkpoint_dir(self, plan_file: str | Path) -> Path:
         return Path(plan_file).parent / self.checkpoint_path

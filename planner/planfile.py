@@ -11,8 +11,6 @@ the runtime alike.
 """
 from __future__ import annotations
 
-import json
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,8 +19,8 @@ from . import yamlio
 from .checkpoint import Checkpoint, TensorInfo, open_checkpoint
 from .consistency import inconsistencies
 from .errors import InconsistentPlanError, OffplanError, PlanFileError
-from .plan import (Backend, Buffer, Cost, LayerBytes, Layout, Placement, Plan, PrefetchSchedule, Runs,
-                   Summary, Transfer)
+from .plan import (Backend, Buffer, Cost, LayerBytes, Layout, Placement, Plan, PrefetchSchedule, RoutingRef,
+                   Runs, Summary, Transfer)
 from .schema import validate
 
 FORMAT_VERSION = 2  # 2: slot layouts with offsets, module paths, `runs`
@@ -34,14 +32,7 @@ HEADER = (
 
 # ---------------------------------------------------------------- writing
 
-_PLAIN = re.compile(r"^[A-Za-z_][A-Za-z0-9_./\-]*$")
-_RESERVED = {"true", "false", "null", "yes", "no", "on", "off", "y", "n", "~"}
-
-
-def _s(value: str) -> str:
-    if _PLAIN.match(value) and value.lower() not in _RESERVED:
-        return value
-    return json.dumps(value, ensure_ascii=False)
+_s = yamlio.scalar
 
 
 def _v(value) -> str:
@@ -81,6 +72,8 @@ def dumps(plan: Plan) -> str:
            "policy:\n",
            f"  path: {_s(plan.policy_path)}\n",
            f"  fingerprint: {_s(plan.policy_fingerprint)}\n",
+           *(["routing: null\n"] if plan.routing is None else
+             ["routing:\n", f"  path: {_s(plan.routing.path)}\n", f"  fingerprint: {_s(plan.routing.fingerprint)}\n"]),
            f"backend: {plan.backend.value}\n",
            f"budget_bytes: {_v(plan.budget_bytes)}\n",
            f"stacks: {_v(list(plan.stacks))}\n",
@@ -214,5 +207,6 @@ def _parse(text: str, path: Path) -> tuple[Plan, yamlio.Located]:
         params={k: Placement(v) for k, v in d["params"].items()},
         notes=tuple(d["notes"]),
         cost=None if d["cost"] is None else Cost(**d["cost"]),
+        routing=None if d.get("routing") is None else RoutingRef(d["routing"]["path"], d["routing"]["fingerprint"]),
     )
     return plan, doc

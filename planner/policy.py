@@ -34,10 +34,23 @@ class Rule:
 
 @dataclass(frozen=True)
 class Workload:
-    """`workload:` what the cost model predicts for. Example: `{batch_size: 8, experts_per_token: 8}`."""
+    """`workload:` what the cost model predicts for. Example:
+
+        workload:
+          batch_size: 8
+          experts_per_token: 8
+          routing: qwen3.routing.yaml   # written by `plan profile CHECKPOINT -o qwen3.routing.yaml`
+
+    Without `routing`, the cost model assumes every expert of a layer is equally likely
+    to be picked, and the plan says so; with it, each expert's share of decode tokens
+    comes from the profile (planner/routing.py), and `backend: mixed` keeps the most-hit
+    experts on the GPU.
+    """
 
     batch_size: int = 1  # sequences decoded together
     experts_per_token: int | None = None  # MoE top-k; None: read from the checkpoint's config.json
+    routing: Path | None = None  # `routing:` resolved against the policy's directory, `~` expanded
+    routing_text: str | None = None  # as written in the policy, e.g. "qwen3.routing.yaml"
 
 
 @dataclass(frozen=True)
@@ -86,7 +99,7 @@ class Policy:
     locations: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
 
     def where(self, key_path: str) -> str:
-        """`file:line:column` of a pattern or stacks entry (`rules[0].match[1]`), else the file."""
+        """`file:line:column` of a pattern, stacks entry (`rules[0].match[1]`) or `workload.routing`, else the file."""
         return self.locations.get(key_path, str(self.path))
 
     @property
@@ -150,8 +163,17 @@ def load_policy(path: str | Path) -> Policy:
         for i, r in enumerate(data.get("rules", []))
     )
     w = data.get("workload", {})
+    routing = path.parent / Path(w["routing"]).expanduser() if "routing" in w else None
     workload = Workload(int(w.get("batch_size", 1)),
-                        int(w["experts_per_token"]) if "experts_per_token" in w else None)
+                        int(w["experts_per_token"]) if "experts_per_token" in w else None,
+                        routing, w.get("routing"))
+    if routing is not None:
+        locations["workload.routing"] = doc.where(["workload", "routing"])
+        if not routing.is_file():
+            ckpt = path.parent / Path(data["checkpoint"]).expanduser()
+            problems.append(f"{doc.where(['workload', 'routing'])}: workload.routing: no such file {routing} "
+                            f"(record one with `plan profile {ckpt} -o {routing}`; the path is relative to "
+                            "the policy file)")
     hardware = path.parent / Path(data["hardware"]).expanduser() if "hardware" in data else None
     if hardware is not None and not hardware.is_file():
         problems.append(f"{doc.where(['hardware'])}: hardware: no such file {hardware} "

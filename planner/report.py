@@ -70,6 +70,7 @@ def show_data(plan: Plan) -> dict:
     slot = {t.layer: t.slot for t in plan.prefetch.schedule} if plan.prefetch else {}
     return {
         "checkpoint": plan.checkpoint_path,
+        "routing": None if plan.routing is None else plan.routing.path,
         "backend": plan.backend.value,
         "tensors": plan.tensors,
         "layers": [{"name": l.name, "gpu": l.gpu, "uva": l.uva, "prefetch": l.prefetch,

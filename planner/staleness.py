@@ -1,13 +1,15 @@
 """Is a plan stale? The one answer behind `plan check` and the runtime's refusal to load.
 
 A plan records fingerprints of its inputs (checkpoint.py: the index and every
-shard header; policy.py: the policy file's bytes). It is stale when
+shard header; policy.py: the policy file's bytes; routing.py: the routing
+profile's bytes, when the policy names one). It is stale when
 
 1. its checkpoint changed: the only reason the runtime refuses a plan
    (`require_current`), since the weights it would load are not the ones the
    plan was made for;
-2. its policy changed or is gone: the plan no longer says what the policy asks;
-3. both are unchanged, but the plan is not what `plan build` makes of them
+2. its policy or its routing profile changed or is gone: the plan no longer
+   says what they ask (a profile decides which experts stay on the GPU);
+3. all are unchanged, but the plan is not what `plan build` makes of them
    (edited by hand, or built by another offplan version or hardware profile).
 
 `plan check` reports all three (`stale_reasons`); the runtime checks only the
@@ -20,10 +22,11 @@ from pathlib import Path
 from . import yamlio
 from .build import build
 from .checkpoint import Checkpoint
-from .errors import PolicyError, StalePlanError
+from .errors import PolicyError, RoutingProfileError, StalePlanError
 from .plan import Plan
 from .planfile import dumps
 from .policy import load_policy, policy_fingerprint
+from .routing import profile_fingerprint
 
 
 def checkpoint_change(plan: Plan, ckpt: Checkpoint, where: Path) -> str | None:
@@ -54,6 +57,13 @@ def stale_reasons(plan: Plan, plan_path: Path, ckpt: Checkpoint) -> list[str]:
             problems.append(f"the policy {policy_path} changed since the plan was built")
     else:
         problems.append(f"the policy {policy_path} named by the plan is gone")
+    if plan.routing is not None:
+        routing_path = plan_path.parent / plan.routing.path
+        if not routing_path.is_file():
+            problems.append(f"the routing profile {routing_path} named by the plan is gone")
+        elif profile_fingerprint(yamlio.read(routing_path, RoutingProfileError, "routing profile")) \
+                != plan.routing.fingerprint:
+            problems.append(f"the routing profile {routing_path} changed since the plan was built")
     if problems:
         return problems
     fresh = build(load_policy(policy_path), plan_path.parent, ckpt)

@@ -9,6 +9,7 @@ the indentation. Checking the data against a JSON Schema is schema.py.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -170,10 +171,14 @@ def read(path: Path, error_cls, what: str) -> str:
 
 def kind(data) -> str | None:
     """Which offplan file a parsed document is, from its top-level keys: "plan", "policy",
-    "hardware profile", or None when it is none of them."""
+    "hardware profile", "routing profile", or None when it is none of them."""
     if not isinstance(data, dict):
         return None
-    if "params" in data or isinstance(data.get("checkpoint"), dict):  # a policy's checkpoint is a path
+    if "params" in data:
+        return "plan"
+    if "recorded" in data:  # checked before the checkpoint mapping, which plans and profiles both have
+        return "routing profile"
+    if isinstance(data.get("checkpoint"), dict):  # a policy's checkpoint is a path
         return "plan"
     if "h2d_copy_gbps" in data:
         return "hardware profile"
@@ -189,7 +194,8 @@ def wrong_kind(path: Path, data, expected: str) -> str | None:
         return None
     use = {"plan": f"review it with `plan show {path}`, load it with `plan apply {path}`",
            "policy": f"build a plan from it with `plan build {path}`",
-           "hardware profile": f"name it in a policy: `hardware: {path.name}`"}[found]
+           "hardware profile": f"name it in a policy: `hardware: {path.name}`",
+           "routing profile": f"name it in a policy: `workload: {{routing: {path.name}}}`"}[found]
     policy = data.get("policy")
     if found == "plan" and expected == "policy" and isinstance(policy, dict) and isinstance(policy.get("path"), str):
         use = f"its policy is {path.parent / policy['path']}"
@@ -207,6 +213,18 @@ def shown(value) -> str:
     if isinstance(value, dict):
         return "a mapping"
     return f"{value!r:.60}"
+
+
+_PLAIN = re.compile(r"^[A-Za-z_][A-Za-z0-9_./\-]*$")
+_RESERVED = {"true", "false", "null", "yes", "no", "on", "off", "y", "n", "~"}
+
+
+def scalar(text: str) -> str:
+    """A string as offplan's files write it: plain when YAML reads it back as that string
+    (`model.layers.0`), else double-quoted (`"sha256:..."`, `"yes"`)."""
+    if _PLAIN.match(text) and text.lower() not in _RESERVED:
+        return text
+    return quote(text)
 
 
 def quote(text: str) -> str:

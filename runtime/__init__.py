@@ -8,10 +8,12 @@
 
 `runtime.hf.from_pretrained(plan)` builds the transformers model from the
 checkpoint's config.json on the meta device and loads it per the plan.
+`runtime.routing.record_routing(model, prompts, new_tokens, ...)` records a
+routing profile (which experts the prompts route to) for `workload.routing`.
 This package is the only part of offplan that imports torch.
 """
-from . import hf
+from . import hf, routing
 from .handle import LoadStats, OffloadHandle
 from .load_steps import apply, load
 
-__all__ = ["LoadStats", "OffloadHandle", "apply", "hf", "load"]
+__all__ = ["LoadStats", "OffloadHandle", "apply", "hf", "load", "routing"]

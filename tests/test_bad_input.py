@@ -93,6 +93,17 @@ def socket_file(w):
     s.close()
 
 
+def routing_profile(body: str):
+    """bad.policy.yaml naming r.yaml: a valid routing profile, of a model with one MoE layer of 2 experts."""
+    def setup(w):
+        (w / "r.yaml").write_text(
+            "format_version: 1\ncheckpoint: {path: other, fingerprint: \"sha256:" + "0" * 64 + "\"}\n"
+            "recorded: {prompts: x, sequences: 1, new_tokens: 2, top_k: 1}\ntokens: {prefill: 2, decode: 1}\n"
+            "layers:\n  model.layers.0.mlp.experts: {experts: 2, decode: [1, 0], prefill: [1, 1]}\n")
+        (w / "bad.policy.yaml").write_text(HEAD + body)
+    return setup
+
+
 def write(name: str, data: bytes):
     def setup(w):
         (w / name).write_bytes(data)
@@ -214,6 +225,25 @@ CORPUS = [
     case("policy as hardware profile", policy("budget_gib: 0.018\nhardware: p.policy.yaml\n"),
      ["build", "bad.policy.yaml"],
      "p.policy.yaml: this is a policy, not a hardware profile: build a plan from it with `plan build p.policy.yaml`"),
+    case("policy to profile", nothing, ["profile", "p.policy.yaml", "-o", "r.yaml"],
+         "p.policy.yaml: this is a policy; plan profile takes a checkpoint or a plan: profile its checkpoint: "
+         "plan profile ckpt -o PROFILE", marks=needs_torch),
+    case("header-only checkpoint to profile", nothing, ["profile", "ckpt", "-o", "r.yaml"],
+         "ckpt: the checkpoint holds no weights: the data of its shards are holes in sparse files", marks=needs_torch),
+    case("missing checkpoint to profile", nothing, ["profile", "nope", "-o", "r.yaml"],
+         "nope: no such checkpoint or plan", marks=needs_torch),
+    case("policy as routing profile", policy("budget_gib: 0.018\nworkload: {routing: p.policy.yaml}\n"),
+         ["build", "bad.policy.yaml"],
+         "p.policy.yaml: this is a policy, not a routing profile: build a plan from it with `plan build p.policy.yaml`"),
+    case("missing routing profile", policy("budget_gib: 0.018\nworkload:\n  routing: r.yaml\n"),
+         ["build", "bad.policy.yaml"],
+         "bad.policy.yaml:5:12: workload.routing: no such file r.yaml (record one with `plan profile ckpt -o r.yaml`; "
+         "the path is relative to the policy file)"),
+    case("routing profile of another model", routing_profile("budget_gib: 0.018\nworkload: {routing: r.yaml}\n"),
+         ["build", "bad.policy.yaml"],
+         "bad.policy.yaml:4:21: workload.routing: r.yaml does not fit the checkpoint ckpt (a profile of another "
+         "model?); record one of this checkpoint: plan profile ckpt -o r.yaml\n"
+         "  - model.layers.0.mlp.experts: the profile counts this layer, which is no MoE layer of the checkpoint"),
     case("--max-new-tokens abc", nothing, ["apply", "p.plan.yaml", "--max-new-tokens", "abc"],
      "argument --max-new-tokens: must be a whole number, not 'abc' (see `plan apply --help`)"),
     case("--max-new-tokens 0", nothing, ["apply", "p.plan.yaml", "--max-new-tokens", "0"],
@@ -288,7 +318,7 @@ def test_bad_input_is_one_message_exit_1_and_writes_nothing(work, capsys, monkey
 
 
 def test_the_corpus_covers_every_command_that_reads_a_file():
-    assert {c.values[1][0] for c in CORPUS} == {"build", "show", "check", "diff", "validate", "apply"}
+    assert {c.values[1][0] for c in CORPUS} == {"build", "show", "check", "diff", "validate", "apply", "profile"}
 
 
 # ---------------------------------------------------------------- beyond the corpus

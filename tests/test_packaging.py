@@ -54,7 +54,7 @@ def test_the_wheel_ships_the_repository_schemas(wheel):
             assert z.read(f"planner/schemas/{schema.name}") == schema.read_bytes()
     assert [n for n in names if n.endswith(".json")] == [
         "planner/schemas/hardware.schema.json", "planner/schemas/plan.schema.json",
-        "planner/schemas/policy.schema.json"]
+        "planner/schemas/policy.schema.json", "planner/schemas/routing.schema.json"]
     assert not [n for n in names if n.startswith(("schemas/", "tests/", "plans/"))]
 
 
