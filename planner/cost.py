@@ -17,7 +17,8 @@ runs only in the prefill of a prompt with images, an MTP layer never in plain
 decode, so wherever they live they cost a decode step nothing.
 
 Time per step: three resources work at once, and the slowest sets the pace.
-    cpu  = step overhead + stack layers x layer overhead   (launching kernels, eagerly)
+    cpu  = step overhead + stack layers x layer overhead   (launching kernels, eagerly;
+                                                            0 when steps replay a CUDA graph)
     gpu  = resident and prefetched bytes read / HBM + uva bytes read / UVA
     link = uva bytes read / UVA + prefetched bytes / H2D copy
     step = max(cpu, gpu, link)
@@ -75,9 +76,10 @@ class CostModel:
 
     def __init__(self, graph: LayerGraph, tensors: Mapping[str, TensorInfo], hw: Hardware, batch: int,
                  groups: FusedGroups, top_k: int | None, roles: Mapping[str, Role] | None = None,
-                 routing: RoutingProfile | None = None):
+                 routing: RoutingProfile | None = None, graphs: bool = False):
         """`routing`: a profile that counts every group that runs in decode (routing.mismatches
         checks it); None: uniform routing over `top_k` of each group's experts."""
+        self.graphs = graphs  # steps replayed from a CUDA graph: no CPU launch time
         self.graph = graph
         self.hw = hw
         self.batch = batch
@@ -116,7 +118,7 @@ class CostModel:
         hbm, uva, h2d = hw.hbm_read_gbps * 1e3, hw.uva_read_gbps * 1e3, hw.h2d_copy_gbps * 1e3  # bytes/us
         layers = []
         total = [0, 0.0, 0.0]
-        cpu = hw.step_overhead_us
+        cpu = 0.0 if self.graphs else hw.step_overhead_us
         for layer in self.graph.layers:
             if layer.runs is not Runs.STEP:
                 layers.append(LayerCost(layer.name, 0, 0, 0))
@@ -132,7 +134,7 @@ class CostModel:
                         copied += self.size[n]
             gpu = read_hbm / hbm + read_uva / uva
             link = read_uva / uva + copied / h2d
-            cpu += hw.layer_overhead_us if layer.kind is LayerKind.LAYER else 0
+            cpu += hw.layer_overhead_us if layer.kind is LayerKind.LAYER and not self.graphs else 0
             h2d_bytes = int(read_uva + copied)
             layers.append(LayerCost(layer.name, h2d_bytes, round(gpu), round(link)))
             total[0] += h2d_bytes

@@ -146,7 +146,8 @@ def decide(graph: LayerGraph, tensors: Mapping[str, TensorInfo], policy: Policy,
     moe = {g: groups.experts(g) for g, members in groups.members.items() if members[0] in in_step}
     if routing is not None:
         check_fits(routing, moe, top_k, policy.where("workload.routing"), policy.checkpoint)
-    model = CostModel(graph, tensors, hardware, policy.workload.batch_size, groups, top_k, roles, routing)
+    model = CostModel(graph, tensors, hardware, policy.workload.batch_size, groups, top_k, roles, routing,
+                      policy.workload.cuda_graphs)
     backend, reason = resolve_backend(policy)
     budget = policy.budget_bytes
     step = policy.prefetch.step
@@ -183,7 +184,8 @@ def decide(graph: LayerGraph, tensors: Mapping[str, TensorInfo], policy: Policy,
         layers.append(LayerBytes(l.name, mine[GPU], mine[UVA], mine[PREFETCH], c.h2d_bytes, c.gpu_us,
                                  reasons.get(l.name), l.runs, experts_map(l.params, place.__getitem__, l.name + ".")))
     summary = Summary(by[GPU], by[UVA], by[PREFETCH], fp.pool, prediction.h2d_bytes, prediction.step_us)
-    cost = Cost(hardware.name, prediction.batch_size, prediction.cpu_us, prediction.gpu_us, prediction.link_us)
+    cost = Cost(hardware.name, prediction.batch_size, prediction.cpu_us, prediction.gpu_us, prediction.link_us,
+                policy.workload.cuda_graphs)
     outcome = Outcome(policy, backend, reason, skipped, place, frozenset(fixed), tensors, graph, schedule,
                       mixed_notes, bool(groups.members) and top_k is None and routing is None,
                       routing, bool(moe) and top_k is not None and routing is None, checkpoint_fingerprint)

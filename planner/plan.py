@@ -154,6 +154,7 @@ class Cost:
     cpu_us: int  # per step: launching the kernels (overlaps the GPU)
     gpu_us: int  # per step: HBM reads + UVA reads
     link_us: int  # per step: UVA reads + prefetch copies over the host link
+    cuda_graphs: bool = False  # steps replay a captured CUDA graph: cpu_us is 0
 
     @property
     def step_us(self) -> int:

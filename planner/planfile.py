@@ -87,8 +87,13 @@ def dumps(plan: Plan) -> str:
            f"  predicted_h2d_bytes_per_step: {s.predicted_h2d_bytes_per_step}\n",
            f"  predicted_step_us: {s.predicted_step_us}\n"]
     c = plan.cost
-    out.append("cost: null\n" if c is None else
-               f"cost: {_flow(hardware=c.hardware, batch_size=c.batch_size, cpu_us=c.cpu_us, gpu_us=c.gpu_us, link_us=c.link_us)}\n")
+    if c is None:
+        out.append("cost: null\n")
+    else:
+        graphs = {"cuda_graphs": True} if c.cuda_graphs else {}  # absent for eager, as plans before it
+        flow = _flow(hardware=c.hardware, batch_size=c.batch_size, cpu_us=c.cpu_us, gpu_us=c.gpu_us,
+                     link_us=c.link_us, **graphs)
+        out.append(f"cost: {flow}\n")
     out.append("notes:" + (" []\n" if not plan.notes else "\n"))
     out += [f"  - {_s(n)}\n" for n in plan.notes]
     out.append("layers:\n")

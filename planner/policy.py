@@ -40,6 +40,7 @@ class Workload:
           batch_size: 8
           experts_per_token: 8
           routing: qwen3.routing.yaml   # written by `plan profile CHECKPOINT -o qwen3.routing.yaml`
+          cuda_graphs: true             # decode steps replayed from a captured CUDA graph
 
     Without `routing`, the cost model assumes every expert of a layer is equally likely
     to be picked, and the plan says so; with it, each expert's share of decode tokens
@@ -51,6 +52,7 @@ class Workload:
     experts_per_token: int | None = None  # MoE top-k; None: read from the checkpoint's config.json
     routing: Path | None = None  # `routing:` resolved against the policy's directory, `~` expanded
     routing_text: str | None = None  # as written in the policy, e.g. "qwen3.routing.yaml"
+    cuda_graphs: bool = False  # True: steps replay a CUDA graph, no CPU launch cost; False: eager, launched per op
 
 
 @dataclass(frozen=True)
@@ -166,7 +168,7 @@ def load_policy(path: str | Path) -> Policy:
     routing = path.parent / Path(w["routing"]).expanduser() if "routing" in w else None
     workload = Workload(int(w.get("batch_size", 1)),
                         int(w["experts_per_token"]) if "experts_per_token" in w else None,
-                        routing, w.get("routing"))
+                        routing, w.get("routing"), bool(w.get("cuda_graphs", False)))
     if routing is not None:
         locations["workload.routing"] = doc.where(["workload", "routing"])
         if not routing.is_file():

@@ -83,7 +83,8 @@ def show_data(plan: Plan) -> dict:
                     "predicted_step_us": s.predicted_step_us},
         "cost": None if plan.cost is None else {
             "hardware": plan.cost.hardware, "batch_size": plan.cost.batch_size,
-            "cpu_us": plan.cost.cpu_us, "gpu_us": plan.cost.gpu_us, "link_us": plan.cost.link_us},
+            "cpu_us": plan.cost.cpu_us, "gpu_us": plan.cost.gpu_us, "link_us": plan.cost.link_us,
+            "cuda_graphs": plan.cost.cuda_graphs},
         "prefetch": None if plan.prefetch is None else {
             "step": plan.prefetch.step, "slots": plan.prefetch.slots, "slot_bytes": plan.prefetch.slot_bytes,
             "layers": len(plan.prefetch.schedule)},
@@ -118,8 +119,9 @@ def show(plan: Plan, unchecked: str | None = None) -> list[RenderableType | str]
     if plan.cost:
         c = plan.cost
         bound = max((c.cpu_us, "kernel launches (CPU)"), (c.gpu_us, "GPU reads"), (c.link_us, "the host link"))[1]
-        out.append(f"predicted at batch {c.batch_size} on {c.hardware}: {human(s.predicted_h2d_bytes_per_step)} "
-                   f"over the link per step; step {ms(c.step_us)} = max(cpu {ms(c.cpu_us)}, gpu {ms(c.gpu_us)}, "
+        mode = "CUDA graph replay" if c.cuda_graphs else "eager"
+        out.append(f"predicted at batch {c.batch_size}, {mode}, on {c.hardware}: "
+                   f"{human(s.predicted_h2d_bytes_per_step)} over the link per step; step {ms(c.step_us)} = max(cpu {ms(c.cpu_us)}, gpu {ms(c.gpu_us)}, "
                    f"link {ms(c.link_us)}), bound by {bound}")
     out += [n if is_warning(n) else f"note: {n}" for n in plan.notes]
     if unchecked:

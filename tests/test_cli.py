@@ -86,7 +86,7 @@ total                15.0 MiB   0 B    6.0 MiB           6.0 MiB    0.008
 prefetch: 2 layers, step 1, 1 slot x 3.0 MiB = 3.0 MiB of GPU buffers
 GPU footprint: 15.0 MiB resident + 3.0 MiB prefetch buffers = 18.0 MiB (no budget set)
 host (pinned): 6.0 MiB prefetch; offloading saves 3.0 MiB of GPU memory (50% of the offloaded bytes)
-predicted at batch 1 on NVIDIA H100 80GB HBM3 (PCIe Gen5 host link): 6.0 MiB over the link per step; \
+predicted at batch 1, eager, on NVIDIA H100 80GB HBM3 (PCIe Gen5 host link): 6.0 MiB over the link per step; \
 step 3.20 ms = max(cpu 3.20 ms, gpu 0.008 ms, link 0.114 ms), bound by kernel launches (CPU)
 note: backend prefetch (auto: prefetch.group_size is set): 6.0 MiB on prefetch from 2 layers
 """
@@ -108,7 +108,7 @@ def test_show_against_the_budget(work, capsys):
     assert out.splitlines()[-4:-1] == [
         "GPU footprint: 18.0 MiB (budget 18.4 MiB: fits, 442.4 KiB to spare)",
         "host (pinned): 3.0 MiB uva; offloading saves 3.0 MiB of GPU memory (100% of the offloaded bytes)",
-        "predicted at batch 1 on NVIDIA H100 80GB HBM3 (PCIe Gen5 host link): 3.0 MiB over the link per step; "
+        "predicted at batch 1, eager, on NVIDIA H100 80GB HBM3 (PCIe Gen5 host link): 3.0 MiB over the link per step; "
         "step 3.20 ms = max(cpu 3.20 ms, gpu 0.068 ms, link 0.062 ms), bound by kernel launches (CPU)"]
 
 

@@ -160,3 +160,13 @@ def test_a_tied_embedding_is_dense_because_the_head_reads_it_whole():
     m, g, _ = model_for(tied)
     assert g.tied_embeddings
     assert (m.role["model.embed_tokens.weight"], m.frac["model.embed_tokens.weight"]) == (Role.DENSE, 1.0)
+
+
+def test_graph_replay_costs_no_launch_time():
+    """workload.cuda_graphs: a replayed step launches nothing from the CPU, so a step the eager model
+    calls CPU-bound is GPU-bound under graphs; the plan records the mode."""
+    eager, g, i = model_for(moe(layers=2, experts=4), batch=1, top_k=1)
+    place = {n: GPU for n in i}
+    graphs = CostModel(g, i, HW, 1, FusedGroups.find(n for l in g.stack_layers() for n in l.params), 1, graphs=True)
+    assert eager.predict(place).cpu_us == 200 and graphs.predict(place).cpu_us == 0
+    assert graphs.predict(place).gpu_us == eager.predict(place).gpu_us

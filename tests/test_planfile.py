@@ -24,6 +24,7 @@ POLICIES = {
     "uva": "uva:\n  offload_gib: 0.005\n",
     "prefetch": "prefetch:\n  group_size: 2\n  step: 2\n",
     "budget": "budget_gib: 0.015\nrules:\n  - match: [lm_head]\n    place: uva\n",
+    "graphs": "budget_gib: 0.015\nworkload:\n  cuda_graphs: true\n",
 }
 
 
@@ -36,6 +37,15 @@ def built(tmp_path, toy_ckpt):
         plan = build(pol, tmp_path)
         out[name] = (plan, dumps(plan))
     return out
+
+
+def test_cost_records_graph_replay(built):
+    """workload.cuda_graphs: true predicts no CPU launch time, and the plan says it assumed graph replay;
+    an eager plan's cost has no cuda_graphs key, as plans written before it."""
+    graphs, text = built["graphs"]
+    assert graphs.cost.cuda_graphs and graphs.cost.cpu_us == 0 and ", cuda_graphs: true}\n" in text
+    eager, text = built["budget"]
+    assert not eager.cost.cuda_graphs and eager.cost.cpu_us > 0 and "cuda_graphs" not in text
 
 
 def test_plan_content(tmp_path, built):
