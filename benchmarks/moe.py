@@ -1,6 +1,7 @@
 """MoE decode with experts in pinned host memory, against honest all-GPU baselines and the link floor.
 
     python benchmarks/moe.py --layers 16 --out benchmarks/results     # on the H100
+    python benchmarks/moe.py --layers 8 --skew 0.7 --resident 0.25 0.5 --modes graph
     python benchmarks/moe.py --model tiny --device cpu --out /tmp/r    # smoke test, any machine
 
 Qwen3-30B-A3B's shape (128 experts, top-8; `--layers` of its 48 layers, so the
@@ -19,11 +20,27 @@ weights saved as a sharded safetensors checkpoint. One run measures:
    in a decode step (counted in an untimed pass over the same prompts), over
    the UVA read bandwidth of step 1. Nothing can read them faster.
 
+With `--skew S`, every model of the run routes as real MoE models do, a few
+experts taking most tokens (RouterSkew: random weights alone route uniformly),
+and the run goes on to placements under a GPU budget:
+
+5. a routing profile (`runtime.routing.record_routing`) recorded on other
+   prompts than the timed ones;
+6. for each `--resident` fraction F of the expert bytes kept on the GPU: a
+   budget plan with per-expert placement (`backend: mixed`, the profile in
+   `workload.routing`: the most-hit experts stay resident), against whole
+   layers' experts on uva with the same GPU bytes (the best placement that
+   moves whole layers: at these batches, reading a layer's touched experts
+   in place moves fewer bytes than copying the whole layer); both plans
+   predict CUDA-graph decode at batch 1 (`workload.cuda_graphs`), and the
+   prediction is recorded beside the measurement.
+
 Every decode is greedy over the same prompts; its tokens are compared with the
 all-GPU model's under the same arithmetic, in the same mode: offplan's experts
 implementation reproduces batched_mm at batch 1 and grouped_mm from batch 2 on
-(runtime/experts.py `arithmetic`). Records go
-to OUT/moe-MODEL.jsonl as they are measured; the table is printed last.
+(runtime/experts.py `arithmetic`). Records go to OUT/moe-MODEL.jsonl
+(OUT/moe-MODEL-skewS.jsonl with `--skew`) as they are measured; the tables
+are printed last.
 """
 from __future__ import annotations
 
@@ -58,7 +75,59 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--modes", nargs="+", default=["graph", "eager"], choices=["graph", "eager"])
     ap.add_argument("--baselines", nargs="+", default=["batched_mm", "grouped_mm", "eager"])
     ap.add_argument("--hardware", type=Path, help="a `plan calibrate` profile to use instead of calibrating now")
+    ap.add_argument("--host-implementations", nargs="+", default=["offplan", "batched_mm"],
+                    help="experts implementations to read every expert from pinned memory with")
+    ap.add_argument("--skew", type=float, help="route with RouterSkew of this strength (0.7: about 45%% of the "
+                    "experts take 90%% of the hits) and measure budget placements")
+    ap.add_argument("--resident", type=float, nargs="+", default=[0.25, 0.5],
+                    help="with --skew: fractions of the expert bytes a budget keeps on the GPU")
+    ap.add_argument("--budget-batches", type=int, nargs="+", default=[1, 8],
+                    help="with --skew: batches the budget placements decode at (plans predict batch 1)")
     return ap.parse_args(argv)
+
+
+class RouterSkew:
+    """Skewed routing for a random-weight checkpoint, fixed per layer and the same in every run.
+
+    Each MoE layer's router sees its input plus a vector v with W v = b (W: the router's
+    [experts, hidden] weight, v = W^T (W W^T)^-1 b), so expert e's logit moves by
+    b_e = -strength x sigma x ln(rank_e): rank 1..E in a random order per layer, sigma the
+    layer's logit scale (the mean norm of W's rows: the router's input is RMS-normalised).
+    Simulated over Gaussian logits at 128 experts, top-8, strength 0.7 gives 90% of the hits
+    to 56 experts (44%), about what published counts for Qwen3-30B-A3B show (58 of 128 on a
+    narrow workload). Only the router sees v: the experts get the layer's own input.
+    """
+
+    def __init__(self, ckpt: Path, info, layers: int, strength: float, device: str):
+        from safetensors import safe_open
+        g = torch.Generator().manual_seed(7)
+        self.vectors: dict[int, torch.Tensor] = {}
+        for i in range(layers):
+            name = f"model.layers.{i}.mlp.gate.weight"
+            with safe_open(ckpt / info.tensors[name].shard, "pt") as f:
+                w = f.get_tensor(name).double()
+            rank = torch.empty(w.shape[0], dtype=torch.float64)
+            rank[torch.randperm(w.shape[0], generator=g)] = torch.arange(1, w.shape[0] + 1, dtype=torch.float64)
+            b = -strength * w.norm(dim=1).mean() * rank.log()
+            v = w.T @ torch.linalg.solve(w @ w.T, b)
+            self.vectors[i] = v.to(device, torch.bfloat16)
+
+    def install(self, model) -> None:
+        for i, layer in enumerate(model.model.layers):
+            layer.mlp.gate.register_forward_pre_hook(lambda module, args, v=self.vectors[i]: (args[0] + v,))
+
+
+def hit_shares(counts: list[int]) -> dict:
+    """How skewed one layer's decode hits are: experts for 90% of them, share of the top quarter and half."""
+    ranked = sorted(counts, reverse=True)
+    total, run, need = sum(ranked), 0, None
+    for n, c in enumerate(ranked, 1):
+        run += c
+        if need is None and run >= 0.9 * total:
+            need = n
+    quarter, half = round(len(ranked) / 4), round(len(ranked) / 2)
+    return {"experts_for_90pct": need, "top_quarter_share": sum(ranked[:quarter]) / total,
+            "top_half_share": sum(ranked[:half]) / total}
 
 
 def touched_experts(model, ids: torch.Tensor, batch: int, new: int) -> float:
@@ -85,7 +154,7 @@ class Run:
         self.args = args
         self.cuda = args.device == "cuda"
         args.out.mkdir(parents=True, exist_ok=True)
-        self.log = args.out / f"moe-{args.model}.jsonl"
+        self.log = args.out / f"moe-{args.model}{'' if args.skew is None else f'-skew{args.skew:g}'}.jsonl"
         self.log.write_text("")
         self.work = args.dir / f"moe-{args.model}"
         self.work.mkdir(parents=True, exist_ok=True)
@@ -109,6 +178,12 @@ class Run:
         self.expert_bytes = 3 * config.moe_intermediate_size * config.hidden_size * 2  # gate, up, down in bf16
         self.ids = decode.prompts(config.vocab_size, args.device)
         self.top_k = config.num_experts_per_tok
+        self.experts = config.num_experts
+        self.vocab = config.vocab_size
+        self.skew = None if args.skew is None else RouterSkew(self.ckpt, self.info, self.layers, args.skew,
+                                                                 args.device)
+        if self.skew is not None:
+            self.record(kind="skew", strength=args.skew, seed=7)
         self.reference: dict = {}  # (implementation, mode, batch) -> all-GPU tokens
         self.best_gpu: dict = {}  # (mode, batch) -> the fastest all-GPU steps/s, and which implementation
         self.floor: dict = {}  # batch -> floor steps/s
@@ -131,6 +206,8 @@ class Run:
             torch.cuda.empty_cache()
         model = build_meta_model(self.ckpt)
         handle = runtime.load(model, plan, device=self.args.device, progress=False)
+        if self.skew is not None:
+            self.skew.install(model)
         if implementation is not None:
             model.set_experts_implementation(implementation)
         return model, handle
@@ -140,14 +217,20 @@ class Run:
             return decode.decode_static(model, handle, self.ids, self.args.new_tokens, "graph", batch)
         return decode.decode(model, self.ids, batch, self.args.new_tokens, self.args.device)
 
-    def measure(self, name: str, plan: Path, implementation: str | None, modes: list[str], offloaded: bool) -> None:
+    def measure(self, name: str, plan: Path, implementation: str | None, modes: list[str], offloaded: bool,
+                batches: list[int] | None = None, predicted: dict[int, float] | None = None,
+                floor: bool = True, **extra) -> None:
+        """Decode with `plan` in each mode and batch, and record it beside the all-GPU model's run and
+        the floor (`floor`: every expert is in pinned memory); `predicted`: batch -> the plan's
+        predicted steps/s; `extra` goes into every record."""
         model, handle = self.load(plan, implementation)
         used = model.config._experts_implementation
+        predicted = predicted or {}
         try:
             for mode in modes:
                 if mode == "graph" and (not self.cuda or used == "eager"):
                     continue  # the eager loop syncs on the host: it cannot be captured
-                for b in self.args.batches:
+                for b in batches or self.args.batches:
                     rate, tokens = self.decode(model, handle, mode, b)
                     key = (mode, b)
                     if not offloaded:
@@ -159,14 +242,16 @@ class Run:
                     same = None if ref is None else tokens == ref
                     if same is False and used != "eager":
                         self.failures.append(f"{name} {mode} b={b}")
-                    floor = self.floor.get(b)
+                    floor = self.floor.get(b) if offloaded and floor else None
                     best = self.best_gpu.get(key, (None, None))
+                    guess = predicted.get(b) if mode == "graph" else None
                     self.record(kind="decode", name=name, implementation=used, mode=mode, batch=b, steps_per_s=rate,
-                                offloaded=offloaded, floor_steps_per_s=floor if offloaded else None,
-                                ratio_to_floor=rate / floor if offloaded and floor else None,
+                                offloaded=offloaded, floor_steps_per_s=floor,
+                                ratio_to_floor=rate / floor if floor else None,
                                 best_gpu_steps_per_s=best[0], best_gpu_implementation=best[1],
                                 ratio_to_best_gpu=rate / best[0] if best[0] else None, same_tokens_as=like,
-                                same_tokens=same)
+                                same_tokens=same, predicted_steps_per_s=guess,
+                                ratio_to_predicted=rate / guess if guess else None, **extra)
         finally:
             handle.remove(restore=False)
             del model, handle
@@ -184,6 +269,76 @@ class Run:
             handle.remove(restore=False)
 
 
+    def record_profile(self, plan: Path) -> Path:
+        """Record a routing profile with the all-GPU model on 16 prompts other than the timed ones."""
+        from planner.routing import write_profile
+        from runtime.routing import checkpoint_groups, record_routing
+        model, handle = self.load(plan, None)
+        seed = 99
+        ids = torch.randint(3, self.vocab, (16, decode.PROMPT_LEN), generator=torch.Generator().manual_seed(seed))
+        try:
+            profile = record_routing(model, list(ids), 16, checkpoint_fingerprint=self.info.fingerprint,
+                                     checkpoint_path="ckpt", source=f"random token ids, seed {seed}",
+                                     keys=checkpoint_groups(model, self.info))
+        finally:
+            handle.remove(restore=False)
+            del model, handle
+        path = self.work / "routing.yaml"
+        write_profile(path, profile)
+        layers = [hit_shares(list(h.decode)) for h in profile.layers.values()]
+        self.record(kind="profile", path=str(path), layers=len(layers), decode_tokens=profile.decode_tokens,
+                    **{k: statistics.fmean(l[k] for l in layers) for k in layers[0]})
+        return path
+
+    def measure_budgets(self, profile: Path) -> None:
+        """Per `--resident` fraction: per-expert placement under a budget (the profile ranks the experts)
+        against whole layers' experts on uva, with the same bytes resident."""
+        from planner.planfile import load_plan
+        layer_experts = self.experts * self.expert_bytes
+        dense = self.info.total_bytes - self.layers * layer_experts
+        workload = f"workload: {{batch_size: 1, routing: {profile.name}, cuda_graphs: true}}\n"
+        mode = ["graph"] if self.cuda else ["eager"]
+        for fraction in self.args.resident:
+            host = round((1 - fraction) * self.layers)  # layers whose experts whole layers put on uva
+            resident = dense + (self.layers - host) * layer_experts
+            whole = "|".join(map(str, range(host)))
+            plans = {
+                f"budget-per-expert-{fraction:g}":
+                    f"backend: mixed\nbudget_gib: {resident / 2**30!r}\n{workload}",
+                f"whole-layers-uva-{fraction:g}":
+                    f"rules:\n  - match: ['re:^model\\.layers\\.({whole})\\.mlp\\.experts\\.']\n"
+                    f"    place: uva\n{workload}"}
+            for name, body in plans.items():
+                path = self.plan(name, body)
+                plan = load_plan(path)
+                self.measure(name, path, None, mode, offloaded=True, batches=self.args.budget_batches,
+                             predicted={1: 1e6 / us for us in [plan.summary.predicted_step_us] if us}, floor=False,
+                             resident_fraction=fraction, gpu_bytes=plan.summary.gpu_bytes,
+                             uva_bytes=plan.summary.uva_bytes, prefetch_bytes=plan.summary.prefetch_bytes,
+                             predicted_h2d_bytes_per_step=plan.summary.predicted_h2d_bytes_per_step)
+
+
+def budget_table(rows: list[dict]) -> None:
+    """Per-expert placement against whole layers, per resident fraction and batch (with --skew)."""
+    got = {(r["name"].rsplit("-", 1)[0], r["resident_fraction"], r["batch"]): r
+           for r in rows if r["kind"] == "decode" and "resident_fraction" in r}
+    if not got:
+        return
+    print("\n| experts resident | batch | per expert steps/s | predicted | whole layers steps/s | predicted "
+          "| per expert x whole layers |")
+    print("|---|---|---|---|---|---|---|")
+    for (name, fraction, b), r in got.items():
+        if name != "budget-per-expert":
+            continue
+        w = got.get(("whole-layers-uva", fraction, b))
+
+        def p(x):
+            return "-" if x is None else f"{x:.1f}"
+        print(f"| {fraction:.0%} | {b} | {r['steps_per_s']:.1f} | {p(r['predicted_steps_per_s'])} | "
+              f"{p(w and w['steps_per_s'])} | {p(w and w['predicted_steps_per_s'])} | "
+              f"{p(w and r['steps_per_s'] / w['steps_per_s'])} |")
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     run = Run(args)
@@ -192,8 +347,11 @@ def main(argv=None) -> int:
     run.measure_floor(gpu)
     for implementation in args.baselines:
         run.measure(f"gpu-{implementation}", gpu, implementation, args.modes, offloaded=False)
-    run.measure("experts-host-offplan", host, None, args.modes, offloaded=True)
-    run.measure("experts-host-batched_mm", host, "batched_mm", args.modes, offloaded=True)
+    for implementation in args.host_implementations:
+        run.measure(f"experts-host-{implementation}", host, None if implementation == "offplan" else implementation,
+                    args.modes, offloaded=True)
+    if run.skew is not None:
+        run.measure_budgets(run.record_profile(gpu))
     rows = [json.loads(line) for line in run.log.read_text().splitlines()]
     print("\n| run | implementation | mode | batch | steps/s | x floor | x best all-GPU | tokens equal |")
     print("|---|---|---|---|---|---|---|---|")
@@ -203,6 +361,7 @@ def main(argv=None) -> int:
                 return "-" if x is None else format(x, spec)
             print(f"| {r['name']} | {r['implementation']} | {r['mode']} | {r['batch']} | {r['steps_per_s']:.2f} | "
                   f"{f(r['ratio_to_floor'])} | {f(r['ratio_to_best_gpu'])} | {r['same_tokens_as']}: {r['same_tokens']} |")
+    budget_table(rows)
     if run.failures:
         print(f"FAILED: greedy tokens differ from the all-GPU model's for {', '.join(run.failures)}", file=sys.stderr)
         return 1

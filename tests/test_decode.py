@@ -31,11 +31,20 @@ def test_moe_benchmark_runs_on_the_cpu(tmp_path):
         spec.loader.exec_module(moe)
         code = moe.main(["--model", "tiny", "--layers", "2", "--device", "cpu", "--batches", "1", "2",
                          "--new-tokens", "2", "--modes", "eager", "--dir", str(tmp_path / "work"),
-                         "--out", str(tmp_path / "out")])
+                         "--out", str(tmp_path / "out"), "--skew", "0.7", "--resident", "0.5", "--budget-batches", "1"])
     finally:
         sys.path.remove(str(root))
     assert code == 0
-    rows = [json.loads(l) for l in (tmp_path / "out" / "moe-tiny.jsonl").read_text().splitlines()]
+    rows = [json.loads(l) for l in (tmp_path / "out" / "moe-tiny-skew0.7.jsonl").read_text().splitlines()]
+    # skewed routing: the profile (other prompts than the timed ones) says so, and the budget plans keep
+    # the same bytes resident, per expert or per layer, with the same tokens as the all-GPU model
+    profile = next(r for r in rows if r["kind"] == "profile")
+    assert profile["layers"] == 2 and profile["top_quarter_share"] > 0.25 + 0.1
+    budget = {r["name"]: r for r in rows if r["kind"] == "decode" and "resident_fraction" in r}
+    assert set(budget) == {"budget-per-expert-0.5", "whole-layers-uva-0.5"}
+    per_expert, whole = budget.values()
+    assert per_expert["uva_bytes"] >= whole["uva_bytes"] > 0
+    assert per_expert["predicted_h2d_bytes_per_step"] < whole["predicted_h2d_bytes_per_step"]
     runs = {(r["name"], r["implementation"], r["batch"]) for r in rows if r["kind"] == "decode"}
     assert ("experts-host-offplan", "offplan", 2) in runs and ("gpu-grouped_mm", "grouped_mm", 1) in runs
     assert all(r["same_tokens"] for r in rows if r["kind"] == "decode" and r["implementation"] != "eager")
