@@ -81,6 +81,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                     "experts take 90%% of the hits) and measure budget placements")
     ap.add_argument("--resident", type=float, nargs="+", default=[0.25, 0.5],
                     help="with --skew: fractions of the expert bytes a budget keeps on the GPU")
+    ap.add_argument("--profile-prompts", type=int, default=64, help="with --skew: prompts to record routing on")
     ap.add_argument("--budget-batches", type=int, nargs="+", default=[1, 8],
                     help="with --skew: batches the budget placements decode at (plans predict batch 1)")
     return ap.parse_args(argv)
@@ -130,21 +131,34 @@ def hit_shares(counts: list[int]) -> dict:
             "top_half_share": sum(ranked[:half]) / total}
 
 
-def touched_experts(model, ids: torch.Tensor, batch: int, new: int) -> float:
-    """Mean unique experts per MoE layer per decode step, counted in an untimed eager pass."""
-    from runtime.experts import supports
-    counts: list[int] = []
+def touched_experts(model, ids: torch.Tensor, batch: int, new: int) -> tuple[float, float]:
+    """(unique experts per MoE layer per decode step, bytes of them read from pinned memory per decode step),
+    counted in one untimed greedy `generate` of `new` tokens after the first `batch` prompts."""
+    from runtime.experts import fused_params, supports
+    unique: list[int] = []
+    host = [0]
 
     def count(module, args):
-        if args[1].shape[0] == batch:  # one token per sequence: a decode step, not a prefill
-            counts.append(args[1].unique().numel())
-    hooks = [m.register_forward_pre_hook(count) for m in model.modules() if supports(m)]
+        if args[1].shape[0] != batch:  # one token per sequence: a decode step, not a prefill
+            return
+        hit = args[1].unique()
+        unique.append(hit.numel())
+        for p in fused_params(module):
+            slot = getattr(module, f"offplan_slot_{p}", None)  # bound by the runtime: -1 for a host expert
+            if slot is not None:
+                row = getattr(module, p)[0]
+                host[0] += int((slot[hit] < 0).sum()) * row.numel() * row.element_size()
+    modules = [m for m in model.modules() if supports(m)]
+    hooks = [m.register_forward_pre_hook(count) for m in modules]
+    x = ids[:batch]
     try:
-        decode.decode(model, ids, batch, new, ids.device)
+        with torch.no_grad():
+            model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=new + 1, min_new_tokens=new + 1,
+                           do_sample=False, pad_token_id=0)
     finally:
         for h in hooks:
             h.remove()
-    return statistics.fmean(counts)
+    return statistics.fmean(unique), host[0] * len(modules) / len(unique)
 
 
 class Run:
@@ -226,7 +240,11 @@ class Run:
         model, handle = self.load(plan, implementation)
         used = model.config._experts_implementation
         predicted = predicted or {}
+        observed = {}  # batch -> bytes read from pinned memory per decode step on the timed prompts
         try:
+            if "resident_fraction" in extra:
+                observed = {b: touched_experts(model, self.ids, b, self.args.new_tokens)[1]
+                            for b in batches or self.args.batches}
             for mode in modes:
                 if mode == "graph" and (not self.cuda or used == "eager"):
                     continue  # the eager loop syncs on the host: it cannot be captured
@@ -251,7 +269,8 @@ class Run:
                                 best_gpu_steps_per_s=best[0], best_gpu_implementation=best[1],
                                 ratio_to_best_gpu=rate / best[0] if best[0] else None, same_tokens_as=like,
                                 same_tokens=same, predicted_steps_per_s=guess,
-                                ratio_to_predicted=rate / guess if guess else None, **extra)
+                                ratio_to_predicted=rate / guess if guess else None,
+                                **({"observed_h2d_bytes_per_step": observed[b]} if b in observed else {}), **extra)
         finally:
             handle.remove(restore=False)
             del model, handle
@@ -260,7 +279,7 @@ class Run:
         model, handle = self.load(plan, "batched_mm")
         try:
             for b in self.args.batches:
-                unique = touched_experts(model, self.ids, b, self.args.new_tokens)
+                unique, _ = touched_experts(model, self.ids, b, self.args.new_tokens)
                 nbytes = unique * self.layers * self.expert_bytes
                 self.floor[b] = self.hw.uva_read_gbps * 1e9 / nbytes
                 self.record(kind="floor", batch=b, unique_experts_per_layer=unique, bytes_per_step=nbytes,
@@ -270,15 +289,18 @@ class Run:
 
 
     def record_profile(self, plan: Path) -> Path:
-        """Record a routing profile with the all-GPU model on 16 prompts other than the timed ones."""
+        """Record a routing profile with the all-GPU model on `--profile-prompts` prompts other than the timed
+        ones, `--new-tokens` each."""
         from planner.routing import write_profile
         from runtime.routing import checkpoint_groups, record_routing
         model, handle = self.load(plan, None)
         seed = 99
-        ids = torch.randint(3, self.vocab, (16, decode.PROMPT_LEN), generator=torch.Generator().manual_seed(seed))
+        ids = torch.randint(3, self.vocab, (self.args.profile_prompts, decode.PROMPT_LEN),
+                            generator=torch.Generator().manual_seed(seed))
         try:
-            profile = record_routing(model, list(ids), 16, checkpoint_fingerprint=self.info.fingerprint,
-                                     checkpoint_path="ckpt", source=f"random token ids, seed {seed}",
+            profile = record_routing(model, list(ids), self.args.new_tokens,
+                                     checkpoint_fingerprint=self.info.fingerprint, checkpoint_path="ckpt",
+                                     source=f"random token ids, seed {seed}",
                                      keys=checkpoint_groups(model, self.info))
         finally:
             handle.remove(restore=False)
@@ -296,8 +318,14 @@ class Run:
         from planner.planfile import load_plan
         layer_experts = self.experts * self.expert_bytes
         dense = self.info.total_bytes - self.layers * layer_experts
-        workload = f"workload: {{batch_size: 1, routing: {profile.name}, cuda_graphs: true}}\n"
+        workload = f"workload: {{{{batch_size: {{batch}}, routing: {profile.name}, cuda_graphs: true}}}}\n"
         mode = ["graph"] if self.cuda else ["eager"]
+        for b in self.args.budget_batches:  # what the cost model makes of the all-GPU plan, beside its measurement
+            p = load_plan(self.plan(f"gpu-b{b}", workload.format(batch=b)))
+            best = self.best_gpu.get((mode[0], b), (None, None))
+            self.record(kind="prediction", name="gpu", batch=b,
+                        predicted_steps_per_s=1e6 / max(1, p.summary.predicted_step_us),
+                        best_gpu_steps_per_s=best[0], best_gpu_implementation=best[1])
         for fraction in self.args.resident:
             host = round((1 - fraction) * self.layers)  # layers whose experts whole layers put on uva
             resident = dense + (self.layers - host) * layer_experts
@@ -309,13 +337,19 @@ class Run:
                     f"rules:\n  - match: ['re:^model\\.layers\\.({whole})\\.mlp\\.experts\\.']\n"
                     f"    place: uva\n{workload}"}
             for name, body in plans.items():
-                path = self.plan(name, body)
+                path = self.plan(name, body.format(batch=1))
                 plan = load_plan(path)
+                predicted, h2d = {}, {}
+                for b in self.args.budget_batches:  # the same placement's prediction at each batch
+                    p = plan if b == 1 else load_plan(self.plan(f"{name}-b{b}", body.format(batch=b)))
+                    if p.params == plan.params:
+                        h2d[b] = p.summary.predicted_h2d_bytes_per_step
+                        if p.summary.predicted_step_us:
+                            predicted[b] = 1e6 / p.summary.predicted_step_us
                 self.measure(name, path, None, mode, offloaded=True, batches=self.args.budget_batches,
-                             predicted={1: 1e6 / us for us in [plan.summary.predicted_step_us] if us}, floor=False,
-                             resident_fraction=fraction, gpu_bytes=plan.summary.gpu_bytes,
-                             uva_bytes=plan.summary.uva_bytes, prefetch_bytes=plan.summary.prefetch_bytes,
-                             predicted_h2d_bytes_per_step=plan.summary.predicted_h2d_bytes_per_step)
+                             predicted=predicted, floor=False, resident_fraction=fraction,
+                             gpu_bytes=plan.summary.gpu_bytes, uva_bytes=plan.summary.uva_bytes,
+                             prefetch_bytes=plan.summary.prefetch_bytes, predicted_h2d_bytes_per_step=h2d)
 
 
 def budget_table(rows: list[dict]) -> None:
@@ -324,19 +358,18 @@ def budget_table(rows: list[dict]) -> None:
            for r in rows if r["kind"] == "decode" and "resident_fraction" in r}
     if not got:
         return
-    print("\n| experts resident | batch | per expert steps/s | predicted | whole layers steps/s | predicted "
-          "| per expert x whole layers |")
-    print("|---|---|---|---|---|---|---|")
-    for (name, fraction, b), r in got.items():
-        if name != "budget-per-expert":
-            continue
-        w = got.get(("whole-layers-uva", fraction, b))
 
-        def p(x):
-            return "-" if x is None else f"{x:.1f}"
-        print(f"| {fraction:.0%} | {b} | {r['steps_per_s']:.1f} | {p(r['predicted_steps_per_s'])} | "
-              f"{p(w and w['steps_per_s'])} | {p(w and w['predicted_steps_per_s'])} | "
-              f"{p(w and r['steps_per_s'] / w['steps_per_s'])} |")
+    def f(x, spec=".1f"):
+        return "-" if x is None else format(x, spec)
+    print("\n| experts resident | batch | placement | steps/s | predicted | link MB/step: observed | predicted "
+          "| x whole layers |")
+    print("|---|---|---|---|---|---|---|---|")
+    for (name, fraction, b), r in got.items():
+        whole = got.get(("whole-layers-uva", fraction, b))
+        mb = r["predicted_h2d_bytes_per_step"].get(str(b), r["predicted_h2d_bytes_per_step"].get(b))
+        print(f"| {fraction:.0%} | {b} | {name} | {r['steps_per_s']:.1f} | {f(r['predicted_steps_per_s'])} | "
+              f"{f(r.get('observed_h2d_bytes_per_step', 0) / 1e6)} | {f(mb and mb / 1e6)} | "
+              f"{f(whole and r['steps_per_s'] / whole['steps_per_s'], '.2f')} |")
 
 
 def main(argv=None) -> int:
