@@ -51,7 +51,7 @@ from pathlib import Path
 import torch
 
 from planner.build import build
-from planner.checkpoint import open_checkpoint
+from planner.checkpoint import Checkpoint, open_checkpoint
 from planner.config import read_config
 from planner.cost import CostModel
 from planner.graph import build_graph
@@ -122,6 +122,28 @@ def policy_text(strategy: str, fraction: float, layers: list[int], hw: Path | No
     if strategy in ("mixed", "mixed-experts-host"):  # the latter's budget: everything but the experts
         return head + f"backend: mixed\nbudget_gib: {budget_gib!r}\nprefetch: {{step: 2}}\n"
     raise ValueError(strategy)
+
+
+def checkpoint_and_hardware(args: argparse.Namespace, work: Path, record) -> tuple[Path, Checkpoint, Hardware]:
+    """The run's checkpoint in WORK/ckpt (made if absent, `make_checkpoint`) and its hardware profile (--hardware's
+    file, else calibrated now on CUDA, else the built-in H100, written to WORK/hw.yaml), each passed to `record`."""
+    t = time.perf_counter()
+    ckpt = make_checkpoint(args.model, args.layers, work / "ckpt", args.device)
+    info = open_checkpoint(ckpt)
+    cuda = args.device == "cuda"
+    record(kind="checkpoint", model=args.model, tensors=len(info.tensors), bytes=info.total_bytes,
+           seconds=round(time.perf_counter() - t, 1), device=torch.cuda.get_device_name() if cuda else "cpu",
+           torch=torch.__version__)
+    if args.hardware:
+        hw = load_hardware(args.hardware)
+    elif cuda:
+        from runtime.calibrate import calibrate
+        hw = calibrate().hardware
+    else:
+        hw = H100
+    (work / "hw.yaml").write_text(dumps_hardware(hw))
+    record(kind="hardware", **hw.__dict__)
+    return ckpt, info, hw
 
 
 def make_plan(work: Path, name: str, text: str) -> Path:
@@ -258,22 +280,8 @@ class Bench:
         self.mismatches: list[str] = []
         self.reference: dict = {}  # batch or mode -> all-GPU greedy tokens
         self.allgpu_step: dict = {}  # batch or mode -> the best all-GPU step, seconds
-        t = time.perf_counter()
-        self.ckpt = make_checkpoint(args.model, args.layers, self.work / "ckpt", args.device)
-        self.info = open_checkpoint(self.ckpt)
-        self.record(kind="checkpoint", model=args.model, tensors=len(self.info.tensors), bytes=self.info.total_bytes,
-                    seconds=round(time.perf_counter() - t, 1),
-                    device=torch.cuda.get_device_name() if self.cuda else "cpu", torch=torch.__version__)
-        if args.hardware:
-            self.hw = load_hardware(args.hardware)
-        elif self.cuda:
-            from runtime.calibrate import calibrate
-            self.hw = calibrate().hardware
-        else:
-            self.hw = H100
+        self.ckpt, self.info, self.hw = checkpoint_and_hardware(args, self.work, self.record)
         self.hw_path = self.work / "hw.yaml"
-        self.hw_path.write_text(dumps_hardware(self.hw))
-        self.record(kind="hardware", **self.hw.__dict__)
         self.layers = build_graph(list(self.info.tensors), facts=read_config(self.ckpt)).stack_layers()
         self.decoder_bytes = sum(self.info.tensors[n].nbytes for l in self.layers for n in l.params)
         self.ids = prompts(config_for(args.model, args.layers).vocab_size, args.device)

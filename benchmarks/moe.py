@@ -1,7 +1,8 @@
-"""MoE decode with experts in pinned host memory, against honest all-GPU baselines and the link floor.
+r"""MoE decode with experts in pinned host memory, against honest all-GPU baselines and the link floor.
 
-    python benchmarks/moe.py --layers 16 --out benchmarks/results     # on the H100
-    python benchmarks/moe.py --layers 8 --skew 0.7 --resident 0.25 0.5 --modes graph
+    python benchmarks/moe.py --layers 8                               # on the H100 (benchmarks/RESULTS.md)
+    python benchmarks/moe.py --layers 8 --modes graph --baselines batched_mm grouped_mm \
+        --host-implementations offplan --skew 0.7 --resident 0.25 0.5 --budget-batches 1 8
     python benchmarks/moe.py --model tiny --device cpu --out /tmp/r    # smoke test, any machine
 
 Qwen3-30B-A3B's shape (128 experts, top-8; `--layers` of its 48 layers, so the
@@ -49,15 +50,12 @@ import gc
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 import decode  # the sibling benchmark: checkpoints, prompts, plans, decode loops
 from runtime.experts import arithmetic
-from planner.checkpoint import open_checkpoint
-from planner.hardware import H100, dumps_hardware, load_hardware
 
 EXPERTS_HOST = "rules:\n  - {match: [experts], place: uva}\n"
 
@@ -172,21 +170,7 @@ class Run:
         self.log.write_text("")
         self.work = args.dir / f"moe-{args.model}"
         self.work.mkdir(parents=True, exist_ok=True)
-        t = time.perf_counter()
-        self.ckpt = decode.make_checkpoint(args.model, args.layers, self.work / "ckpt", args.device)
-        self.info = open_checkpoint(self.ckpt)
-        self.record(kind="checkpoint", model=args.model, tensors=len(self.info.tensors), bytes=self.info.total_bytes,
-                    seconds=round(time.perf_counter() - t, 1),
-                    device=torch.cuda.get_device_name() if self.cuda else "cpu", torch=torch.__version__)
-        if args.hardware:
-            self.hw = load_hardware(args.hardware)
-        elif self.cuda:
-            from runtime.calibrate import calibrate
-            self.hw = calibrate().hardware
-        else:
-            self.hw = H100
-        (self.work / "hw.yaml").write_text(dumps_hardware(self.hw))
-        self.record(kind="hardware", **self.hw.__dict__)
+        self.ckpt, self.info, self.hw = decode.checkpoint_and_hardware(args, self.work, self.record)
         config = decode.config_for(args.model, args.layers)
         self.layers = config.num_hidden_layers
         self.expert_bytes = 3 * config.moe_intermediate_size * config.hidden_size * 2  # gate, up, down in bf16

@@ -125,15 +125,8 @@ def policy_fingerprint(text: str) -> str:
 def load_policy(path: str | Path) -> Policy:
     """Read, validate and type a policy file; raises PolicyError listing every problem."""
     path = Path(path)
-    text = yamlio.read(path, PolicyError, "policy")
-    doc = yamlio.parse(path, text, PolicyError)
-    wrong = yamlio.wrong_kind(path, doc.data, "policy")
-    if wrong:
-        raise PolicyError(wrong)
-    if not isinstance(doc.data, dict):
-        found = "the file is empty" if doc.data is None else f"it holds {yamlio.shown(doc.data)}"
-        raise PolicyError(f"{path}: a policy is a YAML mapping but {found}; start with `format_version: 1` "
-                          "and `checkpoint: DIR`")
+    text, doc = yamlio.load_mapping(path, PolicyError, "policy",
+                                    "start with `format_version: 1` and `checkpoint: DIR`")
     validate(doc, "policy.schema.json", PolicyError, f"{path}: the policy is invalid")
     data = doc.data
     problems: list[str] = []

@@ -121,15 +121,8 @@ def write_profile(path: str | Path, profile: RoutingProfile) -> None:
 def load_profile(path: str | Path) -> RoutingProfile:
     """Read, validate and type a routing profile; raises RoutingProfileError listing every problem."""
     path = Path(path)
-    text = yamlio.read(path, RoutingProfileError, "routing profile")
-    doc = yamlio.parse(path, text, RoutingProfileError)
-    wrong = yamlio.wrong_kind(path, doc.data, "routing profile")
-    if wrong:
-        raise RoutingProfileError(wrong)
-    if not isinstance(doc.data, dict):
-        found = "the file is empty" if doc.data is None else f"it holds {yamlio.shown(doc.data)}"
-        raise RoutingProfileError(f"{path}: a routing profile is a YAML mapping but {found}; record one with "
-                                  "`plan profile CHECKPOINT -o FILE`")
+    text, doc = yamlio.load_mapping(path, RoutingProfileError, "routing profile",
+                                    "record one with `plan profile CHECKPOINT -o FILE`")
     validate(doc, "routing.schema.json", RoutingProfileError, f"{path}: the routing profile is invalid")
     d = doc.data
     rec, tokens = d["recorded"], d["tokens"]

@@ -202,6 +202,21 @@ def wrong_kind(path: Path, data, expected: str) -> str | None:
     return f"{path}: this is a {found}, not a {expected}: {use}"
 
 
+def load_mapping(path: Path, error_cls, what: str, how: str) -> tuple[str, Located]:
+    """(text, parsed document) of a `what` file whose top level is a mapping. A missing or unreadable file, bad
+    YAML, another kind of offplan file, or a top level that is no mapping is one `error_cls` naming the file
+    (`how`: how to make a right one)."""
+    text = read(path, error_cls, what)
+    doc = parse(path, text, error_cls)
+    wrong = wrong_kind(path, doc.data, what)
+    if wrong:
+        raise error_cls(wrong)
+    if not isinstance(doc.data, dict):
+        found = "the file is empty" if doc.data is None else f"it holds {shown(doc.data)}"
+        raise error_cls(f"{path}: a {what} is a YAML mapping but {found}; {how}")
+    return text, doc
+
+
 def shown(value) -> str:
     """A value as YAML spells it, for messages: null, true, 'text', 2.5, a list, a mapping."""
     if value is None:
