@@ -32,9 +32,10 @@ and the run goes on to placements under a GPU budget:
    `workload.routing`: the most-hit experts stay resident), against whole
    layers' experts on uva with the same GPU bytes (the best placement that
    moves whole layers: at these batches, reading a layer's touched experts
-   in place moves fewer bytes than copying the whole layer); both plans
-   predict CUDA-graph decode at batch 1 (`workload.cuda_graphs`), and the
-   prediction is recorded beside the measurement.
+   in place moves fewer bytes than copying the whole layer). Both plans are
+   built for batch 1; the same placement's prediction of CUDA-graph decode
+   (`workload.cuda_graphs`) at each `--budget-batches` batch is recorded
+   beside the measurement, with the bytes actually read from pinned memory.
 
 Every decode is greedy over the same prompts; its tokens are compared with the
 all-GPU model's under the same arithmetic, in the same mode: offplan's experts
@@ -81,7 +82,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="with --skew: fractions of the expert bytes a budget keeps on the GPU")
     ap.add_argument("--profile-prompts", type=int, default=64, help="with --skew: prompts to record routing on")
     ap.add_argument("--budget-batches", type=int, nargs="+", default=[1, 8],
-                    help="with --skew: batches the budget placements decode at (plans predict batch 1)")
+                    help="with --skew: batches the budget placements decode at (and are predicted at)")
     return ap.parse_args(argv)
 
 
@@ -244,12 +245,12 @@ class Run:
                     same = None if ref is None else tokens == ref
                     if same is False and used != "eager":
                         self.failures.append(f"{name} {mode} b={b}")
-                    floor = self.floor.get(b) if offloaded and floor else None
+                    limit = self.floor.get(b) if offloaded and floor else None
                     best = self.best_gpu.get(key, (None, None))
                     guess = predicted.get(b) if mode == "graph" else None
                     self.record(kind="decode", name=name, implementation=used, mode=mode, batch=b, steps_per_s=rate,
-                                offloaded=offloaded, floor_steps_per_s=floor,
-                                ratio_to_floor=rate / floor if floor else None,
+                                offloaded=offloaded, floor_steps_per_s=limit,
+                                ratio_to_floor=rate / limit if limit else None,
                                 best_gpu_steps_per_s=best[0], best_gpu_implementation=best[1],
                                 ratio_to_best_gpu=rate / best[0] if best[0] else None, same_tokens_as=like,
                                 same_tokens=same, predicted_steps_per_s=guess,
@@ -270,7 +271,6 @@ class Run:
                             uva_read_gbps=self.hw.uva_read_gbps, floor_steps_per_s=self.floor[b])
         finally:
             handle.remove(restore=False)
-
 
     def record_profile(self, plan: Path) -> Path:
         """Record a routing profile with the all-GPU model on `--profile-prompts` prompts other than the timed
