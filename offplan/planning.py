@@ -30,6 +30,8 @@ def build_command(args) -> int:
         print(f"warning: {w}", file=sys.stderr)
     to_stdout = args.output == "-"
     out = Path(args.output) if args.output and not to_stdout else default_output(Path(args.policy))
+    if not to_stdout:
+        _refuse_to_overwrite_an_input(out, policy)  # before planning: nothing to plan for that cannot be written
     plan = build(policy, Path.cwd() if to_stdout else out.parent)
     text = dumps(plan)
     warnings = [n for n in plan.notes if is_warning(n)]
@@ -38,7 +40,6 @@ def build_command(args) -> int:
     if to_stdout:
         sys.stdout.write(text)
         return 0
-    _refuse_to_overwrite_an_input(out, policy)
     write_atomic(out, text)
     data = {"plan": str(out), **show_data(plan)}
     s = plan.summary
@@ -51,7 +52,7 @@ def build_command(args) -> int:
 
 
 def _refuse_to_overwrite_an_input(out: Path, policy: Policy) -> None:
-    """Writing the plan over the policy, the hardware profile or a checkpoint file would destroy it.
+    """Writing the plan over the policy, the hardware or routing profile or a checkpoint file would destroy it.
 
     The same file is found whatever the spelling (`./p.yaml`, a symlink, a hard link):
     `os.path.samefile` compares device and inode. The checkpoint's files are its
@@ -65,6 +66,8 @@ def _refuse_to_overwrite_an_input(out: Path, policy: Policy) -> None:
     inputs = [("the policy", policy.path)]
     if policy.hardware is not None:
         inputs.append(("the hardware profile", policy.hardware))
+    if policy.workload.routing is not None:
+        inputs.append(("the routing profile", policy.workload.routing))
     for file in [root / INDEX_NAME, root / "config.json", *sorted(root.glob("*.safetensors"))]:
         inputs.append(("a file of the checkpoint", file))
     for what, path in inputs:

@@ -222,8 +222,10 @@ def _profile_source(source: Path) -> tuple[Path | None, Checkpoint]:
         doc = yamlio.parse(source, yamlio.read(source, PlanFileError, "plan"), PlanFileError)
         kind = yamlio.kind(doc.data)
         if kind == "policy":
+            named = doc.data["checkpoint"]
+            where = source.parent / named if isinstance(named, str) else "CHECKPOINT"
             raise OffplanError(f"{source}: this is a policy; plan profile takes a checkpoint or a plan: profile its "
-                               f"checkpoint: plan profile {source.parent / doc.data['checkpoint']} -o PROFILE")
+                               f"checkpoint: plan profile {where} -o PROFILE")
         if kind != "plan":
             raise OffplanError(f"{source}: not a plan{f' (a {kind})' if kind else ''}; plan profile takes a "
                                "checkpoint directory or a plan")

@@ -8,7 +8,10 @@ Steps:
 1. Rules, first match wins, fix a tensor's placement before anything else.
 2. Candidates for the backend are the remaining tensors of the layer stacks;
    embeddings, final norms and the head stay on the GPU unless a rule moves them.
-   Fused expert groups (groups.py) move whole; selecting part of one is an error.
+   Fused expert groups (groups.py) move by prefetch whole, by vLLM's uva walk
+   one fused parameter (w13, w2) at a time, by a budget one expert of one
+   fused parameter at a time; a rule or pattern that splits an expert, or
+   prefetches part of a group, is an error.
    Where a budget drives the placement (not vLLM's own knobs, which keep
    vLLM's order), what runs in no decode step (graph.py: vision towers and
    their projectors, MTP layers) goes to uva first, stacks or not: it costs a
@@ -217,8 +220,9 @@ def _rarely_run_first(rare: list[Layer], fixed, fp: Footprint, budget: int, grou
 
 
 def _uva(stack, fixed, fp: Footprint, policy: Policy, groups: FusedGroups, selected, rare: list[Layer]) -> None:
-    """The per-tensor walk; a fused expert group is offloaded whole when the walk reaches it.
-    With an amount, vLLM's walk over the stacks in order; with a budget, rarely-run layers first."""
+    """The per-tensor walk. With an amount, vLLM's walk over the stacks in order, in vLLM's units (a layer's
+    fused w13 or w2 whole); with a budget, rarely-run layers first, then one expert of one fused parameter
+    at a time. Neither moves what rules fixed or `uva.params` left out."""
     amount = policy.uva.offload_gib > 0
     if not amount and policy.budget_bytes is None:  # only `backend: uva` gets here
         raise PolicyError(
@@ -228,11 +232,13 @@ def _uva(stack, fixed, fp: Footprint, policy: Policy, groups: FusedGroups, selec
     cands = [n for l in stack for n in l.params if n not in fixed and (selected is None or n in selected)]
     if not cands and (amount or selected is not None):
         raise PolicyError(nothing_left(policy, "uva", stack, fixed, selected))
+    allowed = set(cands)
 
     def units(unit):
+        """Each unit the walk reaches, less what rules fixed or `uva.params` left out."""
         for n in cands:
             if fp.place[n] is GPU:
-                yield unit(n)
+                yield [m for m in unit(n) if m in allowed and fp.place[m] is GPU]
 
     if amount:  # vLLM's walk, in vLLM's units: a fused parameter (w13, w2) whole
         limit = policy.uva.offload_gib * GIB

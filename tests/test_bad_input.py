@@ -181,6 +181,10 @@ CORPUS = [
      ["build", "bad.policy.yaml", "-o", "hw.yaml"],
      "hw.yaml: this is the hardware profile, an input of the plan: writing the plan there would destroy it. "
      "Nothing was written; choose another -o (default: bad.plan.yaml)"),
+    case("-o the routing profile", routing_profile("budget_gib: 0.018\nworkload: {routing: r.yaml}\n"),
+         ["build", "bad.policy.yaml", "-o", "r.yaml"],
+     "r.yaml: this is the routing profile, an input of the plan: writing the plan there would destroy it. "
+     "Nothing was written; choose another -o (default: bad.plan.yaml)"),
     case("-o a directory", nothing, ["build", "p.policy.yaml", "-o", "ckpt"],
      "ckpt: is a directory; -o names the plan file to write (nothing was written)"),
     # Duplicate keys: both lines named.
@@ -228,6 +232,10 @@ CORPUS = [
     case("policy to profile", nothing, ["profile", "p.policy.yaml", "-o", "r.yaml"],
          "p.policy.yaml: this is a policy; plan profile takes a checkpoint or a plan: profile its checkpoint: "
          "plan profile ckpt -o PROFILE", marks=needs_torch),
+    case("policy with a list for checkpoint to profile", policy("checkpoint: [a]\n", head="format_version: 1\n"),
+         ["profile", "bad.policy.yaml", "-o", "r.yaml"],
+         "bad.policy.yaml: this is a policy; plan profile takes a checkpoint or a plan: profile its checkpoint: "
+         "plan profile CHECKPOINT -o PROFILE", marks=needs_torch),
     case("header-only checkpoint to profile", nothing, ["profile", "ckpt", "-o", "r.yaml"],
          "ckpt: the checkpoint holds no weights: the data of its shards are holes in sparse files", marks=needs_torch),
     case("missing checkpoint to profile", nothing, ["profile", "nope", "-o", "r.yaml"],

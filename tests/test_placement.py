@@ -452,6 +452,20 @@ def test_splitting_a_fused_expert_or_prefetching_part_of_a_group_is_an_error(pol
     assert where in text
 
 
+@pytest.mark.parametrize("pol, want", [
+    # a rule keeps expert 1 of layer 0 on the GPU: vLLM's walk moves the rest of each fused parameter it reaches
+    (dict(offload_gib=mib(1.5), rules=[(["re:layers\\.0\\.mlp\\.experts\\.1\\."], "gpu")]),
+     ["model.layers.0.mlp.experts.0.down_proj.weight", "model.layers.0.mlp.experts.0.gate_proj.weight",
+      "model.layers.0.mlp.experts.0.up_proj.weight"]),
+    # uva.params selects expert 0 only: the walk moves nothing else of the parameters it reaches
+    (dict(offload_gib=mib(100), uva_params=["re:experts\\.0\\."]), experts_of(0, 1, 2, experts=2)[:3]
+     + experts_of(1, experts=2)[:3] + experts_of(2, experts=2)[:3]),
+])
+def test_uva_walk_moves_nothing_a_rule_fixed_or_params_left_out(pol, want):
+    d, _ = plan_of(moe_toy(), policy(**pol))
+    assert placed(d, UVA) == want
+
+
 def test_whole_experts_may_be_placed_apart():
     d, _ = plan_of(moe_toy(), policy(rules=[(["re:experts\\.1\\."], "uva")]))
     assert placed(d, UVA) == [f"model.layers.{i}.mlp.experts.1.{p}.weight" for i in range(3)
