@@ -120,9 +120,11 @@ def report(plan_path, s: LoadStats, facts: dict, gen: dict, plan, root: Path, me
                "prompt included)")
     if plan.cost is not None:
         c = plan.cost
+        mode = "CUDA graph replay" if c.cuda_graphs else "eager"
+        unlike = ("this run is on the CPU" if not cuda else
+                  "this run is eager at batch 1" if c.cuda_graphs or c.batch_size != 1 else "")
         out.append(f"  predicted {ms(plan.summary.predicted_step_us)} per decode step by the plan, for batch "
-                   f"{c.batch_size} on {c.hardware}"
-                   + ("" if cuda else "; this run is on the CPU: they do not compare"))
+                   f"{c.batch_size}, {mode}, on {c.hardware}" + (f"; {unlike}: they do not compare" if unlike else ""))
     out.append(f"  {gen['text']!r}" if gen["text"] is not None else f"  token ids {gen['token_ids']}")
     return out
 

@@ -13,8 +13,8 @@ placement but not its size, so:
 - from the plan alone: the layer table lists the layers that `params:` forms
   (with `stacks:`), in order; each byte count of a layer's row is backed by a
   tensor of that layer with that placement; the totals add up (summary,
-  checkpoint bytes, footprint, predicted link bytes and step time); every
-  fused expert group has one placement; `prefetch:` streams exactly the
+  checkpoint bytes, footprint, predicted link bytes and step time); each
+  expert of a fused parameter has one placement, a prefetched group is whole; `prefetch:` streams exactly the
   layers that `params:` prefetches, each from a buffer named like its
   tensors, through the slots and copy triggers of the rule that built it;
 - with the checkpoint's headers (sizes, dtypes, shapes: cheap to read), also

@@ -83,7 +83,6 @@ class CostModel:
         self.graph = graph
         self.hw = hw
         self.batch = batch
-        self.top_k = top_k
         counts = {g: groups.experts(g) for g in groups.members}
         group_of = groups.group_of
         chance = {g: routing.probabilities(g) for g in groups.members if g in routing.layers} if routing else {}

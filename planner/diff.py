@@ -1,12 +1,13 @@
 """`plan diff OLD NEW`: what a change of plan changes, for review.
 
 Moves are grouped by layer and, within a layer, by unit: a fused expert group
-(groups.py) is one unit, since it moves as one tensor at run time. Each layer
+(groups.py) is one unit per pair of placements (old, new) its tensors have,
+named by its experts where that splits it. Each layer
 gets one row: what moved where (with bytes when the checkpoint headers are at
 hand) and the change of its bytes per placement (always exact: from the
 plans' layer tables). Above the table: what changed in the predicted step
 time, the GPU footprint, the backend, the policy (path, content, budget,
-hardware profile, batch, routing profile) and the prefetch schedule (step, slots, slot size,
+hardware profile, batch, eager or graph replay, routing profile) and the prefetch schedule (step, slots, slot size,
 layers streamed, slot changes), and which notes came and went.
 
 Plans at different paths compare equal when they place everything alike and
@@ -84,7 +85,8 @@ def diff_data(old: Plan, new: Plan, sizes: Mapping[str, int] | None = None,
 
 
 def _cost(plan: Plan) -> dict | None:
-    return None if plan.cost is None else {"hardware": plan.cost.hardware, "batch_size": plan.cost.batch_size}
+    return None if plan.cost is None else {"hardware": plan.cost.hardware, "batch_size": plan.cost.batch_size,
+                                           "cuda_graphs": plan.cost.cuda_graphs}
 
 
 def _units(old: Plan, new: Plan, sizes: Mapping[str, int] | None) -> list[dict]:
@@ -98,7 +100,7 @@ def _units(old: Plan, new: Plan, sizes: Mapping[str, int] | None) -> list[dict]:
                 continue
             seen.add(layer.name)
             moves: dict[tuple[str, str], list[tuple[str, tuple[str, ...]]]] = {}
-            for unit, members in units_of(layer):
+            for unit, members in units_of(layer, old.params, new.params):
                 first = members[0]
                 before = old.params[first].value if first in old.params else "-"
                 after = new.params[first].value if first in new.params else "-"
@@ -174,6 +176,9 @@ def diff_text(d: dict) -> list:
         for key, what in (("hardware", "hardware profile"), ("batch_size", "batch size")):
             if cost["old"][key] != cost["new"][key]:
                 out.append(f"{what}: {_change(cost['old'][key], cost['new'][key])}")
+        if cost["old"]["cuda_graphs"] != cost["new"]["cuda_graphs"]:
+            mode = lambda graphs: "CUDA graph replay" if graphs else "eager"  # noqa: E731
+            out.append(f"predicted for: {_change(cost['old']['cuda_graphs'], cost['new']['cuda_graphs'], mode)}")
     fp, step = d["gpu_footprint_bytes"], d["predicted_step_us"]
     dfp = fp["new"] - fp["old"]
     out.append(f"GPU footprint: {_change(fp['old'], fp['new'], human)} ({signed(dfp)})" if dfp

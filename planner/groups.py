@@ -47,6 +47,12 @@ def _key(name: str):
     return m[1], f"{fused}{m[4]}", int(m[2]), part
 
 
+def expert_number(name: str) -> int | None:
+    """The expert a tensor belongs to (`mlp.experts.7.up_proj.weight`: 7), or None for no expert's."""
+    k = _key(name)
+    return None if k is None else k[2]
+
+
 def units(names: Iterable[str]) -> list[tuple[str, ...]]:
     """`names` grouped into fused parameters, each unit's members in memory order (module doc).
 

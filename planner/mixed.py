@@ -52,7 +52,7 @@ GPU, UVA, PREFETCH = Placement.GPU, Placement.UVA, Placement.PREFETCH
 
 @dataclass(frozen=True)
 class Unit:
-    names: tuple[str, ...]  # one tensor, or a whole fused expert group
+    names: tuple[str, ...]  # one tensor, or one expert of one fused parameter (groups.py)
     layer: Layer
     frac: float  # of its bytes read per step
     nbytes: int

@@ -82,7 +82,7 @@ def notes(o: Outcome) -> tuple[str, ...]:
                    "workload.experts_per_token): the cost model assumes each step reads every expert")
     if o.graph.tied_embeddings:
         out.append("tied embeddings: the checkpoint has no lm_head tensor; the head reuses the embedding")
-    out += saving_warnings(o.place, o.tensors, o.graph, o.schedule)
+    out += saving_warnings(o.place, o.tensors, o.schedule)
     return tuple(out)
 
 
@@ -150,7 +150,7 @@ def _backend_note(o: Outcome, by_backend: Mapping[Placement, int], rules_offload
     return f"backend {o.backend.value} ({origin}): {_amounts(by_backend)} from {plural(layers, 'layer')}"
 
 
-def saving_warnings(place: Mapping[str, Placement], tensors: Mapping[str, TensorInfo], graph: LayerGraph,
+def saving_warnings(place: Mapping[str, Placement], tensors: Mapping[str, TensorInfo],
                     schedule: PrefetchSchedule | None) -> list[str]:
     """Warnings for a plan whose prefetch buffers eat what offloading saves.
 

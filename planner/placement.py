@@ -231,7 +231,7 @@ def _uva(stack, fixed, fp: Footprint, policy: Policy, groups: FusedGroups, selec
             + ("; uva.params only narrows which tensors those offload" if selected is not None else ""))
     cands = [n for l in stack for n in l.params if n not in fixed and (selected is None or n in selected)]
     if not cands and (amount or selected is not None):
-        raise PolicyError(nothing_left(policy, "uva", stack, fixed, selected))
+        raise PolicyError(nothing_left(policy, "uva", stack, selected))
     allowed = set(cands)
 
     def units(unit):
@@ -273,7 +273,7 @@ def _prefetch(stack, fixed, fp: Footprint, policy: Policy, graph: LayerGraph, se
                 f"{len(stack)} (or use budget_gib and let the planner choose the layers)")
         picked = [layer for i, layer in enumerate(stack) if i % g >= g - k]
         if not any(chosen(l) for l in picked):
-            raise PolicyError(nothing_left(policy, "prefetch", picked, fixed, selected,
+            raise PolicyError(nothing_left(policy, "prefetch", picked, selected,
                                             f"prefetch.group_size {g} / num_in_group {k} streams layers "
                                             f"{layer_list(picked)}, but "))
         for layer in picked:
@@ -287,7 +287,7 @@ def _prefetch(stack, fixed, fp: Footprint, policy: Policy, graph: LayerGraph, se
     eligible = [(l, c) for l, c in ((l, chosen(l)) for l in stack if l.runs is Runs.STEP) if c]
     rare = graph.rarely_run()
     if not eligible and not rare and selected is not None:
-        raise PolicyError(nothing_left(policy, "prefetch", stack, fixed, selected))
+        raise PolicyError(nothing_left(policy, "prefetch", stack, selected))
     _rarely_run_first(rare, fixed, fp, policy.budget_bytes, groups, selected)
     if fp.total > policy.budget_bytes:
         for layer, names in fewest_layers(eligible, fp, policy.budget_bytes):

@@ -35,7 +35,7 @@ def layer_list(layers, limit: int = 6) -> str:
     return ", ".join(names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
-def nothing_left(policy: Policy, key: str, layers, fixed, selected, head: str = "") -> str:
+def nothing_left(policy: Policy, key: str, layers, selected, head: str = "") -> str:
     """Why backend `key` finds no tensor to move in `layers`; the message names the key to change.
 
     `head` says how `layers` were picked (the group rule); without it they are the whole stacks.

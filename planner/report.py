@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import sys
+from collections import Counter
 from collections.abc import Iterable, Mapping
 
 from rich import box
@@ -18,9 +19,9 @@ from rich.text import Text
 
 from .checkpoint import TensorInfo
 from .graph import Layer, build_graph
-from .groups import FusedGroups
+from .groups import FusedGroups, expert_number, ranges
 from .notes import WARNING, is_warning
-from .plan import Plan
+from .plan import Placement, Plan
 from .units import human, ms, percent, plural
 
 KINDS = ("gpu", "uva", "prefetch")
@@ -150,21 +151,31 @@ def _footprint(plan: Plan) -> list[str]:
     return out
 
 
-def units_of(layer: Layer) -> list[tuple[str, tuple[str, ...]]]:
-    """A layer's tensors as units, in order: each fused expert group once (named by the group,
-    at its first member), every other tensor alone."""
+def units_of(layer: Layer, *plans: Mapping[str, Placement]) -> list[tuple[str, tuple[str, ...]]]:
+    """A layer's tensors as units, in order: each fused expert group once per combination of the
+    placements its tensors have in `plans` (named by the group, and where that splits it, by its
+    experts: `model.layers.3.mlp.experts [experts 0-5,7]`), every other tensor alone."""
     groups = FusedGroups.find(layer.params).group_of
-    members: dict[str, list[str]] = {}
+    members: dict[tuple, list[str]] = {}
     for n in layer.params:
-        members.setdefault(groups.get(n, n), []).append(n)
-    return [(name, tuple(ns)) for name, ns in members.items()]
+        group = groups.get(n)
+        key = (n,) if group is None else (group, tuple(p.get(n) for p in plans))
+        members.setdefault(key, []).append(n)
+    parts = Counter(key[0] for key in members if len(key) == 2)
+    out = []
+    for key, names in members.items():
+        name = key[0]
+        if len(key) == 2 and parts[name] > 1:
+            name += f" [experts {ranges({expert_number(n) for n in names})}]"
+        out.append((name, tuple(names)))
+    return out
 
 
 def tensors_data(plan: Plan, sizes: Mapping[str, TensorInfo] | None) -> dict:
     """`plan show --tensors --json`: every tensor, or fused unit, with its placement (and bytes)."""
     rows = []
     for layer in build_graph(plan.params, plan.stacks).layers:
-        for name, members in units_of(layer):
+        for name, members in units_of(layer, plan.params):
             rows.append({"layer": layer.name, "name": name, "tensors": len(members),
                          "placement": plan.params[members[0]].value,
                          "bytes": None if sizes is None else sum(sizes[m].nbytes for m in members)})
@@ -181,7 +192,8 @@ def show_tensors(plan: Plan, sizes: Mapping[str, TensorInfo] | None, unchecked: 
                      *([human(u["bytes"])] if sizes is not None else [])])
         last = u["layer"]
     units = len(d["units"])
-    grouped = f" in {plural(units, 'unit')} (a fused expert group is one unit)" if units != plan.tensors else ""
+    grouped = (f" in {plural(units, 'unit')} (a fused expert group is one unit per placement)"
+               if units != plan.tensors else "")
     out: list = [f"plan for {plan.checkpoint_path}: {plural(plan.tensors, 'tensor')}{grouped}, backend "
                  f"{plan.backend.value}", "",
                  table(["layer", "tensor", "placement", *(["bytes"] if sizes is not None else [])], rows,

@@ -35,7 +35,9 @@ link too). The kernel is an opaque custom op (`offplan::gather_rows`), so
 torch.compile traces the rest without a graph break.
 
 A module whose fused parameters are all in HBM (on the GPU, or prefetched into
-a slot) has nothing to deduplicate: it runs transformers' `batched_mm` as is.
+a slot) has nothing to deduplicate: it runs transformers' own implementation
+whose arithmetic `arithmetic` picks for its pairs (`batched_mm` or
+`grouped_mm`), so a model's resident and offloaded layers compute alike.
 """
 from __future__ import annotations
 
@@ -107,7 +109,8 @@ def offplan_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, 
     """The "offplan" entry of ALL_EXPERTS_FUNCTIONS (module doc). hidden_states [T, H], top_k_* [T, k]."""
     if not any(n.startswith(_PREFIX) for n, _ in self.named_buffers(recurse=False)):
         from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
-        return ALL_EXPERTS_FUNCTIONS["batched_mm"](self, hidden_states, top_k_index, top_k_weights)
+        implementation = arithmetic(top_k_index.numel())
+        return ALL_EXPERTS_FUNCTIONS[implementation](self, hidden_states, top_k_index, top_k_weights)
     num_tokens, k = top_k_index.shape
     experts, pairs = self.num_experts, top_k_index.numel()
     size = min(experts, pairs)

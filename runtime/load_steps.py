@@ -96,6 +96,12 @@ def _run(model, plan: Plan, ckpt: Checkpoint, device, uva: bool, progress, *, fr
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     targets = map_tensors(model, {n: (ckpt.tensors[n].shape, p) for n, p in plan.params.items()})  # step 2
+    split = [t.name for t in targets if t.resident]
+    if split and not uva and device.type == "cuda":
+        more = f" (and {len(split) - 1} more)" if len(split) > 1 else ""
+        raise OffplanError(f"uva=False copies each uva parameter to the GPU whole before its module runs, but the "
+                           f"plan keeps some experts of {split[0]}{more} on the GPU and reads the rest in place: "
+                           "load it with uva=True (the default)")
     layout = lay_out(targets, plan, model)  # step 3
     handle = OffloadHandle(model, plan, ckpt, device, targets, layout)
     try:
@@ -193,7 +199,7 @@ def _bind(h: OffloadHandle, placed: dict[str, torch.Tensor], staged: bool) -> No
     h.model.load_state_dict(state, assign=True, strict=True)
     h.assigned = True
     _materialize_buffers(h.model, h.device)
-    _bind_experts(h, placed)
+    _bind_experts(h)
     if h.cuda:
         if h.engine is not None:
             torch.cuda.current_stream(h.device).wait_stream(h.engine.copy_stream)
@@ -201,7 +207,7 @@ def _bind(h: OffloadHandle, placed: dict[str, torch.Tensor], staged: bool) -> No
         h.peak_gpu_bytes = torch.cuda.max_memory_allocated(h.device) - h.start_alloc
 
 
-def _bind_experts(h: OffloadHandle, placed: dict[str, torch.Tensor]) -> None:
+def _bind_experts(h: OffloadHandle) -> None:
     """Experts in pinned memory run through offplan's experts implementation (experts.py): each such fused
     parameter's resident rows (the experts the plan keeps on the GPU) copied to HBM and bound to its module."""
     host = [t for t in h.targets if t.placement is UVA and not h.staging and _experts_module(h.model, t) is not None]
@@ -211,7 +217,6 @@ def _bind_experts(h: OffloadHandle, placed: dict[str, torch.Tensor]) -> None:
     for t in host:
         module = _experts_module(h.model, t)
         param = t.name.rpartition(".")[2]
-        full = placed[t.name]
         rows = torch.empty((max(1, len(t.resident)), *t.shape[1:]), dtype=t.dtype, device=h.device)
         if t.resident:
             index = torch.tensor(t.resident)
@@ -221,7 +226,6 @@ def _bind_experts(h: OffloadHandle, placed: dict[str, torch.Tensor]) -> None:
         experts.bind(module, param, rows, slot.to(h.device))
         if module not in h.bound_experts:
             h.bound_experts.append(module)
-        del full
     h.experts_before = h.model.config._experts_implementation
     h.model.set_experts_implementation("offplan")
 

@@ -10,6 +10,7 @@ import pytest
 
 from headeronly import MiB, write_policy
 from offplan.cli import main
+from planner.checkpoint import open_checkpoint
 from planner.planfile import load_plan
 
 UVA_POLICY = "budget_gib: 0.018\n"  # 18.4 MiB: offload layer 0 (3 MiB) of 21 MiB
@@ -155,11 +156,34 @@ def test_show_tensors_lists_a_fused_expert_group_as_one_unit(tmp_path, monkeypat
     write_policy(tmp_path, "prefetch: {group_size: 2, params: [experts]}\n", name="moe.policy.yaml")
     run(capsys, "build", "moe.policy.yaml")
     lines = run(capsys, "show", "moe.plan.yaml", "--tensors")[1].splitlines()
-    assert lines[0] == "plan for ckpt/model.safetensors: 45 tensors in 23 units (a fused expert group is one unit), " \
-        "backend prefetch"
+    assert lines[0] == "plan for ckpt/model.safetensors: 45 tensors in 23 units (a fused expert group is one unit " \
+        "per placement), backend prefetch"
     assert lines[6].split() == ["mlp.experts", "(fused:", "12", "tensors)", "gpu", "48.0", "KiB"]
     assert lines[15].split() == ["model.layers.1", "input_layernorm.weight", "gpu", "128", "B"]
     assert lines[16].split() == ["mlp.experts", "(fused:", "12", "tensors)", "prefetch", "48.0", "KiB"]
+
+
+def test_show_tensors_and_diff_split_a_group_by_placement(tmp_path, monkeypatch, capsys):
+    """A budget splits a fused group one expert at a time: show --tensors gives one row per placement, naming the
+    experts, and diff moves exactly the experts that moved, with their bytes."""
+    from synthetic import qwen3_moe, write_header_only
+    monkeypatch.chdir(tmp_path)
+    write_header_only(tmp_path / "ckpt", qwen3_moe(layers=2, experts=4, hidden=64, moe_intermediate=32, heads=4,
+                                                   kv_heads=2, head_dim=16, vocab=128), single=True)
+    total = sum(i.nbytes for i in open_checkpoint(tmp_path / "ckpt").tensors.values())
+    expert = 3 * 64 * 32 * 2  # gate, up and down of one expert in bf16: 12 KiB
+    for name, shed in (("one", 1), ("three", 3)):  # shed 1, then 3 experts' bytes (layer 0's come first)
+        write_policy(tmp_path, f"budget_gib: {(total - shed * expert) / 2**30!r}\n", name=f"{name}.policy.yaml")
+        run(capsys, "build", f"{name}.policy.yaml")
+    lines = run(capsys, "show", "three.plan.yaml", "--tensors", "--json")[1]
+    units = [u for u in json.loads(lines)["units"] if u["layer"] == "model.layers.0" and "experts" in u["name"]]
+    assert [(u["name"], u["placement"], u["tensors"], u["bytes"]) for u in units] == [
+        ("model.layers.0.mlp.experts [experts 0-2]", "uva", 9, 3 * expert),
+        ("model.layers.0.mlp.experts [experts 3]", "gpu", 3, expert)]
+    code, out, _ = run(capsys, "diff", "one.plan.yaml", "three.plan.yaml", "--json")
+    moves = json.loads(out)["units"]
+    assert [(m["layer"], m["from"], m["to"], m["units"], m["bytes"]) for m in moves] == [
+        ("model.layers.0", "gpu", "uva", ["mlp.experts [experts 1-2]"], 2 * expert)]
 
 
 def test_build_warns_on_stderr_when_a_plan_saves_little(work, capsys):
@@ -214,6 +238,14 @@ notes:
   - backend uva (auto: budget_gib is set): 3.0 MiB on uva from 1 layer
   + backend prefetch (auto: prefetch.group_size is set): 6.0 MiB on prefetch from 2 layers
 """
+
+
+def test_diff_says_when_the_prediction_changes_mode(work, capsys):
+    write_policy(work, UVA_POLICY + "workload: {cuda_graphs: true}\n", name="graphs.policy.yaml")
+    run(capsys, "build", "uva.policy.yaml")
+    run(capsys, "build", "graphs.policy.yaml")
+    out = run(capsys, "diff", "uva.plan.yaml", "graphs.plan.yaml")[1]
+    assert "predicted for: eager -> CUDA graph replay\n" in out
 
 
 def test_diff_and_detailed_exitcode(work, capsys):

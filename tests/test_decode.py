@@ -42,10 +42,10 @@ def test_moe_benchmark_runs_on_the_cpu(tmp_path):
     assert profile["layers"] == 2 and profile["top_quarter_share"] > 0.25 + 0.1
     budget = {r["name"]: r for r in rows if r["kind"] == "decode" and "resident_fraction" in r}
     assert set(budget) == {"budget-per-expert-0.5", "whole-layers-uva-0.5"}
-    per_expert, whole = budget.values()
+    per_expert, whole = budget["budget-per-expert-0.5"], budget["whole-layers-uva-0.5"]
     assert per_expert["uva_bytes"] >= whole["uva_bytes"] > 0
     assert per_expert["predicted_h2d_bytes_per_step"]["1"] < whole["predicted_h2d_bytes_per_step"]["1"]
-    assert per_expert["observed_h2d_bytes_per_step"] >= 0 and whole["observed_h2d_bytes_per_step"] > 0
+    assert per_expert["observed_h2d_bytes_per_step"] < whole["observed_h2d_bytes_per_step"]
     runs = {(r["name"], r["implementation"], r["batch"]) for r in rows if r["kind"] == "decode"}
     assert ("experts-host-offplan", "offplan", 2) in runs and ("gpu-grouped_mm", "grouped_mm", 1) in runs
     assert all(r["same_tokens"] for r in rows if r["kind"] == "decode" and r["implementation"] != "eager")

@@ -63,6 +63,20 @@ def test_split_experts_equal_transformers_bitwise(tmp_path, models, name):
     assert not [n for n, _ in model.named_buffers() if "offplan_" in n]
 
 
+RESIDENT_LAYER_0 = "rules:\n  - {match: ['re:layers\\.[12]\\.mlp\\.experts\\.[02]\\.'], place: uva}\n"
+
+
+def test_a_resident_layer_computes_as_the_offloaded_ones(tmp_path, models):
+    """Layer 0 keeps every expert on the GPU; it too runs the arithmetic experts.arithmetic picks."""
+    model, handle = from_pretrained(make_plan(tmp_path, models["qwen3-moe"], RESIDENT_LAYER_0), progress=False)
+    k = model.config.num_experts_per_tok
+    for tokens in (1, experts.BATCHED_PAIRS + 3):
+        ref = reference(models["qwen3-moe"])
+        ref.set_experts_implementation(experts.arithmetic(2 * tokens * k))
+        assert torch.equal(logits(model, tokens), logits(ref, tokens)), tokens
+    handle.remove(restore=False)
+
+
 def test_every_expert_in_pinned_memory(tmp_path, models):
     plan = make_plan(tmp_path, models["qwen3-moe"], "rules:\n  - {match: [experts], place: uva}\n")
     model, handle = from_pretrained(plan, progress=False)

@@ -10,7 +10,7 @@ pytest.importorskip("transformers")
 from runtime import experts  # noqa: E402
 from runtime.arena import PinnedArena, typed  # noqa: E402
 from runtime.hf import from_pretrained  # noqa: E402
-from test_experts import SPLIT, configs  # noqa: E402
+from test_experts import RESIDENT_LAYER_0, SPLIT, configs  # noqa: E402
 from tiny_models import make_plan, reference, save_model  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -58,6 +58,27 @@ def test_split_experts_on_cuda_equal_transformers_bitwise(tmp_path, models, name
             assert torch.equal(model(ids).logits, ref(ids).logits), (tokens, impl)
         del ref
     handle.remove(restore=False)
+
+
+def test_a_resident_layer_computes_as_the_offloaded_ones(tmp_path, models):
+    """Layer 0 keeps every expert on the GPU, layers 1-2 read experts 0 and 2 from pinned memory: at 9 tokens the
+    whole model is bitwise transformers' grouped_mm, the resident layer included."""
+    plan = make_plan(tmp_path, models["qwen3-moe"], RESIDENT_LAYER_0)
+    model, handle = from_pretrained(plan, progress=False)
+    ref = reference(models["qwen3-moe"], "cuda")
+    k = model.config.num_experts_per_tok
+    ref.set_experts_implementation(experts.arithmetic(2 * 9 * k))
+    ids = torch.randint(0, 256, (2, 9), device="cuda", generator=torch.Generator("cuda").manual_seed(3))
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, ref(ids).logits)
+    handle.remove(restore=False)
+
+
+def test_uva_false_refuses_a_plan_that_splits_experts(tmp_path, models):
+    from planner.errors import OffplanError
+    plan = make_plan(tmp_path, models["qwen3-moe"], SPLIT)
+    with pytest.raises(OffplanError, match="uva=False copies each uva parameter to the GPU whole"):
+        from_pretrained(plan, progress=False, uva=False)
 
 
 def test_decode_step_with_experts_in_pinned_memory_replays_in_a_cuda_graph(tmp_path, models):

@@ -168,7 +168,8 @@ def snapshot(directory) -> dict:
     (["-o", "{moe}/config.json"], "{moe}/config.json: this is a file of the checkpoint, an input of the profile: "
                                   "writing the profile there would destroy it. Nothing was written; choose another -o"),
     (["--new-tokens", "1"], "argument --new-tokens: must be at least 2, not 1 (see `plan profile --help`)"),
-    (["--device", "cuda"] if not torch.cuda.is_available() else ["--device", "tpu"], "--device"),
+    (["--device", "cuda"], "--device cuda: no CUDA device here (leave --device out to use the CPU)")
+    if not torch.cuda.is_available() else (["--device", "tpu"], "argument --device: invalid choice: 'tpu'"),
 ])
 def test_bad_input_is_one_error_and_writes_nothing(moe, tmp_path, capsys, monkeypatch, argv, message):
     monkeypatch.chdir(tmp_path)

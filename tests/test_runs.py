@@ -81,7 +81,7 @@ def test_a_budget_offloads_the_vision_tower_first(tmp_path):
                                           head="format_version: 1\ncheckpoint: ./ckpt\n")), root)
     vision = [n for n in plan.params if n.startswith("visual.")]
     assert all(plan.params[n] is UVA for n in vision)  # before any text layer streams
-    assert plan.prefetch is None or all(not t.layer.startswith("visual.") for t in plan.prefetch.schedule)
+    assert plan.prefetch is not None and all(not t.layer.startswith("visual.") for t in plan.prefetch.schedule)
     assert [l.runs.value for l in plan.layers if l.name.startswith("visual.")] == ["images"] * 8
     assert "{name: visual.blocks.0, runs: images, " in dumps(plan)  # the plan file says so too
 

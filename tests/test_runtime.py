@@ -211,7 +211,7 @@ def test_cli_apply_reports_the_bundled_example(capsys):
     assert re.fullmatch(r"generated 2 tokens in [\d.]+ s \([\d.]+ tok/s\)", lines[4])
     assert re.fullmatch(r"  measured [\d.]+ ms per token here \(cpu, greedy generation, prefill of the prompt "
                         r"included\)", lines[5])
-    assert lines[6] == ("  predicted 4.80 ms per decode step by the plan, for batch 1 on NVIDIA H100 80GB HBM3 (PCIe "
+    assert lines[6] == ("  predicted 4.80 ms per decode step by the plan, for batch 1, eager, on NVIDIA H100 80GB HBM3 (PCIe "
                         "Gen5 host link); this run is on the CPU: they do not compare")
     assert re.fullmatch(r"  token ids \[\d+, \d+\]", lines[7]) and len(lines) == 8
 

@@ -154,7 +154,7 @@ def test_bundled_example_applies_on_cuda(capsys):
     print(f"\n{out}")
     assert "on cuda" in out and "pinned host memory" in out
     assert "note: the weights are random" in out and "note: no tokenizer beside the weights" in out
-    assert ("  predicted 4.80 ms per decode step by the plan, for batch 1 on NVIDIA H100 80GB HBM3 (PCIe Gen5 "
+    assert ("  predicted 4.80 ms per decode step by the plan, for batch 1, eager, on NVIDIA H100 80GB HBM3 (PCIe Gen5 "
             "host link)\n") in out
 
 
