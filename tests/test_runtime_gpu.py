@@ -126,15 +126,22 @@ def test_refuses_when_gpu_memory_is_short(tmp_path, checkpoints, monkeypatch):
 
 
 def test_calibrate_is_physical_and_repeatable(tmp_path, capsys):
-    """Two calibrations in a row: every figure inside what the hardware can do, and the two within 10%."""
+    """Two calibrations in a row: every figure inside what the hardware can do; bandwidths within 10% of each
+    other, the CPU's per-layer launch time within 25%. That figure is noisier: on the H100 machine back-to-back
+    runs gave 714 and 817 us, and runs in separate processes on one day 586 to 1188 us. A calibration that
+    refuses a noisy machine (its CPU line fit, R^2 < 0.95) is run again, as its message tells a user to, at
+    most twice."""
     from offplan.cli import main
     from planner.hardware import load_hardware
     runs = []
     for i in range(2):
         out = tmp_path / f"hw{i}.yaml"
-        assert main(["calibrate", "-o", str(out)]) == 0
+        codes = []
+        while not codes or (codes[-1] != 0 and len(codes) < 3):
+            codes.append(main(["calibrate", "-o", str(out)]))
+            print(f"\n{capsys.readouterr()}")
+        assert codes[-1] == 0, codes
         runs.append(load_hardware(out))
-        print(f"\n{capsys.readouterr().out}")
     for hw in runs:
         assert 20 < hw.h2d_copy_gbps <= 64  # PCIe Gen5 x16 moves at most 64 GB/s
         assert 0.7 * hw.h2d_copy_gbps < hw.uva_read_gbps <= 1.05 * hw.h2d_copy_gbps  # the same link, in place
@@ -142,9 +149,10 @@ def test_calibrate_is_physical_and_repeatable(tmp_path, capsys):
         assert 20 < hw.layer_overhead_us < 2000  # eager launches of one decoder layer's ~20 kernels
         assert 0 <= hw.step_overhead_us < 20000
     a, b = runs
-    for field in ("h2d_copy_gbps", "uva_read_gbps", "hbm_read_gbps", "layer_overhead_us"):
+    for field, within in (("h2d_copy_gbps", 0.1), ("uva_read_gbps", 0.1), ("hbm_read_gbps", 0.1),
+                          ("layer_overhead_us", 0.25)):
         x, y = getattr(a, field), getattr(b, field)
-        assert abs(x - y) <= 0.1 * max(x, y), (field, x, y)
+        assert abs(x - y) <= within * max(x, y), (field, x, y)
 
 
 def test_bundled_example_applies_on_cuda(capsys):
