@@ -279,6 +279,11 @@ def skew_tables() -> list[str]:
                 ". Its link bytes hold for whole layers. Per expert, the timed prompts (one sequence at b=1) "
                 "hit more of the experts the profile ranked low than the profile's own prompts did: up to 2x the "
                 "predicted bytes at 50% resident, where they are tens of MB."]
+    out += ["", "Measured before one runtime change: an experts module with every expert on the GPU ran "
+            "transformers' `batched_mm` at every batch; it now runs the arithmetic offplan's own path picks "
+            "(`grouped_mm` above 16 pairs). That touches only the whole-layer plans' resident layers at b=8: by the "
+            "all-GPU rows (0.37 ms per layer between the two), their b=8 steps/s would rise by about 2% (25%) and 5% "
+            "(50%), and the per-expert ratios at b=8 fall as much. Not re-measured."]
     return out + [""]
 
 
