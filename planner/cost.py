@@ -117,7 +117,8 @@ class CostModel:
         hbm, uva, h2d = hw.hbm_read_gbps * 1e3, hw.uva_read_gbps * 1e3, hw.h2d_copy_gbps * 1e3  # bytes/us
         layers = []
         total = [0, 0.0, 0.0]
-        cpu = 0.0 if self.graphs else hw.step_overhead_us
+        # a replayed CUDA graph launches nothing from the CPU
+        cpu, per_layer = (0.0, 0.0) if self.graphs else (hw.step_overhead_us, hw.layer_overhead_us)
         for layer in self.graph.layers:
             if layer.runs is not Runs.STEP:
                 layers.append(LayerCost(layer.name, 0, 0, 0))
@@ -133,7 +134,7 @@ class CostModel:
                         copied += self.size[n]
             gpu = read_hbm / hbm + read_uva / uva
             link = read_uva / uva + copied / h2d
-            cpu += hw.layer_overhead_us if layer.kind is LayerKind.LAYER and not self.graphs else 0
+            cpu += per_layer if layer.kind is LayerKind.LAYER else 0
             h2d_bytes = int(read_uva + copied)
             layers.append(LayerCost(layer.name, h2d_bytes, round(gpu), round(link)))
             total[0] += h2d_bytes
