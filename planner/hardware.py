@@ -24,6 +24,8 @@ class Hardware:
     hbm_read_gbps: float  # kernels reading resident weights
     layer_overhead_us: float  # CPU time (launches, framework) per decoder layer per step
     step_overhead_us: float = 0.0  # CPU time per step outside the layers (sampling, cache bookkeeping)
+    matmul_tflops: float = 600.0  # bf16 GEMM rate at prefill (large M), for the prefill prediction
+    stage_above_tokens: int = 256  # GEMM tokens above which copying a uva weight first beats reading it in place
     measured: str = ""
 
 
@@ -50,7 +52,10 @@ def load_hardware(path: str | Path) -> Hardware:
     d = doc.data
     return Hardware(d["name"], float(d["h2d_copy_gbps"]), float(d["uva_read_gbps"]),
                     float(d["hbm_read_gbps"]), float(d["layer_overhead_us"]),
-                    float(d.get("step_overhead_us", 0.0)), d.get("measured", ""))
+                    step_overhead_us=float(d.get("step_overhead_us", 0.0)),
+                    matmul_tflops=float(d.get("matmul_tflops", H100.matmul_tflops)),
+                    stage_above_tokens=int(d.get("stage_above_tokens", H100.stage_above_tokens)),
+                    measured=d.get("measured", ""))
 
 
 def dumps_hardware(hw: Hardware) -> str:
@@ -58,4 +63,5 @@ def dumps_hardware(hw: Hardware) -> str:
             f"name: {yamlio.quote(hw.name)}\nh2d_copy_gbps: {hw.h2d_copy_gbps:.1f}\n"
             f"uva_read_gbps: {hw.uva_read_gbps:.1f}\nhbm_read_gbps: {hw.hbm_read_gbps:.0f}\n"
             f"layer_overhead_us: {hw.layer_overhead_us:.1f}\nstep_overhead_us: {hw.step_overhead_us:.1f}\n"
+            f"matmul_tflops: {hw.matmul_tflops:.1f}\nstage_above_tokens: {hw.stage_above_tokens}\n"
             f"measured: {yamlio.quote(hw.measured)}\n")

@@ -132,6 +132,42 @@ class PrefetchSchedule:
 
 
 @dataclass(frozen=True)
+class StagedLayer:
+    """A layer whose uva tensors (routed experts aside) are copied to the GPU before a forward over many
+    tokens: the plan's layer name, the module whose forward the runtime hooks (as `Transfer.module`),
+    and the bytes its staged tensors take in a slot, each ALIGN (256 B) apart."""
+
+    layer: str
+    module: str
+    bytes: int
+
+
+@dataclass(frozen=True)
+class PrefillStaging:
+    """uva tensors staged for prefill (runtime/prefill.py).
+
+    A GEMM reading a weight in place through a UVA view re-reads it over the
+    host link once per output tile: past a few hundred tokens that is many
+    times the weight's bytes (24x at 8192 tokens on the H100). So when a
+    forward carries more than `above_tokens` tokens (the hardware profile's
+    crossover, measured by `plan calibrate`), each staged layer's uva tensors
+    are copied into one of `slots` GPU buffers of `slot_bytes` first, the next
+    layer's copy overlapping this one's compute, as prefetch does; at or below
+    it (decode) they are read in place. Routed experts are not staged: offplan's
+    experts implementation already reads each touched expert once per forward.
+    """
+
+    above_tokens: int
+    slots: int
+    slot_bytes: int  # the largest staged layer's `bytes`
+    layers: tuple[StagedLayer, ...]  # in execution order
+
+    @property
+    def pool_bytes(self) -> int:
+        return self.slots * self.slot_bytes
+
+
+@dataclass(frozen=True)
 class Summary:
     gpu_bytes: int
     uva_bytes: int
@@ -189,6 +225,7 @@ class Plan:
     notes: tuple[str, ...] = field(default=())
     cost: Cost | None = None
     routing: RoutingRef | None = None  # None: routing assumed uniform (no `workload.routing`)
+    prefill: PrefillStaging | None = None  # None: nothing staged (no uva layer, or `uva.stage_prefill: false`)
 
     def checkpoint_dir(self, plan_file: str | Path) -> Path:
         return Path(plan_file).parent / self.checkpoint_path
