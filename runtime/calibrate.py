@@ -10,6 +10,14 @@ What is measured, and how:
   zero-copy view, one after another as a model's layers would (what uva does);
 - HBM read: the same GEMVs with the weights in GPU memory;
   each bandwidth is the median of 20 or more repeats timed with CUDA events;
+- prefill: the GEMM rate over the same weights in GPU memory at 4096 tokens
+  (`matmul_tflops`), and the crossover for uva weights: for token counts 32 to
+  1024, GEMMs reading the pinned weights in place against copying each weight
+  to the GPU first and then multiplying (one after the other, no overlap: the
+  cautious comparison). A tiled GEMM re-reads an in-place weight per tile, so
+  past some count the copy wins; `stage_above_tokens` is the largest count at
+  which reading in place is still no slower, and plans stage uva layers for
+  forwards above it (runtime/prefill.py);
 - CPU overhead: eager HF `generate` of tiny transformers Llamas (tensors so
   small that the GPU always waits for the CPU) with 2, 4, 8, 16 and 32 layers.
   The wall time of every decode step is taken inside `generate` (a stopping
@@ -46,6 +54,7 @@ class Calibration:
     hardware: Hardware
     step_us_by_layers: dict[int, float]  # median eager decode step of the tiny Llamas
     r2: float  # of the per-layer line through them
+    stage_ms: dict[int, tuple[float, float]]  # tokens -> (uva GEMMs in place, copied first), ms (stage_crossover)
 
 
 def _median_ms(fn, repeat: int = 20, warmup: int = 2) -> float:
@@ -115,6 +124,51 @@ def hbm_gbps(nbytes: int = 8 * 14336 * 4096 * 2) -> float:
     return gemv_gbps(mlp_weights(random_bytes(nbytes)), repeat=50)
 
 
+STAGE_TOKENS = (32, 64, 128, 192, 256, 384, 512, 1024)
+
+
+def matmul_tflops(tokens: int = 4096, nbytes: int = 8 * 14336 * 4096 * 2) -> float:
+    """bf16 GEMMs of `tokens` rows over weights in GPU memory, 10^12 FLOP/s."""
+    weights = mlp_weights(random_bytes(nbytes))
+    x = torch.randn(tokens, weights[0].shape[1], dtype=torch.bfloat16, device="cuda")
+    ms = _median_ms(lambda: [torch.nn.functional.linear(x, w) for w in weights], repeat=10)
+    return 2 * tokens * sum(w.numel() for w in weights) / ms / 1e9
+
+
+def stage_crossover(counts=STAGE_TOKENS, nbytes: int = 8 * 14336 * 4096 * 2) -> dict[int, tuple[float, float]]:
+    """Per token count: (ms reading the pinned weights in place, ms copying each to the GPU and then multiplying)."""
+    arena = PinnedArena(nbytes, cuda=True)
+    arena.host_view(0, nbytes).copy_(random_bytes(nbytes))
+    try:
+        pinned = mlp_weights(arena.device_view(0, nbytes))
+        hosts = mlp_weights(arena.host_view(0, nbytes))
+        buffer = torch.empty_like(pinned[0])
+        out = {}
+        for m in counts:
+            x = torch.randn(m, pinned[0].shape[1], dtype=torch.bfloat16, device="cuda")
+
+            def copied():
+                for w in hosts:
+                    buffer.copy_(w, non_blocking=True)
+                    torch.nn.functional.linear(x, buffer)
+            in_place = _median_ms(lambda: [torch.nn.functional.linear(x, w) for w in pinned], repeat=7)
+            out[m] = (in_place, _median_ms(copied, repeat=7))
+        return out
+    finally:
+        arena.release()
+
+
+def stage_above(times: dict[int, tuple[float, float]]) -> int:
+    """The largest token count up to which reading in place is no slower than copying first (the smallest
+    measured count if it never is)."""
+    above = min(times)
+    for m in sorted(times):
+        if times[m][0] > times[m][1]:
+            break
+        above = m
+    return above
+
+
 class _StepClock:
     """A stopping criterion that never stops: it notes the wall time of every decode step."""
 
@@ -182,6 +236,8 @@ def calibrate() -> Calibration:
     h2d = h2d_copy_gbps()
     uva = uva_gbps()
     hbm = hbm_gbps()
+    tflops = matmul_tflops()
+    crossover = stage_crossover()
     steps = step_us_by_layers()
     per_step, per_layer, r2 = fit_line(list(steps), list(steps.values()))
     if r2 < MIN_R2 or per_layer <= 0:
@@ -189,7 +245,10 @@ def calibrate() -> Calibration:
         raise OffplanError(f"calibration failed: eager decode step times do not grow linearly with the layer "
                            f"count ({measured}; R^2 {r2:.3f} < {MIN_R2}); something else is loading this "
                            "machine's CPU or GPU: run `plan calibrate` again when it is idle")
+    in_place = ", ".join(f"{m}: {a / b:.2f}" for m, (a, b) in crossover.items())
     hw = Hardware(name, round(h2d, 1), round(uva, 1), round(hbm), round(per_layer, 1), round(max(per_step, 0.0), 1),
-                  f"plan calibrate, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}; "
-                  f"CPU line R^2 {r2:.4f} over {len(steps)} layer counts")
-    return Calibration(hw, steps, r2)
+                  matmul_tflops=round(tflops, 1), stage_above_tokens=stage_above(crossover),
+                  measured=f"plan calibrate, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}; "
+                           f"CPU line R^2 {r2:.4f} over {len(steps)} layer counts; uva GEMM in place / copied "
+                           f"first, by tokens: {in_place}")
+    return Calibration(hw, steps, r2, crossover)

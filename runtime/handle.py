@@ -1,8 +1,9 @@
 """The handle `load` and `apply` return: it owns what they allocated, and undoes it.
 
 Lifecycle: created by `load`/`apply` (load_steps.py) -> use the model -> `remove()`.
-It owns the pinned arena, the prefetch engine (slots, copy stream, hooks) and
-the uva staging buffer; nothing else in the runtime keeps GPU state.
+It owns the pinned arena, the prefetch engine (slots, copy stream, hooks), the
+prefill stager (its slots and parametrizations) and the uva staging buffer;
+nothing else in the runtime keeps GPU state.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from .arena import PinnedArena, typed
 from .checkpoint_names import Target
 from .layout import HostLayout
 from .prefetch import PrefetchEngine
+from .prefill import PrefillStager
 from .staging import UvaStaging
 
 GPU, UVA, PREFETCH = Placement.GPU, Placement.UVA, Placement.PREFETCH
@@ -34,12 +36,13 @@ class LoadStats:
     prefetch_bytes: int
     host_bytes: int  # the arena: offloaded tensors plus alignment
     pinned_host_bytes: int  # of it page-locked (cudaHostRegister; 0 without CUDA)
-    gpu_buffer_bytes: int  # prefetch slots and the uva staging buffer
+    gpu_buffer_bytes: int  # prefetch slots, prefill staging slots and the uva staging buffer
     prefetch_copies: int  # layer copies issued so far
     prefetch_reprimes: int  # forwards that started over after one stopped part-way
     load_seconds: float
     peak_gpu_bytes_during_load: int  # above what was allocated before the load
     uva_in_place: bool  # False: `uva=False` on CUDA, tensors staged before their module runs
+    prefill_staged_layers: int = 0  # layer forwards so far whose uva tensors were copied first (prefill.py)
 
     @property
     def pinned_ratio(self) -> float | None:
@@ -68,6 +71,7 @@ class OffloadHandle:
         self.arena: PinnedArena | None = None
         self.engine: PrefetchEngine | None = None
         self.staging: UvaStaging | None = None
+        self.prefill: PrefillStager | None = None
         self.assigned = False  # the model holds our tensors
         self.bound_experts: list[torch.nn.Module] = []  # experts modules given resident rows (experts.py)
         self.experts_before: str | None = None  # the experts implementation before "offplan"
@@ -86,11 +90,12 @@ class OffloadHandle:
             host_bytes=self.arena.nbytes if self.arena is not None else 0,
             pinned_host_bytes=self.arena.pinned_bytes if self.arena is not None else 0,
             gpu_buffer_bytes=(self.engine.pool_bytes if self.engine else 0)
-            + (self.staging.stage_bytes if self.staging else 0),
+            + (self.staging.stage_bytes if self.staging else 0) + (self.prefill.pool_bytes if self.prefill else 0),
             prefetch_copies=self.engine.copies if self.engine else 0,
             prefetch_reprimes=self.engine.reprimes if self.engine else 0,
             load_seconds=self.load_seconds, peak_gpu_bytes_during_load=self.peak_gpu_bytes,
-            uva_in_place=self.staging is None)
+            uva_in_place=self.staging is None,
+            prefill_staged_layers=self.prefill.staged_forwards if self.prefill else 0)
 
     def synchronize(self) -> None:
         """Wait for prefetch copies in flight (before and after capturing a CUDA graph; see `capture`)."""
@@ -143,6 +148,9 @@ class OffloadHandle:
 
     def release(self, restore: bool, failed: bool = False) -> None:
         """Free everything the handle owns; `failed`: a load that stopped part-way gives back its GPU tensors too."""
+        if self.prefill is not None:
+            self.prefill.remove()  # first: the parameters are plain again before anything is restored
+            self.prefill = None
         if self.staging is not None:
             self.staging.remove()
             self.staging = None

@@ -16,7 +16,8 @@ or the call fails. The steps:
    buffer (`uva=False`), assigned into the model (`load_state_dict(assign=True)`),
    buffers computed, hooks registered; experts in pinned memory read through
    offplan's experts implementation (experts.py), with the resident rows of a
-   split fused parameter copied to HBM.
+   split fused parameter copied to HBM; the plan's prefill staging set up
+   (prefill.py: uva layers copied to the GPU before a forward over many tokens).
 
 From step 4 on an `OffloadHandle` owns what was allocated; on any failure it
 releases all of it before the error propagates.
@@ -29,6 +30,7 @@ import torch
 
 from planner.checkpoint import Checkpoint, open_checkpoint
 from planner.errors import ModelMismatchError, OffplanError, PlanFileError
+from planner.groups import FusedGroups
 from planner.plan import Placement, Plan
 from planner.planfile import load_plan
 from planner.staleness import require_current
@@ -40,6 +42,7 @@ from .handle import OffloadHandle
 from .layout import lay_out
 from .loader import TORCH_DTYPES, Progress, ShardReader, Stager, check_holds_weights
 from .prefetch import PrefetchEngine
+from .prefill import PrefillStager
 from .staging import UvaStaging
 
 GPU, UVA, PREFETCH = Placement.GPU, Placement.UVA, Placement.PREFETCH
@@ -123,7 +126,7 @@ def _check_gpu_memory(device: torch.device, resident: int, pool: int) -> None:
         gib = 2**30
         raise OffplanError(
             f"the plan needs {need / gib:.2f} GiB of GPU memory ({resident / gib:.2f} GiB resident + "
-            f"{pool / gib:.2f} GiB prefetch buffers) but only {free / gib:.2f} GiB of {total / gib:.2f} GiB "
+            f"{pool / gib:.2f} GiB prefetch and prefill buffers) but only {free / gib:.2f} GiB of {total / gib:.2f} GiB "
             f"is free on {device}; rebuild the plan with budget_gib <= {free / gib * 0.95:.1f}")
 
 
@@ -132,7 +135,9 @@ def _allocate_and_fill(h: OffloadHandle, from_checkpoint: bool, progress) -> dic
     if h.cuda:
         resident = sum(t.nbytes for t in h.targets if t.placement is GPU) + sum(
             t.nbytes // t.shape[0] * len(t.resident) for t in h.targets if t.resident)
-        _check_gpu_memory(h.device, resident, h.plan.prefetch.pool_bytes if h.plan.prefetch else 0)
+        pools = (h.plan.prefetch.pool_bytes if h.plan.prefetch else 0) + (
+            h.plan.prefill.pool_bytes if h.plan.prefill else 0)
+        _check_gpu_memory(h.device, resident, pools)
         torch.cuda.synchronize(h.device)
         torch.cuda.reset_peak_memory_stats(h.device)
         h.start_alloc = torch.cuda.memory_allocated(h.device)
@@ -200,6 +205,9 @@ def _bind(h: OffloadHandle, placed: dict[str, torch.Tensor], staged: bool) -> No
     h.assigned = True
     _materialize_buffers(h.model, h.device)
     _bind_experts(h)
+    if h.plan.prefill is not None and h.staging is None:
+        h.prefill = PrefillStager(h.plan.prefill, uva, set(FusedGroups.find(h.plan.params).group_of),
+                                  h.layout.host_offset, h.arena, h.model, h.device)
     if h.cuda:
         if h.engine is not None:
             torch.cuda.current_stream(h.device).wait_stream(h.engine.copy_stream)

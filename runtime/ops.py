@@ -1,5 +1,8 @@
 """The prefetch engine's two operations as `torch.library` custom ops, for torch.compile and CUDA graphs.
 
+The prefill stager (prefill.py) uses `prefetch_wait` too: its `wait(layer)`
+stages the layer and starts the next one's copy.
+
 `offplan::prefetch_wait(x, engine, layer)`: make the current stream wait for
 `layer`'s copy, then return a copy of `x` (the layer's input activations).
 `offplan::prefetch_start(y, engine, layer)`: start the copies `layer`'s forward

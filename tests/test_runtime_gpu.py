@@ -148,6 +148,8 @@ def test_calibrate_is_physical_and_repeatable(tmp_path, capsys):
         assert 1000 < hw.hbm_read_gbps < 5000  # HBM3(e): 3.35 TB/s on the H100, 4.8 on the H200
         assert 20 < hw.layer_overhead_us < 2000  # eager launches of one decoder layer's ~20 kernels
         assert 0 <= hw.step_overhead_us < 20000
+        assert 100 < hw.matmul_tflops < 2000  # bf16 dense: 756 (PCIe) to 989 (SXM) TFLOP/s peak on the H100
+        assert 32 <= hw.stage_above_tokens <= 1024  # a tiled GEMM re-reads an in-place weight: copying wins early
     a, b = runs
     for field, within in (("h2d_copy_gbps", 0.1), ("uva_read_gbps", 0.1), ("hbm_read_gbps", 0.1),
                           ("layer_overhead_us", 0.25)):

@@ -1,0 +1,203 @@
+"""Prefill (time to first token) of offloaded models against the link floor, all-GPU and the prefetch plan.
+
+    python benchmarks/prefill.py --model llama-8b --out results/                 # on the H100
+    python benchmarks/prefill.py --model qwen3-30b-a3b --layers 8 --out results/
+    python benchmarks/prefill.py --model tiny --device cpu --out /tmp/r          # smoke test, any machine
+
+For one model (random bf16 weights, real config shapes; decode.py's
+checkpoint, and its calibration measured now on this GPU):
+
+1. plans with the same decoder layers offloaded (fraction f: layer i iff
+   i % g >= g - n, decode.py's FRACTIONS):
+   - gpu: nothing offloaded;
+   - uva: a rule puts those layers on uva; the plan stages them for prefill
+     (runtime/prefill.py: copied to the GPU before a forward over more than
+     the profile's `stage_above_tokens` tokens);
+   - uva-in-place: the same rule with `uva: {stage_prefill: false}`: every
+     forward reads the pinned weights in place, as before staging existed;
+   - prefetch: group_size g, num_in_group n, step 2;
+   - mixed: `backend: mixed` with the prefetch plan's GPU footprint as budget;
+   - experts-host (MoE models): a rule puts every routed expert on uva, read
+     through offplan's experts implementation;
+2. per plan and prompt length T (--tokens): the forward that yields the
+   first token, as generate's prefill runs it (a fresh cache, logits of the
+   last position only), timed with a CUDA synchronize around it: the median of
+   3 after a warm-up. Its logits are compared bitwise with all-GPU's;
+3. per plan, decode at batch 1 (eager `generate`, and replaying a captured
+   CUDA graph), so that what staging costs decode shows beside it.
+
+The floor at T is max(offloaded bytes / H2D copy bandwidth, all-GPU's prefill
+at T): every offloaded byte crosses the link once, and offloading cannot
+beat all-GPU. For experts-host the offloaded bytes are the routed experts'
+(at these lengths, uniform routing touches every expert).
+
+Records go, one JSON object per line, to OUT/prefill-MODEL.jsonl as they are
+measured. `benchmarks/report.py` turns them into the RESULTS.md table.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from planner.planfile import load_plan
+from planner.units import GIB
+
+sys.path.insert(0, str(Path(__file__).parent))
+from decode import (FRACTIONS, checkpoint_and_hardware, config_for, decode, decode_static,  # noqa: E402
+                    make_plan, offloaded_layers, prompts, sync)
+
+REPEAT = 3
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="llama-8b", choices=["llama-8b", "qwen3-30b-a3b", "tiny"])
+    ap.add_argument("--layers", type=int, help="decoder layers (default: the real count)")
+    ap.add_argument("--dir", type=Path, default=Path("/tmp/offplan-bench"), help="where checkpoints go")
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--tokens", type=int, nargs="+", default=[128, 512, 2048, 8192])
+    ap.add_argument("--fraction", type=float, default=0.5, choices=sorted(FRACTIONS))
+    ap.add_argument("--strategies", nargs="+", default=["uva", "uva-in-place", "prefetch", "mixed", "experts-host"],
+                    choices=["uva", "uva-in-place", "prefetch", "mixed", "experts-host"])
+    ap.add_argument("--new-tokens", type=int, default=32, help="decode steps timed per plan")
+    ap.add_argument("--hardware", type=Path, help="a `plan calibrate` profile to use instead of calibrating now")
+    return ap.parse_args(argv)
+
+
+def policy(strategy: str, layers: list[int], fraction: float, hw: Path, budget_gib: float | None) -> str:
+    head = f"format_version: 1\ncheckpoint: ckpt\nhardware: {hw.name}\n"
+    layer_rule = "  - match: ['re:^model\\.layers\\.(" + "|".join(map(str, layers)) + ")\\.']\n    place: uva\n"
+    if strategy == "gpu":
+        return head
+    if strategy == "uva":
+        return head + "rules:\n" + layer_rule
+    if strategy == "uva-in-place":
+        return head + "uva: {stage_prefill: false}\nrules:\n" + layer_rule
+    if strategy == "prefetch":
+        g, n = FRACTIONS[fraction]
+        return head + f"prefetch: {{group_size: {g}, num_in_group: {n}, step: 2}}\n"
+    if strategy == "mixed":
+        return head + f"backend: mixed\nbudget_gib: {budget_gib!r}\nprefetch: {{step: 2}}\n"
+    if strategy == "experts-host":
+        return head + "rules:\n  - {match: [experts], place: uva}\n"
+    raise ValueError(strategy)
+
+
+def first_token(model, ids: torch.Tensor, device) -> tuple[float, torch.Tensor]:
+    """(seconds, last-position logits) of the prefill forward over `ids` [1, T], as generate runs it."""
+    from transformers import DynamicCache
+    sync(device)
+    t = time.perf_counter()
+    with torch.no_grad():
+        logits = model(ids, past_key_values=DynamicCache(config=model.config), logits_to_keep=1).logits
+    sync(device)
+    return time.perf_counter() - t, logits
+
+
+class Prefill:
+    def __init__(self, args: argparse.Namespace):
+        self.args = args
+        self.cuda = args.device == "cuda"
+        args.out.mkdir(parents=True, exist_ok=True)
+        self.log = args.out / f"prefill-{args.model}.jsonl"
+        self.log.write_text("")
+        self.work = args.dir / args.model
+        self.work.mkdir(parents=True, exist_ok=True)
+        self.ckpt, self.info, self.hw = checkpoint_and_hardware(args, self.work, self.record)
+        self.hw_path = self.work / "hw.yaml"
+        vocab = config_for(args.model, args.layers).vocab_size
+        g = torch.Generator().manual_seed(4321)
+        self.prompt = torch.randint(3, vocab, (1, max(args.tokens)), generator=g).to(args.device)
+        self.ids = prompts(vocab, args.device)
+        self.reference: dict[int, torch.Tensor] = {}  # T -> all-GPU logits
+        self.allgpu: dict[int, float] = {}  # T -> all-GPU prefill seconds
+        self.decode_reference: dict[str, list] = {}
+        self.mismatches: list[str] = []
+
+    def record(self, **r) -> None:
+        with self.log.open("a") as f:
+            f.write(json.dumps(r) + "\n")
+        print(json.dumps(r), flush=True)
+        if r.get("same_logits") is False or r.get("same_tokens") is False:
+            self.mismatches.append(f"{r['strategy']} {r.get('tokens', r.get('mode'))}")
+
+    def run(self, strategy: str, plan_path: Path, offloaded: int) -> None:
+        import runtime
+        from runtime.hf import build_meta_model
+        gc.collect()
+        if self.cuda:
+            torch.cuda.empty_cache()
+        plan = load_plan(plan_path)
+        model = build_meta_model(self.ckpt)
+        handle = runtime.load(model, plan_path, device=self.args.device, progress=False)
+        staged = plan.prefill.above_tokens if plan.prefill else None
+        facts = dict(strategy=strategy, offloaded_bytes=offloaded, uva_bytes=plan.summary.uva_bytes,
+                     prefetch_bytes=plan.summary.prefetch_bytes, gpu_footprint_bytes=plan.summary.gpu_footprint_bytes,
+                     stage_above_tokens=staged, stage_buffer_bytes=plan.prefill.pool_bytes if plan.prefill else 0)
+        try:
+            for n in self.args.tokens:
+                ids = self.prompt[:, :n]
+                first_token(model, ids, self.args.device)  # warm-up
+                times, logits = [], None
+                for _ in range(REPEAT):
+                    s, logits = first_token(model, ids, self.args.device)
+                    times.append(s)
+                seconds = statistics.median(times)
+                if strategy == "gpu":
+                    self.reference[n], self.allgpu[n] = logits, seconds
+                floor = max(offloaded / (self.hw.h2d_copy_gbps * 1e9), self.allgpu[n])
+                self.record(kind="prefill", tokens=n, prefill_ms=seconds * 1e3, floor_ms=floor * 1e3,
+                            ratio_to_floor=seconds / floor, same_logits=bool(torch.equal(logits, self.reference[n])),
+                            staged_layer_forwards=handle.stats().prefill_staged_layers, **facts)
+            for mode in ("eager", "graph") if self.cuda else ("eager",):
+                if mode == "eager":
+                    rate, tokens = decode(model, self.ids, 1, self.args.new_tokens, self.args.device)
+                else:
+                    rate, tokens = decode_static(model, handle, self.ids, self.args.new_tokens, "graph")
+                self.decode_reference.setdefault(mode, tokens)
+                self.record(kind="decode", mode=mode, batch=1, steps_per_s=rate,
+                            same_tokens=tokens == self.decode_reference[mode], **facts)
+        finally:
+            handle.remove(restore=False)
+            del model, handle
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    bench = Prefill(args)
+    layers = [l for l in range(config_for(args.model, args.layers).num_hidden_layers)]
+    off = offloaded_layers(len(layers), args.fraction)
+    layer_bytes = sum(t.nbytes for n, t in bench.info.tensors.items()
+                      if any(n.startswith(f"model.layers.{i}.") for i in off))
+    experts_bytes = sum(t.nbytes for n, t in bench.info.tensors.items() if ".experts." in n)
+
+    def plan(strategy: str, budget: float | None = None) -> Path:
+        return make_plan(bench.work, f"prefill-{strategy}", policy(strategy, off, args.fraction, bench.hw_path, budget))
+    bench.run("gpu", plan("gpu"), 0)
+    prefetch = plan("prefetch")
+    budget = load_plan(prefetch).summary.gpu_footprint_bytes / GIB
+    for strategy in args.strategies:
+        if strategy == "experts-host":
+            if experts_bytes:
+                bench.run(strategy, plan(strategy), experts_bytes)
+            continue
+        path = prefetch if strategy == "prefetch" else plan(strategy, budget)
+        s = load_plan(path).summary
+        bench.run(strategy, path, layer_bytes if strategy.startswith("uva") else s.uva_bytes + s.prefetch_bytes)
+    if bench.mismatches:
+        print(f"FAILED: logits or tokens differ from all-GPU's for {', '.join(bench.mismatches)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,195 @@
+"""Prefill staging: uva tensors copied to the GPU before a layer of a forward that carries many tokens.
+
+A GEMM reading its weight in place through a UVA view pulls the weight over
+the host link once per output tile: for a decode step (a few tokens) that is
+once, for a long prompt many times (24x the bytes at 8192 tokens on the H100).
+The plan's `prefill:` section (planner/plan.py `PrefillStaging`) names the
+layers whose uva tensors (routed experts aside: offplan's experts
+implementation reads each touched expert once per forward) are staged, and
+`above_tokens`, the crossover `plan calibrate` measured. Per forward:
+
+- a forward pre-hook on each staged layer's module counts the tokens of its
+  input (all dimensions but the last). At or below `above_tokens` it does
+  nothing: decode reads in place, zero-copy, as before;
+- above, the layer's staged tensors are copied into a GPU slot (there are
+  `slots`, normally 2, used in turn) and the compute stream waits for that
+  copy; then the next staged layer's copy starts on the copy stream, after an
+  event recorded on the compute stream just now, so it overwrites the slot only
+  once the layer that used it last has run. The copy of layer i+1 overlaps the
+  compute of layer i, as prefetch does;
+- while the layer runs, each staged parameter reads its slot view instead of
+  the pinned tensor. That is a `torch.nn.utils.parametrize` parametrization,
+  torch's own mechanism for a parameter computed on access: it returns the slot
+  view while its layer's forward is staged, the pinned tensor otherwise (the
+  forward hook clears the flag). `param.data` is never touched. While loaded,
+  a staged parameter's state_dict key is
+  `<module>.parametrizations.<name>.original`; `remove()` restores it.
+
+The wait and the copies run in `offplan::prefetch_wait` (ops.py), threaded
+through the layer's input as prefetch does, so torch.compile keeps them in
+order without a graph break; the staged-or-not choice is made from the input's
+shape in Python, which Dynamo traces (and guards on). A decode step captured in
+a CUDA graph stages nothing: it stays zero-copy.
+
+Without CUDA the same rotation runs with synchronous copies into CPU slots, so
+CI exercises it; a wrong slot gives wrong outputs.
+
+Lifecycle: `PrefillStager(...)` (slots, parametrizations, hooks) -> forwards ->
+`remove()` (parametrizations removed, hooks removed, slots freed).
+"""
+from __future__ import annotations
+
+import torch
+from torch.nn.utils import parametrize
+
+from planner.errors import PlanFileError
+from planner.plan import PrefillStaging
+
+from . import ops
+from .arena import PinnedArena, align, typed
+from .checkpoint_names import Target
+
+
+class _LayerState:
+    """Whether the layer's forward now running is staged: the parametrizations read it, the hooks set it."""
+
+    def __init__(self):
+        self.staged = False
+
+
+class _Staged(torch.nn.Module):
+    """The parametrization of one staged parameter: its slot view during a staged forward, else itself."""
+
+    def __init__(self, state: _LayerState, view: torch.Tensor):
+        super().__init__()
+        self.state = state
+        self.register_buffer("view", view, persistent=False)
+
+    def forward(self, original: torch.Tensor) -> torch.Tensor:
+        return self.view if self.state.staged else original
+
+
+def _tokens(x: torch.Tensor) -> int:
+    return x.numel() // x.shape[-1] if x.dim() else 0
+
+
+class PrefillStager:
+    """Slots, a copy stream, each staged layer's copies, parametrizations and hooks (module doc)."""
+
+    def __init__(self, staging: PrefillStaging, targets: list[Target], experts: set[str], host_offset: dict[str, int],
+                 arena: PinnedArena, model: torch.nn.Module, device: torch.device):
+        """`targets`: the uva targets; those whose pieces are routed experts (`experts`: checkpoint names of
+        fused expert groups) are not staged."""
+        self.above = staging.above_tokens
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.slots = [torch.empty(staging.slot_bytes, dtype=torch.uint8, device=device) for _ in range(staging.slots)]
+        self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
+        self.copies: list[list[tuple[torch.Tensor, torch.Tensor]]] = []  # per staged layer: (slot bytes, pinned bytes)
+        self.ready = [torch.cuda.Event() for _ in staging.layers] if self.cuda else []
+        self.ahead: int | None = None  # the layer whose copy was started by the one before it
+        self.staged_forwards = 0  # staged layer forwards, for stats and tests
+        self.parametrized: list[tuple[torch.nn.Module, str]] = []
+        self.hooks = []
+        self.key = ops.register(self)
+        mine = {l.layer: [] for l in staging.layers}
+        for t in targets:
+            if any(p.source in experts for p in t.pieces):
+                continue
+            layer = next((l for l in mine if t.pieces[0].source.startswith(l + ".")), None)
+            if layer is not None:
+                mine[layer].append(t)
+        problems = []
+        for index, layer in enumerate(staging.layers):
+            slot = self.slots[index % staging.slots]
+            state = _LayerState()
+            cursor, copies = 0, []
+            for t in mine[layer.layer]:
+                if cursor + t.nbytes > staging.slot_bytes:
+                    problems.append(f"{layer.layer}: its staged tensors need more than the plan's slot_bytes "
+                                    f"({staging.slot_bytes})")
+                    break
+                dst = slot[cursor:cursor + t.nbytes]
+                copies.append((dst, arena.host_view(host_offset[t.name], t.nbytes)))
+                for alias in t.aliases:
+                    path, _, attr = alias.rpartition(".")
+                    owner = model.get_submodule(path)
+                    parametrize.register_parametrization(owner, attr, _Staged(state, typed(dst, t.dtype, t.shape)),
+                                                         unsafe=True)
+                    self.parametrized.append((owner, attr))
+                cursor = align(cursor + t.nbytes)
+            if not copies:
+                problems.append(f"{layer.layer}: the plan stages it for prefill, but it has no uva tensor here")
+            self.copies.append(copies)
+            module = model.get_submodule(layer.module)
+            self.hooks.append(module.register_forward_pre_hook(self._pre_hook(index, state), with_kwargs=True))
+            self.hooks.append(module.register_forward_hook(self._post_hook(state)))
+        if problems:
+            self.remove()
+            raise PlanFileError("the plan's prefill staging does not match the model; rebuild the plan", problems)
+
+    @property
+    def pool_bytes(self) -> int:
+        return sum(s.numel() for s in self.slots)
+
+    def _pre_hook(self, index: int, state: _LayerState):
+        def hook(module, args, kwargs):
+            if args and isinstance(args[0], torch.Tensor):
+                x, put = args[0], lambda y: ((y, *args[1:]), kwargs)
+            elif isinstance(kwargs.get("hidden_states"), torch.Tensor):
+                x, put = kwargs["hidden_states"], lambda y: (args, {**kwargs, "hidden_states": y})
+            else:
+                state.staged = False
+                return None
+            state.staged = _tokens(x) > self.above
+            if not state.staged:
+                return None
+            return put(ops.prefetch_wait(x, self.key, index))
+        return hook
+
+    @staticmethod
+    def _post_hook(state: _LayerState):
+        def hook(module, args, output):
+            state.staged = False
+        return hook
+
+    def wait(self, index: int) -> None:
+        """Stage layer `index` (the body of `offplan::prefetch_wait` for this engine): its copy, unless the
+        layer before started it, then the current stream waits for it; then start the next layer's copy."""
+        self.staged_forwards += 1
+        if self.ahead != index:
+            self._copy(index)
+        self.ahead = None
+        if self.cuda:
+            torch.cuda.current_stream(self.device).wait_event(self.ready[index])
+        if index + 1 < len(self.copies):
+            self._copy(index + 1)
+            self.ahead = index + 1
+
+    def _copy(self, index: int) -> None:
+        if not self.cuda:
+            for dst, src in self.copies[index]:
+                dst.copy_(src)
+            return
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(self.device))
+        self.copy_stream.wait_event(done)
+        with torch.cuda.stream(self.copy_stream):
+            for dst, src in self.copies[index]:
+                dst.copy_(src, non_blocking=True)
+            self.ready[index].record(self.copy_stream)
+
+    def remove(self) -> None:
+        """Parametrizations and hooks removed (each parameter is its pinned tensor again), slots freed."""
+        for owner, attr in self.parametrized:
+            if parametrize.is_parametrized(owner, attr):
+                parametrize.remove_parametrizations(owner, attr, leave_parametrized=False)
+        self.parametrized = []
+        for h in self.hooks:
+            h.remove()
+        self.hooks = []
+        if self.copy_stream is not None:
+            self.copy_stream.synchronize()
+        self.copies = []
+        self.slots = []
+        self.copy_stream = None
