@@ -3,8 +3,11 @@
 `plan calibrate` measures them on a GPU and writes a profile YAML; a policy
 names one with `hardware: h100.yaml`. Without one, the H100 figures below are
 used: the copy and UVA bandwidths given for this project's H100 (PCIe Gen5)
-machine; the HBM and CPU figures are estimates (`plan calibrate` there measured
-2470-2750 GB/s HBM reads and 590-1520 us of CPU time per layer, run to run).
+machine, and its GEMM rate and staging threshold as `plan calibrate` measured
+them there (665 TFLOP/s at 4096 tokens; in-place GEMMs 1.06x a copy up to 192
+tokens, 2.1x at 256); the HBM and CPU figures are estimates (`plan calibrate`
+there measured 2470-2750 GB/s HBM reads and 590-1520 us of CPU time per layer,
+run to run).
 """
 from __future__ import annotations
 
@@ -24,8 +27,8 @@ class Hardware:
     hbm_read_gbps: float  # kernels reading resident weights
     layer_overhead_us: float  # CPU time (launches, framework) per decoder layer per step
     step_overhead_us: float = 0.0  # CPU time per step outside the layers (sampling, cache bookkeeping)
-    matmul_tflops: float = 600.0  # bf16 GEMM rate at prefill (large M), for the prefill prediction
-    stage_above_tokens: int = 256  # GEMM tokens above which copying a uva weight first beats reading it in place
+    matmul_tflops: float = 665.0  # bf16 GEMM rate at prefill (large M), for the prefill prediction
+    stage_above_tokens: int = 192  # GEMM tokens above which a GEMM re-reads an in-place uva weight per tile
     measured: str = ""
 
 
