@@ -5,8 +5,9 @@
 Ratios are recomputed here from the raw records: the limit at batch b for a
 plan offloading B bytes is 1 / max(B / H2D floor of the same run, the best
 all-GPU step time at b measured for that model). The MoE section
-(moe-*.jsonl, benchmarks/moe.py) takes its ratios from the records, each
-against the floor and the fastest all-GPU path of the same run.
+(moe-*.jsonl, benchmarks/moe.py) and the prefill section (prefill-*.jsonl,
+benchmarks/prefill.py) take their ratios from the records, each against the
+floor and the fastest all-GPU path of the same run.
 """
 from __future__ import annotations
 
@@ -287,6 +288,62 @@ def skew_tables() -> list[str]:
     return out + [""]
 
 
+PREFILL_LABELS = {"gpu": "all on GPU", "uva": "uva, staged for prefill", "uva-in-place": "uva, read in place",
+                  "prefetch": "prefetch", "mixed": "mixed", "experts-host": "every routed expert on uva"}
+
+
+def prefill_tables() -> list[str]:
+    """prefill-*.jsonl (benchmarks/prefill.py): time to first token against the link floor and the prefetch plan,
+    and decode at batch 1 beside it, all from one run per model."""
+    out = []
+    for path in sorted(RESULTS.glob("prefill-*.jsonl")):
+        rows = _moe_rows(path)
+        ck = next(r for r in rows if r["kind"] == "checkpoint")
+        hw = next(r for r in rows if r["kind"] == "hardware")
+        prefill = [r for r in rows if r["kind"] == "prefill"]
+        tokens = sorted({r["tokens"] for r in prefill})
+        strategies = list(dict.fromkeys(r["strategy"] for r in prefill))
+        by = {(r["strategy"], r["tokens"]): r for r in prefill}
+        out += [f"## {ck['model']}: prefill (time to first token) with half the decoder layers offloaded", "",
+                f"`{path.name}`: {ck['bytes'] / 1e9:.1f} GB on {ck['device']}, torch {ck['torch']}; calibrated in "
+                f"the same run: H2D copy {hw['h2d_copy_gbps']} GB/s, UVA {hw['uva_read_gbps']} GB/s, GEMMs "
+                f"{hw.get('matmul_tflops', '?')} TFLOP/s, uva layers staged above {hw.get('stage_above_tokens', '?')} "
+                "tokens. One prompt, a fresh cache, the logits of the last position (generate's prefill); median of "
+                "3 after a warm-up. Floor = max(offloaded bytes / H2D copy, all-GPU prefill). Each cell: ms, "
+                "x floor, x the prefetch plan. `=`: logits bitwise equal to all-GPU's.", "",
+                "| plan | offloaded | " + " | ".join(f"{t} tokens" for t in tokens) + " |",
+                "|---|---|" + "---|" * len(tokens)]
+        for st in strategies:
+            cells = []
+            for t in tokens:
+                r, pf = by.get((st, t)), by.get(("prefetch", t))
+                if r is None:
+                    cells.append("")
+                    continue
+                vs = f", {r['prefill_ms'] / pf['prefill_ms']:.2f}x pf" if pf and st not in ("gpu", "prefetch") else ""
+                cells.append(f"{r['prefill_ms']:.1f} ({r['ratio_to_floor']:.2f}x{vs}){' =' if r['same_logits'] else ' ≠'}")
+            off = by[(st, tokens[0])]["offloaded_bytes"] / 1e9
+            out.append(f"| {PREFILL_LABELS.get(st, st)} | {off:.1f} GB | " + " | ".join(cells) + " |")
+        decode = [r for r in rows if r["kind"] == "decode"]
+        modes = list(dict.fromkeys(r["mode"] for r in decode))
+        dby = {(r["strategy"], r["mode"]): r for r in decode}
+        out += ["", "Decode at batch 1 of the same loads, steps/s (eager `generate`; CUDA graph replay), with "
+                "`uva, staged` over `uva, read in place`: what staging costs decode.", "",
+                "| plan | " + " | ".join(modes) + " |", "|---|" + "---|" * len(modes)]
+        for st in strategies:
+            cells = []
+            for mode in modes:
+                r, base = dby.get((st, mode)), dby.get(("uva-in-place", mode))
+                if r is None:
+                    cells.append("")
+                    continue
+                vs = f" ({r['steps_per_s'] / base['steps_per_s']:.3f}x in place)" if st == "uva" and base else ""
+                cells.append(f"{r['steps_per_s']:.2f}{vs}{'' if r['same_tokens'] else ' ≠'}")
+            out.append(f"| {PREFILL_LABELS.get(st, st)} | " + " | ".join(cells) + " |")
+        out.append("")
+    return out
+
+
 def plot(models: dict, path: Path) -> bool:
     try:
         import matplotlib
@@ -342,6 +399,8 @@ def main() -> int:
              "--host-implementations offplan --skew 0.7 --resident 0.25 0.5 --budget-batches 1 8",
              "python benchmarks/decode.py --model llama-8b --strategies prefetch --modes graph",
              "python benchmarks/decode.py --model llama-8b --strategies prefetch --fractions 0.5 --modes compiled",
+             "python benchmarks/prefill.py --model llama-8b",
+             "python benchmarks/prefill.py --model qwen3-30b-a3b --layers 8",
              "python benchmarks/report.py",
              "```", "",
              "Random bf16 weights in the real shapes. Dense tables: HF transformers eager decode (`generate`, "
@@ -353,6 +412,7 @@ def main() -> int:
     for name, m in sorted(models.items()):
         lines += model_tables(name, m)
     lines += moe_tables()
+    lines += prefill_tables()
     if plot(models, HERE / "decode.png"):
         lines += ["![decode tokens/s against the offloaded fraction](decode.png)", ""]
     write_atomic(HERE / "RESULTS.md", "\n".join(lines) + "\n", "results")
