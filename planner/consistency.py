@@ -194,8 +194,9 @@ def _prefetch(plan: Plan, graph: LayerGraph, at, tensors) -> list[str]:
         if (t.slot, t.after) != (k % slots, names[prev]):
             problems.append(f"{at('prefetch', 'schedule', k)}: {t.layer} must use slot {k % slots} after "
                             f"{names[prev]}, not slot {t.slot} after {t.after}")
-        if t.module != t.layer:
-            problems.append(f"{at('prefetch', 'schedule', k)}: {t.layer} runs in module {t.layer}, not {t.module}")
+        if t.module != streamed[k].module:
+            problems.append(f"{at('prefetch', 'schedule', k)}: {t.layer} runs in module {streamed[k].module}, "
+                            f"not {t.module}")
         if not 0 <= t.layout < len(p.layouts):
             problems.append(f"{at('prefetch', 'schedule', k)}: layout {t.layout} does not exist "
                             f"({len(p.layouts)} layouts)")
