@@ -71,7 +71,7 @@ from .cost import CostModel
 from .errors import BudgetError, PolicyError
 from .footprint import Footprint
 from .graph import Layer, LayerGraph
-from .groups import FusedGroups, experts_map, split_units, whole_groups
+from .groups import FusedGroups, experts_map, whole_groups
 from .hardware import H100, Hardware
 from .mixed import place_mixed
 from .notes import Outcome, notes
@@ -80,7 +80,7 @@ from .plan import Backend, Cost, LayerBytes, Placement, PrefetchSchedule, Runs, 
 from .policy import Policy
 from .routing import RoutingProfile, check_fits
 from .schedule import fewest_layers, make_schedule
-from .placement_errors import layer_list, nothing_left, over_budget
+from .placement_errors import check_groups, layer_list, nothing_left, over_budget
 from .units import GIB, plural
 
 GPU, UVA, PREFETCH = Placement.GPU, Placement.UVA, Placement.PREFETCH
@@ -144,7 +144,7 @@ def decide(graph: LayerGraph, tensors: Mapping[str, TensorInfo], policy: Policy,
     groups = FusedGroups.find(n for l in stack for n in l.params)
     selected = {"uva": names.select(policy.uva.params) if policy.uva.params else None,
                 "prefetch": names.select(policy.prefetch.params) if policy.prefetch.params else None}
-    _check_groups(groups, won, selected, policy)
+    check_groups(groups, won, selected, policy)
     in_step = {n for l in graph.layers if l.runs is Runs.STEP for n in l.params}
     moe = {g: groups.experts(g) for g, members in groups.members.items() if members[0] in in_step}
     if routing is not None:
@@ -193,19 +193,6 @@ def decide(graph: LayerGraph, tensors: Mapping[str, TensorInfo], policy: Policy,
                       mixed_notes, bool(groups.members) and top_k is None and routing is None,
                       routing, bool(moe) and top_k is not None and routing is None, checkpoint_fingerprint)
     return Decision(backend, place, schedule, tuple(layers), notes(outcome), summary, cost)
-
-
-def _check_groups(groups, won, selected, policy) -> None:
-    """Rules and `params` patterns select experts whole, and prefetch whole groups (see groups.py)."""
-    problems = []
-    for i, (rule, mine) in enumerate(zip(policy.rules, won)):
-        if rule.place is not None:
-            problems += split_units(groups, mine, f"rules[{i}] (place: {rule.place.value})", rule.place is PREFETCH)
-    for key in ("uva", "prefetch"):
-        if selected[key] is not None:
-            problems += split_units(groups, selected[key], f"{key}.params", key == "prefetch")
-    if problems:
-        raise PolicyError(f"{policy.path}: the policy splits fused experts", problems)
 
 
 def _rarely_run_first(rare: list[Layer], fixed, fp: Footprint, budget: int, groups: FusedGroups, selected) -> None:
