@@ -308,6 +308,20 @@ CORPUS = [
     case("unknown placement in a plan", edited_plan("  model.norm.weight: gpu", "  model.norm.weight: disk", at="disk"),
          ["show", "bad.plan.yaml"],
          "bad.plan.yaml:{at}: params.model.norm.weight: 'disk' is not one of gpu, uva, prefetch"),
+    # The prefill fields of a policy.
+    case("prompt_tokens 0", policy("workload: {prompt_tokens: 0}\n"), ["build", "bad.policy.yaml"],
+         "bad.policy.yaml: the policy is invalid\n"
+         "  - bad.policy.yaml:3:27: workload.prompt_tokens: must be at least 1, not 0"),
+    case("huge prompt_tokens", policy("workload:\n  prompt_tokens: 2097152\n"), ["validate", "bad.policy.yaml"],
+         "bad.policy.yaml:4:18: workload.prompt_tokens: must be at most 1048576, not 2097152"),
+    case("new_tokens as text", policy("workload: {new_tokens: many}\n"), ["build", "bad.policy.yaml"],
+         "bad.policy.yaml:3:24: workload.new_tokens: must be a whole number, not 'many'"),
+    case("new_tokens a fraction", policy("workload: {new_tokens: 2.5}\n"), ["build", "bad.policy.yaml"],
+         "bad.policy.yaml:3:24: workload.new_tokens: must be a whole number, not 2.5"),
+    case("stage_prefill as text", policy("uva:\n  stage_prefill: 'off'\n"), ["build", "bad.policy.yaml"],
+         "bad.policy.yaml:4:18: uva.stage_prefill: must be true or false, not 'off'"),
+    case("stage_prefill misspelled", policy("uva: {stage_prefil: false}\n"), ["build", "bad.policy.yaml"],
+         "bad.policy.yaml:3:7: uva.stage_prefil: unknown key; did you mean 'stage_prefill'?"),
 ]
 
 
