@@ -6,9 +6,11 @@ named by its experts where that splits it. Each layer
 gets one row: what moved where (with bytes when the checkpoint headers are at
 hand) and the change of its bytes per placement (always exact: from the
 plans' layer tables). Above the table: what changed in the predicted step
-time, the GPU footprint, the backend, the policy (path, content, budget,
-hardware profile, batch, eager or graph replay, routing profile) and the prefetch schedule (step, slots, slot size,
-layers streamed, slot changes), and which notes came and went.
+time and prefill (time to first token), the GPU footprint, the backend, the
+policy (path, content, budget, hardware profile, batch, prompt tokens, eager or
+graph replay, routing profile), the prefetch schedule (step, slots, slot size,
+layers streamed, slot changes) and the prefill staging (threshold, slots, slot
+size, layers staged), and which notes came and went.
 
 Plans at different paths compare equal when they place everything alike and
 name the same files (paths are resolved, not compared as written).
@@ -20,7 +22,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from .graph import build_graph
-from .diff_buffers import change, schedule, schedule_lines, some
+from .diff_buffers import change, schedule, schedule_lines, some, staging, staging_lines
 from .plan import Plan
 from .report import KINDS, table, units_of
 from .units import human, ms, plural, signed
@@ -56,7 +58,8 @@ def diff_data(old: Plan, new: Plan, sizes: Mapping[str, int] | None = None,
             layers.append({"name": name, **delta})
     so, sn = old.summary, new.summary
     summary = {k: getattr(sn, k) - getattr(so, k) for k in
-               ("gpu_bytes", "uva_bytes", "prefetch_bytes", "prefetch_buffer_bytes", "gpu_footprint_bytes")}
+               ("gpu_bytes", "uva_bytes", "prefetch_bytes", "prefetch_buffer_bytes", "stage_buffer_bytes",
+                "gpu_footprint_bytes")}
     return {
         "same": a == b,
         "moved": {k: v for k, v in sorted(moved.items())},
@@ -66,6 +69,7 @@ def diff_data(old: Plan, new: Plan, sizes: Mapping[str, int] | None = None,
         "units": _units(old, new, sizes),
         "gpu_footprint_bytes": {"old": so.gpu_footprint_bytes, "new": sn.gpu_footprint_bytes},
         "predicted_step_us": {"old": so.predicted_step_us, "new": sn.predicted_step_us},
+        "predicted_prefill_us": {"old": _prefill_us(old), "new": _prefill_us(new)},
         "backend": {"old": old.backend.value, "new": new.backend.value},
         "policy": {"old": old.policy_path, "new": new.policy_path,
                    "path_changed": a.policy_path != b.policy_path},
@@ -76,18 +80,26 @@ def diff_data(old: Plan, new: Plan, sizes: Mapping[str, int] | None = None,
         "stacks": {"old": list(old.stacks), "new": list(new.stacks)},
         "cost": {"old": _cost(old), "new": _cost(new)},
         "prefetch": schedule(old.prefetch, new.prefetch),
+        "prefill": staging(old.prefill, new.prefill),
         "notes": {"removed": [n for n in old.notes if n not in new.notes],
                   "added": [n for n in new.notes if n not in old.notes]},
         "checkpoint_changed": old.checkpoint_fingerprint != new.checkpoint_fingerprint,
         "policy_changed": old.policy_fingerprint != new.policy_fingerprint,
         "backend_changed": old.backend != new.backend,
         "schedule_changed": old.prefetch != new.prefetch,
+        "staging_changed": old.prefill != new.prefill,
     }
 
 
 def _cost(plan: Plan) -> dict | None:
     return None if plan.cost is None else {"hardware": plan.cost.hardware, "batch_size": plan.cost.batch_size,
-                                           "cuda_graphs": plan.cost.cuda_graphs}
+                                           "cuda_graphs": plan.cost.cuda_graphs,
+                                           "prompt_tokens": plan.cost.prompt_tokens or None}
+
+
+def _prefill_us(plan: Plan) -> int | None:
+    """The predicted prefill, or None for a plan without one (no cost, or written before prefill predictions)."""
+    return plan.cost.prefill_us if plan.cost and plan.cost.prompt_tokens else None
 
 
 def _units(old: Plan, new: Plan, sizes: Mapping[str, int] | None) -> list[dict]:
@@ -144,7 +156,8 @@ def diff_text(d: dict) -> list:
         out.append(f"stacks: {change(d['stacks']['old'], d['stacks']['new'])}")
     cost = d["cost"]
     if cost["old"] != cost["new"] and cost["old"] and cost["new"]:
-        for key, what in (("hardware", "hardware profile"), ("batch_size", "batch size")):
+        for key, what in (("hardware", "hardware profile"), ("batch_size", "batch size"),
+                          ("prompt_tokens", "prompt tokens")):
             if cost["old"][key] != cost["new"][key]:
                 out.append(f"{what}: {change(cost['old'][key], cost['new'][key])}")
         if cost["old"]["cuda_graphs"] != cost["new"]["cuda_graphs"]:
@@ -158,7 +171,9 @@ def diff_text(d: dict) -> list:
     pct = f", {dt / step['old']:+.1%}" if step["old"] else ""
     out.append(f"predicted step: {change(step['old'], step['new'], ms)} ({'+' if dt > 0 else '-'}{ms(abs(dt))}{pct})"
                if dt else f"predicted step: {ms(step['new'])} (unchanged)")
+    out += _prefill_lines(d["predicted_prefill_us"])
     out += schedule_lines(d["prefetch"])
+    out += staging_lines(d["prefill"])
     moved = [u for u in d["units"] if u["from"] != "-" and u["to"] != "-"]
     if moved:
         out.append(f"moved: {_moved(moved, plural(len({u['layer'] for u in moved}), 'layer'))}")
@@ -181,6 +196,16 @@ def _moved(units: list[dict], where: str = "") -> str:
     text = plural(tensors, "tensor") if count == tensors else f"{plural(count, 'unit')} ({plural(tensors, 'tensor')})"
     return (text + (f" in {where}" if where else "")
             + (f", {human(sum(u['bytes'] for u in units))}" if units[0]["bytes"] is not None else ""))
+
+
+def _prefill_lines(pre: dict) -> list[str]:
+    if pre["old"] is None or pre["new"] is None:
+        return [] if pre["old"] == pre["new"] else [
+            f"predicted prefill: {change(pre['old'], pre['new'], lambda t: 'none' if t is None else ms(t))}"]
+    dt = pre["new"] - pre["old"]
+    pct = f", {dt / pre['old']:+.1%}" if pre["old"] else ""
+    return [f"predicted prefill: {change(pre['old'], pre['new'], ms)} ({'+' if dt > 0 else '-'}{ms(abs(dt))}{pct})"
+            if dt else f"predicted prefill: {ms(pre['new'])} (unchanged)"]
 
 
 def _table(d: dict):
