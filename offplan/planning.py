@@ -43,11 +43,16 @@ def build_command(args) -> int:
     write_atomic(out, text)
     data = {"plan": str(out), **show_data(plan)}
     s = plan.summary
-    buffers = f" ({human(s.prefetch_buffer_bytes)} of it prefetch buffers)" if s.prefetch_buffer_bytes else ""
+    pools = [(human(b), what) for b, what in ((s.prefetch_buffer_bytes, "prefetch buffers"),
+                                              (s.stage_buffer_bytes, "prefill staging buffers")) if b]
+    buffers = (" (" + ", ".join(f"{b} of it {what}" if i == 0 else f"{b} {what}" for i, (b, what) in enumerate(pools))
+               + ")" if pools else "")
     host = human(s.uva_bytes + s.prefetch_bytes) if s.uva_bytes + s.prefetch_bytes else "nothing offloaded"
+    c = plan.cost
+    prefill = f", prefill of {c.prompt_tokens} tokens {ms(c.prefill_us)}" if c and c.prompt_tokens else ""
     emit(args, data, [f"wrote {out}: {plural(plan.tensors, 'tensor')}, backend {plan.backend.value}; GPU "
                        f"{human(s.gpu_footprint_bytes)}{buffers}, host {host}; predicted step "
-                       f"{ms(s.predicted_step_us)}", *(f"note: {n}" for n in plan.notes if n not in warnings)])
+                       f"{ms(s.predicted_step_us)}{prefill}", *(f"note: {n}" for n in plan.notes if n not in warnings)])
     return 0
 
 

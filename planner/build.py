@@ -84,6 +84,7 @@ def _build(policy: Policy, plan_dir: Path, checkpoint: Checkpoint | None) -> Pla
         notes=d.notes,
         cost=d.cost,
         routing=None if routing is None else RoutingRef(relpath(routing.path, plan_dir), routing.fingerprint),
+        prefill=d.prefill,
     )
 
 

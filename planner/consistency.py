@@ -1,7 +1,7 @@
 """Does a plan say what it runs? The one check behind `plan show`, `plan validate` and `plan apply`.
 
 A plan repeats itself on purpose: `params:` is what the runtime applies;
-`layers:`, `summary:` and `prefetch:` are what a reviewer reads. A hand edit can
+`layers:`, `summary:`, `prefetch:` and `prefill:` are what a reviewer reads. A hand edit can
 make them disagree, and then review shows one thing while another runs. Every
 command that reads a plan (`planner.planfile.read_plan`, which the runtime uses
 too) runs this check and refuses a plan that fails it, naming the lines that
@@ -17,16 +17,27 @@ placement but not its size, so:
   expert of a fused parameter has one placement, a prefetched group is whole; `prefetch:` streams exactly the
   layers that `params:` prefetches, each from a buffer named like its
   tensors, through the slots and copy triggers of the rule that built it;
+  `prefill:` stages exactly the layers whose uva tensors prefill stages
+  (staging.py: not embeddings, routed experts or MTP layers, which the layer
+  table's `runs` names), in order, each hooked
+  at its module, with bytes that are a multiple of 256 within what its
+  row's uva bytes allow, its slot the largest of them, min(2, layers) slots,
+  and the summary's stage_buffer_bytes the pool;
 - with the checkpoint's headers (sizes, dtypes, shapes: cheap to read), also
   exactly: `params:` names the checkpoint's tensors, each layer's bytes per
-  placement are the sum of its tensors', and the buffers and slot sizes are
-  those its prefetched tensors need.
+  placement are the sum of its tensors', the buffers and slot sizes are
+  those its prefetched tensors need, and each staged layer's bytes those of
+  its staged tensors.
 
-Not checked: the predicted link bytes and GPU time per layer, which need the
-cost model's hardware profile (only their totals are compared).
+Not checked: the predicted link bytes, GPU time per layer and prefill, which
+need the cost model's hardware profile (only the step's totals are
+compared), and `prefill.above_tokens` (the profile's). A plan without a
+`prefill:` section passes whatever it places on uva (the policy may say
+`uva.stage_prefill: false`); `plan check` compares it with a rebuild.
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 
 from .checkpoint import TensorInfo
@@ -35,6 +46,8 @@ from .graph import Layer, LayerGraph, build_graph
 from .groups import FusedGroups, experts_map
 from .plan import Placement, Plan
 from .schedule import make_schedule, previous_user
+from .slots import ALIGN
+from .staging import STAGE_SLOTS, stageable, staged_bytes
 from .units import human
 from .yamlio import dotted
 
@@ -64,6 +77,7 @@ def inconsistencies(plan: Plan, where: Where | None = None, tensors: Mapping[str
     problems += _layers(plan, graph.layers, at, tensors)
     problems += _groups(plan, at)
     problems += _prefetch(plan, graph, at, tensors)
+    problems += _prefill(plan, graph, at, tensors)
     return problems
 
 
@@ -82,7 +96,7 @@ def _totals(plan: Plan, at, footprint: int | None) -> list[str]:
                         f"{sum(totals.values())}")
     if footprint is not None and footprint != s.gpu_footprint_bytes:
         problems.append(f"{at('summary', 'gpu_footprint_bytes')} is {footprint} but gpu_bytes + "
-                        f"prefetch_buffer_bytes is {s.gpu_footprint_bytes}")
+                        f"prefetch_buffer_bytes + stage_buffer_bytes is {s.gpu_footprint_bytes}")
     h2d = sum(l.h2d for l in plan.layers)
     if h2d != s.predicted_h2d_bytes_per_step:
         problems.append(f"{at('summary', 'predicted_h2d_bytes_per_step')} is {s.predicted_h2d_bytes_per_step} "
@@ -94,6 +108,10 @@ def _totals(plan: Plan, at, footprint: int | None) -> list[str]:
     if pool != s.prefetch_buffer_bytes:
         problems.append(f"{at('summary', 'prefetch_buffer_bytes')} is {s.prefetch_buffer_bytes} but the "
                         f"prefetch section sizes the pool at {pool}")
+    stage = plan.prefill.pool_bytes if plan.prefill else 0
+    if stage != s.stage_buffer_bytes:
+        problems.append(f"{at('summary', 'stage_buffer_bytes')} is {s.stage_buffer_bytes} but the prefill "
+                        f"section sizes the pool at {stage}")
     return problems
 
 
@@ -194,8 +212,9 @@ def _prefetch(plan: Plan, graph: LayerGraph, at, tensors) -> list[str]:
         if (t.slot, t.after) != (k % slots, names[prev]):
             problems.append(f"{at('prefetch', 'schedule', k)}: {t.layer} must use slot {k % slots} after "
                             f"{names[prev]}, not slot {t.slot} after {t.after}")
-        if t.module != t.layer:
-            problems.append(f"{at('prefetch', 'schedule', k)}: {t.layer} runs in module {t.layer}, not {t.module}")
+        if t.module != streamed[k].module:
+            problems.append(f"{at('prefetch', 'schedule', k)}: {t.layer} runs in module {streamed[k].module}, "
+                            f"not {t.module}")
         if not 0 <= t.layout < len(p.layouts):
             problems.append(f"{at('prefetch', 'schedule', k)}: layout {t.layout} does not exist "
                             f"({len(p.layouts)} layouts)")
@@ -222,6 +241,49 @@ def _prefetch(plan: Plan, graph: LayerGraph, at, tensors) -> list[str]:
             problems.append(f"{at('prefetch', 'layouts', t.layout)}: the layout of {t.layer} is not the one its "
                             f"prefetched tensors need ({human(need.bytes)}"
                             + (f"; it lacks or misplaces {_some(wrong)}" if wrong else "") + ")")
+    return problems
+
+
+def _prefill(plan: Plan, graph: LayerGraph, at, tensors) -> list[str]:
+    """The staging section against the uva tensors of `params:` (staging.py)."""
+    p = plan.prefill
+    if p is None:
+        return []  # `uva.stage_prefill: false` plans none; `plan check` compares with a rebuild
+    runs = {r.name: r.runs for r in plan.layers}  # MTP layers are known from config.json, which the plan records here
+    names = stageable(dataclasses.replace(l, runs=runs.get(l.name, l.runs)) for l in graph.layers)
+    staged = [(l, ns) for l in graph.layers
+              for ns in [[n for n in l.params if n in names and plan.params[n] is Placement.UVA]] if ns]
+    listed, want = [s.layer for s in p.layers], [l.name for l, _ in staged]
+    if listed != want:
+        return [f"{at('prefill', 'layers')}: lists {_some(listed)} but the layers of params: with uva tensors "
+                f"that prefill stages (not embeddings, routed experts or MTP layers) are {_some(want)}"]
+    problems = []
+    rows = {r.name: r for r in plan.layers}
+    for k, (s, (l, ns)) in enumerate(zip(p.layers, staged)):
+        if s.module != l.module:
+            problems.append(f"{at('prefill', 'layers', k)}: {s.layer} runs in module {l.module}, not {s.module}")
+        if tensors is not None:
+            need = staged_bytes(ns, tensors)
+            if s.bytes != need:
+                problems.append(f"{at('prefill', 'layers', k, 'bytes')} is {s.bytes} but the staged tensors of "
+                                f"{s.layer} take {need} (each rounded up to {ALIGN} bytes)")
+            continue
+        row = rows.get(l.name)
+        only = all(plan.params[n] is not Placement.UVA or n in names for n in l.params)
+        if row is None:
+            continue  # the layer table's own check names it
+        # each staged tensor is rounded up to ALIGN; they are all of the row's uva bytes unless experts are too
+        low, high = (row.uva if only else 0), row.uva + (ALIGN - 1) * len(ns)
+        if s.bytes % ALIGN or not low <= s.bytes <= high:
+            problems.append(f"{at('prefill', 'layers', k, 'bytes')} is {s.bytes} but the {len(ns)} staged tensors "
+                            f"of {s.layer} ({row.uva} bytes on uva in its row) take a multiple of {ALIGN} from "
+                            f"{low} to {high}")
+    largest = max(s.bytes for s in p.layers)
+    if p.slot_bytes != largest:
+        problems.append(f"{at('prefill', 'slot_bytes')} is {p.slot_bytes} but the largest staged layer is {largest}")
+    if p.slots != min(STAGE_SLOTS, len(p.layers)):
+        problems.append(f"{at('prefill', 'slots')} is {p.slots} but {len(p.layers)} staged layers give "
+                        f"{min(STAGE_SLOTS, len(p.layers))} (at most {STAGE_SLOTS})")
     return problems
 
 

@@ -1,4 +1,4 @@
-"""The cost model: bytes over the host link and time per decode step, predicted from a placement.
+"""The cost model: bytes over the host link and time per decode step, and the prefill, predicted from a placement.
 
 Roles say what fraction of a tensor one decode step (one new token per
 sequence, batch b) reads:
@@ -27,15 +27,43 @@ sit inside the kernels that need them, so they count as GPU time; prefetch
 copies run on their own stream ahead of use, so they do not. Both cross the
 same PCIe link, so the link term adds them.
 
-Limits: decode only (prefill is not modelled); without a routing profile,
-expert routing is assumed uniform (real routers are skewed, which touches
-fewer experts); with one, the tokens of a batch are assumed routed
-independently of each other, as the profile's prompts were; the overlap of
-prefetch is assumed perfect, so a plan whose offloaded layers sit together
-(nothing to overlap with) is predicted optimistic.
+Prefill (the time to first token) of `workload.prompt_tokens` = T tokens, one
+sequence, over the layers that run in every step. Copies run ahead of compute
+(prefetch, and prefill staging: staging.py), so each layer takes the longer of
+its compute and its link time:
+    compute = 2 x T x (dense elements + each routed expert's elements x its share of the tokens)
+              / matmul_tflops  +  bytes read from GPU memory / HBM
+    link    = (prefetched bytes + staged bytes) / H2D copy
+              + uva bytes a GEMM reads in place x ceil(T / stage_above_tokens) / UVA
+              + touched uva experts' bytes and embedding rows / UVA
+    prefill = the sum over the layers
+A routed expert computes its share of the tokens: k/E under uniform routing,
+or its share of the routing profile's prefill tokens (its decode share when the
+profile has none), and is read at all with probability 1 - (1 - share)^T: a
+layer reads E x (1 - (1 - k/E)^T) of its experts. offplan's experts
+implementation gathers each touched expert once, wherever it lives. An
+embedding reads T rows and computes nothing. The uva tensors that prefill
+stages (staging.py: not embeddings, not routed experts) are copied once when T
+> stage_above_tokens; otherwise a GEMM reads them in place and re-reads them
+once per tile of output rows, which the model approximates as
+ceil(T / stage_above_tokens) reads: 1 up to the threshold, 2 at 512 tokens
+with the default 256 (measured on the H100: 2.1x a copy), 32 at 8192 (measured
+24x: long prompts are predicted pessimistic).
+
+Limits: without a routing profile, expert routing is assumed uniform (real
+routers are skewed, which touches fewer experts); with one, the tokens of a
+batch are assumed routed independently of each other, as the profile's prompts
+were; the overlap of prefetch is assumed perfect, so a plan whose offloaded
+layers sit together (nothing to overlap with) is predicted optimistic. The
+prefill ignores attention's T^2 FLOPs (scores and values), activations, norms
+and launch time, runs every GEMM at matmul_tflops whatever its shape (small
+GEMMs run well below it), counts the head's logits for all T tokens
+(generation needs the last one only), and leaves out what runs only with
+images (vision towers: a text prompt).
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -45,6 +73,7 @@ from .groups import FusedGroups
 from .hardware import Hardware
 from .plan import LayerKind, Placement, Role, Runs
 from .routing import RoutingProfile
+from .staging import stageable
 
 GPU, UVA, PREFETCH = Placement.GPU, Placement.UVA, Placement.PREFETCH
 
@@ -55,6 +84,7 @@ class LayerCost:
     h2d_bytes: int  # over the host link per step
     gpu_us: int  # HBM and UVA reads
     link_us: int
+    prefill_us: int = 0  # its share of the prefill
 
 
 @dataclass(frozen=True)
@@ -65,58 +95,88 @@ class Prediction:
     gpu_us: int
     link_us: int
     layers: tuple[LayerCost, ...]
+    prompt_tokens: int = 0
+    prefill_us: int = 0  # the time to first token for prompt_tokens
 
     @property
     def step_us(self) -> int:
         return max(self.cpu_us, self.gpu_us, self.link_us)
 
+    def request_us(self, new_tokens: int) -> int:
+        """One request: its prefill, then `new_tokens` decode steps (what `backend: mixed` minimises)."""
+        return self.prefill_us + new_tokens * self.step_us
+
+
+def _read(share: float, tokens: int) -> float:
+    """The chance that `tokens` tokens, each routed to an expert with chance `share`, touch it."""
+    return 1 - (1 - share) ** tokens
+
 
 class CostModel:
-    """Predicts a placement's per-step traffic and time; built once per plan, asked many times."""
+    """Predicts a placement's per-step traffic and time, and its prefill; built once per plan, asked many times."""
 
     def __init__(self, graph: LayerGraph, tensors: Mapping[str, TensorInfo], hw: Hardware, batch: int,
                  groups: FusedGroups, top_k: int | None, roles: Mapping[str, Role] | None = None,
-                 routing: RoutingProfile | None = None, graphs: bool = False):
+                 routing: RoutingProfile | None = None, graphs: bool = False, *, prompt_tokens: int = 512,
+                 stage: bool = True):
         """`routing`: a profile that counts every group that runs in decode (routing.mismatches
-        checks it); None: uniform routing over `top_k` of each group's experts."""
+        checks it); None: uniform routing over `top_k` of each group's experts. `prompt_tokens`: the
+        prefill to predict; `stage`: the policy's `uva.stage_prefill`."""
         self.graphs = graphs  # steps replayed from a CUDA graph: no CPU launch time
         self.graph = graph
         self.hw = hw
         self.batch = batch
+        self.tokens = prompt_tokens
         counts = {g: groups.experts(g) for g in groups.members}
         group_of = groups.group_of
         chance = {g: routing.probabilities(g) for g in groups.members if g in routing.layers} if routing else {}
+        phase = "prefill" if routing and routing.prefill_tokens else "decode"
+        pre_chance = {g: routing.probabilities(g, phase) for g in chance} if routing else {}
         # A tied embedding is also the head, which reads all of it every step: dense, not sparse.
         embed = set() if graph.tied_embeddings else {
             n for l in graph.layers if l.kind is LayerKind.EMBED for n in l.params if len(tensors[n].shape) == 2}
         self.role: dict[str, Role] = {}
         self.frac: dict[str, float] = {}
+        self.flops: dict[str, float] = {}  # prefill: 2 x T x elements x the share of tokens it computes
+        self.pre_frac: dict[str, float] = {}  # prefill: the fraction of its bytes read
+        self.gathered: set[str] = set()  # read in place once per forward (experts, embedding rows), not per tile
         for layer in graph.layers:
             for n in layer.params:
                 role = (roles or {}).get(n) or (
                     Role.EXPERT if n in group_of else Role.EMBEDDING if n in embed else Role.DENSE)
-                if layer.runs is not Runs.STEP:
-                    frac = 0.0  # not in a decode step at all
-                elif role is Role.EXPERT and group_of.get(n) in chance:
-                    frac = 1 - (1 - chance[group_of[n]][groups.index_of[n]]) ** batch
-                elif role is Role.EXPERT and (top_k is None or n not in group_of):
-                    frac = 1.0  # unknown routing, or an override without a group: read it all
-                elif role is Role.EXPERT:
+                share = 1.0  # of the tokens, in decode and prefill alike
+                if role is Role.EXPERT and group_of.get(n) in chance:
+                    share = chance[group_of[n]][groups.index_of[n]]
+                    pre = pre_chance[group_of[n]][groups.index_of[n]]
+                elif role is Role.EXPERT and top_k is not None and n in group_of:
                     e = counts[group_of[n]]
-                    frac = 1 - (1 - min(top_k, e) / e) ** batch
-                elif role is Role.EMBEDDING:
-                    frac = min(1.0, batch / max(1, tensors[n].shape[0]))
+                    share = pre = min(top_k, e) / e
+                else:  # dense, an embedding (rows below), or unknown routing / an override: all of it
+                    pre = 1.0
+                if role is Role.EMBEDDING:
+                    rows = max(1, tensors[n].shape[0])
+                    frac, pre_frac, pre = min(1.0, batch / rows), min(1.0, prompt_tokens / rows), 0.0
                 else:
-                    frac = 1.0
+                    frac, pre_frac = _read(share, batch), _read(pre, prompt_tokens)
+                if role is Role.EMBEDDING or n in group_of:
+                    self.gathered.add(n)
+                if layer.runs is not Runs.STEP:
+                    frac = pre_frac = pre = 0.0  # neither in a decode step nor in a text prefill
                 self.role[n] = role
                 self.frac[n] = frac
+                self.pre_frac[n] = pre_frac
+                self.flops[n] = 2 * prompt_tokens * math.prod(tensors[n].shape) * pre
         self.size = {n: t.nbytes for n, t in tensors.items()}
+        # prefill: staged tensors are copied once above the threshold; GEMMs re-read in-place ones per tile
+        self.staged = stageable(graph.layers) if stage and prompt_tokens > hw.stage_above_tokens else frozenset()
+        self.reread = -(-prompt_tokens // hw.stage_above_tokens)
 
     def predict(self, place: Mapping[str, Placement]) -> Prediction:
         hw = self.hw
         hbm, uva, h2d = hw.hbm_read_gbps * 1e3, hw.uva_read_gbps * 1e3, hw.h2d_copy_gbps * 1e3  # bytes/us
+        flops_us = hw.matmul_tflops * 1e6  # FLOPs per us
         layers = []
-        total = [0, 0.0, 0.0]
+        total = [0, 0.0, 0.0, 0.0]
         # a replayed CUDA graph launches nothing from the CPU
         cpu, per_layer = (0.0, 0.0) if self.graphs else (hw.step_overhead_us, hw.layer_overhead_us)
         for layer in self.graph.layers:
@@ -124,20 +184,33 @@ class CostModel:
                 layers.append(LayerCost(layer.name, 0, 0, 0))
                 continue
             read_hbm = read_uva = copied = 0.0
+            flops = pre_hbm = pre_copied = pre_uva = 0.0
             for n in layer.params:
-                p, b = place[n], self.size[n] * self.frac[n]
+                p, size = place[n], self.size[n]
+                b, pre = size * self.frac[n], size * self.pre_frac[n]
+                flops += self.flops[n]
                 if p is UVA:
                     read_uva += b
+                    if n in self.staged:
+                        pre_copied += size
+                        pre_hbm += pre
+                    else:
+                        pre_uva += pre if n in self.gathered else pre * self.reread
                 else:
                     read_hbm += b
+                    pre_hbm += pre
                     if p is PREFETCH:
-                        copied += self.size[n]
+                        copied += size
+                        pre_copied += size
             gpu = read_hbm / hbm + read_uva / uva
             link = read_uva / uva + copied / h2d
+            prefill = max(flops / flops_us + pre_hbm / hbm, pre_copied / h2d + pre_uva / uva)
             cpu += per_layer if layer.kind is LayerKind.LAYER else 0
             h2d_bytes = int(read_uva + copied)
-            layers.append(LayerCost(layer.name, h2d_bytes, round(gpu), round(link)))
+            layers.append(LayerCost(layer.name, h2d_bytes, round(gpu), round(link), round(prefill)))
             total[0] += h2d_bytes
             total[1] += gpu
             total[2] += link
-        return Prediction(self.batch, total[0], round(cpu), round(total[1]), round(total[2]), tuple(layers))
+            total[3] += prefill
+        return Prediction(self.batch, total[0], round(cpu), round(total[1]), round(total[2]), tuple(layers),
+                          self.tokens, round(total[3]))

@@ -6,9 +6,11 @@ named by its experts where that splits it. Each layer
 gets one row: what moved where (with bytes when the checkpoint headers are at
 hand) and the change of its bytes per placement (always exact: from the
 plans' layer tables). Above the table: what changed in the predicted step
-time, the GPU footprint, the backend, the policy (path, content, budget,
-hardware profile, batch, eager or graph replay, routing profile) and the prefetch schedule (step, slots, slot size,
-layers streamed, slot changes), and which notes came and went.
+time and prefill (time to first token), the GPU footprint, the backend, the
+policy (path, content, budget, hardware profile, batch, prompt tokens, eager or
+graph replay, routing profile), the prefetch schedule (step, slots, slot size,
+layers streamed, slot changes) and the prefill staging (threshold, slots, slot
+size, layers staged), and which notes came and went.
 
 Plans at different paths compare equal when they place everything alike and
 name the same files (paths are resolved, not compared as written).
@@ -20,7 +22,8 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from .graph import build_graph
-from .plan import Plan, PrefetchSchedule
+from .diff_buffers import change, schedule, schedule_lines, some, staging, staging_lines
+from .plan import Plan
 from .report import KINDS, table, units_of
 from .units import human, ms, plural, signed
 
@@ -55,7 +58,8 @@ def diff_data(old: Plan, new: Plan, sizes: Mapping[str, int] | None = None,
             layers.append({"name": name, **delta})
     so, sn = old.summary, new.summary
     summary = {k: getattr(sn, k) - getattr(so, k) for k in
-               ("gpu_bytes", "uva_bytes", "prefetch_bytes", "prefetch_buffer_bytes", "gpu_footprint_bytes")}
+               ("gpu_bytes", "uva_bytes", "prefetch_bytes", "prefetch_buffer_bytes", "stage_buffer_bytes",
+                "gpu_footprint_bytes")}
     return {
         "same": a == b,
         "moved": {k: v for k, v in sorted(moved.items())},
@@ -65,6 +69,7 @@ def diff_data(old: Plan, new: Plan, sizes: Mapping[str, int] | None = None,
         "units": _units(old, new, sizes),
         "gpu_footprint_bytes": {"old": so.gpu_footprint_bytes, "new": sn.gpu_footprint_bytes},
         "predicted_step_us": {"old": so.predicted_step_us, "new": sn.predicted_step_us},
+        "predicted_prefill_us": {"old": _prefill_us(old), "new": _prefill_us(new)},
         "backend": {"old": old.backend.value, "new": new.backend.value},
         "policy": {"old": old.policy_path, "new": new.policy_path,
                    "path_changed": a.policy_path != b.policy_path},
@@ -74,19 +79,27 @@ def diff_data(old: Plan, new: Plan, sizes: Mapping[str, int] | None = None,
         "budget_bytes": {"old": old.budget_bytes, "new": new.budget_bytes},
         "stacks": {"old": list(old.stacks), "new": list(new.stacks)},
         "cost": {"old": _cost(old), "new": _cost(new)},
-        "prefetch": _schedule(old.prefetch, new.prefetch),
+        "prefetch": schedule(old.prefetch, new.prefetch),
+        "prefill": staging(old.prefill, new.prefill),
         "notes": {"removed": [n for n in old.notes if n not in new.notes],
                   "added": [n for n in new.notes if n not in old.notes]},
         "checkpoint_changed": old.checkpoint_fingerprint != new.checkpoint_fingerprint,
         "policy_changed": old.policy_fingerprint != new.policy_fingerprint,
         "backend_changed": old.backend != new.backend,
         "schedule_changed": old.prefetch != new.prefetch,
+        "staging_changed": old.prefill != new.prefill,
     }
 
 
 def _cost(plan: Plan) -> dict | None:
     return None if plan.cost is None else {"hardware": plan.cost.hardware, "batch_size": plan.cost.batch_size,
-                                           "cuda_graphs": plan.cost.cuda_graphs}
+                                           "cuda_graphs": plan.cost.cuda_graphs,
+                                           "prompt_tokens": plan.cost.prompt_tokens or None}
+
+
+def _prefill_us(plan: Plan) -> int | None:
+    """The predicted prefill, or None for a plan without one (no cost, or written before prefill predictions)."""
+    return plan.cost.prefill_us if plan.cost and plan.cost.prompt_tokens else None
 
 
 def _units(old: Plan, new: Plan, sizes: Mapping[str, int] | None) -> list[dict]:
@@ -115,46 +128,16 @@ def _units(old: Plan, new: Plan, sizes: Mapping[str, int] | None) -> list[dict]:
     return rows
 
 
-def _schedule(old: PrefetchSchedule | None, new: PrefetchSchedule | None) -> dict:
-    """What changed in the prefetch section (empty when nothing did)."""
-    if old == new:
-        return {}
-    if old is None or new is None:
-        p = new or old
-        return {"added" if old is None else "removed": {
-            "step": p.step, "slots": p.slots, "slot_bytes": p.slot_bytes, "layers": [t.layer for t in p.schedule]}}
-    out = {}
-    for key in ("step", "slots", "slot_bytes"):
-        if getattr(old, key) != getattr(new, key):
-            out[key] = {"old": getattr(old, key), "new": getattr(new, key)}
-    was = {t.layer: t.slot for t in old.schedule}
-    now = {t.layer: t.slot for t in new.schedule}
-    out["layers_added"] = [n for n in now if n not in was]
-    out["layers_removed"] = [n for n in was if n not in now]
-    out["slot_changes"] = [{"layer": n, "old": was[n], "new": s} for n, s in now.items() if n in was and was[n] != s]
-    was = {t.layer: old.layouts[t.layout] for t in old.schedule}
-    out["layout_changes"] = [t.layer for t in new.schedule if t.layer in was and was[t.layer] != new.layouts[t.layout]]
-    return {k: v for k, v in out.items() if v}
-
-
-def _change(old, new, fmt=str) -> str:
-    return f"{fmt(old)} -> {fmt(new)}"
-
-
-def _some(names: list[str], limit: int = 4) -> str:
-    return ", ".join(names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")
-
-
 def diff_text(d: dict) -> list:
     """The review: the headline changes, then one table row per layer that changed."""
     if d["same"]:
         return ["no changes: the plans place every tensor the same way"]
     out: list = []
     if d["backend_changed"]:
-        out.append(f"backend: {_change(d['backend']['old'], d['backend']['new'])}")
+        out.append(f"backend: {change(d['backend']['old'], d['backend']['new'])}")
     pol = d["policy"]
     if pol["path_changed"]:
-        out.append(f"policy: {_change(pol['old'], pol['new'])}"
+        out.append(f"policy: {change(pol['old'], pol['new'])}"
                    + (" (a different file; its content differs)" if d["policy_changed"] else " (same content)"))
     elif d["policy_changed"]:
         out.append(f"policy: {pol['new']} changed since the old plan was built")
@@ -164,30 +147,33 @@ def diff_text(d: dict) -> list:
                       if d["added"] or d["removed"] else ""))
     rt = d["routing"]
     if rt["changed"]:
-        out.append(f"routing profile: {_change(rt['old'], rt['new'], lambda p: 'none (uniform)' if p is None else p)}"
+        out.append(f"routing profile: {change(rt['old'], rt['new'], lambda p: 'none (uniform)' if p is None else p)}"
                    if rt["path_changed"] else f"routing profile: {rt['new']} changed since the old plan was built")
     bud = d["budget_bytes"]
     if bud["old"] != bud["new"]:
-        out.append(f"budget: {_change(bud['old'], bud['new'], lambda b: 'none' if b is None else human(b))}")
+        out.append(f"budget: {change(bud['old'], bud['new'], lambda b: 'none' if b is None else human(b))}")
     if d["stacks"]["old"] != d["stacks"]["new"]:
-        out.append(f"stacks: {_change(d['stacks']['old'], d['stacks']['new'])}")
+        out.append(f"stacks: {change(d['stacks']['old'], d['stacks']['new'])}")
     cost = d["cost"]
     if cost["old"] != cost["new"] and cost["old"] and cost["new"]:
-        for key, what in (("hardware", "hardware profile"), ("batch_size", "batch size")):
+        for key, what in (("hardware", "hardware profile"), ("batch_size", "batch size"),
+                          ("prompt_tokens", "prompt tokens")):
             if cost["old"][key] != cost["new"][key]:
-                out.append(f"{what}: {_change(cost['old'][key], cost['new'][key])}")
+                out.append(f"{what}: {change(cost['old'][key], cost['new'][key])}")
         if cost["old"]["cuda_graphs"] != cost["new"]["cuda_graphs"]:
             mode = lambda graphs: "CUDA graph replay" if graphs else "eager"  # noqa: E731
-            out.append(f"predicted for: {_change(cost['old']['cuda_graphs'], cost['new']['cuda_graphs'], mode)}")
+            out.append(f"predicted for: {change(cost['old']['cuda_graphs'], cost['new']['cuda_graphs'], mode)}")
     fp, step = d["gpu_footprint_bytes"], d["predicted_step_us"]
     dfp = fp["new"] - fp["old"]
-    out.append(f"GPU footprint: {_change(fp['old'], fp['new'], human)} ({signed(dfp)})" if dfp
+    out.append(f"GPU footprint: {change(fp['old'], fp['new'], human)} ({signed(dfp)})" if dfp
                else f"GPU footprint: {human(fp['new'])} (unchanged)")
     dt = step["new"] - step["old"]
     pct = f", {dt / step['old']:+.1%}" if step["old"] else ""
-    out.append(f"predicted step: {_change(step['old'], step['new'], ms)} ({'+' if dt > 0 else '-'}{ms(abs(dt))}{pct})"
+    out.append(f"predicted step: {change(step['old'], step['new'], ms)} ({'+' if dt > 0 else '-'}{ms(abs(dt))}{pct})"
                if dt else f"predicted step: {ms(step['new'])} (unchanged)")
-    out += _schedule_lines(d["prefetch"])
+    out += _prefill_lines(d["predicted_prefill_us"])
+    out += schedule_lines(d["prefetch"])
+    out += staging_lines(d["prefill"])
     moved = [u for u in d["units"] if u["from"] != "-" and u["to"] != "-"]
     if moved:
         out.append(f"moved: {_moved(moved, plural(len({u['layer'] for u in moved}), 'layer'))}")
@@ -212,36 +198,21 @@ def _moved(units: list[dict], where: str = "") -> str:
             + (f", {human(sum(u['bytes'] for u in units))}" if units[0]["bytes"] is not None else ""))
 
 
-def _schedule_lines(p: dict) -> list[str]:
-    if not p:
-        return []
-    for key, verb in (("added", "new: streams"), ("removed", "gone: the old plan streamed")):
-        if key in p:
-            s = p[key]
-            return [f"prefetch: {verb} {plural(len(s['layers']), 'layer')} ({_some(s['layers'])}) with step "
-                    f"{s['step']}, {plural(s['slots'], 'slot')} x {human(s['slot_bytes'])}"]
-    parts = []
-    for key, what, fmt in (("step", "step", str), ("slots", "slots", str), ("slot_bytes", "slot size", human)):
-        if key in p:
-            parts.append(f"{what} {_change(p[key]['old'], p[key]['new'], fmt)}")
-    if "layers_added" in p:
-        parts.append(f"streams {_some(p['layers_added'])} too")
-    if "layers_removed" in p:
-        parts.append(f"no longer streams {_some(p['layers_removed'])}")
-    if "slot_changes" in p:
-        ch = p["slot_changes"]
-        parts.append(f"{plural(len(ch), 'layer')} change slot ("
-                     + _some([f"{c['layer']} {c['old']} -> {c['new']}" for c in ch]) + ")")
-    if "layout_changes" in p:
-        parts.append(f"{_some(p['layout_changes'])} laid out differently in {'its' if len(p['layout_changes']) == 1 else 'their'} slot")
-    return ["prefetch: " + "; ".join(parts)]
+def _prefill_lines(pre: dict) -> list[str]:
+    if pre["old"] is None or pre["new"] is None:
+        return [] if pre["old"] == pre["new"] else [
+            f"predicted prefill: {change(pre['old'], pre['new'], lambda t: 'none' if t is None else ms(t))}"]
+    dt = pre["new"] - pre["old"]
+    pct = f", {dt / pre['old']:+.1%}" if pre["old"] else ""
+    return [f"predicted prefill: {change(pre['old'], pre['new'], ms)} ({'+' if dt > 0 else '-'}{ms(abs(dt))}{pct})"
+            if dt else f"predicted prefill: {ms(pre['new'])} (unchanged)"]
 
 
 def _table(d: dict):
     deltas = {l["name"]: l for l in d["layers"]}
     moves: dict[str, list[str]] = {}
     for u in d["units"]:
-        what = _some([f"{n} (fused, {s} tensors)" if s > 1 else n for n, s in zip(u["units"], u["sizes"])], 3)
+        what = some([f"{n} (fused, {s} tensors)" if s > 1 else n for n, s in zip(u["units"], u["sizes"])], 3)
         nbytes = f" {human(u['bytes'])}" if u["bytes"] is not None else ""
         moves.setdefault(u["layer"], []).append(f"{u['from']} -> {u['to']}{nbytes}: {what}")
     names = list(dict.fromkeys([*moves, *deltas]))

@@ -78,6 +78,13 @@ class Layer:
         """The tensor's name within this layer (`mlp.down_proj.weight`)."""
         return param[len(self.name) + 1:]
 
+    @property
+    def module(self) -> str:
+        """The path of the module whose forward runs this layer, which the runtime hooks: a prefetch
+        schedule's `Transfer.module`, a prefill staging's `StagedLayer.module`. A layer is one module (a
+        stack layer, or the owner of its tensors), so it is the layer's name."""
+        return self.name
+
 
 @dataclass(frozen=True)
 class LayerGraph:

@@ -1,4 +1,4 @@
-"""`backend: mixed`: gpu, uva or prefetch per tensor, for the lowest predicted step time within the budget.
+"""`backend: mixed`: gpu, uva or prefetch per tensor, for the lowest predicted request time within the budget.
 
 Why per tensor: UVA moves only the bytes a decode step touches, so for sparse
 tensors (MoE experts at small batch, embedding rows) it is nearly free, while
@@ -20,9 +20,14 @@ each build a placement that fits the budget:
 3. prefetch only: the fewest stack layers, spread evenly, stream every candidate;
 4. uva only: units in execution order to UVA (vLLM's walk).
 
-The cost model (cost.py) predicts each; the fastest wins, ties going to fewer
-bytes over the link. The plan's notes give every strategy's prediction, and
-each offloaded layer says what it holds and why.
+The cost model (cost.py) predicts each; the fastest request wins: the lowest
+prefill of `workload.prompt_tokens` plus `workload.new_tokens` decode steps,
+ties going to fewer bytes over the link. So a placement that reads dense
+tensors in place, cheap per step, loses to one that streams them when its
+prefill costs more than the steps save (uva tensors are staged at prefill, but
+a routed expert on uva is read in place by every forward). The plan's notes
+give every strategy's step and prefill, and each offloaded layer says what it
+holds and why.
 
 Routed experts are units of one expert of one fused parameter (groups.py),
 ranked by the fraction a step reads: with a routing profile
@@ -68,7 +73,7 @@ class MixedChoice:
 
 def place_mixed(graph: LayerGraph, policy: Policy, fp: Footprint, fixed: set[str], groups: FusedGroups,
                 model: CostModel) -> MixedChoice:
-    """Try the four strategies of the module doc on copies of `fp`; keep the fastest that fits."""
+    """Try the four strategies of the module doc on copies of `fp`; keep the fastest request that fits."""
     budget = policy.budget_bytes
     units: list[Unit] = []
     seen: set[str] = set()
@@ -85,10 +90,7 @@ def place_mixed(graph: LayerGraph, policy: Policy, fp: Footprint, fixed: set[str
     dense = [u for u in units if u.frac >= 1]
 
     def to_uva(f: Footprint, seq) -> Footprint:
-        for u in seq:
-            if f.total <= budget:
-                break
-            f.move(u.names, UVA)
+        f.fit((u.names for u in seq), UVA, budget)
         return f
 
     def to_prefetch(f: Footprint, seq) -> Footprint:
@@ -113,10 +115,16 @@ def place_mixed(graph: LayerGraph, policy: Policy, fp: Footprint, fixed: set[str
     if not fitting:  # decide() raises the budget error with the smallest footprint
         return MixedChoice(min(strategies.values(), key=lambda f: f.total), None, (), {})
     preds = {k: model.predict(strategies[k].place) for k in fitting}
-    best = min(fitting, key=lambda k: (preds[k].step_us, preds[k].h2d_bytes))
-    others = ", ".join(f"{k} {preds[k].step_us / 1e3:.3f} ms" for k in fitting if k != best)
-    notes = (f"mixed chose {best!r}: predicted {preds[best].step_us / 1e3:.3f} ms per step at batch "
-             f"{model.batch}" + (f" (others: {others})" if others else ""),)
+    new = policy.workload.new_tokens
+    best = min(fitting, key=lambda k: (preds[k].request_us(new), preds[k].h2d_bytes))
+
+    def said(k: str) -> str:
+        p = preds[k]
+        return f"step {p.step_us / 1e3:.3f} ms, prefill {p.prefill_us / 1e3:.3f} ms, request {p.request_us(new) / 1e3:.3f} ms"
+
+    others = "; ".join(f"{k}: {said(k)}" for k in fitting if k != best)
+    notes = (f"mixed chose {best!r}: predicted {said(best)} (prefill of {preds[best].prompt_tokens} tokens + "
+             f"{new} steps at batch {model.batch})" + (f"; others: {others}" if others else ""),)
     return MixedChoice(strategies[best], preds[best], notes, explain(graph, strategies[best].place, model))
 
 

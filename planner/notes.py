@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from .checkpoint import TensorInfo
 from .graph import LayerGraph
-from .plan import Backend, Placement, PrefetchSchedule, Runs
+from .plan import Backend, Placement, PrefetchSchedule, PrefillStaging, Runs
 from .policy import Policy
 from .routing import RoutingProfile, skew
 from .units import human, percent, plural
@@ -55,6 +55,7 @@ class Outcome:
     routing: RoutingProfile | None = None  # the policy's routing profile (`workload.routing`)
     uniform_routing: bool = False  # MoE layers run in decode, top-k known, no profile: routing assumed uniform
     checkpoint_fingerprint: str | None = None  # the plan's checkpoint, against the profile's
+    staging: PrefillStaging | None = None  # the prefill staging section (staging.py)
 
 
 def notes(o: Outcome) -> tuple[str, ...]:
@@ -82,7 +83,7 @@ def notes(o: Outcome) -> tuple[str, ...]:
                    "workload.experts_per_token): the cost model assumes each step reads every expert")
     if o.graph.tied_embeddings:
         out.append("tied embeddings: the checkpoint has no lm_head tensor; the head reuses the embedding")
-    out += saving_warnings(o.place, o.tensors, o.schedule)
+    out += saving_warnings(o.place, o.tensors, o.schedule, o.staging)
     return tuple(out)
 
 
@@ -151,32 +152,43 @@ def _backend_note(o: Outcome, by_backend: Mapping[Placement, int], rules_offload
 
 
 def saving_warnings(place: Mapping[str, Placement], tensors: Mapping[str, TensorInfo],
-                    schedule: PrefetchSchedule | None) -> list[str]:
-    """Warnings for a plan whose prefetch buffers eat what offloading saves.
+                    schedule: PrefetchSchedule | None, staging: PrefillStaging | None = None) -> list[str]:
+    """Warnings for a plan whose prefetch or prefill staging buffers eat what offloading saves.
 
-    Offloading saves `offloaded - pool` bytes of GPU memory (uva saves all it
-    moves; prefetch saves what it moves minus its slots). Two warnings:
+    Offloading saves `offloaded - pools` bytes of GPU memory (uva saves what it
+    moves less the staging slots; prefetch what it moves less its slots). Two warnings:
     - the plan as a whole saves less than half of what it offloads, for
       example because it has as many slots as prefetched layers, or streams a
-      single tensor (a prefetched `lm_head` alone: its slot is as large as it);
+      single tensor (a prefetched `lm_head` alone: its slot is as large as it),
+      or stages one or two uva layers (each has a staging slot of its own);
     - one prefetched layer alone sizes every slot, at more than 1.5x the next
       largest (a prefetched `lm_head` among the decoder layers): each slot
       grows by the difference, for one layer's sake.
     """
-    if schedule is None:
+    if schedule is None and staging is None:
         return []
     offloaded = sum(tensors[n].nbytes for n, p in place.items() if p is not GPU)
-    pool, slots, layers = schedule.pool_bytes, schedule.slots, len(schedule.schedule)
-    saved = offloaded - pool
+    saved = offloaded - (schedule.pool_bytes if schedule else 0) - (staging.pool_bytes if staging else 0)
     out = []
     if 2 * saved < offloaded:
         amount = (f"{human(saved)} ({percent(saved, offloaded)} of the {human(offloaded)} offloaded)"
                   if saved > 0 else f"nothing of the {human(offloaded)} offloaded")
-        why = f"the prefetch buffers take {human(pool)} ({plural(slots, 'slot')} x {human(schedule.slot_bytes)})"
-        if slots >= layers:
-            why += (f": there are as many slots as prefetched layers ({layers}), so each prefetched layer "
-                    "has a slot of its own; lower prefetch.step or prefetch more layers")
-        out.append(f"{WARNING}the plan saves little GPU memory: {amount}; {why}")
+        why = []
+        if schedule is not None:
+            slots, layers = schedule.slots, len(schedule.schedule)
+            why.append(f"the prefetch buffers take {human(schedule.pool_bytes)} ({plural(slots, 'slot')} x "
+                       f"{human(schedule.slot_bytes)})")
+            if slots >= layers:
+                why[-1] += (f": there are as many slots as prefetched layers ({layers}), so each prefetched layer "
+                            "has a slot of its own; lower prefetch.step or prefetch more layers")
+        if staging is not None:
+            why.append(f"the prefill staging buffers take {human(staging.pool_bytes)} ({plural(staging.slots, 'slot')}"
+                       f" x {human(staging.slot_bytes)} for {plural(len(staging.layers), 'uva layer')}); offload "
+                       "more layers to uva, or set `uva: {stage_prefill: false}` to read them in place at prefill")
+        out.append(f"{WARNING}the plan saves little GPU memory: {amount}; {'; '.join(why)}")
+    if schedule is None:
+        return out
+    slots = schedule.slots
     sizes = sorted(((schedule.layouts[t.layout].bytes, t.layer) for t in schedule.schedule), reverse=True)
     if len(sizes) > slots and sizes[0][0] > 1.5 * sizes[1][0]:
         (big, name), (next_big, _) = sizes[0], sizes[1]

@@ -42,21 +42,28 @@ Steps:
    laid out in it as slots.py says. A layer's copy starts after the
    forward of the previous user of its slot, cyclically; for step | layers
    that is the layer `step` positions earlier, exactly vLLM's schedule.
-8. A budget that the result exceeds is an error quoting the smallest
+8. Prefill staging (staging.py): the layers holding uva tensors other than
+   embeddings and routed experts copy them through 2 GPU slots at prefill,
+   unless `uva.stage_prefill: false`. The slots count in the footprint like
+   the prefetch pool, so every budget-driven walk sees them grow as it moves
+   tensors to uva (footprint.py `fit`).
+9. A budget that the result exceeds is an error quoting the smallest
    budget_gib that this policy fits (exact to the byte: see
    `smallest_budget_gib`), and what is pinned to the GPU outside the stacks.
    It is the real minimum because whether a policy fits is monotonic in the
    budget: the fixed amounts (offload_gib, group_size) do not depend on it,
    and the budget-driven walks only decide where to stop. The footprint is not
-   monotonic in the number of prefetched layers (each slot adds a layer), so
-   that minimum is taken over every count tried (schedule.fewest_layers), not
-   at the largest count; mixed quotes the smallest of its strategies.
-9. The cost model (cost.py) predicts every plan's bytes over the link and
-   step time, per layer and in total, whatever the backend: from the
+   monotonic in what they move (each prefetch slot adds a layer, each staging
+   slot grows with the largest staged layer), so a walk that never fits
+   leaves the smallest footprint it passed (`Footprint.fit`), the count
+   search the smallest of every count tried (schedule.fewest_layers), and
+   mixed quotes the smallest of its strategies.
+10. The cost model (cost.py) predicts every plan's bytes over the link, step
+   time and prefill, per layer and in total, whatever the backend: from the
    routing profile (`workload.routing`, routing.py) where the policy names
    one, which must count every MoE layer of the checkpoint, else assuming
    uniform routing.
-10. The notes are computed from the final placements (notes.py).
+11. The notes are computed from the final placements (notes.py).
 
 Example: group_size 8, num_in_group 2 over 61 layers offloads layers
 6, 7, 14, 15, 22, 23, 30, 31, 38, 39, 46, 47, 54, 55.
@@ -65,22 +72,24 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from itertools import chain
 
 from .checkpoint import TensorInfo
 from .cost import CostModel
 from .errors import BudgetError, PolicyError
 from .footprint import Footprint
 from .graph import Layer, LayerGraph
-from .groups import FusedGroups, experts_map, split_units, whole_groups
+from .groups import FusedGroups, experts_map, whole_groups
 from .hardware import H100, Hardware
 from .mixed import place_mixed
 from .notes import Outcome, notes
 from .patterns import Names
-from .plan import Backend, Cost, LayerBytes, Placement, PrefetchSchedule, Runs, Summary
+from .plan import Backend, Cost, LayerBytes, Placement, PrefetchSchedule, PrefillStaging, Runs, Summary
 from .policy import Policy
 from .routing import RoutingProfile, check_fits
 from .schedule import fewest_layers, make_schedule
-from .placement_errors import layer_list, nothing_left, over_budget
+from .staging import make_staging
+from .placement_errors import check_groups, layer_list, nothing_left, over_budget
 from .units import GIB, plural
 
 GPU, UVA, PREFETCH = Placement.GPU, Placement.UVA, Placement.PREFETCH
@@ -97,6 +106,7 @@ class Decision:
     notes: tuple[str, ...]
     summary: Summary
     cost: Cost
+    prefill: PrefillStaging | None = None
 
 
 def resolve_backend(policy: Policy) -> tuple[Backend, str | None]:
@@ -144,19 +154,20 @@ def decide(graph: LayerGraph, tensors: Mapping[str, TensorInfo], policy: Policy,
     groups = FusedGroups.find(n for l in stack for n in l.params)
     selected = {"uva": names.select(policy.uva.params) if policy.uva.params else None,
                 "prefetch": names.select(policy.prefetch.params) if policy.prefetch.params else None}
-    _check_groups(groups, won, selected, policy)
+    check_groups(groups, won, selected, policy)
     in_step = {n for l in graph.layers if l.runs is Runs.STEP for n in l.params}
     moe = {g: groups.experts(g) for g, members in groups.members.items() if members[0] in in_step}
     if routing is not None:
         check_fits(routing, moe, top_k, policy.where("workload.routing"), policy.checkpoint)
-    model = CostModel(graph, tensors, hardware, policy.workload.batch_size, groups, top_k, roles, routing,
-                      policy.workload.cuda_graphs)
+    work, stage = policy.workload, policy.uva.stage_prefill
+    model = CostModel(graph, tensors, hardware, work.batch_size, groups, top_k, roles, routing, work.cuda_graphs,
+                      prompt_tokens=work.prompt_tokens, stage=stage)
     backend, reason = resolve_backend(policy)
     budget = policy.budget_bytes
     step = policy.prefetch.step
     if (backend is Backend.PREFETCH or PREFETCH in place.values()) and step < 1:
         raise PolicyError(f"{policy.path}: prefetch.step must be >= 1: rules place tensors on prefetch")
-    fp = Footprint(graph, tensors, place, step)
+    fp = Footprint(graph, tensors, place, step, stage)
     skipped = None
     prediction = None
     mixed_notes: tuple[str, ...] = ()
@@ -173,8 +184,11 @@ def decide(graph: LayerGraph, tensors: Mapping[str, TensorInfo], policy: Policy,
         fp, prediction, mixed_notes, reasons = choice.footprint, choice.prediction, choice.notes, choice.why
     place = fp.place
     if budget is not None and fp.total > budget:
-        raise BudgetError(over_budget(policy, backend, fp.total, place, tensors, graph))
+        raise BudgetError(over_budget(policy, backend, fp.total, place, tensors, graph, fp.stage_pool))
     schedule = make_schedule(graph, place, tensors, step)
+    staging = make_staging(graph, place, tensors, hardware.stage_above_tokens, fp.stageable) if stage else None
+    if (staging.pool_bytes if staging else 0) != fp.stage_pool:  # one rule, two sums: a bug, not an input error
+        raise AssertionError(f"staging pool {staging} against the footprint's {fp.stage_pool}")
     prediction = prediction or model.predict(place)
     by = {GPU: 0, UVA: 0, PREFETCH: 0}
     layers = []
@@ -186,37 +200,24 @@ def decide(graph: LayerGraph, tensors: Mapping[str, TensorInfo], policy: Policy,
             by[k] += mine[k]
         layers.append(LayerBytes(l.name, mine[GPU], mine[UVA], mine[PREFETCH], c.h2d_bytes, c.gpu_us,
                                  reasons.get(l.name), l.runs, experts_map(l.params, place.__getitem__, l.name + ".")))
-    summary = Summary(by[GPU], by[UVA], by[PREFETCH], fp.pool, prediction.h2d_bytes, prediction.step_us)
+    summary = Summary(by[GPU], by[UVA], by[PREFETCH], fp.pool, prediction.h2d_bytes, prediction.step_us,
+                      fp.stage_pool)
     cost = Cost(hardware.name, prediction.batch_size, prediction.cpu_us, prediction.gpu_us, prediction.link_us,
-                policy.workload.cuda_graphs)
+                work.cuda_graphs, prediction.prompt_tokens, prediction.prefill_us)
     outcome = Outcome(policy, backend, reason, skipped, place, frozenset(fixed), tensors, graph, schedule,
                       mixed_notes, bool(groups.members) and top_k is None and routing is None,
-                      routing, bool(moe) and top_k is not None and routing is None, checkpoint_fingerprint)
-    return Decision(backend, place, schedule, tuple(layers), notes(outcome), summary, cost)
+                      routing, bool(moe) and top_k is not None and routing is None, checkpoint_fingerprint, staging)
+    return Decision(backend, place, schedule, tuple(layers), notes(outcome), summary, cost, staging)
 
 
-def _check_groups(groups, won, selected, policy) -> None:
-    """Rules and `params` patterns select experts whole, and prefetch whole groups (see groups.py)."""
-    problems = []
-    for i, (rule, mine) in enumerate(zip(policy.rules, won)):
-        if rule.place is not None:
-            problems += split_units(groups, mine, f"rules[{i}] (place: {rule.place.value})", rule.place is PREFETCH)
-    for key in ("uva", "prefetch"):
-        if selected[key] is not None:
-            problems += split_units(groups, selected[key], f"{key}.params", key == "prefetch")
-    if problems:
-        raise PolicyError(f"{policy.path}: the policy splits fused experts", problems)
-
-
-def _rarely_run_first(rare: list[Layer], fixed, fp: Footprint, budget: int, groups: FusedGroups, selected) -> None:
-    """Budget-driven placement offloads to uva what does not run in every decode step first (vision
-    towers, MTP layers: graph.py): it costs a decode step nothing, wherever it lives."""
+def _rarely_run_first(rare: list[Layer], fixed, fp: Footprint, groups: FusedGroups, selected):
+    """The units budget-driven placement offloads to uva first: what does not run in every decode step
+    (vision towers, MTP layers: graph.py) costs a decode step nothing, wherever it lives. Lazy: each
+    unit is taken from the placement as the walk (`Footprint.fit`) reaches it."""
     for layer in rare:
         for n in layer.params:
-            if fp.total <= budget:
-                return
             if n not in fixed and fp.place[n] is GPU and (selected is None or n in selected):
-                fp.move(groups.expert(n), UVA)
+                yield groups.expert(n)
 
 
 def _uva(stack, fixed, fp: Footprint, policy: Policy, groups: FusedGroups, selected, rare: list[Layer]) -> None:
@@ -249,11 +250,8 @@ def _uva(stack, fixed, fp: Footprint, policy: Policy, groups: FusedGroups, selec
             fp.move(unit, UVA)
             done += sum(fp.tensors[n].nbytes for n in unit)
         return
-    _rarely_run_first(rare, fixed, fp, policy.budget_bytes, groups, selected)
-    for unit in units(groups.expert):
-        if fp.total <= policy.budget_bytes:
-            break
-        fp.move(unit, UVA)
+    fp.fit(chain(_rarely_run_first(rare, fixed, fp, groups, selected), units(groups.expert)), UVA,
+           policy.budget_bytes)
 
 
 def _prefetch(stack, fixed, fp: Footprint, policy: Policy, graph: LayerGraph, selected, groups: FusedGroups) -> None:
@@ -288,7 +286,6 @@ def _prefetch(stack, fixed, fp: Footprint, policy: Policy, graph: LayerGraph, se
     rare = graph.rarely_run()
     if not eligible and not rare and selected is not None:
         raise PolicyError(nothing_left(policy, "prefetch", stack, selected))
-    _rarely_run_first(rare, fixed, fp, policy.budget_bytes, groups, selected)
-    if fp.total > policy.budget_bytes:
+    if not fp.fit(_rarely_run_first(rare, fixed, fp, groups, selected), UVA, policy.budget_bytes):
         for layer, names in fewest_layers(eligible, fp, policy.budget_bytes):
             fp.move(names, PREFETCH)

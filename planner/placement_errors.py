@@ -1,12 +1,15 @@
 """What placement says when it cannot do what a policy asks: the budget is too small, a backend has nothing
-to offload. Each message names the key to change, with the exact values (see placement.py, steps 6 and 8)."""
+to offload, a rule or pattern splits fused experts. Each message names the key to change, with the exact
+values (see placement.py, steps 2, 6 and 9)."""
 from __future__ import annotations
 
+from .errors import PolicyError
+from .groups import FusedGroups, split_units
 from .plan import Backend, Placement
 from .policy import Policy
 from .units import GIB, human
 
-GPU = Placement.GPU
+GPU, PREFETCH = Placement.GPU, Placement.PREFETCH
 
 
 def gib(n: float) -> str:
@@ -28,6 +31,20 @@ def smallest_budget_gib(nbytes: int) -> str:
         if int(float(text) * GIB) == nbytes:
             return text
     return repr(nbytes / GIB)  # exact: a power-of-two division (not reached for sizes below 2**53)
+
+
+def check_groups(groups: FusedGroups, won: list[set[str]], selected: dict, policy: Policy) -> None:
+    """Rules and `params` patterns select experts whole, and prefetch whole groups (see groups.py):
+    `won[i]` is what rule i places, `selected` what `uva.params` and `prefetch.params` select."""
+    problems = []
+    for i, (rule, mine) in enumerate(zip(policy.rules, won)):
+        if rule.place is not None:
+            problems += split_units(groups, mine, f"rules[{i}] (place: {rule.place.value})", rule.place is PREFETCH)
+    for key in ("uva", "prefetch"):
+        if selected[key] is not None:
+            problems += split_units(groups, selected[key], f"{key}.params", key == "prefetch")
+    if problems:
+        raise PolicyError(f"{policy.path}: the policy splits fused experts", problems)
 
 
 def layer_list(layers, limit: int = 6) -> str:
@@ -57,7 +74,9 @@ def nothing_left(policy: Policy, key: str, layers, selected, head: str = "") -> 
     return f"{policy.path}: backend {key} has nothing to offload: {head}{why}"
 
 
-def over_budget(policy: Policy, backend: Backend, need: int, place, tensors, graph) -> str:
+def over_budget(policy: Policy, backend: Backend, need: int, place, tensors, graph, stage_pool: int = 0) -> str:
+    """The budget error: the smallest budget that fits, what is pinned, the key to change; `stage_pool`
+    (the prefill staging buffers, part of `need`) is named with the key that drops it."""
     pinned: dict[str, int] = {}
     stack_names = {l.name for l in graph.stack_layers()}
     for l in graph.layers:
@@ -80,4 +99,7 @@ def over_budget(policy: Policy, backend: Backend, need: int, place, tensors, gra
         example = top[0][0].rsplit(".", 1)[-1] if top else "embed_tokens"
         fix = ("No choice of offloaded layers fits. Move more to host memory with a rule "
                f"(for example `rules: [{{match: [{example}], place: uva}}]`), or raise budget_gib.")
-    return f"{head}\n  Pinned to the GPU outside the layer stacks: {pinned_text}.\n  {fix}"
+    staging = (f"\n  {gib(stage_pool)} of it are the prefill staging buffers: `uva: {{stage_prefill: false}}` "
+               "drops them (uva tensors are then read in place at prefill too, slower past a few hundred "
+               "tokens)." if stage_pool else "")
+    return f"{head}\n  Pinned to the GPU outside the layer stacks: {pinned_text}.\n  {fix}{staging}"

@@ -175,10 +175,11 @@ class Summary:
     prefetch_buffer_bytes: int
     predicted_h2d_bytes_per_step: int = 0
     predicted_step_us: int = 0
+    stage_buffer_bytes: int = 0  # the prefill staging pool (PrefillStaging.pool_bytes)
 
     @property
     def gpu_footprint_bytes(self) -> int:
-        return self.gpu_bytes + self.prefetch_buffer_bytes
+        return self.gpu_bytes + self.prefetch_buffer_bytes + self.stage_buffer_bytes
 
 
 @dataclass(frozen=True)
@@ -191,6 +192,8 @@ class Cost:
     gpu_us: int  # per step: HBM reads + UVA reads
     link_us: int  # per step: UVA reads + prefetch copies over the host link
     cuda_graphs: bool = False  # steps replay a captured CUDA graph: cpu_us is 0
+    prompt_tokens: int = 0  # tokens of the predicted prefill (workload.prompt_tokens); 0: a plan without one
+    prefill_us: int = 0  # predicted prefill of prompt_tokens tokens, one sequence: the time to first token
 
     @property
     def step_us(self) -> int:

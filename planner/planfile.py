@@ -19,8 +19,8 @@ from . import yamlio
 from .checkpoint import Checkpoint, TensorInfo, open_checkpoint
 from .consistency import inconsistencies
 from .errors import InconsistentPlanError, OffplanError, PlanFileError
-from .plan import (Backend, Buffer, Cost, LayerBytes, Layout, Placement, Plan, PrefetchSchedule, RoutingRef,
-                   Runs, Summary, Transfer)
+from .plan import (Backend, Buffer, Cost, LayerBytes, Layout, Placement, Plan, PrefetchSchedule, PrefillStaging,
+                   RoutingRef, Runs, StagedLayer, Summary, Transfer)
 from .schema import validate
 
 FORMAT_VERSION = 2  # 2: slot layouts with offsets, module paths, `runs`
@@ -83,6 +83,8 @@ def dumps(plan: Plan) -> str:
            f"  uva_bytes: {s.uva_bytes}\n",
            f"  prefetch_bytes: {s.prefetch_bytes}\n",
            f"  prefetch_buffer_bytes: {s.prefetch_buffer_bytes}\n",
+           # absent without staging, as in plans before it
+           *([f"  stage_buffer_bytes: {s.stage_buffer_bytes}\n"] if s.stage_buffer_bytes else []),
            f"  gpu_footprint_bytes: {s.gpu_footprint_bytes}\n",
            f"  predicted_h2d_bytes_per_step: {s.predicted_h2d_bytes_per_step}\n",
            f"  predicted_step_us: {s.predicted_step_us}\n"]
@@ -91,8 +93,9 @@ def dumps(plan: Plan) -> str:
         out.append("cost: null\n")
     else:
         graphs = {"cuda_graphs": True} if c.cuda_graphs else {}  # absent for eager, as plans before it
+        prefill = {"prompt_tokens": c.prompt_tokens, "prefill_us": c.prefill_us} if c.prompt_tokens else {}
         flow = _flow(hardware=c.hardware, batch_size=c.batch_size, cpu_us=c.cpu_us, gpu_us=c.gpu_us,
-                     link_us=c.link_us, **graphs)
+                     link_us=c.link_us, **graphs, **prefill)
         out.append(f"cost: {flow}\n")
     out.append("notes:" + (" []\n" if not plan.notes else "\n"))
     out += [f"  - {_s(n)}\n" for n in plan.notes]
@@ -111,6 +114,11 @@ def dumps(plan: Plan) -> str:
         out.append("  schedule:\n")
         out += [f"    - {_flow(layer=t.layer, module=t.module, layout=t.layout, slot=t.slot, after=t.after)}\n"
                 for t in p.schedule]
+    st = plan.prefill
+    if st is not None:  # absent when nothing is staged, as in plans before staging
+        out += ["prefill:\n", f"  above_tokens: {st.above_tokens}\n", f"  slots: {st.slots}\n",
+                f"  slot_bytes: {st.slot_bytes}\n", "  layers:\n"]
+        out += [f"    - {_flow(layer=l.layer, module=l.module, bytes=l.bytes)}\n" for l in st.layers]
     out.append("params:\n")
     out += [f"  {_s(name)}: {place.value}\n" for name, place in plan.params.items()]
     return "".join(out)
@@ -171,7 +179,7 @@ def _refuse_inconsistent(plan: Plan, doc: yamlio.Located, tensors, unchecked: st
         policy = (doc.file.parent / plan.policy_path).as_posix()
         raise InconsistentPlanError(
             f"{doc.file}: the plan is inconsistent (edited by hand?): params: compared with layers:, "
-            f"summary: and prefetch: {how}; rebuild it: plan build {policy} -o {doc.file}", problems)
+            f"summary:, prefetch: and prefill: {how}; rebuild it: plan build {policy} -o {doc.file}", problems)
 
 
 def _parse(text: str, path: Path) -> tuple[Plan, yamlio.Located]:
@@ -194,6 +202,10 @@ def _parse(text: str, path: Path) -> tuple[Plan, yamlio.Located]:
                                        for b in l["buffers"])) for l in p["layouts"]),
         tuple(Transfer(t["layer"], t["module"], t["layout"], t["slot"], t["after"]) for t in p["schedule"]))
     s = d["summary"]
+    st = d.get("prefill")
+    prefill = None if st is None else PrefillStaging(
+        st["above_tokens"], st["slots"], st["slot_bytes"],
+        tuple(StagedLayer(l["layer"], l["module"], l["bytes"]) for l in st["layers"]))
     plan = Plan(
         checkpoint_path=d["checkpoint"]["path"],
         checkpoint_fingerprint=d["checkpoint"]["fingerprint"],
@@ -206,12 +218,13 @@ def _parse(text: str, path: Path) -> tuple[Plan, yamlio.Located]:
         stacks=tuple(d["stacks"]),
         tied_embeddings=d["tied_embeddings"],
         summary=Summary(s["gpu_bytes"], s["uva_bytes"], s["prefetch_bytes"], s["prefetch_buffer_bytes"],
-                        s["predicted_h2d_bytes_per_step"], s["predicted_step_us"]),
+                        s["predicted_h2d_bytes_per_step"], s["predicted_step_us"], s.get("stage_buffer_bytes", 0)),
         layers=tuple(LayerBytes(**{**l, "runs": Runs(l.get("runs", "step"))}) for l in d["layers"]),
         prefetch=prefetch,
         params={k: Placement(v) for k, v in d["params"].items()},
         notes=tuple(d["notes"]),
         cost=None if d["cost"] is None else Cost(**d["cost"]),
         routing=None if d.get("routing") is None else RoutingRef(d["routing"]["path"], d["routing"]["fingerprint"]),
+        prefill=prefill,
     )
     return plan, doc

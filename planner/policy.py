@@ -41,11 +41,14 @@ class Workload:
           experts_per_token: 8
           routing: qwen3.routing.yaml   # written by `plan profile CHECKPOINT -o qwen3.routing.yaml`
           cuda_graphs: true             # decode steps replayed from a captured CUDA graph
+          prompt_tokens: 2048           # the prefill to predict: the time to first token
+          new_tokens: 128               # tokens generated per request
 
     Without `routing`, the cost model assumes every expert of a layer is equally likely
     to be picked, and the plan says so; with it, each expert's share of decode tokens
     comes from the profile (planner/routing.py), and `backend: mixed` keeps the most-hit
-    experts on the GPU.
+    experts on the GPU. A request is a prefill of `prompt_tokens` and `new_tokens` decode
+    steps; `backend: mixed` minimises its predicted time, not the step's alone.
     """
 
     batch_size: int = 1  # sequences decoded together
@@ -53,14 +56,29 @@ class Workload:
     routing: Path | None = None  # `routing:` resolved against the policy's directory, `~` expanded
     routing_text: str | None = None  # as written in the policy, e.g. "qwen3.routing.yaml"
     cuda_graphs: bool = False  # True: steps replay a CUDA graph, no CPU launch cost; False: eager, launched per op
+    prompt_tokens: int = 512  # the typical prompt, whose prefill (time to first token) the cost model predicts
+    new_tokens: int = 256  # tokens generated per request: mixed minimises prefill + new_tokens x step
 
 
 @dataclass(frozen=True)
 class UvaPolicy:
-    """`uva:` vLLM's zero-copy knobs. Example: `{offload_gib: 8, params: [mlp]}`."""
+    """`uva:` vLLM's zero-copy knobs, and prefill staging. Example: `{offload_gib: 8, params: [mlp]}`,
+    or `{stage_prefill: false}` to read uva tensors in place at prefill too (no staging buffers).
+
+    Staging (planner/staging.py): a forward over more than the hardware profile's
+    `stage_above_tokens` tokens copies each layer's uva tensors (routed experts and
+    embeddings aside) into one of 2 GPU slots before the layer runs, since a GEMM reading
+    them in place re-reads them per tile. The slots count in the GPU footprint.
+    """
 
     offload_gib: float = 0  # GiB of layer tensors to offload, walking layers in order (vLLM cpu_offload_gb)
     params: tuple[Pattern, ...] = ()  # only these tensors are candidates (vLLM cpu_offload_params)
+    stage_prefill: bool = True  # copy uva layers to GPU slots at prefill (whatever placed them on uva)
+
+    @property
+    def offloads(self) -> bool:
+        """The backend knobs are set (stage_prefill applies to rules' uva tensors too, so it is not one)."""
+        return self.offload_gib > 0 or bool(self.params)
 
 
 @dataclass(frozen=True)
@@ -147,7 +165,8 @@ def load_policy(path: str | Path) -> Policy:
     u = data.get("uva", {})
     p = data.get("prefetch", {})
     # JSON Schema's "integer" admits 2.0: store ints, so plans and messages print 2.
-    uva = UvaPolicy(u.get("offload_gib", 0), patterns(["uva", "params"], u.get("params")))
+    uva = UvaPolicy(u.get("offload_gib", 0), patterns(["uva", "params"], u.get("params")),
+                    bool(u.get("stage_prefill", True)))
     pre = PrefetchPolicy(int(p.get("group_size", 0)), int(p.get("num_in_group", 1)),
                          int(p.get("step", 1)), patterns(["prefetch", "params"], p.get("params")))
     for i, _ in enumerate(data.get("stacks", [])):
@@ -161,7 +180,8 @@ def load_policy(path: str | Path) -> Policy:
     routing = path.parent / Path(w["routing"]).expanduser() if "routing" in w else None
     workload = Workload(int(w.get("batch_size", 1)),
                         int(w["experts_per_token"]) if "experts_per_token" in w else None,
-                        routing, w.get("routing"), bool(w.get("cuda_graphs", False)))
+                        routing, w.get("routing"), bool(w.get("cuda_graphs", False)),
+                        int(w.get("prompt_tokens", 512)), int(w.get("new_tokens", 256)))
     if routing is not None:
         locations["workload.routing"] = doc.where(["workload", "routing"])
         if not routing.is_file():
@@ -184,7 +204,7 @@ def load_policy(path: str | Path) -> Policy:
                         f"prefetch is on (it is {pre.step})")
     # A field is "set" when it differs from its default: `prefetch: {step: 2}` under
     # backend uva is as ignored as a group_size would be.
-    uva_set = uva != UvaPolicy()
+    uva_set = uva.offloads
     pre_set = pre != PrefetchPolicy()
     if backend is Backend.UVA and pre_set:
         warnings.append(f"{doc.key_where([], 'prefetch')}: prefetch.* is set but backend is uva; it is ignored")

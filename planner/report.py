@@ -78,17 +78,21 @@ def show_data(plan: Plan) -> dict:
                     "slot": slot.get(l.name), "h2d_bytes_per_step": l.h2d, "gpu_us": l.us,
                     "why": l.why} for l in plan.layers],
         "summary": {"gpu_bytes": s.gpu_bytes, "uva_bytes": s.uva_bytes, "prefetch_bytes": s.prefetch_bytes,
-                    "prefetch_buffer_bytes": s.prefetch_buffer_bytes,
+                    "prefetch_buffer_bytes": s.prefetch_buffer_bytes, "stage_buffer_bytes": s.stage_buffer_bytes,
                     "gpu_footprint_bytes": s.gpu_footprint_bytes, "budget_bytes": plan.budget_bytes,
                     "predicted_h2d_bytes_per_step": s.predicted_h2d_bytes_per_step,
                     "predicted_step_us": s.predicted_step_us},
         "cost": None if plan.cost is None else {
             "hardware": plan.cost.hardware, "batch_size": plan.cost.batch_size,
             "cpu_us": plan.cost.cpu_us, "gpu_us": plan.cost.gpu_us, "link_us": plan.cost.link_us,
-            "cuda_graphs": plan.cost.cuda_graphs},
+            "cuda_graphs": plan.cost.cuda_graphs,
+            "prompt_tokens": plan.cost.prompt_tokens or None, "prefill_us": plan.cost.prefill_us or None},
         "prefetch": None if plan.prefetch is None else {
             "step": plan.prefetch.step, "slots": plan.prefetch.slots, "slot_bytes": plan.prefetch.slot_bytes,
             "layers": len(plan.prefetch.schedule)},
+        "prefill": None if plan.prefill is None else {
+            "above_tokens": plan.prefill.above_tokens, "slots": plan.prefill.slots,
+            "slot_bytes": plan.prefill.slot_bytes, "layers": [l.layer for l in plan.prefill.layers]},
         "notes": list(plan.notes),
     }
 
@@ -116,14 +120,21 @@ def show(plan: Plan, unchecked: str | None = None) -> list[RenderableType | str]
         p = plan.prefetch
         out.append(f"prefetch: {plural(len(p.schedule), 'layer')}, step {p.step}, {plural(p.slots, 'slot')} x "
                    f"{human(p.slot_bytes)} = {human(p.pool_bytes)} of GPU buffers")
+    if plan.prefill:
+        st = plan.prefill
+        out.append(f"prefill staging: {plural(len(st.layers), 'layer')} copy their uva tensors through "
+                   f"{plural(st.slots, 'slot')} x {human(st.slot_bytes)} = {human(st.pool_bytes)} of GPU buffers "
+                   f"when a forward carries more than {plural(st.above_tokens, 'token')}")
     out += _footprint(plan)
     if plan.cost:
         c = plan.cost
         bound = max((c.cpu_us, "kernel launches (CPU)"), (c.gpu_us, "GPU reads"), (c.link_us, "the host link"))[1]
         mode = "CUDA graph replay" if c.cuda_graphs else "eager"
+        ttft = (f"; time to first token (prefill of {plural(c.prompt_tokens, 'token')}) {ms(c.prefill_us)}"
+                if c.prompt_tokens else "")
         out.append(f"predicted at batch {c.batch_size}, {mode}, on {c.hardware}: "
                    f"{human(s.predicted_h2d_bytes_per_step)} over the link per step; step {ms(c.step_us)} = max(cpu {ms(c.cpu_us)}, gpu {ms(c.gpu_us)}, "
-                   f"link {ms(c.link_us)}), bound by {bound}")
+                   f"link {ms(c.link_us)}), bound by {bound}{ttft}")
     out += [n if is_warning(n) else f"note: {n}" for n in plan.notes]
     if unchecked:
         out.append(f"note: the layer table is the plan's own, not recomputed from tensor sizes: {unchecked}")
@@ -137,15 +148,16 @@ def _footprint(plan: Plan) -> list[str]:
         f"budget {human(budget)}: " + ("fits" if s.gpu_footprint_bytes <= budget else "OVER BUDGET")
         + f", {human(abs(budget - s.gpu_footprint_bytes))} "
         + ("to spare" if s.gpu_footprint_bytes <= budget else "too much"))
-    parts = (f"{human(s.gpu_bytes)} resident + {human(s.prefetch_buffer_bytes)} prefetch buffers = "
-             if s.prefetch_buffer_bytes else "")
+    pools = [(s.prefetch_buffer_bytes, "prefetch buffers"), (s.stage_buffer_bytes, "prefill staging buffers")]
+    parts = "".join(f" + {human(b)} {what}" for b, what in pools if b)
+    parts = f"{human(s.gpu_bytes)} resident{parts} = " if parts else ""
     out = [f"GPU footprint: {parts}{human(s.gpu_footprint_bytes)} ({verdict})"]
     offloaded = s.uva_bytes + s.prefetch_bytes
     if not offloaded:
         out.append("host (pinned): nothing offloaded")
         return out
     host = " + ".join(f"{human(b)} {k}" for k, b in (("uva", s.uva_bytes), ("prefetch", s.prefetch_bytes)) if b)
-    saved = offloaded - s.prefetch_buffer_bytes
+    saved = offloaded - s.prefetch_buffer_bytes - s.stage_buffer_bytes
     out.append(f"host (pinned): {host}; offloading saves {human(max(saved, 0))} of GPU memory "
                f"({percent(max(saved, 0), offloaded)} of the offloaded bytes)")
     return out

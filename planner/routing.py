@@ -7,7 +7,7 @@ runtime/routing.py) runs prompts through the model and counts, per MoE layer
 and per expert, the tokens routed to it, decode steps and prefill apart; a
 policy names the file (`workload.routing: FILE`), and the cost model reads
 each expert's share of decode tokens from it (cost.py), which `backend: mixed`
-ranks experts by.
+ranks experts by, and its share of prefill tokens for the prefill prediction.
 
 The file is deterministic YAML, one line per layer per phase:
 
@@ -35,8 +35,9 @@ takes top_k distinct experts, so no expert takes more than every token).
 checks a profile against a checkpoint's expert groups.
 
 Limits: the profile describes the prompts it was recorded on, nothing more;
-the cost model uses decode counts only (it predicts decode steps), and treats
-the tokens of a batch as routed independently of each other.
+the cost model predicts decode steps from the decode counts and the prefill
+from the prefill counts, and treats the tokens of a batch, or of a prompt, as
+routed independently of each other.
 """
 from __future__ import annotations
 
@@ -82,9 +83,11 @@ class RoutingProfile:
     path: Path | None = field(default=None, compare=False)  # the file it was read from
     fingerprint: str | None = field(default=None, compare=False)  # of that file (`profile_fingerprint`)
 
-    def probabilities(self, layer: str) -> tuple[float, ...]:
-        """Per expert of `layer`, the chance that a decode token is routed to it; they add up to top_k."""
-        return tuple(h / self.decode_tokens for h in self.layers[layer].decode)
+    def probabilities(self, layer: str, phase: str = "decode") -> tuple[float, ...]:
+        """Per expert of `layer`, the chance that a token of `phase` (decode or prefill) is routed to it;
+        they add up to top_k."""
+        tokens = getattr(self, f"{phase}_tokens")
+        return tuple(h / tokens for h in getattr(self.layers[layer], phase))
 
 
 def profile_fingerprint(text: str) -> str:

@@ -82,7 +82,7 @@ def make_schedule(graph: LayerGraph, place: Mapping[str, Placement],
     for k, l in enumerate(streamed):
         layout = layout_of(l, [n for n in l.params if place[n] is PREFETCH], tensors)
         index = layouts.setdefault(layout, len(layouts))
-        schedule.append(Transfer(l.name, l.name, index, k % slots, streamed[previous_user(k, slots, count)].name))
+        schedule.append(Transfer(l.name, l.module, index, k % slots, streamed[previous_user(k, slots, count)].name))
     problems = schedule_problems(graph, schedule)
     if problems:  # the rule above never makes such a schedule: a bug, not an input error
         raise AssertionError("; ".join(problems))

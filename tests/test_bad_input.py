@@ -23,7 +23,7 @@ from planner.policy import load_policy
 
 ROOT = Path(__file__).resolve().parent.parent
 HEAD = "format_version: 1\ncheckpoint: ./ckpt\n"
-POLICY = HEAD + "budget_gib: 0.018\n"  # offloads layer 0 of the toy checkpoint through uva
+POLICY = HEAD + "budget_gib: 0.015\n"  # offloads every layer of the toy checkpoint through uva, staged at prefill
 HARDWARE = ("format_version: 1\nname: test GPU\nh2d_copy_gbps: 55.0\nuva_read_gbps: 50.0\nhbm_read_gbps: 2900\n"
             "layer_overhead_us: 800.0\n")
 needs_torch = pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="plan apply needs torch")
@@ -165,7 +165,7 @@ CORPUS = [
      "bad.policy.yaml:3:20: uva.offload_gib: must be at least 0, not -1"),
     case("negative group_size", policy("prefetch: {group_size: -2}\n"), ["build", "bad.policy.yaml"],
      "bad.policy.yaml:3:24: prefetch.group_size: must be at least 0, not -2"),
-    case("negative bytes in a plan", edited_plan("budget_bytes: 19327352", "budget_bytes: -5 #", at="-5"),
+    case("negative bytes in a plan", edited_plan("budget_bytes: 16106127", "budget_bytes: -5 #", at="-5"),
          ["show", "bad.plan.yaml"], "bad.plan.yaml:{at}: budget_bytes: must be at least 0, not -5"),
     # An output that is one of the inputs: refused, nothing written.
     case("-o the policy", nothing, ["build", "p.policy.yaml", "-o", "p.policy.yaml"],
@@ -308,6 +308,42 @@ CORPUS = [
     case("unknown placement in a plan", edited_plan("  model.norm.weight: gpu", "  model.norm.weight: disk", at="disk"),
          ["show", "bad.plan.yaml"],
          "bad.plan.yaml:{at}: params.model.norm.weight: 'disk' is not one of gpu, uva, prefetch"),
+    # The prefill fields of a policy, and its plan's staging section edited by hand.
+    case("prompt_tokens 0", policy("workload: {prompt_tokens: 0}\n"), ["build", "bad.policy.yaml"],
+         "bad.policy.yaml: the policy is invalid\n"
+         "  - bad.policy.yaml:3:27: workload.prompt_tokens: must be at least 1, not 0"),
+    case("huge prompt_tokens", policy("workload:\n  prompt_tokens: 2097152\n"), ["validate", "bad.policy.yaml"],
+         "bad.policy.yaml:4:18: workload.prompt_tokens: must be at most 1048576, not 2097152"),
+    case("new_tokens as text", policy("workload: {new_tokens: many}\n"), ["build", "bad.policy.yaml"],
+         "bad.policy.yaml:3:24: workload.new_tokens: must be a whole number, not 'many'"),
+    case("new_tokens a fraction", policy("workload: {new_tokens: 2.5}\n"), ["build", "bad.policy.yaml"],
+         "bad.policy.yaml:3:24: workload.new_tokens: must be a whole number, not 2.5"),
+    case("stage_prefill as text", policy("uva:\n  stage_prefill: 'off'\n"), ["build", "bad.policy.yaml"],
+         "bad.policy.yaml:4:18: uva.stage_prefill: must be true or false, not 'off'"),
+    case("stage_prefill misspelled", policy("uva: {stage_prefil: false}\n"), ["build", "bad.policy.yaml"],
+         "bad.policy.yaml:3:7: uva.stage_prefil: unknown key; did you mean 'stage_prefill'?"),
+    case("a staged layer dropped", edited_plan("    - {layer: model.layers.3, module: model.layers.3, bytes: 3145728}\n",
+                                               "", at="- {layer: model.layers.0"),
+         ["show", "bad.plan.yaml"],
+         "bad.plan.yaml:{at}: prefill.layers: lists model.layers.0, model.layers.1, model.layers.2 but the layers of "
+         "params: with uva tensors that prefill stages (not embeddings, routed experts or MTP layers) are "
+         "model.layers.0, model.layers.1, model.layers.2, model.layers.3"),
+    case("a staged layer's bytes", edited_plan("module: model.layers.2, bytes: 3145728}", "module: model.layers.2, "
+                                               "bytes: 3145984}", at="3145984"),
+         ["validate", "bad.plan.yaml"],
+         "bad.plan.yaml:{at}: prefill.layers[2].bytes is 3145984 but the staged tensors of model.layers.2 take "
+         "3145728 (each rounded up to 256 bytes)"),
+    case("staging slots", edited_plan("prefill:\n  above_tokens: 256\n  slots: 2\n",
+                                      "prefill:\n  above_tokens: 256\n  slots: 1\n", at="1\n  slot_bytes"),
+         ["diff", "p.plan.yaml", "bad.plan.yaml"],
+         "bad.plan.yaml:{at}: prefill.slots is 1 but 4 staged layers give 2 (at most 2)"),
+    case("staging pool left out of the summary", edited_plan("  stage_buffer_bytes: 6291456\n", "",
+                                                             at="gpu_bytes: 9437184"),
+         ["show", "bad.plan.yaml"],
+         "bad.plan.yaml:{at}: summary.stage_buffer_bytes is 0 but the prefill section sizes the pool at 6291456"),
+    case("staging threshold 0", edited_plan("  above_tokens: 256\n", "  above_tokens: 0\n", at="0\n  slots"),
+         ["show", "bad.plan.yaml"],
+         "bad.plan.yaml:{at}: prefill.above_tokens: must be at least 1, not 0"),
 ]
 
 

@@ -41,3 +41,9 @@ def test_planning_commands_run_without_torch():
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert "valid plan" in done.stdout
+
+
+def test_planner_modules_stay_readable_in_one_sitting():
+    """One concept per file, most under ~300 lines (STYLE.md): a planner module past 300 wants splitting."""
+    lines = {p.name: len(p.read_text().splitlines()) for p in sorted((ROOT / "planner").glob("*.py"))}
+    assert {name: n for name, n in lines.items() if n > 300} == {}

@@ -13,7 +13,8 @@ from offplan.cli import main
 from planner.checkpoint import open_checkpoint
 from planner.planfile import load_plan
 
-UVA_POLICY = "budget_gib: 0.018\n"  # 18.4 MiB: offload layer 0 (3 MiB) of 21 MiB
+# 18.4 MiB: offload layer 0 (3 MiB) of 21 MiB; read in place at prefill too (staging slots: test_show_prefill)
+UVA_POLICY = "budget_gib: 0.018\nuva: {stage_prefill: false}\n"
 PREFETCH_POLICY = "prefetch:\n  group_size: 2\n"
 
 
@@ -45,7 +46,8 @@ def test_build_writes_the_plan_beside_the_policy(work, capsys):
     code, out, err = run(capsys, "build", "uva.policy.yaml")
     assert (code, err) == (0, "")
     assert out == ("wrote uva.plan.yaml: 11 tensors, backend uva; GPU 18.0 MiB, host 3.0 MiB; predicted step "
-                   "3.20 ms\nnote: backend uva (auto: budget_gib is set): 3.0 MiB on uva from 1 layer\n")
+                   "3.20 ms, prefill of 512 tokens 0.163 ms\n"
+                   "note: backend uva (auto: budget_gib is set): 3.0 MiB on uva from 1 layer\n")
     plan = load_plan(work / "uva.plan.yaml")
     assert [n for n, p in plan.params.items() if p.value == "uva"] == [
         "model.layers.0.mlp.down_proj.weight", "model.layers.0.self_attn.o_proj.weight"]
@@ -88,7 +90,8 @@ prefetch: 2 layers, step 1, 1 slot x 3.0 MiB = 3.0 MiB of GPU buffers
 GPU footprint: 15.0 MiB resident + 3.0 MiB prefetch buffers = 18.0 MiB (no budget set)
 host (pinned): 6.0 MiB prefetch; offloading saves 3.0 MiB of GPU memory (50% of the offloaded bytes)
 predicted at batch 1, eager, on NVIDIA H100 80GB HBM3 (PCIe Gen5 host link): 6.0 MiB over the link per step; \
-step 3.20 ms = max(cpu 3.20 ms, gpu 0.008 ms, link 0.114 ms), bound by kernel launches (CPU)
+step 3.20 ms = max(cpu 3.20 ms, gpu 0.008 ms, link 0.114 ms), bound by kernel launches (CPU); time to first \
+token (prefill of 512 tokens) 0.147 ms
 note: backend prefetch (auto: prefetch.group_size is set): 6.0 MiB on prefetch from 2 layers
 """
 
@@ -110,7 +113,8 @@ def test_show_against_the_budget(work, capsys):
         "GPU footprint: 18.0 MiB (budget 18.4 MiB: fits, 442.4 KiB to spare)",
         "host (pinned): 3.0 MiB uva; offloading saves 3.0 MiB of GPU memory (100% of the offloaded bytes)",
         "predicted at batch 1, eager, on NVIDIA H100 80GB HBM3 (PCIe Gen5 host link): 3.0 MiB over the link per step; "
-        "step 3.20 ms = max(cpu 3.20 ms, gpu 0.068 ms, link 0.062 ms), bound by kernel launches (CPU)"]
+        "step 3.20 ms = max(cpu 3.20 ms, gpu 0.068 ms, link 0.062 ms), bound by kernel launches (CPU); "
+        "time to first token (prefill of 512 tokens) 0.163 ms"]
 
 
 def test_show_tensors(work, capsys):
@@ -173,7 +177,9 @@ def test_show_tensors_and_diff_split_a_group_by_placement(tmp_path, monkeypatch,
     total = sum(i.nbytes for i in open_checkpoint(tmp_path / "ckpt").tensors.values())
     expert = 3 * 64 * 32 * 2  # gate, up and down of one expert in bf16: 12 KiB
     for name, shed in (("one", 1), ("three", 3)):  # shed 1, then 3 experts' bytes (layer 0's come first)
-        write_policy(tmp_path, f"budget_gib: {(total - shed * expert) / 2**30!r}\n", name=f"{name}.policy.yaml")
+        # without staging: its slot for the layer norm the walk moves first would cost one more expert
+        write_policy(tmp_path, f"budget_gib: {(total - shed * expert) / 2**30!r}\nuva: {{stage_prefill: false}}\n",
+                     name=f"{name}.policy.yaml")
         run(capsys, "build", f"{name}.policy.yaml")
     lines = run(capsys, "show", "three.plan.yaml", "--tensors", "--json")[1]
     units = [u for u in json.loads(lines)["units"] if u["layer"] == "model.layers.0" and "experts" in u["name"]]
@@ -208,8 +214,9 @@ def test_the_tiny_example_is_told_its_real_smallest_budget(tmp_path, monkeypatch
     assert code == 1
     need, text = re.search(r"needs \S+ KiB \(([\d,]+) bytes\).* is budget_gib: (\S+) \(", err).groups()
     need = int(need.replace(",", ""))
-    # lm_head and the final norm stay on the GPU: 64.1 KiB, not the 0.01 GiB it once said
-    assert (need, text) == (65664, "0.000061155")
+    # lm_head and the final norm stay on the GPU: 64.1 KiB, not the 0.01 GiB it once said; the layers'
+    # attention and norms on uva are staged at prefill through 2 slots of 26.0 KiB
+    assert (need, text) == (65664 + 2 * 26624, "0.000110746")
     write_policy(tmp_path, f"budget_gib: {text}\n" + rules, name="small.policy.yaml", head=head)
     assert run(capsys, "build", "small.policy.yaml")[0] == 0
     assert load_plan(tmp_path / "small.plan.yaml").summary.gpu_footprint_bytes == need
@@ -223,6 +230,7 @@ policy: uva.policy.yaml -> prefetch.policy.yaml (a different file; its content d
 budget: 18.4 MiB -> none
 GPU footprint: 18.0 MiB (unchanged)
 predicted step: 3.20 ms (unchanged)
+predicted prefill: 0.163 ms -> 0.147 ms (-0.016 ms, -9.8%)
 prefetch: new: streams 2 layers (model.layers.1, model.layers.3) with step 1, 1 slot x 3.0 MiB
 moved: 6 tensors in 3 layers, 9.0 MiB
   uva -> gpu: 2 tensors, 3.0 MiB
@@ -268,6 +276,8 @@ def test_diff_and_detailed_exitcode(work, capsys):
     assert d["units"][0] == {"layer": "model.layers.0", "from": "uva", "to": "gpu", "tensors": 2, "bytes": 3 * MiB,
                              "units": ["mlp.down_proj.weight", "self_attn.o_proj.weight"], "sizes": [1, 1]}
     assert d["predicted_step_us"] == {"old": 3200, "new": 3200}
+    assert d["predicted_prefill_us"] == {"old": 163, "new": 147}
+    assert (d["prefill"], d["staging_changed"]) == ({}, False)
     assert d["prefetch"] == {"added": {"step": 1, "slots": 1, "slot_bytes": 3 * MiB,
                                        "layers": ["model.layers.1", "model.layers.3"]}}
     code, out, err = run(capsys, "diff", "uva.plan.yaml", "nope.plan.yaml", "--detailed-exitcode")
@@ -280,7 +290,7 @@ def test_diff_names_schedule_changes_and_plans_elsewhere_compare_by_their_files(
     run(capsys, "build", "s2.policy.yaml")
     run(capsys, "build", "s3.policy.yaml")
     out = run(capsys, "diff", "s2.plan.yaml", "s3.plan.yaml")[1].splitlines()
-    assert out[3] == "prefetch: step 2 -> 3; slots 2 -> 3; 2 layers change slot (model.layers.2 0 -> 2, " \
+    assert out[4] == "prefetch: step 2 -> 3; slots 2 -> 3; 2 layers change slot (model.layers.2 0 -> 2, " \
         "model.layers.3 1 -> 0)"
     (work / "elsewhere").mkdir()
     run(capsys, "build", "s2.policy.yaml", "-o", "elsewhere/s2.plan.yaml")
@@ -356,7 +366,7 @@ BAD_INPUTS = [
     (["build", "bad.policy.yaml"], "bad.policy.yaml:4:1: invalid YAML: did not find expected ',' or ']'"),
     (["build", "schema.policy.yaml"], "schema.policy.yaml:3:1: budget_gb: unknown key; did you mean 'budget_gib'?"),
     (["build", "nockpt.policy.yaml"], "nowhere: no such file or directory"),
-    (["build", "budget.policy.yaml"], "the smallest budget that fits this policy is budget_gib: 0.008789063 (9.0 MiB)"),
+    (["build", "budget.policy.yaml"], "the smallest budget that fits this policy is budget_gib: 0.014648438 (15.0 MiB)"),
     (["build", "uva.policy.yaml", "-o", "no/such/dir/p.yaml"], "no/such/dir/p.yaml: cannot write the plan"),
     (["show", "missing.plan.yaml"], "missing.plan.yaml: no such plan file"),
     (["show", "uva.policy.yaml"], "uva.policy.yaml: this is a policy, not a plan"),
@@ -410,7 +420,7 @@ def test_show_validate_and_check_catch_one_flipped_placement(work, capsys):
     run(capsys, "build", "uva.policy.yaml")
     row, param = hand_edit(work)
     error = ("error: uva.plan.yaml: the plan is inconsistent (edited by hand?): params: compared with layers:, "
-             "summary: and prefetch: with the tensor sizes in its checkpoint's headers; rebuild it: plan build "
+             "summary:, prefetch: and prefill: with the tensor sizes in its checkpoint's headers; rebuild it: plan build "
              "uva.policy.yaml -o uva.plan.yaml\n"
              f"  - uva.plan.yaml:{row}:5: layers[1]: model.layers.0 has gpu 0, uva 3,145,728, prefetch 0; its "
              "tensors in params: have gpu 1,048,576, uva 2,097,152, prefetch 0 "

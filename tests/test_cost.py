@@ -77,9 +77,9 @@ def test_prediction_arithmetic():
     assert p.step_us == max(p.cpu_us, p.gpu_us, p.link_us) == 7000  # the link: 6000 + 1000
 
 
-def mixed(tensors, budget_mb, batch=1, step=2, top_k=2, rules=()):
-    pol = dataclasses.replace(policy("mixed", budget_gib=budget_mb * 10**6 / 2**30, step=step, rules=rules),
-                              workload=Workload(batch))
+def mixed(tensors, budget_mb, batch=1, step=2, top_k=2, rules=(), stage=True):
+    pol = dataclasses.replace(policy("mixed", budget_gib=budget_mb * 10**6 / 2**30, step=step, rules=rules,
+                                     stage_prefill=stage), workload=Workload(batch))
     t = infos(tensors)
     return decide(build_graph(t), t, pol, HW, top_k)
 
@@ -102,11 +102,16 @@ def test_mixed_puts_sparse_experts_on_uva_at_batch_1():
 def test_mixed_at_batch_64_offloads_no_more_than_it_must():
     # At batch 64 nearly every expert is touched, so reading one through UVA costs what copying it does.
     # Streaming whole layers must offload more than the 43 MB to shed (and pay for slots); one expert at a
-    # time, uva moves just enough: it is predicted faster.
+    # time, uva moves just enough: it is predicted faster. (Moving attention to uva too, as 'uva only' does,
+    # costs a prefill staging slot per layer moved, so it must move two experts more.)
     d = mixed(moe(), budget_mb=60, batch=64)
-    assert d.notes[1].startswith("mixed chose 'uva only': predicted 88.128 ms per step at batch 64")
-    assert "prefetch only 100.000 ms" in d.notes[1]
-    assert d.summary.uva_bytes < 43 * 10**6 + 3 * 10**6  # at most one expert unit past what it must shed
+    assert d.notes[1] == (
+        "mixed chose 'sparse->uva, dense->prefetch': predicted step 90.028 ms, prefill 90.150 ms, request "
+        "23137.318 ms (prefill of 512 tokens + 256 steps at batch 64); others: sparse->uva, dense->uva: step "
+        "90.028 ms, prefill 90.150 ms, request 23137.318 ms; prefetch only: step 100.000 ms, prefill 100.153 ms, "
+        "request 25700.153 ms; uva only: step 91.928 ms, prefill 91.150 ms, request 23624.718 ms")
+    assert d.summary.uva_bytes == 43 * 10**6  # the embedding and 42 MB of experts: just what it must shed
+    assert d.prefill is None  # experts and embeddings are never staged
 
 
 def test_mixed_respects_rules_and_budget_check():
@@ -115,7 +120,10 @@ def test_mixed_respects_rules_and_budget_check():
     assert d.params["lm_head.weight"] is UVA
     from planner.errors import BudgetError
     with pytest.raises(BudgetError, match=r"the plan needs 976.6 KiB \(1,000,000 bytes\) of GPU memory"):
-        mixed(moe(), budget_mb=0.5)  # lm_head (1 MB) stays on the GPU unless a rule moves it
+        mixed(moe(), budget_mb=0.5, stage=False)  # lm_head (1 MB) stays on the GPU unless a rule moves it
+    # staged at prefill, the attention tensors on uva take 2 slots of 1 MB (each rounded up to 256 bytes)
+    with pytest.raises(BudgetError, match=r"the plan needs 2.9 MiB \(3,000,384 bytes\) of GPU memory"):
+        mixed(moe(), budget_mb=0.5)
 
 
 def test_rule_roles_feed_the_model():
@@ -170,3 +178,91 @@ def test_graph_replay_costs_no_launch_time():
     graphs = CostModel(g, i, HW, 1, FusedGroups.find(n for l in g.stack_layers() for n in l.params), 1, graphs=True)
     assert eager.predict(place).cpu_us == 200 and graphs.predict(place).cpu_us == 0
     assert graphs.predict(place).gpu_us == eager.predict(place).gpu_us
+
+
+# ---------------------------------------------------------------- the prefill
+
+# 1 MB/us copy, 0.5 MB/us UVA, 10 MB/us HBM, 10^6 FLOP/us (1 TFLOP/s); staging above 64 tokens
+HW_PREFILL = dataclasses.replace(HW, matmul_tflops=1.0, stage_above_tokens=64)
+
+
+def prefill_placement(t):
+    """Layer 0: attention and every expert on uva; layer 1: attention prefetched, experts resident; the
+    embedding on uva (it reads rows), the head resident."""
+    place = {n: GPU for n in t}
+    for n in t:
+        if n.startswith("model.layers.0.") or n == "model.embed_tokens.weight":
+            place[n] = UVA
+    place["model.layers.1.self_attn.o_proj.weight"] = PREFETCH
+    return place
+
+
+@pytest.mark.parametrize("tokens, stage, want", [
+    # T = 100 > 64: layer 0's attention is staged (a 1 MB copy); T x 2 FLOP per element:
+    #   embedding: 100 of 1000 rows through UVA                        max(0, 0.1 MB / 0.5)             =   200
+    #   layer 0: 2e8 FLOP (attention) + 12 x 2e8 x 1/4 (each expert computes a quarter of the tokens):
+    #            max(800 + 1 MB staged / HBM 100, 1 MB copied 1000 + 12 MB of touched experts / 0.5 24000) = 25000
+    #   layer 1: max(800 + 13 MB / HBM 1300, 1 MB prefetched 1000)                                       =  2100
+    #   head:    max(200 + 1 MB / HBM 100, 0)                                                            =   300
+    (100, True, (200, 25000, 2100, 300)),
+    # not staged: a GEMM reads the attention in place ceil(100 / 64) = 2 times: 2 MB / 0.5 = 4000 on the link
+    (100, False, (200, 28000, 2100, 300)),
+    # T = 64 is not above the threshold: read in place once (2000); 64 of 1000 rows; 2 x 64 FLOP per element
+    (64, True, (128, 26000, 1812, 228)),
+])
+def test_prefill_prediction_by_hand(tokens, stage, want):
+    t = infos(moe(layers=2, experts=4))
+    g = build_graph(t)
+    groups = FusedGroups.find(n for l in g.stack_layers() for n in l.params)
+    m = CostModel(g, t, HW_PREFILL, 1, groups, 1, prompt_tokens=tokens, stage=stage)
+    p = m.predict(prefill_placement(t))
+    assert tuple(l.prefill_us for l in p.layers) == want
+    assert (p.prompt_tokens, p.prefill_us) == (tokens, sum(want))
+    assert p.request_us(10) == sum(want) + 10 * p.step_us
+
+
+def test_prefill_of_a_layer_at_rest_is_its_compute():
+    """Everything resident: each layer's GEMMs and HBM reads; more tokens, more FLOPs (the link is idle)."""
+    t = infos(moe(layers=2, experts=4))
+    g = build_graph(t)
+    groups = FusedGroups.find(n for l in g.stack_layers() for n in l.params)
+    place = {n: GPU for n in t}
+    # per layer at T=100: 800 us of GEMMs + 13 MB from HBM 1300 us; the head 300 us; the embedding 100 rows 10 us
+    for tokens, want in ((100, 10 + 2 * 2100 + 300), (1000, 100 + 2 * (8000 + 1300) + 2100)):
+        m = CostModel(g, t, HW_PREFILL, 1, groups, 1, prompt_tokens=tokens)
+        assert m.predict(place).prefill_us == want
+
+
+def dense(layers=8):
+    """A 1 MB embedding (1000 rows), `layers` dense layers of 1 MB, a 1 MB head: 10 MB in all."""
+    return ([("model.embed_tokens.weight", "U8", (1000, 1000))]
+            + [(f"model.layers.{i}.mlp.w", "U8", (10**6,)) for i in range(layers)] + [("lm_head.weight", "U8", (10**6,))])
+
+
+def test_mixed_minimises_the_request_not_the_step():
+    """With staging off, reading a dense layer in place costs a decode step what copying it does, but a
+    prefill of 1024 tokens reads it ceil(1024 / 256) = 4 times. UVA, which moves just the 3 MB to shed,
+    has the fastest step; streaming must move 4 layers (and pay 2 slots), but its prefill copies each
+    once. Few new tokens: the prefill decides; more: the step."""
+    hw = Hardware("test", h2d_copy_gbps=1.0, uva_read_gbps=1.0, hbm_read_gbps=10.0, layer_overhead_us=0.0,
+                  matmul_tflops=10.0, stage_above_tokens=256)
+    t = infos(dense())  # 10 MB; the budget, 7.1 MB
+    # per layer at rest: 2 x 1024 x 10^6 FLOP at 10^7 FLOP/us = 204.8 us, + 1 MB from HBM 100 us
+    # uva (the embedding, layers 0 and 1): step = gpu: 7 MB from HBM 700 + 2.001 MB through UVA 2001 = 2701;
+    #   prefill: the embedding's 1000 rows 1000 + 2 x 4 reads of 1 MB 8000 + 6 x 304.8 + the head 304.8
+    # sparse->uva, dense->prefetch (the embedding; layers 1, 3, 5, 7 through 2 slots of 1,000,192 bytes):
+    #   step = link: 4 MB copied + 1 embedding row = 4001; prefill 1000 + 4 x 1000 (copies) + 4 x 304.8 + 304.8
+    # prefetch only (5 layers: the embedding stays): step = link 5000; prefill 100 + 5 x 1000 + 3 x 304.8 + 304.8
+    want = {"sparse->uva, dense->prefetch": (4001, 6524), "sparse->uva, dense->uva": (2701, 11134),
+            "prefetch only": (5000, 6319), "uva only": (2701, 11134)}
+    # request: 1 new token: 10525 (streaming) < 11319 (prefetch only) < 13835 (uva);
+    #          4 new tokens: 21938 (uva) < 22528 (streaming)
+    for new_tokens, best in ((1, "sparse->uva, dense->prefetch"), (4, "sparse->uva, dense->uva")):
+        pol = dataclasses.replace(policy("mixed", budget_gib=7.1e6 / 2**30, step=2, stage_prefill=False),
+                                  workload=Workload(1, prompt_tokens=1024, new_tokens=new_tokens))
+        d = decide(build_graph(t), t, pol, hw, None)
+        said = {k: f"step {step / 1e3:.3f} ms, prefill {pre / 1e3:.3f} ms, request "
+                   f"{(pre + new_tokens * step) / 1e3:.3f} ms" for k, (step, pre) in want.items()}
+        assert d.notes[1] == (f"mixed chose {best!r}: predicted {said[best]} (prefill of 1024 tokens + {new_tokens} "
+                              "steps at batch 1); others: " + "; ".join(f"{k}: {v}" for k, v in said.items() if k != best))
+        assert (d.cost.step_us, d.cost.prefill_us, d.cost.prompt_tokens) == (*want[best], 1024)

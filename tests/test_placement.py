@@ -18,7 +18,7 @@ from planner.graph import build_graph
 from planner.placement import resolve_backend
 from planner.placement_errors import smallest_budget_gib
 from planner.schedule import make_schedule, spread
-from planner.plan import Buffer, LayerBytes, Layout, Transfer
+from planner.plan import Buffer, LayerBytes, Layout, PrefillStaging, StagedLayer, Transfer
 
 DOWN, O = "mlp.down_proj.weight", "self_attn.o_proj.weight"
 
@@ -61,7 +61,14 @@ def test_uva_walks_params_in_order_and_overshoots_by_the_last_one():
         LayerBytes("lm_head", gpu=4 * MiB),
     )
     assert d.prefetch is None
-    assert d.notes == ("backend uva (auto: uva.offload_gib is set): 5.0 MiB on uva from 2 layers",)
+    # both uva layers are staged at prefill: 2 slots of the larger (3 MiB), more than the 5 MiB moved
+    assert d.prefill == PrefillStaging(256, 2, 3 * MiB, (StagedLayer("model.layers.0", "model.layers.0", 3 * MiB),
+                                                         StagedLayer("model.layers.1", "model.layers.1", 2 * MiB)))
+    assert d.summary.gpu_footprint_bytes == 16 * MiB + 6 * MiB
+    assert d.notes == ("backend uva (auto: uva.offload_gib is set): 5.0 MiB on uva from 2 layers",
+                       "warning: the plan saves little GPU memory: nothing of the 5.0 MiB offloaded; the prefill "
+                       "staging buffers take 6.0 MiB (2 slots x 3.0 MiB for 2 uva layers); offload more layers to "
+                       "uva, or set `uva: {stage_prefill: false}` to read them in place at prefill")
 
 
 def test_uva_exact_amount_stops_at_it():
@@ -84,19 +91,39 @@ def test_uva_params_filter():
 
 def test_uva_budget_driven_offloads_in_order_until_it_fits():
     t = toy(4)  # 21 MiB
-    d, _ = plan_of(t, policy(budget_gib=mib(17)))
+    d, _ = plan_of(t, policy(budget_gib=mib(17), stage_prefill=False))
     assert d.params == expect(t, uva=layer_params(0) + layer_params(1, of=[DOWN]))
     assert d.notes == ("backend uva (auto: budget_gib is set): 5.0 MiB on uva from 2 layers",)
-    d, _ = plan_of(t, policy(budget_gib=mib(18)))
+    assert d.prefill is None
+    d, _ = plan_of(t, policy(budget_gib=mib(18), stage_prefill=False))
     assert placed(d, UVA) == layer_params(0)
+
+
+def test_the_uva_walk_to_a_budget_pays_for_the_staging_slots():
+    """Staged at prefill, uva layers take 2 slots of the largest: the first two layers moved free
+    nothing (3 MiB moved, a 3 MiB slot added each), every later one its 3 MiB."""
+    t = toy(4)  # 21 MiB; after k whole layers: 21 - 3k + 3 min(k, 2)
+    d, _ = plan_of(t, policy(budget_gib=mib(17)))
+    assert d.params == expect(t, uva=layer_params(0, 1, 2) + layer_params(3, of=[DOWN]))  # 21 - 11 + 6 = 16
+    assert (d.summary.gpu_footprint_bytes, d.summary.stage_buffer_bytes) == (16 * MiB, 6 * MiB)
+    assert [(l.layer, l.bytes) for l in d.prefill.layers] == [
+        ("model.layers.0", 3 * MiB), ("model.layers.1", 3 * MiB), ("model.layers.2", 3 * MiB),
+        ("model.layers.3", 2 * MiB)]
+    assert d.notes == (
+        "backend uva (auto: budget_gib is set): 11.0 MiB on uva from 4 layers",
+        "warning: the plan saves little GPU memory: 5.0 MiB (45% of the 11.0 MiB offloaded); the prefill staging "
+        "buffers take 6.0 MiB (2 slots x 3.0 MiB for 4 uva layers); offload more layers to uva, or set "
+        "`uva: {stage_prefill: false}` to read them in place at prefill")
+    d, _ = plan_of(t, policy(budget_gib=mib(18)))
+    assert placed(d, UVA) == layer_params(0, 1, 2)  # 21 - 9 + 6
 
 
 def test_uva_amount_with_a_budget_is_a_check():
     t = toy(4)
-    d, _ = plan_of(t, policy(offload_gib=mib(3), budget_gib=mib(18)))
+    d, _ = plan_of(t, policy(offload_gib=mib(3), budget_gib=mib(18), stage_prefill=False))
     assert placed(d, UVA) == layer_params(0)
     with pytest.raises(BudgetError) as e:
-        plan_of(t, policy(offload_gib=mib(3), budget_gib=mib(17)))
+        plan_of(t, policy(offload_gib=mib(3), budget_gib=mib(17), stage_prefill=False))
     assert str(e.value) == (
         "test.policy.yaml: the plan needs 18.0 MiB (18,874,368 bytes) of GPU memory but budget_gib "
         "0.0166015625 is 17,825,792 bytes; the smallest budget that fits this policy is "
@@ -105,12 +132,25 @@ def test_uva_amount_with_a_budget_is_a_check():
         "model.norm 1.0 MiB.\n"
         "  uva.offload_gib: 0.0029296875 offloads too little: raise it, or remove it and let "
         "budget_gib decide how much to offload.")
+    # staged at prefill, uva layers take 2 slots of 3 MiB: 9 MiB offloaded need 21 - 9 + 6 = 18 MiB
+    d, _ = plan_of(t, policy(offload_gib=mib(9), budget_gib=mib(18)))
+    assert placed(d, UVA) == layer_params(0, 1, 2) and d.summary.gpu_footprint_bytes == 18 * MiB
+    with pytest.raises(BudgetError) as e:
+        plan_of(t, policy(offload_gib=mib(9), budget_gib=mib(17)))
+    assert str(e.value).startswith(
+        "test.policy.yaml: the plan needs 18.0 MiB (18,874,368 bytes) of GPU memory but budget_gib "
+        "0.0166015625 is 17,825,792 bytes; the smallest budget that fits this policy is "
+        "budget_gib: 0.017578125 (18.0 MiB).\n")
+    assert str(e.value).endswith(
+        "budget_gib decide how much to offload.\n"
+        "  6.0 MiB of it are the prefill staging buffers: `uva: {stage_prefill: false}` drops them (uva tensors "
+        "are then read in place at prefill too, slower past a few hundred tokens).")
 
 
 def test_no_fit_names_the_smallest_budget_and_what_is_pinned():
     t = toy(4)  # 9 MiB outside the stacks can never move
     with pytest.raises(BudgetError) as e:
-        plan_of(t, policy(budget_gib=mib(8)))
+        plan_of(t, policy(budget_gib=mib(8), stage_prefill=False))
     assert str(e.value) == (
         "test.policy.yaml: the plan needs 9.0 MiB (9,437,184 bytes) of GPU memory but budget_gib "
         "0.0078125 is 8,388,608 bytes; the smallest budget that fits this policy is "
@@ -119,7 +159,16 @@ def test_no_fit_names_the_smallest_budget_and_what_is_pinned():
         "model.norm 1.0 MiB.\n"
         "  No choice of offloaded layers fits. Move more to host memory with a rule (for example "
         "`rules: [{match: [embed_tokens], place: uva}]`), or raise budget_gib.")
-    d, _ = plan_of(t, policy(budget_gib=0.008789063))  # the suggestion is exactly 9 MiB
+    d, _ = plan_of(t, policy(budget_gib=0.008789063, stage_prefill=False))  # the suggestion is exactly 9 MiB
+    assert placed(d, UVA) == layer_params(0, 1, 2, 3)
+    # with the staging slots (2 x 3 MiB) the smallest is 15 MiB, and the error says what they take
+    with pytest.raises(BudgetError) as e:
+        plan_of(t, policy(budget_gib=mib(8)))
+    assert str(e.value).startswith("test.policy.yaml: the plan needs 15.0 MiB (15,728,640 bytes) of GPU memory")
+    assert str(e.value).endswith("\n  6.0 MiB of it are the prefill staging buffers: `uva: {stage_prefill: "
+                                 "false}` drops them (uva tensors are then read in place at prefill too, slower "
+                                 "past a few hundred tokens).")
+    d, _ = plan_of(t, policy(budget_gib=0.014648438))
     assert placed(d, UVA) == layer_params(0, 1, 2, 3)
 
 
@@ -350,11 +399,12 @@ def test_prefetch_budget_offloads_the_fewest_layers_spread_evenly():
 
 
 def test_prefetch_budget_zero_layers_when_rules_already_fit():
-    t = toy(8)
-    d, _ = plan_of(t, policy(backend="prefetch", budget_gib=mib(25),
+    t = toy(8)  # 33 MiB; the rules move 8 MiB, and the head is staged at prefill through a 4 MiB slot
+    d, _ = plan_of(t, policy(backend="prefetch", budget_gib=mib(29),
                              rules=[(["embed_tokens", "lm_head"], "uva")]))
     assert d.params == expect(t, uva=["model.embed_tokens.weight", "lm_head.weight"])
     assert d.prefetch is None
+    assert d.prefill == PrefillStaging(256, 1, 4 * MiB, (StagedLayer("lm_head", "lm_head", 4 * MiB),))
 
 
 def test_prefetch_group_size_with_budget_is_a_check():
@@ -537,10 +587,10 @@ def test_rules_that_offload_are_not_reported_as_nothing_offloaded():
 
 def test_a_budget_that_fits_with_the_rules_alone_says_so():
     t = toy(8)
-    d, _ = plan_of(t, policy(backend="prefetch", budget_gib=mib(25),
+    d, _ = plan_of(t, policy(backend="prefetch", budget_gib=mib(29),
                              rules=[(["embed_tokens", "lm_head"], "uva")]))
     assert d.notes == ("rules place 8.0 MiB on uva (2 tensors)",
-                       "the plan fits budget_gib 0.0244140625 with the rules' placements alone: backend "
+                       "the plan fits budget_gib 0.0283203125 with the rules' placements alone: backend "
                        "prefetch offloads nothing more (offloading would only cost speed)")
 
 
@@ -548,7 +598,7 @@ def test_rules_and_backend_each_report_what_they_placed():
     d, _ = plan_of(toy(4), policy(group_size=2, rules=[(["embed_tokens"], "uva")]))
     assert d.notes == ("rules place 4.0 MiB on uva (1 tensor)",
                        "backend prefetch (auto: prefetch.group_size is set): 6.0 MiB on prefetch from 2 layers")
-    d, _ = plan_of(toy(4), policy(backend="uva", offload_gib=mib(3)))
+    d, _ = plan_of(toy(4), policy(backend="uva", offload_gib=mib(3), stage_prefill=False))
     assert d.notes == ("backend uva (named by the policy): 3.0 MiB on uva from 1 layer",)
 
 
@@ -604,8 +654,27 @@ def uneven_layers():
     return t + [("model.norm.weight", "U8", (MiB,)), ("lm_head.weight", "U8", (4 * MiB,))]
 
 
+def last_layer_largest():
+    """Layers of 1, 1, 1, 1, 10 MiB: on uva, the last one frees 10 MiB but grows both staging slots by 9."""
+    t = [("model.embed_tokens.weight", "U8", (4 * MiB,))]
+    t += [(f"model.layers.{i}.mlp.w", "U8", ((10 if i == 4 else 1) * MiB,)) for i in range(5)]
+    return t + [("model.norm.weight", "U8", (MiB,)), ("lm_head.weight", "U8", (4 * MiB,))]
+
+
+def test_a_uva_walk_that_never_fits_stops_where_the_footprint_was_smallest():
+    # 23 MiB; with layers 0..k on uva (resident + slots): 22 + 1, 21 + 2, 20 + 2, 19 + 2, then 9 + 2 x 10
+    t = last_layer_largest()
+    with pytest.raises(BudgetError, match=r"needs 21.0 MiB \(22,020,096 bytes\).* is budget_gib: 0.020507813 "):
+        plan_of(t, policy(budget_gib=mib(20)))
+    d, _ = plan_of(t, policy(budget_gib=mib(21)))
+    assert placed(d, UVA) == [f"model.layers.{i}.mlp.w" for i in range(4)]
+    assert (d.prefill.slots, d.prefill.slot_bytes, d.summary.gpu_footprint_bytes) == (2, MiB, 21 * MiB)
+
+
 @pytest.mark.parametrize("tensors, kw", [
     (toy(4), dict()),                                         # uva walk, down to all stack tensors
+    (toy(4), dict(stage_prefill=False)),
+    (last_layer_largest(), dict()),                           # uva walk: the footprint grows at the end
     (toy(4), dict(offload_gib=mib(3))),                       # uva amount: the budget is a check
     (toy(8), dict(backend="prefetch")),                       # the fewest layers that fit
     (toy(8), dict(backend="prefetch", step=3)),
@@ -619,7 +688,7 @@ def test_the_suggested_budget_builds_and_one_byte_less_does_not(tensors, kw):
     assert int(float(text) * 2**30) == need
     d, t = plan_of(tensors, policy(budget_gib=float(text), **kw))
     gpu = sum(t[n].nbytes for n, p in d.params.items() if p is GPU)
-    assert gpu + (d.prefetch.pool_bytes if d.prefetch else 0) == need
+    assert gpu + (d.prefetch.pool_bytes if d.prefetch else 0) + (d.prefill.pool_bytes if d.prefill else 0) == need
     with pytest.raises(BudgetError):
         plan_of(tensors, policy(budget_gib=(need - 1) / 2**30, **kw))
 

@@ -43,7 +43,8 @@ def test_cost_records_graph_replay(built):
     """workload.cuda_graphs: true predicts no CPU launch time, and the plan says it assumed graph replay;
     an eager plan's cost has no cuda_graphs key, as plans written before it."""
     graphs, text = built["graphs"]
-    assert graphs.cost.cuda_graphs and graphs.cost.cpu_us == 0 and ", cuda_graphs: true}\n" in text
+    assert graphs.cost.cuda_graphs and graphs.cost.cpu_us == 0
+    assert f", cuda_graphs: true, prompt_tokens: 512, prefill_us: {graphs.cost.prefill_us}}}\n" in text
     eager, text = built["budget"]
     assert not eager.cost.cuda_graphs and eager.cost.cpu_us > 0 and "cuda_graphs" not in text
 
@@ -132,7 +133,8 @@ def test_schema_violations_are_located(built):
     line = lambda s: bad[:bad.index(s)].count("\n") + 1  # noqa: E731
     assert e.problems == [
         f"p.plan.yaml:{line('extra')}:1: extra: unknown key (allowed: format_version, checkpoint, policy, "
-        "routing, backend, budget_bytes, stacks, tied_embeddings, summary, cost, notes, layers, prefetch, params)",
+        "routing, backend, budget_bytes, stacks, tied_embeddings, summary, cost, notes, layers, prefetch, prefill, "
+        "params)",
         f"p.plan.yaml:{line('backend: gpu')}:10: backend: 'gpu' is not one of none, uva, prefetch, mixed",
         f"p.plan.yaml:{line(': disk')}:40: params.model.layers.2.mlp.down_proj.weight: 'disk' is not one "
         "of gpu, uva, prefetch",
@@ -157,8 +159,8 @@ def line(text: str, needle: str) -> int:
     return text[:text.index(needle)].count("\n") + 1
 
 
-HEADLINE = ("p.plan.yaml: the plan is inconsistent (edited by hand?): params: compared with layers:, summary: "
-            "and prefetch: ")
+HEADLINE = ("p.plan.yaml: the plan is inconsistent (edited by hand?): params: compared with layers:, summary:, "
+            "prefetch: and prefill: ")
 
 
 @pytest.mark.parametrize("name, edit, at, problem", [
@@ -168,8 +170,8 @@ HEADLINE = ("p.plan.yaml: the plan is inconsistent (edited by hand?): params: co
      "summary.uva_bytes is 6291457 but the layers add up to 6291456"),
     ("uva", ("  bytes: 22020096\n", "  bytes: 22020095\n"), ("bytes: 22020095", 10),
      "checkpoint.bytes is 22020095 but the layers add up to 22020096"),
-    ("uva", ("  gpu_footprint_bytes: 15728640\n", "  gpu_footprint_bytes: 1\n"), ("gpu_footprint_bytes: 1\n", 24),
-     "summary.gpu_footprint_bytes is 1 but gpu_bytes + prefetch_buffer_bytes is 15728640"),
+    ("uva", ("  gpu_footprint_bytes: 22020096\n", "  gpu_footprint_bytes: 1\n"), ("gpu_footprint_bytes: 1\n", 24),
+     "summary.gpu_footprint_bytes is 1 but gpu_bytes + prefetch_buffer_bytes + stage_buffer_bytes is 22020096"),
     ("prefetch", ("  prefetch_buffer_bytes: 6291456\n", "  prefetch_buffer_bytes: 3145728\n"),
      ("prefetch_buffer_bytes: 3145728", 26),
      "summary.prefetch_buffer_bytes is 3145728 but the prefetch section sizes the pool at 6291456"),
@@ -225,12 +227,15 @@ def test_one_flipped_placement_is_caught_with_the_checkpoint_and_names_the_lines
         loads(bad, "p.plan.yaml", tensors)
     row = line(bad, "{name: model.layers.0,")
     param = line(bad, "model.layers.0.self_attn.o_proj.weight: gpu")
+    staged = line(bad, "{layer: model.layers.0,")
     assert e.value.headline == (HEADLINE + "with the tensor sizes in its checkpoint's headers; rebuild it: plan "
                                 "build uva.policy.yaml -o p.plan.yaml")
     assert e.value.problems == [
         f"p.plan.yaml:{row}:5: layers[1]: model.layers.0 has gpu 0, uva 3,145,728, prefetch 0; its tensors in "
         f"params: have gpu 1,048,576, uva 2,097,152, prefetch 0 (p.plan.yaml:{param}:43: "
-        "params.model.layers.0.self_attn.o_proj.weight: gpu)"]
+        "params.model.layers.0.self_attn.o_proj.weight: gpu)",
+        f"p.plan.yaml:{staged}:62: prefill.layers[0].bytes is 3145728 but the staged tensors of model.layers.0 "
+        "take 2097152 (each rounded up to 256 bytes)"]
 
 
 def test_a_split_fused_group_and_wrong_buffers_are_caught(tmp_path):

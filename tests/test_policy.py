@@ -12,7 +12,7 @@ from headeronly import write_policy
 from planner.errors import PolicyError
 from planner.patterns import compile_pattern
 from planner.plan import Backend, Placement
-from planner.policy import Policy, PrefetchPolicy, Rule, UvaPolicy, load_policy
+from planner.policy import Policy, PrefetchPolicy, Rule, UvaPolicy, Workload, load_policy
 
 SCHEMAS = Path(__file__).resolve().parent.parent / "schemas"
 
@@ -191,3 +191,19 @@ def test_schema_is_draft_2020_12_and_documents_every_field():
         for field, spec in sub.get("properties", {}).items():
             if key != "rules":
                 assert spec.get("description"), f"{key}.{field}"
+
+
+def test_prefill_fields_default_and_parse(tmp_path):
+    got = load_policy(write_policy(tmp_path))
+    assert (got.workload.prompt_tokens, got.workload.new_tokens, got.uva.stage_prefill) == (512, 256, True)
+    got = load_policy(write_policy(tmp_path, "workload: {prompt_tokens: 2048.0, new_tokens: 64}\n"
+                                             "uva: {stage_prefill: false}\n"))
+    assert (got.workload, got.uva) == (Workload(prompt_tokens=2048, new_tokens=64), UvaPolicy(stage_prefill=False))
+    assert type(got.workload.prompt_tokens) is int
+
+
+@pytest.mark.parametrize("body", ["backend: prefetch\nbudget_gib: 1\nuva: {stage_prefill: false}\n",
+                                  "backend: mixed\nbudget_gib: 1\nuva: {stage_prefill: false}\n"])
+def test_stage_prefill_is_no_backend_knob_so_no_backend_ignores_it(tmp_path, body):
+    """It applies to whatever placed tensors on uva (rules, mixed), so it is never "ignored"."""
+    assert load_policy(write_policy(tmp_path, body)).warnings == ()

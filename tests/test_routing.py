@@ -1,6 +1,7 @@
 """Routing profiles in the planner: the file, the cost model's fractions, mixed plans, notes, staleness."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -183,6 +184,28 @@ def test_fractions_come_from_the_profile():
                    for i in range(2) for e in range(4) for proj in ("down_proj", "gate_proj", "up_proj")}
     uniform = CostModel(g, t, HW, 2, groups, 2)
     assert {f for n, f in uniform.frac.items() if ".experts." in n} == {1 - (1 - 2 / 4) ** 2}
+
+
+def test_the_prefill_takes_its_shares_from_the_profiles_prefill_counts():
+    t = infos(moe_tensors())
+    g = build_graph(t)
+    groups = FusedGroups.find(n for l in g.stack_layers() for n in l.params)
+    # 4 prefill tokens, top-2: layer 0 sends every one to experts 0 and 1; layer 1 spreads them evenly
+    profile = RoutingProfile("c", FP, "x", 1, 9, 2, 4, 8, {
+        "model.layers.0.mlp.experts": LayerHits(4, (8, 4, 4, 0), (4, 4, 0, 0)),
+        "model.layers.1.mlp.experts": LayerHits(4, (2, 6, 2, 6), (2, 2, 2, 2))})
+    m = CostModel(g, t, HW, 2, groups, 2, None, profile, prompt_tokens=3)
+    read = {0: (1.0, 1.0, 0.0, 0.0), 1: (1 - 0.5 ** 3,) * 4}  # 1 - (1 - share)^3 over the 3 prompt tokens
+    share = {0: (1.0, 1.0, 0.0, 0.0), 1: (0.5,) * 4}  # of the tokens each expert computes
+    names = [(i, e, f"model.layers.{i}.mlp.experts.{e}.{proj}.weight") for i in range(2) for e in range(4)
+             for proj in ("down_proj", "gate_proj", "up_proj")]
+    assert {n: m.pre_frac[n] for _, _, n in names} == {n: read[i][e] for i, e, n in names}
+    assert {n: m.flops[n] for _, _, n in names} == {n: 2 * 3 * 10**6 * share[i][e] for i, e, n in names}
+    # a profile without prefill tokens: its decode shares stand in
+    no_prefill = dataclasses.replace(profile, prefill_tokens=0, layers={
+        k: dataclasses.replace(h, prefill=(0,) * 4) for k, h in profile.layers.items()})
+    m = CostModel(g, t, HW, 2, groups, 2, None, no_prefill, prompt_tokens=3)
+    assert m.flops["model.layers.0.mlp.experts.1.up_proj.weight"] == 2 * 3 * 10**6 * 0.5  # 4 of 8 decode tokens
 
 
 def test_mismatches_name_every_layer():

@@ -70,6 +70,7 @@ def test_a_budget_offloads_the_mtp_layer_first_and_the_cost_model_ignores_it(tmp
     assert off and all(n.startswith("model.layers.61.") for n in off)  # exactly the MTP layer
     row = next(l for l in plan.layers if l.name == "model.layers.61")
     assert (row.runs, row.uva, row.h2d, row.us) == (Runs.MTP, mtp, 0, 0)
+    assert plan.prefill is None  # it runs in no forward of plain generation: no staging slot for it
     assert plan.summary.predicted_h2d_bytes_per_step == 0  # it runs in no decode step
     assert any(n.startswith("not in a decode step, so the cost model counts them in none: 1 layer that predict "
                             "extra tokens (MTP)") for n in plan.notes)
@@ -77,10 +78,13 @@ def test_a_budget_offloads_the_mtp_layer_first_and_the_cost_model_ignores_it(tmp
 
 def test_a_budget_offloads_the_vision_tower_first(tmp_path):
     root = checkpoint(tmp_path, small_qwen2_vl(), {"vision_config": {"depth": 4}, "num_hidden_layers": 4})
-    plan = build(load_policy(write_policy(root, "backend: prefetch\nbudget_gib: 0.000200868\nprefetch: {step: 2}\n",
+    plan = build(load_policy(write_policy(root, "backend: prefetch\nbudget_gib: 0.00026238\nprefetch: {step: 2}\n",
                                           head="format_version: 1\ncheckpoint: ./ckpt\n")), root)
     vision = [n for n in plan.params if n.startswith("visual.")]
     assert all(plan.params[n] is UVA for n in vision)  # before any text layer streams
+    # a vision tower runs at prefill, over an image's tokens: staged, but its patch embedding (an EMBED) is not
+    assert [l.layer for l in plan.prefill.layers] == [*(f"visual.blocks.{i}" for i in range(4)), "visual.merger.ln_q",
+                                                      "visual.merger.mlp.0", "visual.merger.mlp.2"]
     assert plan.prefetch is not None and all(not t.layer.startswith("visual.") for t in plan.prefetch.schedule)
     assert [l.runs.value for l in plan.layers if l.name.startswith("visual.")] == ["images"] * 8
     assert "{name: visual.blocks.0, runs: images, " in dumps(plan)  # the plan file says so too
