@@ -46,9 +46,9 @@ embedding reads T rows and computes nothing. The uva tensors that prefill
 stages (staging.py: not embeddings, not routed experts) are copied once when T
 > stage_above_tokens; otherwise a GEMM reads them in place and re-reads them
 once per tile of output rows, which the model approximates as
-ceil(T / stage_above_tokens) reads: 1 up to the threshold, 2 at 512 tokens
-with the default 256 (measured on the H100: 2.1x a copy), 32 at 8192 (measured
-24x: long prompts are predicted pessimistic).
+ceil(T / stage_above_tokens) reads: 1 up to the threshold, 3 at 512 tokens
+with the default 192 (measured on the H100: 2.1x a copy), 43 at 8192 (measured
+24x: long prompts read in place are predicted pessimistic).
 
 Limits: without a routing profile, expert routing is assumed uniform (real
 routers are skewed, which touches fewer experts); with one, the tokens of a

@@ -333,15 +333,15 @@ CORPUS = [
          ["validate", "bad.plan.yaml"],
          "bad.plan.yaml:{at}: prefill.layers[2].bytes is 3145984 but the staged tensors of model.layers.2 take "
          "3145728 (each rounded up to 256 bytes)"),
-    case("staging slots", edited_plan("prefill:\n  above_tokens: 256\n  slots: 2\n",
-                                      "prefill:\n  above_tokens: 256\n  slots: 1\n", at="1\n  slot_bytes"),
+    case("staging slots", edited_plan("prefill:\n  above_tokens: 192\n  slots: 2\n",
+                                      "prefill:\n  above_tokens: 192\n  slots: 1\n", at="1\n  slot_bytes"),
          ["diff", "p.plan.yaml", "bad.plan.yaml"],
          "bad.plan.yaml:{at}: prefill.slots is 1 but 4 staged layers give 2 (at most 2)"),
     case("staging pool left out of the summary", edited_plan("  stage_buffer_bytes: 6291456\n", "",
                                                              at="gpu_bytes: 9437184"),
          ["show", "bad.plan.yaml"],
          "bad.plan.yaml:{at}: summary.stage_buffer_bytes is 0 but the prefill section sizes the pool at 6291456"),
-    case("staging threshold 0", edited_plan("  above_tokens: 256\n", "  above_tokens: 0\n", at="0\n  slots"),
+    case("staging threshold 0", edited_plan("  above_tokens: 192\n", "  above_tokens: 0\n", at="0\n  slots"),
          ["show", "bad.plan.yaml"],
          "bad.plan.yaml:{at}: prefill.above_tokens: must be at least 1, not 0"),
 ]

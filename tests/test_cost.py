@@ -106,10 +106,10 @@ def test_mixed_at_batch_64_offloads_no_more_than_it_must():
     # costs a prefill staging slot per layer moved, so it must move two experts more.)
     d = mixed(moe(), budget_mb=60, batch=64)
     assert d.notes[1] == (
-        "mixed chose 'sparse->uva, dense->prefetch': predicted step 90.028 ms, prefill 90.150 ms, request "
-        "23137.318 ms (prefill of 512 tokens + 256 steps at batch 64); others: sparse->uva, dense->uva: step "
-        "90.028 ms, prefill 90.150 ms, request 23137.318 ms; prefetch only: step 100.000 ms, prefill 100.153 ms, "
-        "request 25700.153 ms; uva only: step 91.928 ms, prefill 91.150 ms, request 23624.718 ms")
+        "mixed chose 'sparse->uva, dense->prefetch': predicted step 90.028 ms, prefill 90.147 ms, request "
+        "23137.315 ms (prefill of 512 tokens + 256 steps at batch 64); others: sparse->uva, dense->uva: step "
+        "90.028 ms, prefill 90.147 ms, request 23137.315 ms; prefetch only: step 100.000 ms, prefill 100.153 ms, "
+        "request 25700.153 ms; uva only: step 91.928 ms, prefill 91.147 ms, request 23624.715 ms")
     assert d.summary.uva_bytes == 43 * 10**6  # the embedding and 42 MB of experts: just what it must shed
     assert d.prefill is None  # experts and embeddings are never staged
 

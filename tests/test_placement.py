@@ -15,6 +15,7 @@ from headeronly import (GPU, PREFETCH, UVA, MiB, infos, mib, offloaded_layers, p
                         policy, toy)
 from planner.errors import BudgetError, PolicyError
 from planner.graph import build_graph
+from planner.hardware import H100
 from planner.placement import resolve_backend
 from planner.placement_errors import smallest_budget_gib
 from planner.schedule import make_schedule, spread
@@ -62,7 +63,7 @@ def test_uva_walks_params_in_order_and_overshoots_by_the_last_one():
     )
     assert d.prefetch is None
     # both uva layers are staged at prefill: 2 slots of the larger (3 MiB), more than the 5 MiB moved
-    assert d.prefill == PrefillStaging(256, 2, 3 * MiB, (StagedLayer("model.layers.0", "model.layers.0", 3 * MiB),
+    assert d.prefill == PrefillStaging(H100.stage_above_tokens, 2, 3 * MiB, (StagedLayer("model.layers.0", "model.layers.0", 3 * MiB),
                                                          StagedLayer("model.layers.1", "model.layers.1", 2 * MiB)))
     assert d.summary.gpu_footprint_bytes == 16 * MiB + 6 * MiB
     assert d.notes == ("backend uva (auto: uva.offload_gib is set): 5.0 MiB on uva from 2 layers",
@@ -404,7 +405,7 @@ def test_prefetch_budget_zero_layers_when_rules_already_fit():
                              rules=[(["embed_tokens", "lm_head"], "uva")]))
     assert d.params == expect(t, uva=["model.embed_tokens.weight", "lm_head.weight"])
     assert d.prefetch is None
-    assert d.prefill == PrefillStaging(256, 1, 4 * MiB, (StagedLayer("lm_head", "lm_head", 4 * MiB),))
+    assert d.prefill == PrefillStaging(H100.stage_above_tokens, 1, 4 * MiB, (StagedLayer("lm_head", "lm_head", 4 * MiB),))
 
 
 def test_prefetch_group_size_with_budget_is_a_check():

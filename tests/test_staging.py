@@ -41,7 +41,7 @@ def test_llama_stages_each_uva_layer_and_the_head_never_the_embedding():
                                                 (["re:layers\\.2\\.mlp"], "uva")]))
     # layer 0 whole: 8192 + 4096 + 4096 + 8192 + 3 x 16384, and its 2 norms of 128 B rounded up to 256;
     # layer 2's MLP: 3 x 16384; the head 32768; the embedding (a lookup of rows) stays out
-    assert d.prefill == PrefillStaging(256, 2, 74240, (StagedLayer("model.layers.0", "model.layers.0", 74240),
+    assert d.prefill == PrefillStaging(H100.stage_above_tokens, 2, 74240, (StagedLayer("model.layers.0", "model.layers.0", 74240),
                                                        StagedLayer("model.layers.2", "model.layers.2", 49152),
                                                        StagedLayer("lm_head", "lm_head", 32768)))
     assert d.summary.stage_buffer_bytes == 2 * 74240
@@ -54,7 +54,7 @@ def test_qwen3_moe_stages_no_routed_expert():
     # layer 0 less its experts: input and post-attention norms (128 B) and q_norm, k_norm (32 B), each
     # rounded up to 256, q and o 2 x 8192, k and v 2 x 4096, the router 512: 26112. Layer 1 holds only
     # experts on uva: not staged. The head: 16384
-    assert d.prefill == PrefillStaging(256, 2, 26112, (StagedLayer("model.layers.0", "model.layers.0", 26112),
+    assert d.prefill == PrefillStaging(H100.stage_above_tokens, 2, 26112, (StagedLayer("model.layers.0", "model.layers.0", 26112),
                                                        StagedLayer("lm_head", "lm_head", 16384)))
 
 
@@ -66,7 +66,7 @@ def test_experts_alone_on_uva_stage_nothing():
 def test_stage_prefill_false_plans_no_staging_and_no_pool():
     on, _ = plan_of(small_llama(), policy(rules=[(["layers.0"], "uva")]))
     off, _ = plan_of(small_llama(), policy(rules=[(["layers.0"], "uva")], stage_prefill=False))
-    assert on.prefill == PrefillStaging(256, 1, 74240, (StagedLayer("model.layers.0", "model.layers.0", 74240),))
+    assert on.prefill == PrefillStaging(H100.stage_above_tokens, 1, 74240, (StagedLayer("model.layers.0", "model.layers.0", 74240),))
     assert (off.prefill, off.summary.stage_buffer_bytes) == (None, 0)
     assert on.summary.gpu_footprint_bytes - off.summary.gpu_footprint_bytes == 74240
     assert on.params == off.params
@@ -103,7 +103,7 @@ def staged(tmp_path):
 
 def test_the_prefill_section_on_file_round_trips(staged):
     plan, text, _ = staged
-    assert ("prefill:\n  above_tokens: 256\n  slots: 2\n  slot_bytes: 74240\n  layers:\n"
+    assert (f"prefill:\n  above_tokens: {H100.stage_above_tokens}\n  slots: 2\n  slot_bytes: 74240\n  layers:\n"
             "    - {layer: model.layers.0, module: model.layers.0, bytes: 74240}\n"
             "    - {layer: model.layers.1, module: model.layers.1, bytes: 74240}\nparams:\n") in text
     assert "  prefetch_buffer_bytes: 0\n  stage_buffer_bytes: 148480\n  gpu_footprint_bytes: " in text
@@ -206,14 +206,14 @@ def test_show_and_diff_report_the_staging_and_the_prefill(tmp_path, monkeypatch,
     assert main(["show", "on.plan.yaml"]) == 0
     lines = capsys.readouterr().out.splitlines()
     at = lines.index("prefill staging: 2 layers copy their uva tensors through 2 slots x 72.5 KiB = 145.0 KiB of "
-                     "GPU buffers when a forward carries more than 256 tokens")
+                     f"GPU buffers when a forward carries more than {H100.stage_above_tokens} tokens")
     assert lines[at + 1:at + 3] == [
         "GPU footprint: 208.6 KiB resident + 145.0 KiB prefill staging buffers = 353.6 KiB (no budget set)",
         "host (pinned): 144.5 KiB uva; offloading saves 0 B of GPU memory (0% of the offloaded bytes)"]
     assert lines[at + 3].endswith(f"; time to first token (prefill of 512 tokens) {on.cost.prefill_us / 1e3:.3f} ms")
     assert main(["show", "on.plan.yaml", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
-    assert data["prefill"] == {"above_tokens": 256, "slots": 2, "slot_bytes": 74240,
+    assert data["prefill"] == {"above_tokens": H100.stage_above_tokens, "slots": 2, "slot_bytes": 74240,
                                "layers": ["model.layers.0", "model.layers.1"]}
     assert (data["summary"]["stage_buffer_bytes"], data["cost"]["prompt_tokens"], data["cost"]["prefill_us"]) == (
         148480, 512, on.cost.prefill_us)
@@ -226,11 +226,11 @@ def test_show_and_diff_report_the_staging_and_the_prefill(tmp_path, monkeypatch,
         f"predicted prefill: {on.cost.prefill_us / 1e3:.3f} ms -> {off.cost.prefill_us / 1e3:.3f} ms "
         f"(+{pre / 1e3:.3f} ms, {pre / on.cost.prefill_us:+.1%})",
         "prefill staging: gone: the old plan staged 2 layers (model.layers.0, model.layers.1) through 2 slots x "
-        "72.5 KiB above 256 tokens"]
+        f"72.5 KiB above {H100.stage_above_tokens} tokens"]
     assert main(["diff", "on.plan.yaml", "off.plan.yaml", "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
     assert (d["prefill"], d["staging_changed"], d["summary"]["stage_buffer_bytes"]) == (
-        {"removed": {"above_tokens": 256, "slots": 2, "slot_bytes": 74240,
+        {"removed": {"above_tokens": H100.stage_above_tokens, "slots": 2, "slot_bytes": 74240,
                      "layers": ["model.layers.0", "model.layers.1"]}}, True, -148480)
     assert d["predicted_prefill_us"] == {"old": on.cost.prefill_us, "new": off.cost.prefill_us}
 
