@@ -24,7 +24,10 @@ checkpoint, and its calibration measured now on this GPU):
    last position only), timed with a CUDA synchronize around it: the median of
    3 after a warm-up. Its logits are compared bitwise with all-GPU's;
 3. per plan, decode at batch 1 (eager `generate`, and replaying a captured
-   CUDA graph), so that what staging costs decode shows beside it.
+   CUDA graph), so that what staging costs decode shows beside it;
+4. beside each measured prefill, the plan's prediction (`cost.prefill_us`)
+   for the same placement at workload.prompt_tokens = T (null for `mixed`
+   where the planner would place differently for that T).
 
 The floor at T is max(offloaded bytes / H2D copy bandwidth, all-GPU's prefill
 at T): every offloaded byte crosses the link once, and offloading cannot
@@ -46,7 +49,10 @@ from pathlib import Path
 
 import torch
 
+from planner.build import build
+from planner.plan import Plan
 from planner.planfile import load_plan
+from planner.policy import load_policy
 from planner.units import GIB
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -92,6 +98,18 @@ def policy(strategy: str, layers: list[int], fraction: float, hw: Path, budget_g
     raise ValueError(strategy)
 
 
+def predicted_prefill(work: Path, name: str, text: str, plan: Plan, tokens: list[int]) -> dict[int, float | None]:
+    """T -> the planner's predicted prefill (ms) of `plan`'s placement at prompt_tokens T; None where the
+    policy at T places differently (mixed weighs the prefill of T)."""
+    out = {}
+    for t in tokens:
+        path = work / f"{name}-{t}.policy.yaml"
+        path.write_text(text + f"workload: {{prompt_tokens: {t}}}\n")
+        d = build(load_policy(path), work)
+        out[t] = d.cost.prefill_us / 1e3 if d.params == plan.params else None
+    return out
+
+
 def first_token(model, ids: torch.Tensor, device) -> tuple[float, torch.Tensor]:
     """(seconds, last-position logits) of the prefill forward over `ids` [1, T], as generate runs it."""
     from transformers import DynamicCache
@@ -130,7 +148,7 @@ class Prefill:
         if r.get("same_logits") is False or r.get("same_tokens") is False:
             self.mismatches.append(f"{r['strategy']} {r.get('tokens', r.get('mode'))}")
 
-    def run(self, strategy: str, plan_path: Path, offloaded: int) -> None:
+    def run(self, strategy: str, plan_path: Path, offloaded: int, predicted: dict[int, float | None]) -> None:
         import runtime
         from runtime.hf import build_meta_model
         gc.collect()
@@ -147,6 +165,7 @@ class Prefill:
             for n in self.args.tokens:
                 ids = self.prompt[:, :n]
                 first_token(model, ids, self.args.device)  # warm-up
+                before = handle.stats().prefill_staged_layers
                 times, logits = [], None
                 for _ in range(REPEAT):
                     s, logits = first_token(model, ids, self.args.device)
@@ -157,7 +176,8 @@ class Prefill:
                 floor = max(offloaded / (self.hw.h2d_copy_gbps * 1e9), self.allgpu[n])
                 self.record(kind="prefill", tokens=n, prefill_ms=seconds * 1e3, floor_ms=floor * 1e3,
                             ratio_to_floor=seconds / floor, same_logits=bool(torch.equal(logits, self.reference[n])),
-                            staged_layer_forwards=handle.stats().prefill_staged_layers, **facts)
+                            predicted_ms=predicted[n],
+                            staged_layers=(handle.stats().prefill_staged_layers - before) // REPEAT, **facts)
             for mode in ("eager", "graph") if self.cuda else ("eager",):
                 if mode == "eager":
                     rate, tokens = decode(model, self.ids, 1, self.args.new_tokens, self.args.device)
@@ -180,19 +200,26 @@ def main(argv=None) -> int:
                       if any(n.startswith(f"model.layers.{i}.") for i in off))
     experts_bytes = sum(t.nbytes for n, t in bench.info.tensors.items() if ".experts." in n)
 
-    def plan(strategy: str, budget: float | None = None) -> Path:
-        return make_plan(bench.work, f"prefill-{strategy}", policy(strategy, off, args.fraction, bench.hw_path, budget))
-    bench.run("gpu", plan("gpu"), 0)
-    prefetch = plan("prefetch")
-    budget = load_plan(prefetch).summary.gpu_footprint_bytes / GIB
+    budget = None
+
+    def run(strategy: str) -> Path:
+        text = policy(strategy, off, args.fraction, bench.hw_path, budget)
+        path = make_plan(bench.work, f"prefill-{strategy}", text)
+        plan = load_plan(path)
+        offloaded = {"gpu": 0, "uva": layer_bytes, "uva-in-place": layer_bytes, "experts-host": experts_bytes}.get(
+            strategy, plan.summary.uva_bytes + plan.summary.prefetch_bytes)
+        bench.run(strategy, path, offloaded, predicted_prefill(bench.work, f"prefill-{strategy}", text, plan,
+                                                                 args.tokens))
+        return path
+    run("gpu")
+    if "prefetch" in args.strategies:
+        prefetch = run("prefetch")
+    else:
+        prefetch = make_plan(bench.work, "prefill-prefetch", policy("prefetch", off, args.fraction, bench.hw_path, None))
+    budget = load_plan(prefetch).summary.gpu_footprint_bytes / GIB  # mixed gets prefetch's GPU footprint
     for strategy in args.strategies:
-        if strategy == "experts-host":
-            if experts_bytes:
-                bench.run(strategy, plan(strategy), experts_bytes)
-            continue
-        path = prefetch if strategy == "prefetch" else plan(strategy, budget)
-        s = load_plan(path).summary
-        bench.run(strategy, path, layer_bytes if strategy.startswith("uva") else s.uva_bytes + s.prefetch_bytes)
+        if strategy != "prefetch" and (strategy != "experts-host" or experts_bytes):
+            run(strategy)
     if bench.mismatches:
         print(f"FAILED: logits or tokens differ from all-GPU's for {', '.join(bench.mismatches)}", file=sys.stderr)
         return 1

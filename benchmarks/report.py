@@ -324,6 +324,18 @@ def prefill_tables() -> list[str]:
                 cells.append(f"{r['prefill_ms']:.1f} ({r['ratio_to_floor']:.2f}x{vs}){' =' if r['same_logits'] else ' ≠'}")
             off = by[(st, tokens[0])]["offloaded_bytes"] / 1e9
             out.append(f"| {PREFILL_LABELS.get(st, st)} | {off:.1f} GB | " + " | ".join(cells) + " |")
+        if any(r.get("predicted_ms") is not None for r in prefill):
+            out += ["", "The planner's prediction (the plan's `cost.prefill_us` at `workload.prompt_tokens` = T, same "
+                    "placement) over the measured prefill: 1.00 is exact, above 1 pessimistic. `-`: mixed places "
+                    "differently at that T.", "",
+                    "| plan | " + " | ".join(f"{t} tokens" for t in tokens) + " |", "|---|" + "---|" * len(tokens)]
+            for st in strategies:
+                cells = []
+                for t in tokens:
+                    r = by.get((st, t))
+                    pred = r.get("predicted_ms") if r else None
+                    cells.append("-" if pred is None else f"{pred:.1f} ms ({pred / r['prefill_ms']:.2f}x)")
+                out.append(f"| {PREFILL_LABELS.get(st, st)} | " + " | ".join(cells) + " |")
         decode = [r for r in rows if r["kind"] == "decode"]
         modes = list(dict.fromkeys(r["mode"] for r in decode))
         dby = {(r["strategy"], r["mode"]): r for r in decode}

@@ -50,3 +50,37 @@ def test_moe_benchmark_runs_on_the_cpu(tmp_path):
     assert ("experts-host-offplan", "offplan", 2) in runs and ("gpu-grouped_mm", "grouped_mm", 1) in runs
     assert all(r["same_tokens"] for r in rows if r["kind"] == "decode" and r["implementation"] != "eager")
     assert {r["batch"] for r in rows if r["kind"] == "floor"} == {1, 2}
+
+
+def test_prefill_benchmark_runs_on_the_cpu(tmp_path):
+    """prefill.py on the tiny MoE with a staging threshold of 8 tokens: a 16-token prompt is staged under the uva
+    plan, a 4-token one is not; every plan gives all-GPU's logits and tokens, beside the planner's prediction."""
+    import dataclasses
+    import importlib.util
+    import json
+    import sys
+
+    from planner.hardware import H100, dumps_hardware
+    hw = tmp_path / "hw.yaml"
+    hw.write_text(dumps_hardware(dataclasses.replace(H100, stage_above_tokens=8)))
+    root = decode_bench.ROOT / "benchmarks"
+    sys.path.insert(0, str(root))
+    try:
+        spec = importlib.util.spec_from_file_location("prefill_bench_main", root / "prefill.py")
+        prefill = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(prefill)
+        code = prefill.main(["--model", "tiny", "--layers", "4", "--device", "cpu", "--tokens", "4", "16",
+                             "--new-tokens", "2", "--hardware", str(hw), "--dir", str(tmp_path / "work"),
+                             "--out", str(tmp_path / "out")])
+    finally:
+        sys.path.remove(str(root))
+    assert code == 0
+    rows = [json.loads(l) for l in (tmp_path / "out" / "prefill-tiny.jsonl").read_text().splitlines()]
+    pre = {(r["strategy"], r["tokens"]): r for r in rows if r["kind"] == "prefill"}
+    assert {s for s, _ in pre} == {"gpu", "uva", "uva-in-place", "prefetch", "mixed", "experts-host"}
+    assert all(r["same_logits"] and r["predicted_ms"] is not None for r in pre.values())
+    assert (pre["uva", 16]["staged_layers"], pre["uva", 4]["staged_layers"]) == (2, 0)  # layers 2 and 3 of 4
+    assert pre["uva-in-place", 16]["staged_layers"] == 0 and pre["uva", 16]["stage_buffer_bytes"] > 0
+    # read in place, 16 tokens re-read each weight twice (ceil(16 / 8)); staged, they are copied once
+    assert pre["uva-in-place", 16]["predicted_ms"] > pre["uva", 16]["predicted_ms"]
+    assert all(r["same_tokens"] for r in rows if r["kind"] == "decode")

@@ -58,3 +58,32 @@ def test_moe_benchmark_runs_on_cuda(tmp_path):
     assert all(r["same_tokens"] for r in decoded if r["implementation"] != "eager")
     whole = [r for r in decoded if r["name"] == "whole-layers-uva-0.5"]
     assert all(r["observed_h2d_bytes_per_step"] > 0 for r in whole)
+
+
+def test_prefill_benchmark_runs_on_cuda(tmp_path):
+    """prefill.py on the tiny MoE on CUDA, with a staging threshold of 8 tokens: every plan's prefill gives all-GPU's
+    logits, the uva plan stages its layers above the threshold only, and decode (eager and graph replay) matches."""
+    import dataclasses
+    import importlib.util
+    import json
+    import sys
+    from decode_bench import ROOT
+    profile = tmp_path / "h100.yaml"
+    profile.write_text(dumps_hardware(dataclasses.replace(H100, stage_above_tokens=8)))
+    root = ROOT / "benchmarks"
+    sys.path.insert(0, str(root))
+    try:
+        spec = importlib.util.spec_from_file_location("prefill_bench_gpu", root / "prefill.py")
+        prefill = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(prefill)
+        code = prefill.main(["--model", "tiny", "--layers", "4", "--tokens", "4", "64", "--new-tokens", "4",
+                             "--hardware", str(profile), "--dir", str(tmp_path / "work"), "--out", str(tmp_path / "out")])
+    finally:
+        sys.path.remove(str(root))
+    assert code == 0
+    rows = [json.loads(l) for l in (tmp_path / "out" / "prefill-tiny.jsonl").read_text().splitlines()]
+    pre = {(r["strategy"], r["tokens"]): r for r in rows if r["kind"] == "prefill"}
+    assert all(r["same_logits"] for r in pre.values())
+    assert (pre["uva", 64]["staged_layers"], pre["uva", 4]["staged_layers"]) == (2, 0)
+    decoded = [r for r in rows if r["kind"] == "decode"]
+    assert {r["mode"] for r in decoded} == {"eager", "graph"} and all(r["same_tokens"] for r in decoded)

@@ -22,8 +22,10 @@ POLICIES = {
     "uva": "backend: uva\nuva: {offload_gib: 100}",
     "uva+prefetch": "rules:\n  - {match: [self_attn], place: uva}\n"
                     "prefetch: {group_size: 2, num_in_group: 1, step: 2, params: [mlp]}",
-    "mixed": "backend: mixed\nbudget_gib: 0.0003\nprefetch: {step: 2}",
+    "mixed": "backend: mixed\nbudget_gib: {budget}\nprefetch: {step: 2}",
 }
+# budgets under which mixed puts dense tensors on uva (the MoE's experts go first, and are never staged)
+MIXED_BUDGET_GIB = {"llama": 0.0003, "moe": 0.0001}
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +42,7 @@ def plan_with(tmp_path, checkpoint, body: str):
 @pytest.mark.parametrize("kind", ["llama", "moe"])
 @pytest.mark.parametrize("policy", list(POLICIES))
 def test_staged_prefill_and_in_place_decode_equal_all_gpu(tmp_path, checkpoints, kind, policy):
-    plan = plan_with(tmp_path, checkpoints[kind], POLICIES[policy])
+    plan = plan_with(tmp_path, checkpoints[kind], POLICIES[policy].replace("{budget}", str(MIXED_BUDGET_GIB[kind])))
     model, handle = from_pretrained(plan, progress=False)
     ref = reference(checkpoints[kind], "cuda")
     torch.manual_seed(5)
@@ -64,7 +66,7 @@ def test_staged_prefill_and_in_place_decode_equal_all_gpu(tmp_path, checkpoints,
 def test_compiled_staged_prefill_has_no_graph_break_and_is_exact(tmp_path, checkpoints, kind):
     plan = plan_with(tmp_path, checkpoints[kind], POLICIES["uva"])
     model, handle = from_pretrained(plan, progress=False)
-    torch.manual_seed(6)
+    torch.manual_seed(1)
     prefill, step = torch.randint(0, 256, (2, 9), device="cuda"), torch.randint(0, 256, (2, 1), device="cuda")
     try:
         with torch.no_grad():
@@ -74,7 +76,7 @@ def test_compiled_staged_prefill_has_no_graph_break_and_is_exact(tmp_path, check
             torch._dynamo.reset()
             staged = handle.stats().prefill_staged_layers
             with inductor_config.patch(emulate_precision_casts=True):
-                compiled = torch.compile(model)
+                compiled = torch.compile(model, dynamic=False)  # one graph per shape, as a server would warm up
                 for _ in range(2):
                     for x in (prefill, step, prefill):
                         assert torch.equal(compiled(x).logits, eager[x.shape[1]]), x.shape
