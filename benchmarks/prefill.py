@@ -29,10 +29,13 @@ checkpoint, and its calibration measured now on this GPU):
    for the same placement at workload.prompt_tokens = T (null for `mixed`
    where the planner would place differently for that T).
 
-The floor at T is max(offloaded bytes / H2D copy bandwidth, all-GPU's prefill
-at T): every offloaded byte crosses the link once, and offloading cannot
-beat all-GPU. For experts-host the offloaded bytes are the routed experts'
-(at these lengths, uniform routing touches every expert).
+The floor at T is max(link bytes / H2D copy bandwidth, all-GPU's prefill at
+T): every offloaded byte the forward needs crosses the link at least once, and
+offloading cannot beat all-GPU. The link bytes are the plan's offloaded bytes,
+except that a routed expert on uva counts only if the prompt routes a token to
+it: which experts each layer touches at T is recorded in all-GPU's forward
+(the same routing as every plan's: their logits are bitwise equal). A
+prefetched layer is copied whole, touched or not.
 
 Records go, one JSON object per line, to OUT/prefill-MODEL.jsonl as they are
 measured. `benchmarks/report.py` turns them into the RESULTS.md table.
@@ -50,7 +53,8 @@ from pathlib import Path
 import torch
 
 from planner.build import build
-from planner.plan import Plan
+from planner.groups import expert_number
+from planner.plan import Placement, Plan
 from planner.planfile import load_plan
 from planner.policy import load_policy
 from planner.units import GIB
@@ -110,6 +114,42 @@ def predicted_prefill(work: Path, name: str, text: str, plan: Plan, tokens: list
     return out
 
 
+def touched_experts(model, ids: torch.Tensor, device) -> dict[str, set[int]]:
+    """Experts module path -> the experts that the prefill forward over `ids` routes at least one token to."""
+    from runtime.experts import supports
+    touched: dict[str, set[int]] = {}
+
+    def hook(path):
+        def count(module, args, kwargs):
+            index = args[1] if len(args) > 1 else kwargs["top_k_index"]
+            touched.setdefault(path, set()).update(index.unique().tolist())
+        return count
+    hooks = [m.register_forward_pre_hook(hook(path), with_kwargs=True)
+             for path, m in model.named_modules() if supports(m)]
+    try:
+        first_token(model, ids, device)
+    finally:
+        for h in hooks:
+            h.remove()
+    return touched
+
+
+def link_bytes(plan: Plan, tensors: dict, touched: dict[str, set[int]]) -> int:
+    """The offloaded bytes a prefill must move: every prefetched and uva tensor, but a uva routed expert only if
+    `touched` (module doc)."""
+    total = 0
+    for name, place in plan.params.items():
+        if place is Placement.GPU:
+            continue
+        expert = expert_number(name)
+        if place is Placement.UVA and expert is not None:
+            group = name[:name.index(".experts.") + len(".experts")]
+            if expert not in touched.get(group, ()):
+                continue
+        total += tensors[name].nbytes
+    return total
+
+
 def first_token(model, ids: torch.Tensor, device) -> tuple[float, torch.Tensor]:
     """(seconds, last-position logits) of the prefill forward over `ids` [1, T], as generate runs it."""
     from transformers import DynamicCache
@@ -138,6 +178,7 @@ class Prefill:
         self.ids = prompts(vocab, args.device)
         self.reference: dict[int, torch.Tensor] = {}  # T -> all-GPU logits
         self.allgpu: dict[int, float] = {}  # T -> all-GPU prefill seconds
+        self.touched: dict[int, dict[str, set[int]]] = {}  # T -> experts module -> experts routed to
         self.decode_reference: dict[str, list] = {}
         self.mismatches: list[str] = []
 
@@ -164,6 +205,8 @@ class Prefill:
         try:
             for n in self.args.tokens:
                 ids = self.prompt[:, :n]
+                if strategy == "gpu":
+                    self.touched[n] = touched_experts(model, ids, self.args.device)  # also the warm-up
                 first_token(model, ids, self.args.device)  # warm-up
                 before = handle.stats().prefill_staged_layers
                 times, logits = [], None
@@ -173,8 +216,9 @@ class Prefill:
                 seconds = statistics.median(times)
                 if strategy == "gpu":
                     self.reference[n], self.allgpu[n] = logits, seconds
-                floor = max(offloaded / (self.hw.h2d_copy_gbps * 1e9), self.allgpu[n])
-                self.record(kind="prefill", tokens=n, prefill_ms=seconds * 1e3, floor_ms=floor * 1e3,
+                link = link_bytes(plan, self.info.tensors, self.touched[n])
+                floor = max(link / (self.hw.h2d_copy_gbps * 1e9), self.allgpu[n])
+                self.record(kind="prefill", tokens=n, prefill_ms=seconds * 1e3, link_bytes=link, floor_ms=floor * 1e3,
                             ratio_to_floor=seconds / floor, same_logits=bool(torch.equal(logits, self.reference[n])),
                             predicted_ms=predicted[n],
                             staged_layers=(handle.stats().prefill_staged_layers - before) // REPEAT, **facts)

@@ -309,7 +309,8 @@ def prefill_tables() -> list[str]:
                 f"the same run: H2D copy {hw['h2d_copy_gbps']} GB/s, UVA {hw['uva_read_gbps']} GB/s, GEMMs "
                 f"{hw.get('matmul_tflops', '?')} TFLOP/s, uva layers staged above {hw.get('stage_above_tokens', '?')} "
                 "tokens. One prompt, a fresh cache, the logits of the last position (generate's prefill); median of "
-                "3 after a warm-up. Floor = max(offloaded bytes / H2D copy, all-GPU prefill). Each cell: ms, "
+                "3 after a warm-up. Floor = max(link bytes / H2D copy, all-GPU prefill), the link bytes being the "
+                "offloaded ones, a routed expert on uva only if the prompt routes a token to it. Each cell: ms, "
                 "x floor, x the prefetch plan. `=`: logits bitwise equal to all-GPU's.", "",
                 "| plan | offloaded | " + " | ".join(f"{t} tokens" for t in tokens) + " |",
                 "|---|---|" + "---|" * len(tokens)]
