@@ -2,7 +2,7 @@
 
 Lifecycle: created by `load`/`apply` (load_steps.py) -> use the model -> `remove()`.
 It owns the pinned arena, the prefetch engine (slots, copy stream, hooks), the
-prefill stager (its slots and parametrizations) and the uva staging buffer;
+prefill stager (its slots and staged module classes) and the uva staging buffer;
 nothing else in the runtime keeps GPU state.
 """
 from __future__ import annotations

@@ -70,12 +70,14 @@ def test_staged_parameters_are_slot_views_only_while_their_layer_runs(tmp_path, 
         assert inside == [(18, True, False), (2, False, True)]
         p = proj.weight.data_ptr()  # outside a forward: the pinned tensor
         assert arena[0] <= p < arena[1]
-        assert "model.layers.1.mlp.down_proj.parametrizations.weight.original" in model.state_dict()
+        # the parameter stays registered under its own name, the pinned tensor, while its class is swapped
+        assert model.state_dict()["model.layers.1.mlp.down_proj.weight"].data_ptr() == p
+        assert dict(model.named_parameters())["model.layers.1.mlp.down_proj.weight"] is proj._parameters["weight"]
+        assert type(proj) is not torch.nn.Linear and isinstance(proj, torch.nn.Linear)
     finally:
         hook.remove()
         handle.remove(restore=True)
-    assert "model.layers.1.mlp.down_proj.weight" in model.state_dict()  # plain parameters again
-    assert not any("parametrizations" in k for k in model.state_dict())
+    assert type(proj) is torch.nn.Linear and not hasattr(proj, "_offplan_staged")  # its own class again
     assert torch.equal(model.model.layers[1].mlp.down_proj.weight, reference(checkpoints["llama"]).model.layers[1]
                        .mlp.down_proj.weight)
 
@@ -87,7 +89,7 @@ def test_slots_alternate_so_a_wrong_rotation_would_show(tmp_path, checkpoints):
     model, handle = from_pretrained(plan, progress=False)
     ref = reference(checkpoints["llama"])
     try:
-        views = [m.parametrizations.weight[0].view.data_ptr() for m in
+        views = [m._offplan_staged["weight"][1].data_ptr() for m in
                  (model.model.layers[i].self_attn.q_proj for i in range(4))]
         assert views[0] == views[2] and views[1] == views[3] and views[0] != views[1]
         for seed in range(3):
@@ -123,7 +125,7 @@ def test_stage_prefill_false_reads_in_place(tmp_path, checkpoints):
     model, handle = from_pretrained(plan, progress=False)
     try:
         assert handle.prefill is None
-        assert not any("parametrizations" in k for k in model.state_dict())
+        assert not any(type(m).__name__.startswith("Staged") for m in model.modules())
     finally:
         handle.remove(restore=False)
 
@@ -142,4 +144,27 @@ def test_tied_embedding_on_uva_is_not_staged(tmp_path, checkpoints):
         with torch.no_grad():
             assert torch.equal(model(x).logits, ref(x).logits)
     finally:
+        handle.remove(restore=False)
+
+
+def test_compiled_staging_has_no_graph_break_and_is_exact(tmp_path, checkpoints):
+    """Dynamo inlines the staged parameters' class properties and the hooks: one graph, staged per shape."""
+    import torch._inductor.config as inductor_config
+    plan = plan_with(tmp_path, checkpoints["llama"], "backend: uva\nuva: {offload_gib: 100}")
+    model, handle = from_pretrained(plan, progress=False)
+    prefill, step = torch.randint(0, 256, (2, 9)), torch.randint(0, 256, (2, 1))
+    try:
+        with torch.no_grad():
+            eager = {x.shape[1]: model(x).logits for x in (prefill, step)}
+            explained = torch._dynamo.explain(model)(prefill)
+            assert explained.graph_break_count == 0, [b.reason for b in explained.break_reasons]
+            torch._dynamo.reset()
+            staged = handle.stats().prefill_staged_layers
+            with inductor_config.patch(emulate_precision_casts=True):
+                compiled = torch.compile(model, dynamic=False)
+                for x in (prefill, step, prefill):
+                    assert torch.equal(compiled(x).logits, eager[x.shape[1]]), x.shape
+            assert handle.stats().prefill_staged_layers - staged == 2 * len(handle.plan.prefill.layers)
+    finally:
+        torch._dynamo.reset()
         handle.remove(restore=False)
