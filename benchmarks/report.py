@@ -341,7 +341,12 @@ def prefill_tables() -> list[str]:
         modes = list(dict.fromkeys(r["mode"] for r in decode))
         dby = {(r["strategy"], r["mode"]): r for r in decode}
         out += ["", "Decode at batch 1 of the same loads, steps/s (eager `generate`; CUDA graph replay), with "
-                "`uva, staged` over `uva, read in place`: what staging costs decode.", "",
+                "`uva, staged` over `uva, read in place`: what staging costs decode. Graph replay runs no Python and "
+                "is the stable figure; eager `generate` is CPU-bound and, on this machine, the same plan loaded again "
+                "has measured 15-25% apart, so its ratio is within noise. All-GPU MoE runs the experts implementation "
+                "transformers picks for the loaded model (prefill.py does not record which; moe.py compares them), "
+                "plans with experts on uva run offplan's. The all-GPU eager figure (the first decode of each process) "
+                "is below what the link-bound plans reach and is not explained: not investigated.", "",
                 "| plan | " + " | ".join(modes) + " |", "|---|" + "---|" * len(modes)]
         for st in strategies:
             cells = []
