@@ -45,6 +45,7 @@ from .errors import PolicyError
 from .graph import Layer, LayerGraph, build_graph
 from .groups import FusedGroups, experts_map
 from .plan import Placement, Plan
+from .quantized import apart, partners
 from .schedule import make_schedule, previous_user
 from .slots import ALIGN
 from .staging import STAGE_SLOTS, stageable, staged_bytes
@@ -78,6 +79,8 @@ def inconsistencies(plan: Plan, where: Where | None = None, tensors: Mapping[str
     problems += _groups(plan, at)
     problems += _prefetch(plan, graph, at, tensors)
     problems += _prefill(plan, graph, at, tensors)
+    problems += [f"{at('params')}: {line}; a weight and its scales are one unit" for line in
+                 apart(plan.params, partners(tensors or {}))]
     return problems
 
 
@@ -250,7 +253,8 @@ def _prefill(plan: Plan, graph: LayerGraph, at, tensors) -> list[str]:
     if p is None:
         return []  # `uva.stage_prefill: false` plans none; `plan check` compares with a rebuild
     runs = {r.name: r.runs for r in plan.layers}  # MTP layers are known from config.json, which the plan records here
-    names = stageable(dataclasses.replace(l, runs=runs.get(l.name, l.runs)) for l in graph.layers)
+    names = stageable((dataclasses.replace(l, runs=runs.get(l.name, l.runs)) for l in graph.layers),
+                      partners(tensors or {}))
     staged = [(l, ns) for l in graph.layers
               for ns in [[n for n in l.params if n in names and plan.params[n] is Placement.UVA]] if ns]
     listed, want = [s.layer for s in p.layers], [l.name for l, _ in staged]

@@ -73,6 +73,7 @@ from .groups import FusedGroups
 from .hardware import Hardware
 from .plan import LayerKind, Placement, Role, Runs
 from .routing import RoutingProfile
+from .quantized import partners
 from .staging import stageable
 
 GPU, UVA, PREFETCH = Placement.GPU, Placement.UVA, Placement.PREFETCH
@@ -168,7 +169,10 @@ class CostModel:
                 self.flops[n] = 2 * prompt_tokens * math.prod(tensors[n].shape) * pre
         self.size = {n: t.nbytes for n, t in tensors.items()}
         # prefill: staged tensors are copied once above the threshold; GEMMs re-read in-place ones per tile
-        self.staged = stageable(graph.layers) if stage and prompt_tokens > hw.stage_above_tokens else frozenset()
+        quantized = partners(tensors)  # dequantized on access: read once, never staged (quantized.py)
+        self.gathered |= quantized.keys()
+        self.staged = stageable(graph.layers, quantized) if stage and prompt_tokens > hw.stage_above_tokens \
+            else frozenset()
         self.reread = -(-prompt_tokens // hw.stage_above_tokens)
 
     def predict(self, place: Mapping[str, Placement]) -> Prediction:

@@ -28,6 +28,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from .checkpoint import TensorInfo
 from .graph import Layer, LayerGraph
 from .plan import Placement
+from .quantized import partners, with_partners
 from .slots import layout_bytes
 from .staging import STAGE_SLOTS, stageable, staged_bytes
 
@@ -49,7 +50,8 @@ class Footprint:
         self.layer_of: dict[str, Layer] = {n: l for l in graph.layers for n in l.params}
         self.resident = sum(tensors[n].nbytes for n, p in place.items() if p is GPU)
         self.streamed: dict[str, int] = {}  # layer name -> its slot image's bytes
-        self.stageable = stageable(graph.layers) if stage else frozenset()
+        self.partner = partners(tensors)
+        self.stageable = stageable(graph.layers, self.partner) if stage else frozenset()
         self.staged: dict[str, int] = {}  # layer name -> its staged bytes
         for layer in graph.layers:
             self._restream(layer)
@@ -74,10 +76,11 @@ class Footprint:
         return min(STAGE_SLOTS, len(self.staged)) * max(self.staged.values(), default=0)
 
     def move(self, names: Iterable[str], to: Placement) -> None:
-        """Place `names` at `to`, updating the placement and the bytes."""
+        """Place `names` at `to`, each with its quantization scales (quantized.py), updating the placement
+        and the bytes."""
         touched: dict[str, Layer] = {}
         staged: dict[str, Layer] = {}
-        for n in names:
+        for n in with_partners(names, self.partner):
             was = self.place[n]
             if was is to:
                 continue
@@ -109,7 +112,7 @@ class Footprint:
         for unit in units:
             if self.total <= budget:
                 return True
-            done.append([(n, self.place[n]) for n in unit])
+            done.append([(n, self.place[n]) for n in with_partners(unit, self.partner)])
             self.move(unit, to)
             if self.total < best:
                 best, keep = self.total, len(done)

@@ -11,7 +11,8 @@ Steps:
    Fused expert groups (groups.py) move by prefetch whole, by vLLM's uva walk
    one fused parameter (w13, w2) at a time, by a budget one expert of one
    fused parameter at a time; a rule or pattern that splits an expert, or
-   prefetches part of a group, is an error.
+   prefetches part of a group, is an error. A quantized weight and its
+   scales (quantized.py) always move together; rules that part them are an error.
    Where a budget drives the placement (not vLLM's own knobs, which keep
    vLLM's order), what runs in no decode step (graph.py: vision towers and
    their projectors, MTP layers) goes to uva first, stacks or not: it costs a
@@ -84,6 +85,7 @@ from .hardware import H100, Hardware
 from .mixed import place_mixed
 from .notes import Outcome, notes
 from .patterns import Names
+from .quantized import partners
 from .plan import Backend, Cost, LayerBytes, Placement, PrefetchSchedule, PrefillStaging, Runs, Summary
 from .policy import Policy
 from .routing import RoutingProfile, check_fits
@@ -150,6 +152,12 @@ def decide(graph: LayerGraph, tensors: Mapping[str, TensorInfo], policy: Policy,
         fixed |= mine
         for n in mine:
             place[n] = rule.place
+    partner = partners(tensors)
+    odd = [f"{w} and {s}" for w, s in partner.items() if w < s and ((w in fixed) != (s in fixed) or place[w] is not place[s])]
+    if odd:
+        raise PolicyError(f"{policy.path}: rules place {len(odd)} quantized weights apart from their scales; a weight "
+                          "and its scales are one unit (the runtime dequantizes one with the other): make the "
+                          "rules match both, for example by the module's name", odd)
     stack = graph.stack_layers()
     groups = FusedGroups.find(n for l in stack for n in l.params)
     selected = {"uva": names.select(policy.uva.params) if policy.uva.params else None,

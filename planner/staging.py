@@ -17,6 +17,8 @@ and HEAD layers (graph.py) that are no member of a fused expert group
   would copy the whole table;
 - never a routed expert: offplan's experts implementation already reads each
   touched expert once per forward, through a gather;
+- never a quantized tensor or its scales (quantized.py): dequantizing reads
+  each byte once, whatever the number of tokens;
 - never a multi-token-prediction layer (graph.py `Runs.MTP`): it runs in no
   forward of plain generation, so a slot for it would hold GPU memory for
   nothing (DeepSeek-V3's layer 61 holds a 1.7 GiB head of its own, which
@@ -36,21 +38,23 @@ runtime then reads uva tensors in place at prefill too, and the pool costs nothi
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 
 from .checkpoint import TensorInfo
 from .graph import Layer, LayerGraph
 from .groups import expert_number
+from .quantized import partners
 from .plan import LayerKind, Placement, PrefillStaging, Runs, StagedLayer
 from .slots import align
 
 STAGE_SLOTS = 2  # one slot runs while the next layer's copy fills the other
 
 
-def stageable(layers: Iterable[Layer]) -> frozenset[str]:
-    """The tensors of `layers` (a layer graph's) that prefill stages when they are on uva (module doc)."""
+def stageable(layers: Iterable[Layer], quantized: Collection[str] = ()) -> frozenset[str]:
+    """The tensors of `layers` (a layer graph's) that prefill stages when they are on uva (module doc);
+    `quantized`: the quantized tensors and their scales (quantized.py `partners`), never staged."""
     return frozenset(n for l in layers if l.kind is not LayerKind.EMBED and l.runs is not Runs.MTP
-                     for n in l.params if expert_number(n) is None)
+                     for n in l.params if expert_number(n) is None and n not in quantized)
 
 
 def staged_bytes(names: Iterable[str], tensors: Mapping[str, TensorInfo]) -> int:
@@ -61,8 +65,8 @@ def staged_bytes(names: Iterable[str], tensors: Mapping[str, TensorInfo]) -> int
 def make_staging(graph: LayerGraph, place: Mapping[str, Placement], tensors: Mapping[str, TensorInfo],
                  above_tokens: int, names: frozenset[str] | None = None) -> PrefillStaging | None:
     """The plan's `prefill:` section for `place`, or None when no layer holds a stageable uva tensor.
-    `names`: `stageable(graph.layers)`, when the caller has it."""
-    names = stageable(graph.layers) if names is None else names
+    `names`: `stageable(graph.layers, partners(tensors))`, when the caller has it."""
+    names = stageable(graph.layers, partners(tensors)) if names is None else names
     layers = []
     for l in graph.layers:
         staged = [n for n in l.params if n in names and place[n] is Placement.UVA]

@@ -43,6 +43,8 @@ from __future__ import annotations
 
 import torch
 
+from .dequant import dequantize, quantized, stored
+
 BATCHED_PAIRS = 16  # (token, expert) pairs up to which the batched_mm arithmetic runs: decode of 1-2 tokens
 _PREFIX = "offplan_"  # non-persistent buffers bound on an experts module: `offplan_slot_<param>`, `offplan_rows_<param>`
 
@@ -59,6 +61,13 @@ def fused_params(module: torch.nn.Module) -> list[str]:
     if module.has_bias:
         names += [f"{n}_bias" for n in names]
     return names
+
+
+def stored_params(module: torch.nn.Module) -> list[str]:
+    """The tensors the module stores for its fused parameters: a quantized one's data and scales
+    (dequant.py), the parameter itself otherwise."""
+    quants = quantized(module)
+    return [n for p in fused_params(module) for n in ((quants[p].data, quants[p].scale) if p in quants else (p,))]
 
 
 def bind(module: torch.nn.Module, param: str, resident: torch.Tensor, slot: torch.Tensor) -> None:
@@ -83,11 +92,20 @@ def arithmetic(pairs: int) -> str:
 
 
 def _stage(module, param: str, order: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    full = getattr(module, param)
-    slot = getattr(module, f"{_PREFIX}slot_{param}", None)
+    """`param`'s rows for the slots `order`, in HBM; a quantized parameter's gathered quantized, then
+    dequantized (only the touched experts: dequant.py)."""
+    q = quantized(module).get(param)
+    if q is not None:
+        return dequantize(q, _rows(module, q.data, order, valid), _rows(module, q.scale, order, valid))
+    return _rows(module, param, order, valid)
+
+
+def _rows(module, name: str, order: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    full = stored(module, name)
+    slot = getattr(module, f"{_PREFIX}slot_{name}", None)
     if slot is None:  # all of it in HBM
         return full.index_select(0, order)
-    return gather_rows(full, getattr(module, f"{_PREFIX}rows_{param}"), slot, order, valid)
+    return gather_rows(full, getattr(module, f"{_PREFIX}rows_{name}"), slot, order, valid)
 
 
 def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, transposed: bool) -> torch.Tensor:
@@ -107,7 +125,7 @@ def _grouped(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, b: torch.T
 def offplan_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                             top_k_weights: torch.Tensor) -> torch.Tensor:
     """The "offplan" entry of ALL_EXPERTS_FUNCTIONS (module doc). hidden_states [T, H], top_k_* [T, k]."""
-    if not any(n.startswith(_PREFIX) for n, _ in self.named_buffers(recurse=False)):
+    if not quantized(self) and not any(n.startswith(_PREFIX) for n, _ in self.named_buffers(recurse=False)):
         from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
         implementation = arithmetic(top_k_index.numel())
         return ALL_EXPERTS_FUNCTIONS[implementation](self, hidden_states, top_k_index, top_k_weights)
@@ -194,6 +212,9 @@ def gather_rows(full: torch.Tensor, resident: torch.Tensor, slot: torch.Tensor, 
     nothing and hold garbage, which no pair reads."""
     if not full.is_cuda or triton is None:
         return _gather_reference(full, resident, slot, order, valid)
+    if full.element_size() == 1 and full.shape[-1] % 4 == 0:  # quantized bytes: moved 4 at a time
+        words = gather_rows(full.view(torch.int32), resident.view(torch.int32), slot, order, valid)
+        return words.view(full.dtype)
     row_numel = full[0].numel()
     out = torch.empty((order.numel(), *full.shape[1:]), dtype=full.dtype, device=order.device)
     block = 4096

@@ -15,12 +15,13 @@ import torch
 from planner.checkpoint import Checkpoint
 from planner.plan import Placement, Plan
 
-from . import experts
+from . import dequant, experts
 from .arena import PinnedArena, typed
 from .checkpoint_names import Target
 from .layout import HostLayout
 from .prefetch import PrefetchEngine
 from .prefill import PrefillStager
+from .quant import Quant
 from .staging import UvaStaging
 
 GPU, UVA, PREFETCH = Placement.GPU, Placement.UVA, Placement.PREFETCH
@@ -73,6 +74,8 @@ class OffloadHandle:
         self.staging: UvaStaging | None = None
         self.prefill: PrefillStager | None = None
         self.assigned = False  # the model holds our tensors
+        self.quantized: dict[torch.nn.Module, dict[str, Quant]] = {}  # tensors read dequantized (quant.py)
+        self.quantized_names: set[str] = set()  # their stored tensors' model names
         self.bound_experts: list[torch.nn.Module] = []  # experts modules given resident rows (experts.py)
         self.experts_before: str | None = None  # the experts implementation before "offplan"
         self.load_seconds = 0.0
@@ -162,8 +165,11 @@ class OffloadHandle:
         if self.engine is not None:
             self.engine.remove()
             self.engine = None
+        if self.quantized:
+            self._unbind_quantized(restore, failed)
         if self.arena is not None and self.arena.alive:
-            offloaded = [t for t in self.targets if failed or t.placement in (UVA, PREFETCH)]
+            offloaded = [t for t in self.targets if (failed or t.placement in (UVA, PREFETCH))
+                         and t.name not in self.quantized_names]
             if offloaded and self.assigned:
                 state = {}
                 for t in offloaded:
@@ -175,6 +181,23 @@ class OffloadHandle:
             self.arena.release()
         self.arena = None
         self.assigned = False
+
+    def _unbind_quantized(self, restore: bool, failed: bool) -> None:
+        """Each quantized tensor a plain one again, dequantized: on the GPU if it was resident, on the CPU
+        (`restore`) or the meta device otherwise, and after a failed load on the meta device."""
+        by_name = {t.name: t for t in self.targets}
+        for path, module in self.model.named_modules():
+            for q in list(self.quantized.get(module, {}).values()):
+                data, scale = (by_name.get(f"{path}.{n}".lstrip(".")) for n in (q.data, q.scale))
+                live = self.assigned and not failed and data is not None and scale is not None
+                if live and data.placement is GPU:
+                    value = dequant.dequantize(q, dequant.stored(module, q.data), dequant.stored(module, q.scale))
+                elif live and restore and self.arena is not None and self.arena.alive:
+                    value = dequant.dequantize(q, self._host_copy(data), self._host_copy(scale))
+                else:
+                    value = torch.empty(q.shape, dtype=q.dtype, device="meta")
+                dequant.unbind(module, q, value)
+        self.quantized = {}
 
     def _host_copy(self, t: Target) -> torch.Tensor:
         """A pageable CPU copy of an offloaded tensor, read back from the arena."""

@@ -35,7 +35,7 @@ from planner.plan import Placement, Plan
 from planner.planfile import load_plan
 from planner.staleness import require_current
 
-from . import experts
+from . import dequant, experts, quant
 from .arena import PinnedArena, as_bytes, typed
 from .checkpoint_names import Target, map_tensors
 from .handle import OffloadHandle
@@ -98,15 +98,34 @@ def _run(model, plan: Plan, ckpt: Checkpoint, device, uva: bool, progress, *, fr
         "cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    targets = map_tensors(model, {n: (ckpt.tensors[n].shape, p) for n, p in plan.params.items()})  # step 2
-    split = [t.name for t in targets if t.resident]
-    if split and not uva and device.type == "cuda":
-        more = f" (and {len(split) - 1} more)" if len(split) > 1 else ""
-        raise OffplanError(f"uva=False copies each uva parameter to the GPU whole before its module runs, but the "
-                           f"plan keeps some experts of {split[0]}{more} on the GPU and reads the rest in place: "
-                           "load it with uva=True (the default)")
-    layout = lay_out(targets, plan, model)  # step 3
+    formats, scales = quant.scan(ckpt)
+    if formats and not from_checkpoint:
+        raise OffplanError(f"{ckpt.root}: the checkpoint is quantized ({len(formats)} FP8/MXFP4 tensors) and "
+                           "apply() cannot quantize a materialized model again: build the model on the meta "
+                           "device and use load()")
+    if formats and not uva and device.type == "cuda":
+        raise OffplanError("uva=False is not supported for quantized checkpoints: a quantized uva tensor is "
+                           "read once per access by its dequantization, so there is nothing to stage; load it "
+                           "with uva=True (the default)")
+    if formats:  # step 2; the meta model made to hold the quantized tensors as stored (quant.py)
+        targets, quantized = quant.map_stored(model, ckpt, plan.params, formats, scales)
+    else:
+        targets, quantized = map_tensors(model, {n: (ckpt.tensors[n].shape, p) for n, p in plan.params.items()}), {}
+    try:
+        split = [t.name for t in targets if t.resident]
+        if split and not uva and device.type == "cuda":
+            more = f" (and {len(split) - 1} more)" if len(split) > 1 else ""
+            raise OffplanError(f"uva=False copies each uva parameter to the GPU whole before its module runs, but "
+                               f"the plan keeps some experts of {split[0]}{more} on the GPU and reads the rest in "
+                               "place: load it with uva=True (the default)")
+        layout = lay_out(targets, plan, model)  # step 3
+    except BaseException:
+        quant.unprepare(quantized)
+        raise
     handle = OffloadHandle(model, plan, ckpt, device, targets, layout)
+    handle.quantized = quantized
+    handle.quantized_names = {f"{path}.{name}".lstrip(".") for path, m in model.named_modules() if m in quantized
+                              for q in quantized[m].values() for name in (q.data, q.scale)}
     try:
         with torch.no_grad():
             placed = _allocate_and_fill(handle, from_checkpoint, progress)  # steps 4 and 5
@@ -203,11 +222,15 @@ def _bind(h: OffloadHandle, placed: dict[str, torch.Tensor], staged: bool) -> No
     state = {alias: placed[t.name] for t in h.targets for alias in t.aliases}
     h.model.load_state_dict(state, assign=True, strict=True)
     h.assigned = True
+    dequant.bind(h.quantized)
     _materialize_buffers(h.model, h.device)
     _bind_experts(h)
     if h.plan.prefill is not None and h.staging is None:
-        h.prefill = PrefillStager(h.plan.prefill, uva, set(FusedGroups.find(h.plan.params).group_of),
-                                  h.layout.host_offset, h.arena, h.model, h.device)
+        # routed experts are read once per forward by offplan's experts implementation, quantized tensors
+        # once per access by their dequantization: neither is staged
+        unstaged = set(FusedGroups.find(h.plan.params).group_of) | {
+            p.source for t in h.targets if t.name in h.quantized_names for p in t.pieces}
+        h.prefill = PrefillStager(h.plan.prefill, uva, unstaged, h.layout.host_offset, h.arena, h.model, h.device)
     if h.cuda:
         if h.engine is not None:
             torch.cuda.current_stream(h.device).wait_stream(h.engine.copy_stream)
@@ -216,10 +239,12 @@ def _bind(h: OffloadHandle, placed: dict[str, torch.Tensor], staged: bool) -> No
 
 
 def _bind_experts(h: OffloadHandle) -> None:
-    """Experts in pinned memory run through offplan's experts implementation (experts.py): each such fused
-    parameter's resident rows (the experts the plan keeps on the GPU) copied to HBM and bound to its module."""
+    """Experts in pinned memory, or quantized, run through offplan's experts implementation (experts.py):
+    each such fused parameter's resident rows (the experts the plan keeps on the GPU) copied to HBM and
+    bound to its module; quantized experts are dequantized only where touched, wherever they are."""
     host = [t for t in h.targets if t.placement is UVA and not h.staging and _experts_module(h.model, t) is not None]
-    if not host:
+    quantized = [m for m in h.quantized if experts.supports(m)]
+    if not host and not quantized:
         return
     experts.register()
     for t in host:
@@ -234,6 +259,7 @@ def _bind_experts(h: OffloadHandle) -> None:
         experts.bind(module, param, rows, slot.to(h.device))
         if module not in h.bound_experts:
             h.bound_experts.append(module)
+    h.bound_experts += [m for m in quantized if m not in h.bound_experts]
     h.experts_before = h.model.config._experts_implementation
     h.model.set_experts_implementation("offplan")
 
@@ -243,7 +269,7 @@ def _experts_module(model: torch.nn.Module, t: Target) -> torch.nn.Module | None
 
     A parameter split between the GPU and pinned memory needs one: an error names the class that lacks it."""
     module = model.get_submodule(t.name.rpartition(".")[0])
-    if experts.supports(module) and t.name.rpartition(".")[2] in experts.fused_params(module):
+    if experts.supports(module) and t.name.rpartition(".")[2] in experts.stored_params(module):
         return module
     if t.resident:
         raise ModelMismatchError(f"{t.name}: the plan keeps experts {list(t.resident)[:4]}... of it on the GPU and "

@@ -1,0 +1,55 @@
+"""Quantized tensors and their scales: one unit of placement.
+
+A quantized checkpoint stores a weight as low-precision data plus scales
+(runtime/quant.py reads them):
+- FP8, block-scaled: `X.weight` F8_E4M3 (or F8_E5M2) with `X.weight_scale_inv`;
+- MXFP4: `P_blocks` U8 with `P_scales` U8.
+
+The runtime keeps both quantized wherever the plan puts them and dequantizes
+when a module reads the weight, so a weight and its scales are always placed
+together: every walk moves them as one (footprint.py `Footprint.move`), and a
+rule that separates them is an error. Their bytes are the stored bytes, so
+the footprint and the cost model count quantized bytes.
+
+Quantized tensors are never staged at prefill (staging.py): the dequantization
+reads each byte once whatever the number of tokens, and writes the model's
+dtype to a temporary that the GEMM reads from GPU memory.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from .checkpoint import TensorInfo
+
+FP8 = ("F8_E4M3", "F8_E5M2")
+
+
+def partners(tensors: Mapping[str, TensorInfo]) -> dict[str, str]:
+    """Each quantized weight -> its scales, and each scales tensor -> its weight (module doc)."""
+    out = {}
+    for name, t in tensors.items():
+        if t.dtype in FP8:
+            scale = name + "_scale_inv"
+        elif t.dtype == "U8" and name.endswith("_blocks"):
+            scale = name[:-len("_blocks")] + "_scales"
+        else:
+            continue
+        if scale in tensors:
+            out[name], out[scale] = scale, name
+    return out
+
+
+def with_partners(names, partner: Mapping[str, str]) -> list[str]:
+    """`names` and the partner of each (once each, in order)."""
+    out = dict.fromkeys(names)
+    for n in list(out):
+        p = partner.get(n)
+        if p is not None:
+            out.setdefault(p)
+    return list(out)
+
+
+def apart(place: Mapping[str, object], partner: Mapping[str, str]) -> list[str]:
+    """One line per weight placed apart from its scales."""
+    return [f"{w} is {place[w].value} but its scales {s} are {place[s].value}" for w, s in partner.items()
+            if w < s and w in place and s in place and place[w] is not place[s]]

@@ -1,0 +1,137 @@
+"""Dequantization arithmetic (FP8 block-scaled, MXFP4), and modules that read their quantized tensors dequantized.
+
+The formats and why they stay quantized: quant.py. Here:
+
+- `dequantize(q, data, scale)`: the tensor the model reads, in its dtype.
+  FP8: `(fp8 -> f32) x scale of its block`, rounded once. MXFP4: the E2M1
+  value (sign, 2 exponent bits, 1 mantissa bit) x 2^(s - 127), exact in bf16.
+  On CUDA, FP8 runs one Triton kernel (`offplan::dequant_fp8`), which reads a
+  uva weight through its zero-copy view once; elsewhere, and for MXFP4, torch
+  arithmetic. Both compute the same f32 product and round it once, so they
+  agree bitwise, with each other and with a checkpoint dequantized on the host.
+  No tensor is made from host data on the way (a CUDA graph capture forbids it).
+- `bind(found)`: each module holding quantized tensors gets a class property
+  per dequantized name (the module's class swapped for a cached subclass, as
+  prefill.py does), so `linear.weight` is computed on access and the stored
+  tensors stay registered under their own names. `unbind` restores the class
+  and puts a plain tensor back under the name.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from .quant import Quant
+
+
+def dequantize(q: Quant, data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """`data` [..., R, C] F8 with `scale` [..., ceil(R/b0), ceil(C/b1)] F32 (FP8), or `data` [..., R, G, 16]
+    U8 with `scale` [..., R, G] U8 (MXFP4) -> the model's tensor (MXFP4 transposed if the model holds it so)."""
+    if q.format == "fp8":
+        return dequant_fp8(data, scale, q.block[0], q.block[1], q.dtype)
+    out = _mxfp4(data, scale, q.dtype)
+    return out.transpose(-2, -1).contiguous() if q.transposed else out
+
+
+def _fp8_reference(data: torch.Tensor, scale: torch.Tensor, b0: int, b1: int, dtype: torch.dtype) -> torch.Tensor:
+    rows, cols = data.shape[-2:]
+    s = scale.repeat_interleave(b0, dim=-2)[..., :rows, :].repeat_interleave(b1, dim=-1)[..., :cols]
+    return (data.to(torch.float32) * s).to(dtype)
+
+
+def _mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[..., R, G, 16] bytes (low nibble first) and [..., R, G] E8M0 scales -> [..., R, 32 G]."""
+    nibbles = torch.stack((blocks & 0x0F, blocks >> 4), dim=-1).to(torch.int32)  # [..., R, G, 16, 2]
+    exponent, mantissa = (nibbles >> 1) & 3, (nibbles & 1).to(torch.float32)
+    magnitude = torch.where(exponent == 0, 0.5 * mantissa,
+                            torch.exp2((exponent - 1).to(torch.float32)) * (1 + 0.5 * mantissa))
+    value = torch.where((nibbles & 8) != 0, -magnitude, magnitude)  # -0.0 for the code 0b1000, as E2M1 says
+    value = value.flatten(-2) * torch.exp2(scales.to(torch.float32) - 127).unsqueeze(-1)
+    return value.flatten(-2).to(dtype)
+
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the CPU build of torch
+    triton = None
+
+if triton is not None:
+    @triton.jit
+    def _fp8_kernel(out, data, scale, rows, cols, scale_rows, scale_cols, B0: tl.constexpr, B1: tl.constexpr,
+                    BLOCK: tl.constexpr):
+        m = tl.program_id(0).to(tl.int64)  # which matrix of [..., R, C]
+        offs = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < rows * cols
+        r, c = offs // cols, offs % cols
+        x = tl.load(data + m * rows * cols + offs, mask=mask).to(tl.float32)
+        s = tl.load(scale + m * scale_rows * scale_cols + (r // B0) * scale_cols + c // B1, mask=mask)
+        tl.store(out + m * rows * cols + offs, (x * s).to(out.dtype.element_ty), mask=mask)
+
+
+@torch.library.custom_op("offplan::dequant_fp8", mutates_args=())
+def dequant_fp8(data: torch.Tensor, scale: torch.Tensor, b0: int, b1: int, dtype: torch.dtype) -> torch.Tensor:
+    """FP8 `data` [..., R, C] times its block's `scale` [..., ceil(R/b0), ceil(C/b1)], in `dtype` (module doc)."""
+    if not data.is_cuda or triton is None:
+        return _fp8_reference(data, scale, b0, b1, dtype)
+    rows, cols = data.shape[-2:]
+    out = torch.empty(data.shape, dtype=dtype, device=scale.device)
+    matrices = data.numel() // max(1, rows * cols)
+    block = 4096
+    _fp8_kernel[(matrices, triton.cdiv(rows * cols, block))](
+        out, data, scale, rows, cols, scale.shape[-2], scale.shape[-1], B0=b0, B1=b1, BLOCK=block)
+    return out
+
+
+@dequant_fp8.register_fake
+def _(data, scale, b0, b1, dtype):
+    return torch.empty(data.shape, dtype=dtype, device=scale.device)
+
+
+# ---------------------------------------------------------------- modules reading dequantized tensors
+
+def stored(module: torch.nn.Module, name: str) -> torch.Tensor:
+    """A stored tensor of `module` by its registered name, past any class property of that name."""
+    t = module._parameters.get(name)
+    return t if t is not None else module._buffers[name]
+
+
+def _dequantized_property(attr: str) -> property:
+    def get(self):
+        q = self._offplan_quant[attr]
+        return dequantize(q, stored(self, q.data), stored(self, q.scale))
+    return property(get)
+
+
+@functools.cache
+def _quantized_class(cls: type, attrs: frozenset[str]) -> type:
+    return type(f"Dequantized{cls.__name__}", (cls,), {a: _dequantized_property(a) for a in sorted(attrs)})
+
+
+def bind(found: dict[torch.nn.Module, dict[str, Quant]]) -> None:
+    """Each module reads its quantized tensors dequantized, by name (module doc)."""
+    for module, quants in found.items():
+        module._offplan_quant = dict(quants)
+        module.__class__ = _quantized_class(type(module), frozenset(quants))
+
+
+def quantized(module: torch.nn.Module) -> dict[str, Quant]:
+    """{attr: Quant} of a bound module ({} for any other)."""
+    return getattr(module, "_offplan_quant", {})
+
+
+def unbind(module: torch.nn.Module, q: Quant, value: torch.Tensor) -> None:
+    """`q.attr` is a plain parameter holding `value` again and the stored tensors go; the class is
+    restored once the module's last quantized name is unbound. Also for a module never bound."""
+    for name in (q.data, q.scale):
+        module._parameters.pop(name, None)
+        module._buffers.pop(name, None)
+    quants = getattr(module, "_offplan_quant", None)
+    if quants is not None:
+        quants.pop(q.attr, None)
+        base = module.__class__.__mro__[1]
+        module.__class__ = _quantized_class(base, frozenset(quants)) if quants else base
+        if not quants:
+            del module._offplan_quant
+    module.register_parameter(q.attr, torch.nn.Parameter(value, requires_grad=False))

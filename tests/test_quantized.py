@@ -1,0 +1,152 @@
+"""Quantized checkpoints (FP8 block-scaled, MXFP4) kept quantized: planned as units, loaded exactly, on the CPU."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from planner.errors import ModelMismatchError, OffplanError, PolicyError  # noqa: E402
+from planner.plan import Placement  # noqa: E402
+from planner.planfile import load_plan  # noqa: E402
+from planner.quantized import partners  # noqa: E402
+from planner.checkpoint import open_checkpoint  # noqa: E402
+from quantized_models import fp8_dequantize, fp8_quantize, reference_dir, write_fp8, write_mxfp4  # noqa: E402
+from runtime.hf import build_meta_model, from_pretrained  # noqa: E402
+from tiny_models import llama_config, logits, make_plan, qwen3_moe_config, reference, save_model  # noqa: E402
+
+POLICIES = {
+    "gpu": "",
+    "uva": "backend: uva\nuva: {offload_gib: 100}",
+    "prefetch": "prefetch: {group_size: 2, num_in_group: 1, step: 1}",
+    "mixed": "backend: mixed\nbudget_gib: BUDGET\nprefetch: {step: 1}",  # 60% of the checkpoint
+}
+
+
+def gpt_oss_config():
+    return transformers.GptOssConfig(vocab_size=256, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+                                     num_experts_per_tok=2, max_position_embeddings=128, tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """name -> (quantized checkpoint, its dequantized bf16 reference). hidden 192: partial 128-blocks."""
+    root = tmp_path_factory.mktemp("quantized")
+    made = {}
+    for name, config, write in (
+            ("fp8-moe", qwen3_moe_config(hidden_size=192, moe_intermediate_size=128, head_dim=32,
+                                         num_hidden_layers=2), write_fp8),
+            ("fp8-llama", llama_config(hidden_size=192, intermediate_size=256, num_hidden_layers=2), write_fp8),
+            ("mxfp4-gpt-oss", gpt_oss_config(), write_mxfp4)):
+        quantized = write(save_model(config, root / f"{name}-bf16"), root / name)
+        made[name] = (quantized, reference_dir(quantized, root / f"{name}-ref"))
+    return made
+
+
+@pytest.fixture(scope="module")
+def expected(checkpoints):
+    return {name: logits(reference(ref)) for name, (_, ref) in checkpoints.items()}
+
+
+def test_the_writers_follow_the_published_layouts(checkpoints):
+    ckpt = open_checkpoint(checkpoints["fp8-moe"][0])
+    w = ckpt.tensors["model.layers.0.self_attn.q_proj.weight"]
+    s = ckpt.tensors["model.layers.0.self_attn.q_proj.weight_scale_inv"]
+    assert (w.dtype, w.shape, s.dtype, s.shape) == ("F8_E4M3", (128, 192), "F32", (1, 2))
+    assert ckpt.tensors["model.layers.0.mlp.experts.3.down_proj.weight_scale_inv"].shape == (2, 1)
+    mx = open_checkpoint(checkpoints["mxfp4-gpt-oss"][0])
+    assert mx.tensors["model.layers.0.mlp.experts.gate_up_proj_blocks"].shape == (4, 64, 2, 16)  # [E, 2I, H/32, 16]
+    assert mx.tensors["model.layers.0.mlp.experts.gate_up_proj_scales"].shape == (4, 64, 2)
+    q, scale = fp8_quantize(torch.full((130, 3), 448.0 * 2))  # one full block row and a partial one
+    assert scale.shape == (2, 1) and torch.equal(fp8_dequantize(q, scale), torch.full((130, 3), 896.0).bfloat16())
+
+
+@pytest.mark.parametrize("name", ["fp8-moe", "fp8-llama", "mxfp4-gpt-oss"])
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_quantized_loads_match_the_dequantized_reference(tmp_path, checkpoints, expected, name, policy):
+    quantized, ref = checkpoints[name]
+    body = POLICIES[policy].replace("BUDGET", str(open_checkpoint(quantized).total_bytes * 0.6 / 2**30))
+    plan_path = make_plan(tmp_path, quantized, body)
+    plan = load_plan(plan_path)
+    pairs = partners(open_checkpoint(quantized).tensors)
+    assert pairs and all(plan.params[w] is plan.params[s] for w, s in pairs.items())  # one unit
+    if policy != "gpu":
+        assert any(p is not Placement.GPU for p in plan.params.values())
+    model, handle = from_pretrained(plan_path, progress=False)
+    stored = {n: t.dtype for n, t in model.state_dict().items()}
+    if name.startswith("fp8"):
+        assert stored["model.layers.0.self_attn.q_proj.weight"] == torch.float8_e4m3fn
+        assert model.model.layers[0].self_attn.q_proj.weight.dtype == torch.bfloat16  # read dequantized
+    else:
+        assert stored["model.layers.0.mlp.experts.gate_up_proj_blocks"] == torch.uint8
+    stats = handle.stats()
+    offloaded = sum(open_checkpoint(quantized).tensors[n].nbytes for n, p in plan.params.items() if p is not
+                    Placement.GPU)
+    assert stats.uva_bytes + stats.prefetch_bytes == offloaded  # quantized bytes, not bf16
+    assert torch.equal(logits(model), expected[name])
+    ref_model = reference(ref)
+    ids = torch.tensor([[5, 9, 2, 7]])
+    kw = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert torch.equal(model.generate(ids, **kw), ref_model.generate(ids, **kw))
+    handle.remove()
+    assert model.model.layers[0].self_attn.q_proj.weight.dtype == torch.bfloat16
+    assert torch.equal(logits(model), expected[name])  # plain dequantized tensors again
+
+
+def test_experts_split_between_gpu_and_host(tmp_path, checkpoints, expected):
+    quantized, _ = checkpoints["fp8-moe"]
+    plan_path = make_plan(tmp_path, quantized, "rules:\n  - {match: [experts.0, experts.1], place: gpu}\n"
+                                               "backend: uva\nuva: {offload_gib: 100}")
+    plan = load_plan(plan_path)
+    assert plan.params["model.layers.0.mlp.experts.0.up_proj.weight_scale_inv"] is Placement.GPU
+    assert plan.params["model.layers.0.mlp.experts.2.up_proj.weight_scale_inv"] is Placement.UVA
+    model, handle = from_pretrained(plan_path, progress=False)
+    experts = model.model.layers[0].mlp.experts
+    assert experts.offplan_rows_gate_up_proj.shape[0] == 2 and experts.offplan_rows_gate_up_proj_scale_inv.shape[0] == 2
+    assert torch.equal(logits(model), expected["fp8-moe"])
+    handle.remove()
+
+
+def test_a_rule_cannot_part_a_weight_from_its_scales(tmp_path, checkpoints):
+    quantized, _ = checkpoints["fp8-llama"]
+    with pytest.raises(PolicyError, match="apart from their scales") as e:
+        make_plan(tmp_path, quantized, "rules:\n  - {match: ['re:q_proj\\.weight$'], place: uva}")
+    assert "model.layers.0.self_attn.q_proj.weight and model.layers.0.self_attn.q_proj.weight_scale_inv" in str(e.value)
+
+
+def test_fp8_without_block_scales_is_refused(tmp_path, checkpoints):
+    quantized, _ = checkpoints["fp8-llama"]
+    broken = tmp_path / "broken"
+    from quantized_models import _rewrite
+    _rewrite(quantized, broken, lambda n, t: {} if n.endswith("q_proj.weight_scale_inv") else {n: t}, None)
+    plan = make_plan(tmp_path, broken, "")
+    with pytest.raises(ModelMismatchError, match="q_proj.weight: F8_E4M3 without .*only block-scaled FP8"):
+        from_pretrained(plan, progress=False)
+
+
+def test_apply_refuses_a_quantized_checkpoint(tmp_path, checkpoints):
+    import runtime
+    quantized, ref = checkpoints["fp8-llama"]
+    plan = make_plan(tmp_path, quantized, "")
+    model = reference(ref)
+    with pytest.raises(OffplanError, match="apply\\(\\) cannot quantize"):
+        runtime.apply(model, plan)
+
+
+def test_a_failed_load_leaves_the_meta_model_plain(tmp_path, checkpoints):
+    import runtime
+    quantized, _ = checkpoints["fp8-moe"]
+    plan = make_plan(tmp_path, quantized, "prefetch: {group_size: 2, num_in_group: 1, step: 1}")
+    model = build_meta_model(quantized)
+    before = {n: (t.dtype, t.shape) for n, t in model.state_dict().items()}
+    config = json.loads((quantized / "config.json").read_text())
+    model.model.layers[1].mlp.experts.down_proj = torch.nn.Parameter(  # a model that does not fit the plan
+        torch.empty(4, 192, 64, dtype=torch.bfloat16, device="meta"))
+    with pytest.raises(ModelMismatchError):
+        runtime.load(model, plan, progress=False)
+    after = {n: (t.dtype, t.shape) for n, t in model.state_dict().items()}
+    assert after == {**before, "model.layers.1.mlp.experts.down_proj": (torch.bfloat16, torch.Size([4, 192, 64]))}
+    assert config["quantization_config"]["weight_block_size"] == [128, 128]
