@@ -60,27 +60,34 @@ except ImportError:  # the CPU build of torch
 if triton is not None:
     @triton.jit
     def _fp8_kernel(out, data, scale, rows, cols, scale_rows, scale_cols, B0: tl.constexpr, B1: tl.constexpr,
-                    BLOCK: tl.constexpr):
-        m = tl.program_id(0).to(tl.int64)  # which matrix of [..., R, C]
-        offs = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < rows * cols
-        r, c = offs // cols, offs % cols
-        x = tl.load(data + m * rows * cols + offs, mask=mask).to(tl.float32)
-        s = tl.load(scale + m * scale_rows * scale_cols + (r // B0) * scale_cols + c // B1, mask=mask)
-        tl.store(out + m * rows * cols + offs, (x * s).to(out.dtype.element_ty), mask=mask)
+                    BR: tl.constexpr, BC: tl.constexpr):
+        """One BR x BC tile of matrix m: inside one scale block (BR divides B0, BC divides B1), so one scale."""
+        m = tl.program_id(0).to(tl.int64)
+        r0, c0 = tl.program_id(1) * BR, tl.program_id(2) * BC
+        r, c = r0 + tl.arange(0, BR), c0 + tl.arange(0, BC)
+        mask = (r[:, None] < rows) & (c[None, :] < cols)
+        offs = m * rows * cols + r[:, None].to(tl.int64) * cols + c[None, :]
+        s = tl.load(scale + m * scale_rows * scale_cols + (r0 // B0) * scale_cols + c0 // B1)
+        x = tl.load(data + offs, mask=mask).to(tl.float32)
+        tl.store(out + offs, (x * s).to(out.dtype.element_ty), mask=mask)
+
+
+def _power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
 
 
 @torch.library.custom_op("offplan::dequant_fp8", mutates_args=())
 def dequant_fp8(data: torch.Tensor, scale: torch.Tensor, b0: int, b1: int, dtype: torch.dtype) -> torch.Tensor:
-    """FP8 `data` [..., R, C] times its block's `scale` [..., ceil(R/b0), ceil(C/b1)], in `dtype` (module doc)."""
-    if not data.is_cuda or triton is None:
+    """FP8 `data` [..., R, C] times its block's `scale` [..., ceil(R/b0), ceil(C/b1)], in `dtype` (module doc).
+    On CUDA with power-of-two blocks, tiles of 32 x 128 (at most a block) each read one scale."""
+    if not data.is_cuda or triton is None or not (_power_of_two(b0) and _power_of_two(b1)):
         return _fp8_reference(data, scale, b0, b1, dtype)
     rows, cols = data.shape[-2:]
     out = torch.empty(data.shape, dtype=dtype, device=scale.device)
     matrices = data.numel() // max(1, rows * cols)
-    block = 4096
-    _fp8_kernel[(matrices, triton.cdiv(rows * cols, block))](
-        out, data, scale, rows, cols, scale.shape[-2], scale.shape[-1], B0=b0, B1=b1, BLOCK=block)
+    br, bc = min(32, b0), min(128, b1)
+    _fp8_kernel[(matrices, triton.cdiv(rows, br), triton.cdiv(cols, bc))](
+        out, data, scale, rows, cols, scale.shape[-2], scale.shape[-1], B0=b0, B1=b1, BR=br, BC=bc)
     return out
 
 

@@ -17,3 +17,14 @@ def run_decode(tmp_path: Path, *argv: str) -> tuple[int, list[dict]]:
                         "--out", str(tmp_path / "out"), "--new-tokens", "3", "--fractions", "0.5", *argv])
     lines = (tmp_path / "out" / "decode-tiny.jsonl").read_text().splitlines()
     return code, [r for r in map(json.loads, lines) if r["kind"] == "decode"]
+
+
+def load_benchmark(name: str):
+    """benchmarks/NAME.py as a module, with benchmarks/ on sys.path for its sibling imports (decode.py)."""
+    import sys
+    if str(ROOT / "benchmarks") not in sys.path:
+        sys.path.insert(0, str(ROOT / "benchmarks"))
+    spec = importlib.util.spec_from_file_location(f"{name}_bench_main", ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -74,7 +74,7 @@ def mxfp4_dequantize(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor
 def _rewrite(src: Path, dst: Path, convert, quantization_config: dict | None) -> Path:
     """Copy checkpoint `src` to `dst`, each shard's tensors passed through `convert(name, tensor) -> dict`."""
     dst.mkdir(parents=True, exist_ok=True)
-    index = json.loads((src / "model.safetensors.index.json").read_text())
+    index = _index(src)
     weight_map = {}
     for shard in sorted(set(index["weight_map"].values())):
         out = {}
@@ -82,8 +82,9 @@ def _rewrite(src: Path, dst: Path, convert, quantization_config: dict | None) ->
             out.update(convert(name, t))
         save_file(out, dst / shard, metadata={"format": "pt"})
         weight_map.update({n: shard for n in out})
-    index["weight_map"] = weight_map
-    (dst / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    if (src / "model.safetensors.index.json").is_file():
+        index["weight_map"] = weight_map
+        (dst / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     config = json.loads((src / "config.json").read_text())
     if quantization_config is not None:
         config["quantization_config"] = quantization_config
@@ -92,6 +93,13 @@ def _rewrite(src: Path, dst: Path, convert, quantization_config: dict | None) ->
         if (src / extra).exists():
             shutil.copy(src / extra, dst / extra)
     return dst
+
+
+def _index(root: Path) -> dict:
+    """The checkpoint's index, or one made up for a single-file checkpoint."""
+    if (root / "model.safetensors.index.json").is_file():
+        return json.loads((root / "model.safetensors.index.json").read_text())
+    return {"weight_map": {n: "model.safetensors" for n in load_file(root / "model.safetensors")}}
 
 
 def _is_projection(name: str, t: torch.Tensor) -> bool:
@@ -133,8 +141,7 @@ def reference_dir(quantized: Path, dst: Path) -> Path:
             return {base: mxfp4_dequantize(t, load_scale(base + "_scales")).transpose(1, 2).contiguous()}
         return {name: t}
     everything = {}
-    for shard in sorted(set(json.loads((quantized / "model.safetensors.index.json").read_text())["weight_map"]
-                            .values())):
+    for shard in sorted(set(_index(quantized)["weight_map"].values())):
         everything.update(load_file(quantized / shard))
 
     def load_scale(name):

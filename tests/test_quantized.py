@@ -150,3 +150,17 @@ def test_a_failed_load_leaves_the_meta_model_plain(tmp_path, checkpoints):
     after = {n: (t.dtype, t.shape) for n, t in model.state_dict().items()}
     assert after == {**before, "model.layers.1.mlp.experts.down_proj": (torch.bfloat16, torch.Size([4, 192, 64]))}
     assert config["quantization_config"]["weight_block_size"] == [128, 128]
+
+
+def test_quantized_benchmark_runs_on_the_cpu(tmp_path):
+    """benchmarks/quantized.py end to end on its tiny model: FP8 tokens equal the dequantized bf16 model's."""
+    from decode_bench import load_benchmark
+    bench = load_benchmark("quantized")
+    code = bench.main(["--model", "tiny", "--layers", "2", "--new-tokens", "3", "--device", "cpu",
+                       "--dir", str(tmp_path / "work"), "--out", str(tmp_path / "out")])
+    rows = [json.loads(line) for line in (tmp_path / "out" / "quantized-tiny.jsonl").read_text().splitlines()]
+    decodes = [r for r in rows if r["kind"] == "decode"]
+    assert code == 0 and len(decodes) == 4
+    assert all(r["same_tokens_as_bf16"] for r in decodes if r["checkpoint"] == "fp8")
+    host = {r["checkpoint"]: r["host_bytes"] for r in decodes if r["strategy"] == "experts-host"}
+    assert 0.5 < host["fp8"] / host["bf16"] < 0.52  # FP8 bytes and their scales over the link, not bf16
