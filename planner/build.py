@@ -59,7 +59,7 @@ def _build(policy: Policy, plan_dir: Path, checkpoint: Checkpoint | None) -> Pla
     hardware = load_hardware(policy.hardware) if policy.hardware else H100
     top_k = policy.workload.experts_per_token or facts.top_k
     routing = load_profile(policy.workload.routing) if policy.workload.routing else None
-    d = decide(graph, ckpt.tensors, policy, hardware, top_k, routing, ckpt.fingerprint)
+    d = decide(graph, ckpt.tensors, policy, hardware, top_k, routing, ckpt.fingerprint, facts.experts)
     # The directory when it is the standard layout, else the file the policy named.
     if ckpt.index is None:
         ckpt_file = ckpt.root / next(iter(ckpt.tensors.values())).shard

@@ -12,10 +12,12 @@ they are read in place.
 
 What is staged (`stageable`): the tensors of the layer graph's LAYER, MODULE
 and HEAD layers (graph.py) that are no member of a fused expert group
-(groups.py: `FusedGroups.group_of`; `expert_number` is None exactly for those):
+(groups.py: `FusedGroups.group_of`; `is_expert` is False exactly for those,
+by name alone, as the runtime tells them apart from a plan's names):
 - never an embedding (EMBED): a lookup reads one row per token, and staging
   would copy the whole table;
-- never a routed expert: offplan's experts implementation already reads each
+- never a routed expert, stored one expert a tensor or already fused
+  (prefused.py): offplan's experts implementation already reads each
   touched expert once per forward, through a gather;
 - never a multi-token-prediction layer (graph.py `Runs.MTP`): it runs in no
   forward of plain generation, so a slot for it would hold GPU memory for
@@ -40,7 +42,7 @@ from collections.abc import Iterable, Mapping
 
 from .checkpoint import TensorInfo
 from .graph import Layer, LayerGraph
-from .groups import expert_number
+from .groups import is_expert
 from .plan import LayerKind, Placement, PrefillStaging, Runs, StagedLayer
 from .slots import align
 
@@ -50,7 +52,7 @@ STAGE_SLOTS = 2  # one slot runs while the next layer's copy fills the other
 def stageable(layers: Iterable[Layer]) -> frozenset[str]:
     """The tensors of `layers` (a layer graph's) that prefill stages when they are on uva (module doc)."""
     return frozenset(n for l in layers if l.kind is not LayerKind.EMBED and l.runs is not Runs.MTP
-                     for n in l.params if expert_number(n) is None)
+                     for n in l.params if not is_expert(n))
 
 
 def staged_bytes(names: Iterable[str], tensors: Mapping[str, TensorInfo]) -> int:
