@@ -9,6 +9,7 @@ import json
 import pytest
 
 from headeronly import GPU, UVA, infos, policy
+from offplan.cli import main
 from planner.build import build_file
 from planner.config import read_config
 from planner.cost import CostModel
@@ -211,6 +212,36 @@ def test_the_uva_walk_moves_a_pre_fused_parameter_whole_and_prefetch_streams_the
         f"model.layers.{i}.mlp.experts.gate_up_proj_blocks); prefetch streams a group whole, since its fused "
         "parameters are views of one slot: select all of them (for example with the pattern `experts`), or place "
         "experts on uva" for i in (0, 1)]
+
+
+def test_a_rule_cannot_pick_experts_of_a_pre_fused_tensor(tmp_path):
+    write_header_only(tmp_path / "ckpt", tiny_gpt_oss(), single=True)
+    path = tmp_path / "x.policy.yaml"
+    path.write_text("format_version: 1\ncheckpoint: ./ckpt\nrules:\n  - match: [experts.3]\n    place: uva\n")
+    with pytest.raises(PolicyError) as e:
+        build_file(path)
+    assert e.value.problems == [
+        f"{path}:4:13: rules[0].match[0]: 'experts.3' matches no tensor of the checkpoint: this checkpoint stores "
+        "its experts already fused, one tensor holding a parameter of every expert "
+        "(model.layers.0.mlp.experts.gate_up_proj_blocks), and the plan places a checkpoint tensor whole, so a rule "
+        "cannot pick some of its experts; match the parameter (`experts.gate_up_proj_blocks`) or the module "
+        "(`experts`)"]
+
+
+def test_show_names_pre_fused_experts_as_a_fused_group(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    write_header_only(tmp_path / "ckpt", tiny_gpt_oss(), single=True)
+    (tmp_path / "x.policy.yaml").write_text("format_version: 1\ncheckpoint: ./ckpt\n"
+                                            f"uva: {{offload_gib: {18_000 / 2**30!r}, stage_prefill: false}}\n")
+    assert main(["build", "x.policy.yaml"]) == 0
+    capsys.readouterr()
+    assert main(["show", "x.plan.yaml", "--tensors", "--json"]) == 0
+    units = [(u["name"], u["placement"], u["tensors"], u["bytes"]) for u in json.loads(capsys.readouterr().out)["units"]
+             if "experts" in u["name"]]
+    assert units == [
+        ("model.layers.0.mlp.experts [down_proj_bias, down_proj_blocks, down_proj_scales]", "uva", 3, 18432),
+        ("model.layers.0.mlp.experts [gate_up_proj_bias, gate_up_proj_blocks, gate_up_proj_scales]", "gpu", 3, 36864),
+        ("model.layers.1.mlp.experts", "gpu", 6, 55296)]
 
 
 # ---------------------------------------------------------------- real shapes
