@@ -1,6 +1,7 @@
 """`plan build`: policy + checkpoint headers -> Plan. The one place the steps are wired together."""
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from .checkpoint import INDEX_NAME, Checkpoint, open_checkpoint
@@ -13,6 +14,7 @@ from .config import read_config
 from .hardware import H100, load_hardware
 from .files import relpath
 from .plan import Plan, RoutingRef
+from .prefused import prefused_key
 from .policy import Policy, load_policy
 from .routing import load_profile
 
@@ -27,14 +29,34 @@ def default_output(policy_path: Path) -> Path:
     return policy_path.with_name(name + ".plan.yaml")
 
 
+_BY_NUMBER = re.compile(r"(^|\.)experts\.\d")
+
+
+def _stacked_example(names: list[str]) -> str:
+    """A tensor holding every expert at once (prefused.py), a weight rather than a bias or scale; "" if none."""
+    stacked = [n for n in names if prefused_key(n)]
+    return next((n for n in stacked if "bias" not in n and "scale" not in n), stacked[0] if stacked else "")
+
+
 def check_patterns(policy: Policy, names: list[str]) -> None:
-    """Every pattern of the policy must match some tensor: vLLM ignores typos silently."""
+    """Every pattern of the policy must match some tensor: vLLM ignores typos silently.
+
+    A pattern that picks experts by number (`experts.3`) where the checkpoint stores them already
+    fused (prefused.py) is told why it cannot: the plan places each checkpoint tensor whole."""
     problems = []
     index = Names(names)
+    fused = None
     for where, pattern in policy.all_patterns():
         if not index.any_match(pattern):
             near = [] if pattern.regex else closest(pattern.text, names)
             hint = f"; did you mean {' or '.join(repr(n) for n in near)}?" if near else ""
+            if _BY_NUMBER.search(pattern.text) or (pattern.regex and "experts" in pattern.text):
+                fused = fused if fused is not None else _stacked_example(names)
+                if fused:
+                    hint = (f": this checkpoint stores its experts already fused, one tensor holding a parameter "
+                            f"of every expert ({fused}), and the plan places a checkpoint tensor whole, so a rule "
+                            f"cannot pick some of its experts; match the parameter (`experts.{prefused_key(fused)[1]}`)"
+                            " or the module (`experts`)")
             problems.append(f"{policy.where(where)}: {where}: {pattern.text!r} matches no tensor "
                             f"of the checkpoint{hint}")
     if problems:
@@ -59,7 +81,7 @@ def _build(policy: Policy, plan_dir: Path, checkpoint: Checkpoint | None) -> Pla
     hardware = load_hardware(policy.hardware) if policy.hardware else H100
     top_k = policy.workload.experts_per_token or facts.top_k
     routing = load_profile(policy.workload.routing) if policy.workload.routing else None
-    d = decide(graph, ckpt.tensors, policy, hardware, top_k, routing, ckpt.fingerprint)
+    d = decide(graph, ckpt.tensors, policy, hardware, top_k, routing, ckpt.fingerprint, facts.experts)
     # The directory when it is the standard layout, else the file the policy named.
     if ckpt.index is None:
         ckpt_file = ckpt.root / next(iter(ckpt.tensors.values())).shard

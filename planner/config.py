@@ -6,7 +6,10 @@
   the main stack numbered past them is a multi-token-prediction (MTP) layer
   when `mtp_layers` (`num_nextn_predict_layers`: DeepSeek-V3, GLM-4.5) says
   there are some: it never runs in plain decode;
-- `vision`: the model has a vision tower (`vision_config`).
+- `vision`: the model has a vision tower (`vision_config`);
+- `experts`: routed experts per MoE layer (`num_local_experts`, `num_experts`,
+  `n_routed_experts`), which the first dimension of experts stored already
+  fused must match (prefused.py).
 
 A vision-language model nests the text facts under `text_config`, which wins.
 A missing or unreadable config.json gives no facts (names still decide).
@@ -18,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 _TOP_K_KEYS = ("num_experts_per_tok", "moe_topk", "num_experts_per_token", "top_k", "moe_k")
+_EXPERTS_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
 
 
 @dataclass(frozen=True)
@@ -26,6 +30,7 @@ class ModelFacts:
     layers: int | None = None
     mtp_layers: int = 0
     vision: bool = False
+    experts: int | None = None
 
 
 def _int(scope: dict, *keys: str) -> int | None:
@@ -50,4 +55,5 @@ def read_config(checkpoint_root: str | Path) -> ModelFacts:
         top_k=next((v for s in scopes if (v := _int(s, *_TOP_K_KEYS))), None),
         layers=next((v for s in scopes if (v := _int(s, "num_hidden_layers"))), None),
         mtp_layers=next((v for s in scopes if (v := _int(s, "num_nextn_predict_layers"))), 0),
-        vision=isinstance(config.get("vision_config"), dict))
+        vision=isinstance(config.get("vision_config"), dict),
+        experts=next((v for s in scopes if (v := _int(s, *_EXPERTS_KEYS))), None))

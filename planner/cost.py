@@ -7,7 +7,11 @@ sequence, batch b) reads:
   with probability 1 - (1 - p_e)^b. With a routing profile (routing.py), p_e
   is the expert's share of the profile's decode tokens (decode hits / decode
   tokens: top-k routing makes them add up to k); without one, routing is
-  assumed uniform, p_e = k/E for each of a layer's E experts;
+  assumed uniform, p_e = k/E for each of a layer's E experts. A tensor that
+  holds every expert at once (prefused.py: GPT-OSS, Llama 4; its first
+  dimension the E experts) reads each expert's row with that probability:
+  the mean of 1 - (1 - p_e)^b over its rows, 1 - (1 - k/E)^b of its bytes
+  under uniform routing (gpt-oss-120b at batch 1: 4 of 128 rows, 1/32);
 - embedding: a 2-D tensor of an embedding module: b of its V rows per step
   (unless the embedding is tied to the head, which reads it whole);
 - dense: everything else, read whole every step.
@@ -141,25 +145,40 @@ class CostModel:
         self.flops: dict[str, float] = {}  # prefill: 2 x T x elements x the share of tokens it computes
         self.pre_frac: dict[str, float] = {}  # prefill: the fraction of its bytes read
         self.gathered: set[str] = set()  # read in place once per forward (experts, embedding rows), not per tile
+
+        read: dict[tuple, tuple[float, float, float]] = {}  # (group, expert or None) -> (frac, pre_frac, pre)
+
+        def expert_read(n: str) -> tuple[float, float, float]:
+            """A routed tensor's (frac, pre_frac, pre): over its rows (one for one expert's tensor, E for a
+            pre-fused one), the mean chance to be read in a step and in the prefill, and the mean share of
+            prefill tokens computed; all of it when routing is unknown."""
+            g, e = group_of[n], groups.index_of.get(n)
+            if (g, e) not in read:
+                if g in chance:
+                    decode, prefill = (chance[g], pre_chance[g]) if e is None else (
+                        (chance[g][e],), (pre_chance[g][e],))
+                elif top_k is not None:
+                    decode = prefill = (min(top_k, counts[g]) / counts[g],)
+                else:
+                    decode = prefill = (1.0,)
+                read[g, e] = (sum(_read(p, batch) for p in decode) / len(decode),
+                              sum(_read(p, prompt_tokens) for p in prefill) / len(prefill),
+                              sum(prefill) / len(prefill))
+            return read[g, e]
+
         for layer in graph.layers:
             for n in layer.params:
+                routed = groups.routed(n)
                 role = (roles or {}).get(n) or (
-                    Role.EXPERT if n in group_of else Role.EMBEDDING if n in embed else Role.DENSE)
-                share = 1.0  # of the tokens, in decode and prefill alike
-                if role is Role.EXPERT and group_of.get(n) in chance:
-                    share = chance[group_of[n]][groups.index_of[n]]
-                    pre = pre_chance[group_of[n]][groups.index_of[n]]
-                elif role is Role.EXPERT and top_k is not None and n in group_of:
-                    e = counts[group_of[n]]
-                    share = pre = min(top_k, e) / e
-                else:  # dense, an embedding (rows below), or unknown routing / an override: all of it
-                    pre = 1.0
+                    Role.EXPERT if routed else Role.EMBEDDING if n in embed else Role.DENSE)
                 if role is Role.EMBEDDING:
                     rows = max(1, tensors[n].shape[0])
                     frac, pre_frac, pre = min(1.0, batch / rows), min(1.0, prompt_tokens / rows), 0.0
-                else:
-                    frac, pre_frac = _read(share, batch), _read(pre, prompt_tokens)
-                if role is Role.EMBEDDING or n in group_of:
+                elif role is Role.EXPERT and routed:
+                    frac, pre_frac, pre = expert_read(n)
+                else:  # dense, or an override: all of it
+                    frac = pre_frac = pre = 1.0
+                if role is Role.EMBEDDING or routed:
                     self.gathered.add(n)
                 if layer.runs is not Runs.STEP:
                     frac = pre_frac = pre = 0.0  # neither in a decode step nor in a text prefill

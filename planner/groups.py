@@ -23,15 +23,22 @@ A rule or `params` pattern that splits an expert, or prefetches part of a
 group, is an error.
 
 Grouping is by name: `<prefix>.experts.<N>.<proj><suffix>` belongs to group
-`<prefix>.experts`. Shared experts (`mlp.shared_experts.*`) carry no number and
-stay ordinary tensors. Experts stored already fused (`mlp.experts.gate_up_proj`)
-carry none either: one tensor, placed whole.
+`<prefix>.experts`. Shared experts (`mlp.shared_experts.*`) are no member.
+Experts stored already fused (`mlp.experts.gate_up_proj` [E, ...], GPT-OSS,
+Llama 4: prefused.py) are members too, by name, but one tensor holds a
+parameter of every expert: it is its own parameter and expert unit, placed
+whole, since the plan is keyed by checkpoint tensor names. Given the
+tensors' shapes, `FusedGroups.find` also checks that its first dimension
+counts the group's experts (`rows_of`), which the cost model needs to count
+the touched experts' rows of it (prefused.py `expert_rows`).
 """
 from __future__ import annotations
 
 import re
-from collections.abc import Collection, Iterable
-from dataclasses import dataclass
+from collections.abc import Collection, Iterable, Mapping
+from dataclasses import dataclass, field
+
+from .prefused import expert_rows, prefused_key
 
 _MEMBER = re.compile(r"^(.*\.experts)\.(\d+)\.([^.]+)(.*)$")
 # projection -> (the fused parameter it joins, its place within one expert's block)
@@ -51,6 +58,11 @@ def expert_number(name: str) -> int | None:
     """The expert a tensor belongs to (`mlp.experts.7.up_proj.weight`: 7), or None for no expert's."""
     k = _key(name)
     return None if k is None else k[2]
+
+
+def is_expert(name: str) -> bool:
+    """Whether a tensor belongs to a fused expert group by its name: one expert's, or every expert's at once."""
+    return _key(name) is not None or prefused_key(name) is not None
 
 
 def units(names: Iterable[str]) -> list[tuple[str, ...]]:
@@ -82,27 +94,43 @@ class FusedGroups:
     group_of: dict[str, str]  # member -> its group
     param_of: dict[str, tuple[str, ...]]  # member -> its parameter unit, in memory order
     expert_of: dict[str, tuple[str, ...]]  # member -> its expert unit, in memory order
-    index_of: dict[str, int]  # member -> its expert number
+    index_of: dict[str, int]  # member -> its expert number (per-expert tensors)
+    rows_of: dict[str, int] = field(default_factory=dict)  # pre-fused member -> its experts, along dim 0
+    not_experts: dict[str, str] = field(default_factory=dict)  # pre-fused member whose rows are not -> why
 
     @classmethod
-    def find(cls, names: Iterable[str]) -> "FusedGroups":
+    def find(cls, names: Iterable[str], shapes: Mapping[str, tuple[int, ...]] | None = None,
+             experts: int | None = None) -> "FusedGroups":
+        """The groups of `names`. `shapes` (the headers') and `experts` (config.json's count) check
+        which pre-fused members hold one expert per row (prefused.py); without shapes (a plan's names
+        alone) those are members whose rows are unknown: `rows_of` is empty."""
         members: dict[str, list[str]] = {}
         params: dict[tuple, list] = {}
-        experts: dict[tuple, list] = {}
+        experts_of: dict[tuple, list] = {}
+        stacked: dict[str, list[str]] = {}
         index_of = {}
         for n in names:
             k = _key(n)
             if k is None:
+                fused = prefused_key(n)
+                if fused is not None:
+                    members.setdefault(fused[0], []).append(n)
+                    stacked.setdefault(fused[0], []).append(n)
                 continue
             group, param, expert, part = k
             members.setdefault(group, []).append(n)
             params.setdefault((group, param), []).append(((expert, part), n))
-            experts.setdefault((group, param, expert), []).append((part, n))
+            experts_of.setdefault((group, param, expert), []).append((part, n))
             index_of[n] = expert
         param_of = {n: unit for ms in params.values() for unit in [tuple(n for _, n in sorted(ms))] for n in unit}
-        expert_of = {n: unit for ms in experts.values() for unit in [tuple(n for _, n in sorted(ms))] for n in unit}
+        expert_of = {n: unit for ms in experts_of.values() for unit in [tuple(n for _, n in sorted(ms))] for n in unit}
+        rows_of: dict[str, int] = {}
+        not_experts: dict[str, str] = {}
+        if shapes is not None and stacked:
+            counted = {g: len({index_of[m] for m in members[g] if m in index_of}) for g in stacked}
+            rows_of, not_experts = expert_rows(stacked, shapes, counted, experts)
         return cls({g: tuple(ms) for g, ms in members.items()}, {m: g for g, ms in members.items() for m in ms},
-                   param_of, expert_of, index_of)
+                   param_of, expert_of, index_of, rows_of, not_experts)
 
     def group(self, name: str) -> tuple[str, ...]:
         """Everything that streams with `name`: its whole group, or the tensor alone."""
@@ -118,8 +146,15 @@ class FusedGroups:
         return self.expert_of.get(name, (name,))
 
     def experts(self, group: str) -> int:
-        """How many distinct experts the group holds."""
-        return len({self.index_of[m] for m in self.members[group]})
+        """How many distinct experts the group holds: its per-expert tensors' experts, or the rows of
+        its pre-fused ones; 0 when neither is known (pre-fused rows unchecked or not experts)."""
+        numbered = {self.index_of[m] for m in self.members[group] if m in self.index_of}
+        return len(numbered) or max((self.rows_of[m] for m in self.members[group] if m in self.rows_of), default=0)
+
+    def routed(self, name: str) -> bool:
+        """Whether routing decides what of `name` a step reads: one expert's tensor, or a pre-fused
+        one whose rows are the group's experts (`rows_of`)."""
+        return name in self.index_of or name in self.rows_of
 
 
 def whole_groups(names: list[str], groups: "FusedGroups") -> list[str]:

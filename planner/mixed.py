@@ -30,7 +30,9 @@ give every strategy's step and prefill, and each offloaded layer says what it
 holds and why.
 
 Routed experts are units of one expert of one fused parameter (groups.py),
-ranked by the fraction a step reads: with a routing profile
+or of one whole tensor where the checkpoint stores every expert in it
+(prefused.py: the plan places a tensor whole), ranked by the fraction a step
+reads: with a routing profile
 (`workload.routing`), the experts its decode tokens never or rarely took go
 to uva first and the most-hit ones stay on the GPU; without one, every
 expert of a layer reads alike and the walk takes them in order.
@@ -57,7 +59,7 @@ GPU, UVA, PREFETCH = Placement.GPU, Placement.UVA, Placement.PREFETCH
 
 @dataclass(frozen=True)
 class Unit:
-    names: tuple[str, ...]  # one tensor, or one expert of one fused parameter (groups.py)
+    names: tuple[str, ...]  # one tensor (a pre-fused one too), or one expert of one fused parameter (groups.py)
     layer: Layer
     frac: float  # of its bytes read per step
     nbytes: int

@@ -20,7 +20,8 @@ or budget, gets
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 
 from .checkpoint import TensorInfo
 from .graph import LayerGraph
@@ -56,6 +57,7 @@ class Outcome:
     uniform_routing: bool = False  # MoE layers run in decode, top-k known, no profile: routing assumed uniform
     checkpoint_fingerprint: str | None = None  # the plan's checkpoint, against the profile's
     staging: PrefillStaging | None = None  # the prefill staging section (staging.py)
+    not_experts: Mapping[str, str] = field(default_factory=dict)  # tensor -> why its rows are not experts
 
 
 def notes(o: Outcome) -> tuple[str, ...]:
@@ -78,6 +80,7 @@ def notes(o: Outcome) -> tuple[str, ...]:
     out += o.mixed
     out += _rarely_run(o)
     out += _routing(o)
+    out += _not_experts(o.not_experts)
     if o.experts_without_top_k:
         out.append("the checkpoint has MoE experts but no experts-per-token (config.json or "
                    "workload.experts_per_token): the cost model assumes each step reads every expert")
@@ -118,6 +121,23 @@ def _routing(o: Outcome) -> list[str]:
                    f"{p.checkpoint_fingerprint[:19]}...): its layers and experts match this one's, but it predicts "
                    "this one's routing only if the two route alike (record one: `plan profile`)")
     return out
+
+
+def _not_experts(why: Mapping[str, str]) -> list[str]:
+    """Tensors of experts modules, stored for every expert at once, that the cost model reads whole because
+    their first dimension does not count the experts (prefused.py); layer numbers folded to N."""
+    if not why:
+        return []
+    fold = re.compile(r"(?<=\.)\d+(?=\.)")
+    templates: dict[tuple[str, str], int] = {}
+    for n, reason in why.items():
+        key = (fold.sub("N", n), fold.sub("N", reason))
+        templates[key] = templates.get(key, 0) + 1
+    listed = "; ".join(f"{name} ({plural(count, 'tensor')}): {reason}" for (name, reason), count in
+                       list(templates.items())[:3])
+    more = f"; and {plural(len(templates) - 3, 'more name')}" if len(templates) > 3 else ""
+    return [f"read whole by the cost model, though in an experts module: tensors with no expert number whose "
+            f"rows are not the experts: {listed}{more}"]
 
 
 def _amounts(by: Mapping[Placement, int]) -> str:

@@ -11,8 +11,9 @@ Steps:
    Fused expert groups (groups.py) move by prefetch whole, by vLLM's uva walk
    one fused parameter (w13, w2) at a time, by a budget one expert of one
    fused parameter at a time; a rule or pattern that splits an expert, or
-   prefetches part of a group, is an error. A quantized weight and its
-   scales (quantized.py) always move together; rules that part them are an error.
+   prefetches part of a group, is an error. A tensor that holds every expert
+   at once (prefused.py: GPT-OSS, Llama 4) is one unit for all three. A
+   quantized weight and its scales (quantized.py) always move together.
    Where a budget drives the placement (not vLLM's own knobs, which keep
    vLLM's order), what runs in no decode step (graph.py: vision towers and
    their projectors, MTP layers) goes to uva first, stacks or not: it costs a
@@ -85,13 +86,14 @@ from .hardware import H100, Hardware
 from .mixed import place_mixed
 from .notes import Outcome, notes
 from .patterns import Names
-from .quantized import partners
-from .plan import Backend, Cost, LayerBytes, Placement, PrefetchSchedule, PrefillStaging, Runs, Summary
+from .plan import Backend, Cost, LayerBytes, Placement, PrefetchSchedule, PrefillStaging, Role, Runs, Summary
+from .quantized import check_rules
 from .policy import Policy
 from .routing import RoutingProfile, check_fits
 from .schedule import fewest_layers, make_schedule
 from .staging import make_staging
-from .placement_errors import check_groups, layer_list, nothing_left, over_budget
+from .placement_errors import check_groups, check_roles, layer_list, nothing_left, over_budget
+from .prefused import prefused_key
 from .units import GIB, plural
 
 GPU, UVA, PREFETCH = Placement.GPU, Placement.UVA, Placement.PREFETCH
@@ -127,12 +129,13 @@ def resolve_backend(policy: Policy) -> tuple[Backend, str | None]:
 
 def decide(graph: LayerGraph, tensors: Mapping[str, TensorInfo], policy: Policy,
            hardware: Hardware = H100, top_k: int | None = None, routing: RoutingProfile | None = None,
-           checkpoint_fingerprint: str | None = None) -> Decision:
+           checkpoint_fingerprint: str | None = None, num_experts: int | None = None) -> Decision:
     """Placements for every tensor (see the module doc); `hardware`, `top_k` (experts per
     token, from the workload or config.json) and `routing` (the policy's routing profile,
     which must fit the checkpoint's MoE layers) feed the cost model that every plan reports
     and that `backend: mixed` decides with. `checkpoint_fingerprint` tells the notes whether
-    the profile was recorded on this checkpoint.
+    the profile was recorded on this checkpoint; `num_experts` (config.json's) checks the
+    first dimension of experts stored already fused (prefused.py).
 
     A pipeline over one state: the placement and its `Footprint`, which every step
     moves tensors through, and the fused groups, found once.
@@ -141,9 +144,11 @@ def decide(graph: LayerGraph, tensors: Mapping[str, TensorInfo], policy: Policy,
     names = Names(place)
     fixed: set[str] = set()
     won: list[set[str]] = []  # per rule, the tensors it places (first match wins)
+    as_experts: list[set[str]] = []  # per rule, the tensors it calls experts (`role: expert`)
     roles = {}
     for rule in policy.rules:
         matched = names.select(rule.patterns)
+        as_experts.append(matched if rule.role is Role.EXPERT else set())
         if rule.role is not None:
             for n in matched:
                 roles.setdefault(n, rule.role)
@@ -152,19 +157,17 @@ def decide(graph: LayerGraph, tensors: Mapping[str, TensorInfo], policy: Policy,
         fixed |= mine
         for n in mine:
             place[n] = rule.place
-    partner = partners(tensors)
-    odd = [f"{w} and {s}" for w, s in partner.items() if w < s and ((w in fixed) != (s in fixed) or place[w] is not place[s])]
-    if odd:
-        raise PolicyError(f"{policy.path}: rules place {len(odd)} quantized weights apart from their scales; a weight "
-                          "and its scales are one unit (the runtime dequantizes one with the other): make the "
-                          "rules match both, for example by the module's name", odd)
+    check_rules(policy.path, place, fixed, tensors)
     stack = graph.stack_layers()
-    groups = FusedGroups.find(n for l in stack for n in l.params)
+    stacked = [n for l in stack for n in l.params]
+    groups = FusedGroups.find(stacked, {n: tensors[n].shape for n in stacked if prefused_key(n)}, num_experts)
     selected = {"uva": names.select(policy.uva.params) if policy.uva.params else None,
                 "prefetch": names.select(policy.prefetch.params) if policy.prefetch.params else None}
     check_groups(groups, won, selected, policy)
+    check_roles(groups, as_experts, policy)
     in_step = {n for l in graph.layers if l.runs is Runs.STEP for n in l.params}
-    moe = {g: groups.experts(g) for g, members in groups.members.items() if members[0] in in_step}
+    moe = {g: count for g, members in groups.members.items()
+           if members[0] in in_step and (count := groups.experts(g))}
     if routing is not None:
         check_fits(routing, moe, top_k, policy.where("workload.routing"), policy.checkpoint)
     work, stage = policy.workload, policy.uva.stage_prefill
@@ -214,7 +217,8 @@ def decide(graph: LayerGraph, tensors: Mapping[str, TensorInfo], policy: Policy,
                 work.cuda_graphs, prediction.prompt_tokens, prediction.prefill_us)
     outcome = Outcome(policy, backend, reason, skipped, place, frozenset(fixed), tensors, graph, schedule,
                       mixed_notes, bool(groups.members) and top_k is None and routing is None,
-                      routing, bool(moe) and top_k is not None and routing is None, checkpoint_fingerprint, staging)
+                      routing, bool(moe) and top_k is not None and routing is None, checkpoint_fingerprint, staging,
+                      groups.not_experts)
     return Decision(backend, place, schedule, tuple(layers), notes(outcome), summary, cost, staging)
 
 

@@ -1,6 +1,6 @@
 """What placement says when it cannot do what a policy asks: the budget is too small, a backend has nothing
-to offload, a rule or pattern splits fused experts. Each message names the key to change, with the exact
-values (see placement.py, steps 2, 6 and 9)."""
+to offload, a rule or pattern splits fused experts, a `role: expert` rule names what holds no expert per row.
+Each message names the key to change, with the exact values (see placement.py, steps 2, 6 and 9)."""
 from __future__ import annotations
 
 from .errors import PolicyError
@@ -45,6 +45,20 @@ def check_groups(groups: FusedGroups, won: list[set[str]], selected: dict, polic
             problems += split_units(groups, selected[key], f"{key}.params", key == "prefetch")
     if problems:
         raise PolicyError(f"{policy.path}: the policy splits fused experts", problems)
+
+
+def check_roles(groups: FusedGroups, as_experts: list[set[str]], policy: Policy) -> None:
+    """`role: expert` rules select nothing whose rows are not experts: `as_experts[i]` is what rule i
+    calls experts; a tensor of an experts module stored for every expert at once whose first dimension
+    does not count them (prefused.py) cannot be costed by its experts' rows."""
+    problems = []
+    for i, mine in enumerate(as_experts):
+        for n in sorted(mine & groups.not_experts.keys()):
+            problems.append(f"rules[{i}] (role: expert) selects {n}, a tensor of an experts module that holds no "
+                            f"expert per row: {groups.not_experts[n]}; so the cost model cannot tell which of it a "
+                            "step reads and reads it whole: leave it out of the rule's match")
+    if problems:
+        raise PolicyError(f"{policy.path}: role: expert on tensors that are not stacked experts", problems)
 
 
 def layer_list(layers, limit: int = 6) -> str:

@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from .checkpoint import TensorInfo
+from .errors import PolicyError
 
 FP8 = ("F8_E4M3", "F8_E5M2")
 
@@ -53,3 +54,13 @@ def apart(place: Mapping[str, object], partner: Mapping[str, str]) -> list[str]:
     """One line per weight placed apart from its scales."""
     return [f"{w} is {place[w].value} but its scales {s} are {place[s].value}" for w, s in partner.items()
             if w < s and w in place and s in place and place[w] is not place[s]]
+
+
+def check_rules(path, place: Mapping[str, object], fixed: set[str], tensors: Mapping[str, TensorInfo]) -> None:
+    """Refuse rules that place a quantized weight apart from its scales, or one without the other."""
+    odd = [f"{w} and {s}" for w, s in partners(tensors).items()
+           if w < s and ((w in fixed) != (s in fixed) or place[w] is not place[s])]
+    if odd:
+        raise PolicyError(f"{path}: rules place {len(odd)} quantized weights apart from their scales; a weight "
+                          "and its scales are one unit (the runtime dequantizes one with the other): make the "
+                          "rules match both, for example by the module's name", odd)

@@ -166,7 +166,9 @@ def _footprint(plan: Plan) -> list[str]:
 def units_of(layer: Layer, *plans: Mapping[str, Placement]) -> list[tuple[str, tuple[str, ...]]]:
     """A layer's tensors as units, in order: each fused expert group once per combination of the
     placements its tensors have in `plans` (named by the group, and where that splits it, by its
-    experts: `model.layers.3.mlp.experts [experts 0-5,7]`), every other tensor alone."""
+    experts: `model.layers.3.mlp.experts [experts 0-5,7]`, or by the parameters of tensors that hold
+    every expert at once: `model.layers.3.mlp.experts [down_proj, down_proj_bias]`), every other
+    tensor alone."""
     groups = FusedGroups.find(layer.params).group_of
     members: dict[tuple, list[str]] = {}
     for n in layer.params:
@@ -178,7 +180,9 @@ def units_of(layer: Layer, *plans: Mapping[str, Placement]) -> list[tuple[str, t
     for key, names in members.items():
         name = key[0]
         if len(key) == 2 and parts[name] > 1:
-            name += f" [experts {ranges({expert_number(n) for n in names})}]"
+            numbers = {expert_number(n) for n in names} - {None}
+            stacked = [n[len(name) + 1:] for n in names if expert_number(n) is None]  # pre-fused parameters
+            name += f" [{', '.join(([f'experts {ranges(numbers)}'] if numbers else []) + stacked)}]"
         out.append((name, tuple(names)))
     return out
 

@@ -12,10 +12,12 @@ they are read in place.
 
 What is staged (`stageable`): the tensors of the layer graph's LAYER, MODULE
 and HEAD layers (graph.py) that are no member of a fused expert group
-(groups.py: `FusedGroups.group_of`; `expert_number` is None exactly for those):
+(groups.py: `FusedGroups.group_of`; `is_expert` is False exactly for those,
+by name alone, as the runtime tells them apart from a plan's names):
 - never an embedding (EMBED): a lookup reads one row per token, and staging
   would copy the whole table;
-- never a routed expert: offplan's experts implementation already reads each
+- never a routed expert, stored one expert a tensor or already fused
+  (prefused.py): offplan's experts implementation already reads each
   touched expert once per forward, through a gather;
 - never a quantized tensor or its scales (quantized.py): dequantizing reads
   each byte once, whatever the number of tokens;
@@ -42,7 +44,7 @@ from collections.abc import Collection, Iterable, Mapping
 
 from .checkpoint import TensorInfo
 from .graph import Layer, LayerGraph
-from .groups import expert_number
+from .groups import is_expert
 from .quantized import partners
 from .plan import LayerKind, Placement, PrefillStaging, Runs, StagedLayer
 from .slots import align
@@ -54,7 +56,7 @@ def stageable(layers: Iterable[Layer], quantized: Collection[str] = ()) -> froze
     """The tensors of `layers` (a layer graph's) that prefill stages when they are on uva (module doc);
     `quantized`: the quantized tensors and their scales (quantized.py `partners`), never staged."""
     return frozenset(n for l in layers if l.kind is not LayerKind.EMBED and l.runs is not Runs.MTP
-                     for n in l.params if expert_number(n) is None and n not in quantized)
+                     for n in l.params if not is_expert(n) and n not in quantized)
 
 
 def staged_bytes(names: Iterable[str], tensors: Mapping[str, TensorInfo]) -> int:

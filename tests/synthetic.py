@@ -188,3 +188,76 @@ def qwen2_vl(layers=28, hidden=1536, intermediate=8960, heads=12, kv_heads=2, vo
         text += [(f"{p}.q_proj.bias", dtype, (heads * hd,)), (f"{p}.k_proj.bias", dtype, (kv_heads * hd,)),
                  (f"{p}.v_proj.bias", dtype, (kv_heads * hd,))]
     return out + text
+
+
+def gpt_oss(layers=36, hidden=2880, intermediate=2880, experts=128, heads=64, kv_heads=8, head_dim=64,
+            vocab=201088, mxfp4=True) -> list[Tensor]:
+    """gpt-oss-120b by default: experts stored already fused, one tensor per parameter holding all E.
+
+    `mxfp4` (as released): each expert weight in MXFP4, 32 values per 16-byte block with one U8
+    scale, `gate_up_proj_blocks` [E, 2I, H/32, 16] and `_scales` [E, 2I, H/32] (`down_proj_*`
+    likewise, [E, H, I/32, ...]); else as transformers' save_pretrained writes it in BF16,
+    `gate_up_proj` [E, H, 2I] and `down_proj` [E, I, H]. Biases [E, 2I] and [E, H] either way.
+    """
+    out: list[Tensor] = [("model.embed_tokens.weight", "BF16", (vocab, hidden))]
+    for i in range(layers):
+        p = f"model.layers.{i}"
+        out += [(f"{p}.input_layernorm.weight", "BF16", (hidden,)),
+                (f"{p}.self_attn.q_proj.weight", "BF16", (heads * head_dim, hidden)),
+                (f"{p}.self_attn.q_proj.bias", "BF16", (heads * head_dim,)),
+                (f"{p}.self_attn.k_proj.weight", "BF16", (kv_heads * head_dim, hidden)),
+                (f"{p}.self_attn.k_proj.bias", "BF16", (kv_heads * head_dim,)),
+                (f"{p}.self_attn.v_proj.weight", "BF16", (kv_heads * head_dim, hidden)),
+                (f"{p}.self_attn.v_proj.bias", "BF16", (kv_heads * head_dim,)),
+                (f"{p}.self_attn.o_proj.weight", "BF16", (hidden, heads * head_dim)),
+                (f"{p}.self_attn.o_proj.bias", "BF16", (hidden,)),
+                (f"{p}.self_attn.sinks", "BF16", (heads,)),
+                (f"{p}.post_attention_layernorm.weight", "BF16", (hidden,)),
+                (f"{p}.mlp.router.weight", "BF16", (experts, hidden)),
+                (f"{p}.mlp.router.bias", "BF16", (experts,))]
+        q = f"{p}.mlp.experts"
+        if mxfp4:
+            for proj, rows, cols in (("gate_up_proj", 2 * intermediate, hidden), ("down_proj", hidden, intermediate)):
+                out += [(f"{q}.{proj}_blocks", "U8", (experts, rows, cols // 32, 16)),
+                        (f"{q}.{proj}_scales", "U8", (experts, rows, cols // 32)),
+                        (f"{q}.{proj}_bias", "BF16", (experts, rows))]
+        else:
+            out += [(f"{q}.gate_up_proj", "BF16", (experts, hidden, 2 * intermediate)),
+                    (f"{q}.gate_up_proj_bias", "BF16", (experts, 2 * intermediate)),
+                    (f"{q}.down_proj", "BF16", (experts, intermediate, hidden)),
+                    (f"{q}.down_proj_bias", "BF16", (experts, hidden))]
+    out += [("model.norm.weight", "BF16", (hidden,)), ("lm_head.weight", "BF16", (vocab, hidden))]
+    return out
+
+
+def llama4_text(layers=48, hidden=5120, intermediate=8192, intermediate_mlp=16384, experts=128, moe_every=2,
+                heads=40, kv_heads=8, head_dim=128, vocab=202048) -> list[Tensor]:
+    """Llama-4-Maverick's text model by default, named as transformers 5.17's save_pretrained writes
+    Llama4ForConditionalGeneration (`language_model.model.layers.N`; the vision tower left out):
+    every `moe_every`-th layer (1, 3, 5, ...) is MoE, its routed experts stored already fused,
+    `feed_forward.experts.gate_up_proj` [E, H, 2I] and `down_proj` [E, I, H], beside a shared
+    expert; the others have a dense MLP of `intermediate_mlp`."""
+    lm = "language_model.model"
+    out: list[Tensor] = [(f"{lm}.embed_tokens.weight", "BF16", (vocab, hidden))]
+    for i in range(layers):
+        p = f"{lm}.layers.{i}"
+        out += [(f"{p}.input_layernorm.weight", "BF16", (hidden,)),
+                (f"{p}.self_attn.q_proj.weight", "BF16", (heads * head_dim, hidden)),
+                (f"{p}.self_attn.k_proj.weight", "BF16", (kv_heads * head_dim, hidden)),
+                (f"{p}.self_attn.v_proj.weight", "BF16", (kv_heads * head_dim, hidden)),
+                (f"{p}.self_attn.o_proj.weight", "BF16", (hidden, heads * head_dim)),
+                (f"{p}.post_attention_layernorm.weight", "BF16", (hidden,))]
+        f = f"{p}.feed_forward"
+        if i % moe_every == moe_every - 1:
+            out += [(f"{f}.router.weight", "BF16", (experts, hidden)),
+                    (f"{f}.experts.gate_up_proj", "BF16", (experts, hidden, 2 * intermediate)),
+                    (f"{f}.experts.down_proj", "BF16", (experts, intermediate, hidden)),
+                    (f"{f}.shared_expert.gate_proj.weight", "BF16", (intermediate, hidden)),
+                    (f"{f}.shared_expert.up_proj.weight", "BF16", (intermediate, hidden)),
+                    (f"{f}.shared_expert.down_proj.weight", "BF16", (hidden, intermediate))]
+        else:
+            out += [(f"{f}.gate_proj.weight", "BF16", (intermediate_mlp, hidden)),
+                    (f"{f}.up_proj.weight", "BF16", (intermediate_mlp, hidden)),
+                    (f"{f}.down_proj.weight", "BF16", (hidden, intermediate_mlp))]
+    out += [(f"{lm}.norm.weight", "BF16", (hidden,)), ("language_model.lm_head.weight", "BF16", (vocab, hidden))]
+    return out
