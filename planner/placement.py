@@ -5,19 +5,19 @@ the natural order of tensor names (`graph.natural_key`): that is the
 "stable order" in which vLLM's per-parameter UVA walk is reproduced.
 
 Steps:
-1. Rules, first match wins, fix a tensor's placement before anything else.
+1. Rules, first match wins, fix a tensor's placement before anything else;
+   rules that part a quantized weight from its scales (quantized.py) are an error.
 2. Candidates for the backend are the remaining tensors of the layer stacks;
    embeddings, final norms and the head stay on the GPU unless a rule moves them.
    Fused expert groups (groups.py) move by prefetch whole, by vLLM's uva walk
    one fused parameter (w13, w2) at a time, by a budget one expert of one
    fused parameter at a time; a rule or pattern that splits an expert, or
-   prefetches part of a group, is an error. A tensor that holds every expert
-   at once (prefused.py: GPT-OSS, Llama 4) is one unit for all three. A
-   quantized weight and its scales (quantized.py) always move together.
-   Where a budget drives the placement (not vLLM's own knobs, which keep
-   vLLM's order), what runs in no decode step (graph.py: vision towers and
-   their projectors, MTP layers) goes to uva first, stacks or not: it costs a
-   decode step nothing wherever it lives.
+   prefetches part of a group, is an error. A tensor holding every expert at
+   once (prefused.py: GPT-OSS, Llama 4) is one unit for all three; a weight
+   and its scales always move together. Where a budget drives the placement
+   (not vLLM's own knobs, which keep vLLM's order), what runs in no decode
+   step (vision towers and their projectors, MTP layers) goes to uva first,
+   stacks or not: it costs a decode step nothing wherever it lives.
 3. The backend: `auto` is prefetch if `prefetch.group_size > 0`, else uva if
    `uva.offload_gib > 0` or a budget is set, else nothing. `mixed` chooses per
    tensor by predicted step time (mixed.py).
@@ -87,11 +87,11 @@ from .mixed import place_mixed
 from .notes import Outcome, notes
 from .patterns import Names
 from .plan import Backend, Cost, LayerBytes, Placement, PrefetchSchedule, PrefillStaging, Role, Runs, Summary
-from .quantized import check_rules
-from .policy import Policy
+from .policy import Policy, resolve_backend
 from .routing import RoutingProfile, check_fits
 from .schedule import fewest_layers, make_schedule
 from .staging import make_staging
+from .quantized import check_rules
 from .placement_errors import check_groups, check_roles, layer_list, nothing_left, over_budget
 from .prefused import prefused_key
 from .units import GIB, plural
@@ -111,20 +111,6 @@ class Decision:
     summary: Summary
     cost: Cost
     prefill: PrefillStaging | None = None
-
-
-def resolve_backend(policy: Policy) -> tuple[Backend, str | None]:
-    """The backend that will run, and why `auto` chose it (None: the policy names it)."""
-    b = policy.backend
-    if b is not Backend.AUTO:
-        return b, None
-    if policy.prefetch.group_size > 0:
-        return Backend.PREFETCH, "prefetch.group_size is set"
-    if policy.uva.offload_gib > 0:
-        return Backend.UVA, "uva.offload_gib is set"
-    if policy.budget_gib is not None:
-        return Backend.UVA, "budget_gib is set"
-    return Backend.NONE, "no offload amount or budget is set"
 
 
 def decide(graph: LayerGraph, tensors: Mapping[str, TensorInfo], policy: Policy,

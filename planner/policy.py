@@ -242,3 +242,17 @@ def load_policy(path: str | Path) -> Policy:
         warnings=tuple(warnings),
         locations=locations,
     )
+
+
+def resolve_backend(policy: Policy) -> tuple[Backend, str | None]:
+    """The backend that will run, and why `auto` chose it (None: the policy names it)."""
+    b = policy.backend
+    if b is not Backend.AUTO:
+        return b, None
+    if policy.prefetch.group_size > 0:
+        return Backend.PREFETCH, "prefetch.group_size is set"
+    if policy.uva.offload_gib > 0:
+        return Backend.UVA, "uva.offload_gib is set"
+    if policy.budget_gib is not None:
+        return Backend.UVA, "budget_gib is set"
+    return Backend.NONE, "no offload amount or budget is set"
