@@ -193,11 +193,11 @@ def _prefetch(plan: Plan, graph: LayerGraph, at, tensors) -> list[str]:
     streamed = [l for l in graph.layers if any(plan.params[n] is Placement.PREFETCH for n in l.params)]
     names = [l.name for l in streamed]
     problems = []
-    runs = {r.name: r.runs for r in plan.layers}
-    for l in (l for l in streamed if runs.get(l.name, l.runs) is not Runs.STEP):  # placement.py step 6
+    runs = {l.name: l.runs for l in streamed} | {r.name: r.runs for r in plan.layers}  # the rows know MTP layers
+    for l in (l for l in streamed if runs[l.name] is not Runs.STEP):  # placement.py step 6
         first = next(n for n in l.params if plan.params[n] is Placement.PREFETCH)
         problems.append(f"{at('params', first)}: prefetch, but {l.name} runs only for "
-                        f"{'prompts with images' if runs.get(l.name) is Runs.IMAGES else 'multi-token prediction'}"
+                        f"{'prompts with images' if runs[l.name] is Runs.IMAGES else 'multi-token prediction'}"
                         ", and a prefetched layer must run in every forward (a plan of an older offplan? rebuild it)")
     p = plan.prefetch
     if p is None:

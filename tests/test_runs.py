@@ -147,3 +147,19 @@ def test_a_plan_that_prefetches_a_vision_layer_is_refused(tmp_path):
     assert any(p.endswith("params.visual.blocks.1.attn.proj.bias: prefetch, but visual.blocks.1 runs only for prompts "
                           "with images, and a prefetched layer must run in every forward (a plan of an older "
                           "offplan? rebuild it)") for p in err.value.problems), err.value.problems
+
+
+def test_a_plan_that_prefetches_the_mtp_layer_is_refused(tmp_path):
+    """The plan's rows say which layer is MTP (config.json's facts); the check reads them."""
+    root = checkpoint(tmp_path, small_deepseek(), {"num_hidden_layers": 61, "num_nextn_predict_layers": 1,
+                                                   "num_experts_per_tok": 2})
+    with pytest.raises(PolicyError, match=r"rules\[0\] prefetches model.layers.61.\S+, but model.layers.61 runs in "
+                                          r"no forward of plain decoding; place it on uva"):
+        build(load_policy(write_policy(root, "rules:\n  - {match: [re:^model\\.layers\\.6], place: prefetch}\n",
+                                       head="format_version: 1\ncheckpoint: ./ckpt\n")), root)
+    text = dumps(build(load_policy(write_policy(root, "rules:\n  - {match: [re:^model\\.layers\\.61\\.], place: uva}\n",
+                                                head="format_version: 1\ncheckpoint: ./ckpt\n")), root))
+    edited = re.sub(r"(model\.layers\.61\.\S+): uva", r"\1: prefetch", text)
+    with pytest.raises(InconsistentPlanError, match=r"params.model.layers.61.\S+: prefetch, but model.layers.61 runs "
+                                                    r"only for multi-token prediction"):
+        loads(edited)
