@@ -14,8 +14,8 @@ or the call fails. The steps:
    or from the model's current tensors (`apply`);
 6. bind: views of the slots (prefetch) and of the arena (uva) or the staging
    buffer (`uva=False`), assigned into the model (`load_state_dict(assign=True)`)
-   once the buffers no checkpoint holds are computed (buffers.py), hooks registered; experts in pinned memory read through
-   offplan's experts implementation (experts.py), with the resident rows of a
+   once the buffers no checkpoint holds are computed (buffers.py), hooks
+   registered; experts in pinned memory read through offplan's experts implementation (experts.py), with the resident rows of a
    split fused parameter copied to HBM; the plan's prefill staging set up
    (prefill.py: uva layers copied to the GPU before a forward over many tokens).
 
@@ -253,4 +253,3 @@ def _experts_module(model: torch.nn.Module, t: Target) -> torch.nn.Module | None
                                  "needs to read them apart; place the whole group together (rebuild the plan with a "
                                  "rule for its experts)")
     return None
-
