@@ -15,19 +15,17 @@ placement but not its size, so:
   tensor of that layer with that placement; the totals add up (summary,
   checkpoint bytes, footprint, predicted link bytes and step time); each
   expert of a fused parameter has one placement, a prefetched group is whole; `prefetch:` streams exactly the
-  layers that `params:` prefetches, each from a buffer named like its
-  tensors, through the slots and copy triggers of the rule that built it;
-  `prefill:` stages exactly the layers whose uva tensors prefill stages
-  (staging.py: not embeddings, routed experts or MTP layers, which the layer
-  table's `runs` names), in order, each hooked
-  at its module, with bytes that are a multiple of 256 within what its
-  row's uva bytes allow, its slot the largest of them, min(2, layers) slots,
-  and the summary's stage_buffer_bytes the pool;
+  layers that `params:` prefetches, each from a buffer named like its tensors, through the slots and copy
+  triggers of the rule that built it, and each of them runs in every forward (no vision tower, no MTP layer);
+  `prefill:` stages exactly the layers whose uva tensors prefill stages (staging.py: not embeddings, routed
+  experts or MTP layers, which the layer table's `runs` names), in order, each hooked at its module, with
+  bytes that are a multiple of 256 within what its row's uva bytes allow, its slot the largest of them,
+  min(2, layers) slots, and the summary's stage_buffer_bytes the pool;
 - with the checkpoint's headers (sizes, dtypes, shapes: cheap to read), also
   exactly: `params:` names the checkpoint's tensors, each layer's bytes per
   placement are the sum of its tensors', the buffers and slot sizes are
   those its prefetched tensors need, and each staged layer's bytes those of
-  its staged tensors.
+  its staged tensors; a quantized weight and its scales share a placement.
 
 Not checked: the predicted link bytes, GPU time per layer and prefill, which
 need the cost model's hardware profile (only the step's totals are
@@ -44,7 +42,7 @@ from .checkpoint import TensorInfo
 from .errors import PolicyError
 from .graph import Layer, LayerGraph, build_graph
 from .groups import FusedGroups, experts_map
-from .plan import Placement, Plan
+from .plan import Placement, Plan, Runs
 from .quantized import apart, partners
 from .schedule import make_schedule, previous_user
 from .slots import ALIGN
@@ -194,10 +192,16 @@ def _prefetch(plan: Plan, graph: LayerGraph, at, tensors) -> list[str]:
     """The schedule against the prefetched tensors of `params:`, then the rule that builds it."""
     streamed = [l for l in graph.layers if any(plan.params[n] is Placement.PREFETCH for n in l.params)]
     names = [l.name for l in streamed]
+    problems = []
+    runs = {l.name: l.runs for l in streamed} | {r.name: r.runs for r in plan.layers}  # the rows know MTP layers
+    for l in (l for l in streamed if runs[l.name] is not Runs.STEP):  # placement.py step 6
+        first = next(n for n in l.params if plan.params[n] is Placement.PREFETCH)
+        problems.append(f"{at('params', first)}: prefetch, but {l.name} runs only for "
+                        f"{'prompts with images' if runs[l.name] is Runs.IMAGES else 'multi-token prediction'}"
+                        ", and a prefetched layer must run in every forward (a plan of an older offplan? rebuild it)")
     p = plan.prefetch
     if p is None:
-        return [f"{at('prefetch')}: is null but params: prefetch tensors of {_some(names)}"] if names else []
-    problems = []
+        return problems + [f"{at('prefetch')}: is null but params: prefetch tensors of {_some(names)}"] * bool(names)
     listed = [t.layer for t in p.schedule]
     if listed != names:
         problems.append(f"{at('prefetch', 'schedule')}: lists {_some(listed)} but the layers with prefetched "

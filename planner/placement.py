@@ -28,13 +28,17 @@ Steps:
    offload each one while the offloaded total is below `offload_gib` GiB (so
    the last one may overshoot, as in vLLM); with no amount, offload until the
    GPU footprint is within the budget, rarely-run layers first.
-6. prefetch: stack position i (counted over all stacks, in order) is offloaded
+6. prefetch: stack position i (counted over the stack layers that run in
+   every decode step, in order) is offloaded
    iff `i % group_size >= group_size - num_in_group`; within it, the tensors
    matching `prefetch.params` (all, if none given). With no group_size,
    rarely-run layers go to uva first; then the fewest layers that run every
    step, spread evenly over those that have candidates, stream such that GPU
    bytes plus the buffer pool fit the budget; if no count fits, the count
    with the smallest footprint, which the error quotes.
+   Only layers that run in every forward stream (the slots rotate in one
+   order, which a text prompt skipping a vision tower would break); a rule
+   that prefetches another is an error (placement_errors.check_streamed_runs).
    A backend asked to offload that cannot is an error naming the key to set:
    `backend: uva` or `prefetch` with no amount, group and budget; a group_size
    larger than the stack; `params` or rules that leave the backend no tensor.
@@ -92,7 +96,7 @@ from .routing import RoutingProfile, check_fits
 from .schedule import fewest_layers, make_schedule
 from .staging import make_staging
 from .quantized import check_rules
-from .placement_errors import check_groups, check_roles, layer_list, nothing_left, over_budget
+from .placement_errors import check_groups, check_roles, check_streamed_runs, layer_list, nothing_left, over_budget
 from .prefused import prefused_key
 from .units import GIB, plural
 
@@ -151,6 +155,7 @@ def decide(graph: LayerGraph, tensors: Mapping[str, TensorInfo], policy: Policy,
                 "prefetch": names.select(policy.prefetch.params) if policy.prefetch.params else None}
     check_groups(groups, won, selected, policy)
     check_roles(groups, as_experts, policy)
+    check_streamed_runs(graph, won, policy)
     in_step = {n for l in graph.layers if l.runs is Runs.STEP for n in l.params}
     moe = {g: count for g, members in groups.members.items()
            if members[0] in in_step and (count := groups.experts(g))}
@@ -261,13 +266,15 @@ def _prefetch(stack, fixed, fp: Footprint, policy: Policy, graph: LayerGraph, se
 
     if pre.group_size > 0:
         g, k = pre.group_size, pre.num_in_group
-        if g > len(stack):
+        every = [l for l in stack if l.runs is Runs.STEP]  # a vision tower or MTP layer is never streamed
+        if g > len(every):
+            rare = f", {len(stack) - len(every)} more run in no decode step" if len(every) < len(stack) else ""
             raise PolicyError(
-                f"{policy.path}: prefetch.group_size {g} is larger than the {plural(len(stack), 'layer')} of "
-                f"the layer stacks ({', '.join(graph.stacks) or 'none detected'}): layer i streams iff "
+                f"{policy.path}: prefetch.group_size {g} is larger than the {plural(len(every), 'layer')} of "
+                f"the layer stacks ({', '.join(graph.stacks) or 'none detected'}{rare}): layer i streams iff "
                 f"i % {g} >= {g - k}, so the groups never repeat; set prefetch.group_size to at most "
-                f"{len(stack)} (or use budget_gib and let the planner choose the layers)")
-        picked = [layer for i, layer in enumerate(stack) if i % g >= g - k]
+                f"{len(every)} (or use budget_gib and let the planner choose the layers)")
+        picked = [layer for i, layer in enumerate(every) if i % g >= g - k]
         if not any(chosen(l) for l in picked):
             raise PolicyError(nothing_left(policy, "prefetch", picked, selected,
                                             f"prefetch.group_size {g} / num_in_group {k} streams layers "

@@ -1,11 +1,13 @@
 """What placement says when it cannot do what a policy asks: the budget is too small, a backend has nothing
-to offload, a rule or pattern splits fused experts, a `role: expert` rule names what holds no expert per row.
-Each message names the key to change, with the exact values (see placement.py, steps 2, 6 and 9)."""
+to offload, a rule or pattern splits fused experts, a `role: expert` rule names what holds no expert per row,
+a rule prefetches a layer that does not run in every forward. Each message names the key to change, with the
+exact values (see placement.py, steps 2, 6 and 9)."""
 from __future__ import annotations
 
 from .errors import PolicyError
+from .graph import LayerGraph
 from .groups import FusedGroups, split_units
-from .plan import Backend, Placement
+from .plan import Backend, Placement, Runs
 from .policy import Policy
 from .units import GIB, human
 
@@ -59,6 +61,30 @@ def check_roles(groups: FusedGroups, as_experts: list[set[str]], policy: Policy)
                             "step reads and reads it whole: leave it out of the rule's match")
     if problems:
         raise PolicyError(f"{policy.path}: role: expert on tensors that are not stacked experts", problems)
+
+
+_WHEN = {Runs.IMAGES: "runs only for prompts with images", Runs.MTP: "runs in no forward of plain decoding"}
+
+
+def check_streamed_runs(graph: LayerGraph, won: list[set[str]], policy: Policy) -> None:
+    """Rules prefetch only layers that run in every forward (placement.py step 6): the slots rotate in one
+    order, which a forward that skips a layer breaks (a text prompt skips the vision tower). A layer that runs
+    in no decode step belongs on uva: it costs a step nothing there, and prefill staging copies it ahead of use
+    when it runs. (vLLM likewise streams only decoder layers: `make_layers` is its offloader's one call site.)
+    One line per rule and layer."""
+    problems = []
+    for i, (rule, mine) in enumerate(zip(policy.rules, won)):
+        if rule.place is not PREFETCH or not mine:
+            continue
+        for layer in graph.rarely_run():
+            hit = [n for n in layer.params if n in mine]
+            if hit:
+                problems.append(f"{policy.where(f'rules[{i}].match[0]')}: rules[{i}] prefetches {hit[0]}, but "
+                                f"{layer.name} {_WHEN[layer.runs]}; place it on uva (prefill staging copies it "
+                                "ahead of use when it runs)")
+    if problems:
+        raise PolicyError(f"{policy.path}: prefetch streams layers in the order every forward runs them, and "
+                          "these do not run in every forward", problems)
 
 
 def layer_list(layers, limit: int = 6) -> str:

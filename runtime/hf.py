@@ -15,25 +15,43 @@ _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torc
 
 
 def build_meta_model(checkpoint_dir: str | Path, dtype: torch.dtype | None = None):
-    """An AutoModelForCausalLM from `config.json`, every parameter on the meta device (no memory)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    """The model `config.json` describes, every parameter on the meta device (no memory).
 
+    Built by the Auto class that makes the class config.json names
+    (`architectures`, as `save_pretrained` writes it: `Qwen2VLForConditionalGeneration`
+    comes from AutoModelForImageTextToText, `LlamaForCausalLM` from
+    AutoModelForCausalLM); without such a name, by the first of those two that
+    knows the config (a VLM's image-text model before a text-only one). A class
+    that neither builds (a classifier head) is not built: the first that knows
+    the config is, and the name mapping reports what differs. One error says
+    why none fits.
+    """
     config_path = Path(checkpoint_dir) / "config.json"
     if not config_path.is_file():
         raise OffplanError(f"{config_path}: no config.json beside the checkpoint; transformers needs it "
                            "to build the model (runtime.load works with any model you build yourself)")
+    import transformers
     try:
-        config = AutoConfig.from_pretrained(checkpoint_dir)
+        config = transformers.AutoConfig.from_pretrained(checkpoint_dir)
     except (OSError, ValueError, KeyError) as e:
         raise OffplanError(f"{config_path}: transformers cannot build a config from it: {e}") from None
     if dtype is None:
         dtype = _DTYPES.get(str(getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)).
                             removeprefix("torch."), torch.bfloat16)
+    autos = {"AutoModelForImageTextToText": transformers.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING,
+             "AutoModelForCausalLM": transformers.MODEL_FOR_CAUSAL_LM_MAPPING}  # transformers' public mappings
+    builds = {name: mapping[type(config)].__name__ for name, mapping in autos.items() if type(config) in mapping}
+    if not builds:
+        raise OffplanError(f"{config_path}: transformers has no image-text-to-text or causal LM model for "
+                           f"model_type {config.model_type!r} ({type(config).__name__}); build the model "
+                           "yourself and call runtime.load(model, plan)")
+    named = list(getattr(config, "architectures", None) or ())
+    auto = next((a for a, cls in builds.items() if cls in named), next(iter(builds)))
     try:
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+            model = getattr(transformers, auto).from_config(config, dtype=dtype)
     except (ValueError, KeyError) as e:
-        raise OffplanError(f"{config_path}: transformers has no causal LM for this config: {e}") from None
+        raise OffplanError(f"{config_path}: transformers cannot build {builds[auto]} from it: {e}") from None
     return model.eval()
 
 

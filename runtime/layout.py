@@ -5,7 +5,9 @@ module path, its slot, and each of its checkpoint tensors' offset in a slot
 image. The runtime does not lay anything out itself; it reads that and checks
 it against the model:
 
-- the module at the layer's path exists, and holds the layer's prefetched tensors;
+- the module at the layer's path exists (the plan's path in checkpoint naming,
+  mapped to the model's as its tensors are: modules.py), and holds the layer's
+  prefetched tensors;
 - every model tensor of the layer (a fused expert parameter included) is one
   contiguous span of the slot image: each of its checkpoint pieces sits at the
   offset where transformers' own conversion puts it (checkpoint_names.py), so
@@ -27,6 +29,7 @@ from planner.plan import Placement, Plan
 
 from .arena import align
 from .checkpoint_names import Target
+from .modules import module_paths
 
 UVA, PREFETCH = Placement.UVA, Placement.PREFETCH
 
@@ -71,10 +74,10 @@ def lay_out(targets: list[Target], plan: Plan, model: torch.nn.Module) -> HostLa
         if t.placement is PREFETCH:
             layer = _layer_of(t, by_layer)
             by_layer[layer].append(t)
-    problems: list[str] = []
+    paths, problems = module_paths(model, targets, {tr.module for tr in sched.schedule})
     for tr in sched.schedule:
         image = sched.layouts[tr.layout]
-        module = _module(model, tr.module, tr.layer, by_layer[tr.layer], problems)
+        module = _module(model, paths.get(tr.module), tr.layer, by_layer[tr.layer], problems)
         offsets = {b.name: b for b in image.buffers}
         for t in by_layer[tr.layer]:
             at = _slot_offset(t, tr.layer, offsets, image.bytes, problems)
@@ -100,12 +103,12 @@ def _layer_of(t: Target, layers: dict[str, list]) -> str:
     raise PlanFileError(f"{source}: prefetched, but no layer of the plan's schedule holds it; rebuild the plan")
 
 
-def _module(model, path: str, layer: str, targets: list[Target], problems: list[str]) -> torch.nn.Module | None:
-    try:
-        module = model.get_submodule(path)
-    except AttributeError:
-        problems.append(f"{layer}: the plan runs it in module {path}, which this model does not have")
+def _module(model, path: str | None, layer: str, targets: list[Target], problems: list[str]
+            ) -> torch.nn.Module | None:
+    """The model's module at `path` (the plan's module, mapped by modules.py; None: not found, reported)."""
+    if path is None:
         return None
+    module = model.get_submodule(path)
     outside = [t.name for t in targets if not t.name.startswith(path + ".")]
     if outside:
         problems.append(f"{layer}: {outside[0]} is prefetched with the layer but lives outside its module {path}")

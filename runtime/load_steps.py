@@ -13,9 +13,9 @@ or the call fails. The steps:
 5. fill: each tensor straight into place, from the checkpoint's mmap (`load`)
    or from the model's current tensors (`apply`);
 6. bind: views of the slots (prefetch) and of the arena (uva) or the staging
-   buffer (`uva=False`), assigned into the model (`load_state_dict(assign=True)`),
-   buffers computed, hooks registered; experts in pinned memory read through
-   offplan's experts implementation (experts.py), with the resident rows of a
+   buffer (`uva=False`), assigned into the model (`load_state_dict(assign=True)`)
+   once the buffers no checkpoint holds are computed (buffers.py), hooks
+   registered; experts in pinned memory read through offplan's experts implementation (experts.py), with the resident rows of a
    split fused parameter copied to HBM; the plan's prefill staging set up
    (prefill.py: uva layers copied to the GPU before a forward over many tokens).
 
@@ -37,6 +37,7 @@ from planner.staleness import require_current
 
 from . import dequant, experts, quant
 from .arena import PinnedArena, as_bytes, typed
+from .buffers import materialize_buffers
 from .checkpoint_names import Target, map_tensors
 from .handle import OffloadHandle
 from .layout import lay_out
@@ -220,10 +221,10 @@ def _bind(h: OffloadHandle, placed: dict[str, torch.Tensor], staged: bool) -> No
         for t in uva:
             placed[t.name] = typed(h.arena.device_view(h.layout.host_offset[t.name], t.nbytes), t.dtype, t.shape)
     state = {alias: placed[t.name] for t in h.targets for alias in t.aliases}
+    materialize_buffers(h.model, h.device)  # before the assignment: init writes only to meta parameters
     h.model.load_state_dict(state, assign=True, strict=True)
     h.assigned = True
     dequant.bind(h.quantized)
-    _materialize_buffers(h.model, h.device)
     _bind_experts(h)
     if h.plan.prefill is not None and h.staging is None:
         # routed experts are read once per forward by offplan's experts implementation, quantized tensors
@@ -278,24 +279,3 @@ def _experts_module(model: torch.nn.Module, t: Target) -> torch.nn.Module | None
                                  "needs to read them apart; place the whole group together (rebuild the plan with a "
                                  "rule for its experts)")
     return None
-
-
-def _materialize_buffers(model: torch.nn.Module, device: torch.device) -> None:
-    """Non-persistent buffers (rotary tables) are not in checkpoints: build them on the device."""
-    pending = []
-    for module in model.modules():
-        for name, buf in list(module.named_buffers(recurse=False)):
-            if buf is None:
-                continue
-            if buf.is_meta:
-                module.register_buffer(name, torch.empty_like(buf, device=device), persistent=False)
-                pending.append(module)
-            elif buf.device != device:
-                persistent = name in module.state_dict(keep_vars=True)
-                module.register_buffer(name, buf.to(device), persistent=persistent)
-    init = getattr(model, "_init_weights", None)
-    for module in dict.fromkeys(pending):
-        if init is None or any(True for _ in module.parameters(recurse=False)):
-            raise OffplanError(f"{type(module).__name__}: buffers left on the meta device and no way to "
-                               "compute them; build the model with its buffers materialized")
-        init(module)  # transformers recomputes rotary tables and the like here

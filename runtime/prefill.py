@@ -25,7 +25,8 @@ implementation reads each touched expert once per forward) are staged, and
   access, without its machinery (a parametrize access costs about 10 us of
   CPU, 9 per decoder layer per decode step: a tax on eager decode); Dynamo
   inlines class properties of modules. The parameter stays registered under
-  its own name (`named_parameters()` and `state_dict()` unchanged) and
+  its own name (`named_parameters()` and `state_dict()` unchanged; a persistent
+  buffer held with the weights, the same way) and
   `param.data` is never touched. `remove()` restores each module's class.
 
 The wait and the copies run in `offplan::prefetch_wait` (ops.py), threaded
@@ -52,6 +53,7 @@ from planner.plan import PrefillStaging
 from . import ops
 from .arena import PinnedArena, align, typed
 from .checkpoint_names import Target
+from .modules import module_paths
 
 
 class _LayerState:
@@ -61,17 +63,23 @@ class _LayerState:
         self.staged = False
 
 
-def _staged_property(name: str) -> property:
-    def get(self):
-        state, view = self._offplan_staged[name]
-        return view if state.staged else self._parameters[name]
+def _staged_property(name: str, buffer: bool) -> property:
+    if buffer:  # a persistent buffer held with the weights (DeepSeek-V3's router `e_score_correction_bias`)
+        def get(self):
+            state, view = self._offplan_staged[name]
+            return view if state.staged else self._buffers[name]
+    else:
+        def get(self):
+            state, view = self._offplan_staged[name]
+            return view if state.staged else self._parameters[name]
     return property(get)
 
 
 @functools.cache
-def _staged_class(cls: type, names: frozenset[str]) -> type:
-    """`cls` with a property per staged parameter name (module doc); one class per (class, names)."""
-    return type(f"Staged{cls.__name__}", (cls,), {n: _staged_property(n) for n in sorted(names)})
+def _staged_class(cls: type, names: frozenset[tuple[str, bool]]) -> type:
+    """`cls` with a property per staged (parameter or buffer name, is a buffer) (module doc); one class per
+    (class, names)."""
+    return type(f"Staged{cls.__name__}", (cls,), {n: _staged_property(n, b) for n, b in sorted(names)})
 
 
 def _tokens(x: torch.Tensor) -> int:
@@ -104,7 +112,7 @@ class PrefillStager:
             layer = next((l for l in mine if t.pieces[0].source.startswith(l + ".")), None)
             if layer is not None:
                 mine[layer].append(t)
-        problems = []
+        paths, problems = module_paths(model, targets, {l.module for l in staging.layers})
         views: dict[torch.nn.Module, dict[str, tuple[_LayerState, torch.Tensor]]] = {}
         for index, layer in enumerate(staging.layers):
             slot = self.slots[index % staging.slots]
@@ -124,16 +132,20 @@ class PrefillStager:
             if not copies:
                 problems.append(f"{layer.layer}: the plan stages it for prefill, but it has no uva tensor here")
             self.copies.append(copies)
-            module = model.get_submodule(layer.module)
+            if layer.module not in paths:
+                continue  # reported by module_paths
+            module = model.get_submodule(paths[layer.module])
             self.hooks.append(module.register_forward_pre_hook(self._pre_hook(index, state), with_kwargs=True))
             self.hooks.append(module.register_forward_hook(self._post_hook(state)))
         for owner, staged in views.items():
-            if any(owner._parameters.get(attr) is None for attr in staged):
-                problems.append(f"{type(owner).__name__} has no parameter {sorted(staged)} to stage")
+            kinds = {attr: owner._buffers.get(attr) is not None for attr in staged}
+            lost = [a for a, buffer in kinds.items() if not buffer and owner._parameters.get(a) is None]
+            if lost:
+                problems.append(f"{type(owner).__name__} has no parameter or buffer {lost} to stage")
                 continue
             self.swapped[owner] = type(owner)
             owner._offplan_staged = staged
-            owner.__class__ = _staged_class(type(owner), frozenset(staged))
+            owner.__class__ = _staged_class(type(owner), frozenset(kinds.items()))
         if problems:
             self.remove()
             raise PlanFileError("the plan's prefill staging does not match the model; rebuild the plan", problems)

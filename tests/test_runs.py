@@ -3,13 +3,17 @@ model counts them in none and a budget offloads them first; the prefetch schedul
 from __future__ import annotations
 
 import json
+import re
+
+import pytest
 
 from headeronly import write_policy
 from planner.build import build
 from planner.config import ModelFacts
 from planner.graph import build_graph, schedule_problems
+from planner.errors import InconsistentPlanError, PolicyError
 from planner.plan import Placement, Runs, Transfer
-from planner.planfile import dumps
+from planner.planfile import dumps, loads
 from planner.policy import load_policy
 from synthetic import deepseek_v3, qwen2_vl, write_header_only
 
@@ -106,3 +110,56 @@ def test_schedule_copy_edges_are_checked_for_slot_overlap():
         "model.layers.2: its copy into slot 0 starts after model.layers.3, while model.layers.0 still holds that slot"]
     assert schedule_problems(g, [Transfer(names[0], names[0], 0, 0, "lm_head")]) == [
         "model.layers.0: its copy starts after lm_head, which streams nothing"]
+
+
+def test_prefetch_streams_only_layers_that_run_in_every_forward(tmp_path):
+    """A text prompt skips the vision tower: streamed in the one slot rotation, it would break it. vLLM's
+    group knobs count the decoder layers (vLLM streams nothing else), and a rule cannot prefetch it."""
+    root = checkpoint(tmp_path, small_qwen2_vl(), {"vision_config": {"depth": 4}, "num_hidden_layers": 4})
+    head = "format_version: 1\ncheckpoint: ./ckpt\n"
+    plan = build(load_policy(write_policy(root, "prefetch: {group_size: 2, num_in_group: 1, step: 1}\n",
+                                          head=head)), root)
+    assert [t.layer for t in plan.prefetch.schedule] == ["model.layers.1", "model.layers.3"]
+    assert not [n for n, p in plan.params.items() if n.startswith("visual.") and p is not GPU]
+    with pytest.raises(PolicyError, match=r"group_size 5 is larger than the 4 layers of the layer stacks "
+                                          r"\(visual.blocks, model.layers, 4 more run in no decode step\)"):
+        build(load_policy(write_policy(root, "prefetch: {group_size: 5}\n", head=head)), root)
+    policy = write_policy(root, "rules:\n  - {match: [merger, re:^model\\.layers\\.0\\.], place: prefetch}\n"
+                                "prefetch: {step: 1}\n", head=head)
+    with pytest.raises(PolicyError) as err:
+        build(load_policy(policy), root)
+    assert err.value.problems == [
+        f"{policy}:4:14: rules[0] prefetches {n}, but {n.rpartition('.')[0]} runs only for prompts with images; "
+        "place it on uva (prefill staging copies it ahead of use when it runs)"
+        for n in ("visual.merger.ln_q.bias", "visual.merger.mlp.0.bias", "visual.merger.mlp.2.bias")]
+
+
+def test_a_plan_that_prefetches_a_vision_layer_is_refused(tmp_path):
+    """Such a plan (an older offplan's group rule counted vision layers) fails the consistency check."""
+    root = checkpoint(tmp_path, small_qwen2_vl(), {"vision_config": {"depth": 4}, "num_hidden_layers": 4})
+    text = dumps(build(load_policy(write_policy(root, "rules:\n  - {match: [re:^visual\\.blocks\\.1\\.], place: uva}\n"
+                                                      "prefetch: {step: 1}\n",
+                                                head="format_version: 1\ncheckpoint: ./ckpt\n")), root))
+    edited = re.sub(r"(visual\.blocks\.1\.\S+): uva", r"\1: prefetch", text)
+    assert edited != text
+    with pytest.raises(InconsistentPlanError) as err:
+        loads(edited)
+    assert any(p.endswith("params.visual.blocks.1.attn.proj.bias: prefetch, but visual.blocks.1 runs only for prompts "
+                          "with images, and a prefetched layer must run in every forward (a plan of an older "
+                          "offplan? rebuild it)") for p in err.value.problems), err.value.problems
+
+
+def test_a_plan_that_prefetches_the_mtp_layer_is_refused(tmp_path):
+    """The plan's rows say which layer is MTP (config.json's facts); the check reads them."""
+    root = checkpoint(tmp_path, small_deepseek(), {"num_hidden_layers": 61, "num_nextn_predict_layers": 1,
+                                                   "num_experts_per_tok": 2})
+    with pytest.raises(PolicyError, match=r"rules\[0\] prefetches model.layers.61.\S+, but model.layers.61 runs in "
+                                          r"no forward of plain decoding; place it on uva"):
+        build(load_policy(write_policy(root, "rules:\n  - {match: [re:^model\\.layers\\.6], place: prefetch}\n",
+                                       head="format_version: 1\ncheckpoint: ./ckpt\n")), root)
+    text = dumps(build(load_policy(write_policy(root, "rules:\n  - {match: [re:^model\\.layers\\.61\\.], place: uva}\n",
+                                                head="format_version: 1\ncheckpoint: ./ckpt\n")), root))
+    edited = re.sub(r"(model\.layers\.61\.\S+): uva", r"\1: prefetch", text)
+    with pytest.raises(InconsistentPlanError, match=r"params.model.layers.61.\S+: prefetch, but model.layers.61 runs "
+                                                    r"only for multi-token prediction"):
+        loads(edited)

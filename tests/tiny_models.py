@@ -78,3 +78,135 @@ def logits(model, device="cpu", seed: int = 1):
     ids = torch.randint(0, vocab, (2, 9)).to(device)
     with torch.no_grad():
         return model(ids).logits
+
+
+# Tiny configs of the families offplan is tested on (tests/test_families.py): a few layers of 64 wide, each
+# family's own structure kept (what offloading meets: fused experts, dense first layers, shared experts, tied
+# embeddings, buffers computed at load, a vision tower). Token ids >= 250 are the VLMs' special tokens.
+
+def mixtral_config(**overrides):
+    from transformers import MixtralConfig
+    kw = dict(vocab_size=256, hidden_size=64, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+              max_position_embeddings=128, tie_word_embeddings=False)
+    kw.update(overrides)
+    return MixtralConfig(**kw)
+
+
+def deepseek_v3_config(**overrides):
+    """MLA (q and kv LoRA ranks; a query head is nope 16 + rope 8 wide, `head_dim` is the rope part as the
+    config class derives it, values 16), a dense first layer, then MoE layers of 4 routed experts in 2 groups
+    plus a shared expert; YaRN rope as the real config, scaled to 128 positions."""
+    from transformers import DeepseekV3Config
+    kw = dict(vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=4,
+              num_attention_heads=4, num_key_value_heads=4, first_k_dense_replace=1, n_shared_experts=1,
+              n_routed_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1, kv_lora_rank=16, q_lora_rank=32,
+              qk_nope_head_dim=16, qk_rope_head_dim=8, head_dim=8, v_head_dim=16, max_position_embeddings=128,
+              rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                               "original_max_position_embeddings": 32, "beta_fast": 32.0, "beta_slow": 1.0,
+                               "mscale": 1.0, "mscale_all_dim": 1.0},
+              tie_word_embeddings=False)
+    kw.update(overrides)
+    return DeepseekV3Config(**kw)
+
+
+def gpt_oss_config(**overrides):
+    """Alternating sliding-window and full attention (window 8: the test prompts pass it), attention sinks,
+    4 experts with biases fused as [E, H, 2I], YaRN rope scaled to 128 positions; saved in bf16 (not MXFP4)."""
+    from transformers import GptOssConfig
+    kw = dict(vocab_size=256, hidden_size=64, intermediate_size=32, num_hidden_layers=4, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+              max_position_embeddings=128, tie_word_embeddings=False,
+              rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0,
+                               "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 32})
+    kw.update(overrides)
+    return GptOssConfig(**kw)
+
+
+def llama4_text_config(**overrides):
+    """MoE every second layer (1 routed expert of 4 plus a shared one), dense MLPs between, chunked attention."""
+    from transformers import Llama4TextConfig
+    kw = dict(vocab_size=256, hidden_size=64, intermediate_size=32, intermediate_size_mlp=128, num_hidden_layers=4,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=1,
+              interleave_moe_layer_step=2, attention_chunk_size=8, max_position_embeddings=128,
+              tie_word_embeddings=False)
+    kw.update(overrides)
+    return Llama4TextConfig(**kw)
+
+
+def gemma2_config(**overrides):
+    """Tied embeddings scaled by a computed buffer, sliding-window layers, logit soft-capping."""
+    from transformers import Gemma2Config
+    kw = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, sliding_window=8, max_position_embeddings=128)
+    kw.update(overrides)
+    return Gemma2Config(**kw)
+
+
+def gemma3_text_config(**overrides):
+    """As Gemma 2, with QK norms and a rotary table per attention type (both computed buffers)."""
+    from transformers import Gemma3TextConfig
+    kw = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, sliding_window=8, max_position_embeddings=128)
+    kw.update(overrides)
+    return Gemma3TextConfig(**kw)
+
+
+def qwen2_vl_config(**overrides):
+    """A 2-block ViT on 4x4 patches (2 frames), merged 2x2 into the text stack's width; M-RoPE over 3 axes."""
+    from transformers import Qwen2VLConfig
+    kw = dict(text_config=dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                               bos_token_id=0, eos_token_id=1,
+                               rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                "mrope_section": [2, 2, 4]}),
+              vision_config=dict(depth=2, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, patch_size=4,
+                                 spatial_merge_size=2, temporal_patch_size=2),
+              image_token_id=250, video_token_id=251, vision_start_token_id=252, vision_end_token_id=253,
+              tie_word_embeddings=False)
+    kw.update(overrides)
+    return Qwen2VLConfig(**kw)
+
+
+def llava_config(**overrides):
+    """A 2-layer CLIP tower on 16x16 images (16 patches of 4x4, each an image token), the last layer's
+    features, a 2-layer projector, a Llama text stack."""
+    from transformers import LlavaConfig
+    kw = dict(vision_config=dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64,
+                                 num_hidden_layers=2, num_attention_heads=2, image_size=16, patch_size=4),
+              text_config=dict(model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=128,
+                               num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                               max_position_embeddings=128, bos_token_id=0, eos_token_id=1),
+              image_token_index=250, vision_feature_layer=-1, tie_word_embeddings=False)
+    kw.update(overrides)
+    return LlavaConfig(**kw)
+
+
+def auto_class(config):
+    """The Auto class that builds `config`'s model: image-text-to-text for a VLM, else causal LM."""
+    import transformers
+    if type(config) in transformers.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING:
+        return transformers.AutoModelForImageTextToText
+    return transformers.AutoModelForCausalLM
+
+
+def save_family(config, directory: Path, seed: int = 0, shard: str = "40KB") -> Path:
+    """As save_model, for any family: its own model class; 1-dim persistent buffers (DeepSeek-V3's router
+    correction bias) are randomised too, so that a misplaced one shows."""
+    torch.manual_seed(seed)
+    model = auto_class(config).from_config(config, dtype=torch.bfloat16)
+    state = model.state_dict(keep_vars=True)
+    with torch.no_grad():
+        for name, t in state.items():
+            if t.dim() == 1 and t.is_floating_point():
+                t.add_(torch.randn_like(t) * 0.1)
+    model.save_pretrained(directory, max_shard_size=shard)
+    return directory
+
+
+def reference_family(directory: Path):
+    """The checkpoint loaded plainly by transformers, through the class its config.json names."""
+    import transformers
+    config = transformers.AutoConfig.from_pretrained(directory)
+    cls = getattr(transformers, config.architectures[0])
+    return cls.from_pretrained(directory, dtype=torch.bfloat16).eval()
