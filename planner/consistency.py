@@ -77,8 +77,7 @@ def inconsistencies(plan: Plan, where: Where | None = None, tensors: Mapping[str
     problems += _groups(plan, at)
     problems += _prefetch(plan, graph, at, tensors)
     problems += _prefill(plan, graph, at, tensors)
-    problems += [f"{at('params')}: {line}; a weight and its scales are one unit" for line in
-                 apart(plan.params, partners(tensors or {}))]
+    problems += [f"{at('params')}: {x}; a weight and its scales are one unit" for x in apart(plan.params, tensors or {})]
     return problems
 
 

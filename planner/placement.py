@@ -250,8 +250,9 @@ def _uva(stack, fixed, fp: Footprint, policy: Policy, groups: FusedGroups, selec
         for unit in units(groups.param):
             if done >= limit:
                 break
-            fp.move(unit, UVA)
-            done += sum(fp.tensors[n].nbytes for n in unit)
+            resident = fp.resident
+            fp.move(unit, UVA)  # with any quantization scales
+            done += resident - fp.resident
         return
     fp.fit(chain(_rarely_run_first(rare, fixed, fp, groups, selected), units(groups.expert)), UVA,
            policy.budget_bytes)

@@ -50,9 +50,9 @@ def with_partners(names, partner: Mapping[str, str]) -> list[str]:
     return list(out)
 
 
-def apart(place: Mapping[str, object], partner: Mapping[str, str]) -> list[str]:
+def apart(place: Mapping[str, object], tensors: Mapping[str, TensorInfo]) -> list[str]:
     """One line per weight placed apart from its scales."""
-    return [f"{w} is {place[w].value} but its scales {s} are {place[s].value}" for w, s in partner.items()
+    return [f"{w} is {place[w].value} but its scales {s} are {place[s].value}" for w, s in partners(tensors).items()
             if w < s and w in place and s in place and place[w] is not place[s]]
 
 
