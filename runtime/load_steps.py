@@ -6,7 +6,8 @@ or the call fails. The steps:
 1. open: the plan (parsed once) and its checkpoint's headers; refuse a stale
    plan (planner/staleness.py), and a header-only checkpoint when loading;
 2. map names: checkpoint tensors to model tensors (checkpoint_names.py), one
-   error listing everything that does not match;
+   error listing everything that does not match; for a quantized checkpoint
+   the meta model first made to hold FP8/MXFP4 tensors as stored (quant.py);
 3. lay out: the arena and slot offsets, read from the plan (layout.py);
 4. allocate: check free GPU memory, then the pinned arena, resident tensors
    and the prefetch slots;
@@ -15,9 +16,11 @@ or the call fails. The steps:
 6. bind: views of the slots (prefetch) and of the arena (uva) or the staging
    buffer (`uva=False`), assigned into the model (`load_state_dict(assign=True)`)
    once the buffers no checkpoint holds are computed (buffers.py), hooks
-   registered; experts in pinned memory read through offplan's experts implementation (experts.py), with the resident rows of a
-   split fused parameter copied to HBM; the plan's prefill staging set up
-   (prefill.py: uva layers copied to the GPU before a forward over many tokens).
+   registered; quantized tensors read dequantized (dequant.py); experts in
+   pinned memory, or quantized, read through offplan's experts implementation
+   (experts.py), with the resident rows of a split fused parameter copied to
+   HBM; the plan's prefill staging set up (prefill.py: uva layers copied to the
+   GPU before a forward over many tokens).
 
 From step 4 on an `OffloadHandle` owns what was allocated; on any failure it
 releases all of it before the error propagates.
