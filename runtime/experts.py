@@ -126,6 +126,22 @@ def _grouped(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, b: torch.T
     return out if b is None else out.add_(b)
 
 
+def _batched(self: torch.nn.Module, hidden_states: torch.Tensor, rows: dict[str, torch.Tensor],
+             weights: torch.Tensor, k: int, pos: torch.Tensor | None = None) -> torch.Tensor:
+    """batched_mm's arithmetic: one GEMV per (token, expert) pair. `pos` [T*k] picks each pair's staged row (a
+    copy per pair); None: the rows already lie in pair order."""
+    first = "gate_up_proj" if self.has_gate else "up_proj"
+
+    def pick(name: str) -> torch.Tensor | None:
+        t = rows.get(name)
+        return t if t is None or pos is None else t.index_select(0, pos)
+
+    up = _linear(hidden_states.repeat_interleave(k, dim=0), pick(first), pick(f"{first}_bias"), self.is_transposed)
+    up = self._apply_gate(up) if self.has_gate else self.act_fn(up)
+    out = _linear(up, pick("down_proj"), pick("down_proj_bias"), self.is_transposed)
+    return (out * weights.unsqueeze(-1)).view(-1, k, out.shape[-1]).sum(dim=1).to(hidden_states.dtype)
+
+
 def offplan_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                             top_k_weights: torch.Tensor) -> torch.Tensor:
     """The "offplan" entry of ALL_EXPERTS_FUNCTIONS (module doc). hidden_states [T, H], top_k_* [T, k]."""
@@ -140,11 +156,7 @@ def offplan_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, 
     first = "gate_up_proj" if self.has_gate else "up_proj"
     if num_tokens == 1:  # one token's k experts are distinct: staged in pair order, no weight copy per pair
         rows = {p: _stage(self, p, ids, torch.ones_like(ids, dtype=torch.int32)) for p in fused_params(self)}
-        bias = (lambda p: rows[f"{p}_bias"]) if self.has_bias else (lambda p: None)
-        up = _linear(hidden_states.repeat_interleave(k, dim=0), rows[first], bias(first), self.is_transposed)
-        up = self._apply_gate(up) if self.has_gate else self.act_fn(up)
-        out = _linear(up, rows["down_proj"], bias("down_proj"), self.is_transposed)
-        return (out * weights.unsqueeze(-1)).view(num_tokens, k, -1).sum(dim=1).to(hidden_states.dtype)
+        return _batched(self, hidden_states, rows, weights, k)
     size = min(experts, pairs)
     hit = torch.zeros(experts, dtype=torch.int32, device=ids.device).index_fill_(0, ids, 1)
     order = torch.sort(hit, descending=True, stable=True).indices[:size]  # hit experts first, by number
@@ -155,14 +167,7 @@ def offplan_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, 
     rows = {p: _stage(self, p, order, valid) for p in fused_params(self)}
     bias = (lambda p: rows[f"{p}_bias"]) if self.has_bias else (lambda p: None)
     if arithmetic(pairs) == "batched_mm":  # one weight copy per pair, from HBM
-        x = hidden_states.repeat_interleave(k, dim=0)
-        up = _linear(x, rows[first].index_select(0, pos), None if bias(first) is None else bias(first)[pos],
-                     self.is_transposed)
-        up = self._apply_gate(up) if self.has_gate else self.act_fn(up)
-        down = bias("down_proj")
-        out = _linear(up, rows["down_proj"].index_select(0, pos), None if down is None else down[pos],
-                      self.is_transposed)
-        return (out * weights.unsqueeze(-1)).view(num_tokens, k, -1).sum(dim=1).to(hidden_states.dtype)
+        return _batched(self, hidden_states, rows, weights, k, pos)
     # grouped_mm's arithmetic over the staged experts, pairs sorted by slot
     pos_sorted, perm = torch.sort(pos)
     x = hidden_states[perm // k]

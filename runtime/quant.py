@@ -91,7 +91,8 @@ def scan(ckpt: Checkpoint) -> tuple[dict[str, str], dict[str, str]]:
             scale = name + FP8_SCALE
             if scale not in tensors:
                 problems.append(f"{name}: {info.dtype} without {scale}: only block-scaled FP8 is supported "
-                                "(per-tensor `weight_scale` and compressed-tensors checkpoints are not)")
+                                "(per-tensor `weight_scale` and compressed-tensors checkpoints are not): use the model's "
+                                "block-scaled FP8 release, or its bf16 one")
                 continue
             fmt[name], scales[scale] = "fp8", name
         elif name.endswith(MX_BLOCKS) and info.dtype == "U8":
