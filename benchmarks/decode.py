@@ -186,14 +186,16 @@ def decode(model, ids: torch.Tensor, batch: int, new: int, device) -> tuple[floa
 
 def decode_static(model, handle, ids: torch.Tensor, new: int, mode: str, batch: int = 1) -> tuple[float, list]:
     """Greedy decode of `batch` sequences with a static KV cache: `compiled` runs a torch.compile'd forward,
-    `graph` replays one captured decode step (CUDA graph). Returns (steps per second, tokens)."""
+    `graph` replays one captured decode step (CUDA graph), `compiled-graph` one captured step of the
+    torch.compile'd forward (Inductor's fused kernels, replayed). Returns (steps per second, tokens)."""
     from transformers import StaticCache
     prompt = ids[:batch]
     pos = torch.arange(PROMPT_LEN, device=prompt.device)
     cache = StaticCache(config=model.config, max_cache_len=PROMPT_LEN + new + 8)
     static_ids = torch.zeros(batch, 1, dtype=torch.long, device=prompt.device)
     static_pos = torch.tensor([PROMPT_LEN], device=prompt.device)
-    step = torch.compile(model) if mode == "compiled" else model
+    step = torch.compile(model) if mode in ("compiled", "compiled-graph") else model
+    replayed = mode in ("graph", "compiled-graph")
     with torch.no_grad():
         def prefill():
             cache.reset()
@@ -201,9 +203,9 @@ def decode_static(model, handle, ids: torch.Tensor, new: int, mode: str, batch: 
             handle.join()
             return out[:, -1:].argmax(-1)
         prefill()
-        if mode == "graph":
+        if replayed:
             graph, static_logits = handle.capture(
-                lambda: model(static_ids, past_key_values=cache, cache_position=static_pos).logits, warmup=3)
+                lambda: step(static_ids, past_key_values=cache, cache_position=static_pos).logits, warmup=3)
         else:
             for _ in range(3):  # warm-up and compilation
                 step(static_ids, past_key_values=cache, cache_position=static_pos)
@@ -215,7 +217,7 @@ def decode_static(model, handle, ids: torch.Tensor, new: int, mode: str, batch: 
         for i in range(new):
             static_ids.copy_(token)
             static_pos.fill_(PROMPT_LEN + i)
-            if mode == "graph":
+            if replayed:
                 graph.replay()
                 logits = static_logits
             else:

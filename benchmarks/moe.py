@@ -12,8 +12,13 @@ weights saved as a sharded safetensors checkpoint. One run measures:
 1. the hardware (`runtime.calibrate`): the UVA read bandwidth sets the floor;
 2. all on the GPU, per transformers experts implementation (`--baselines`:
    `batched_mm`, `grouped_mm`, and `eager`, transformers' default loop over
-   experts): eager HF `generate` and CUDA-graph replay of a static-cache decode
-   step (`--modes`; the eager loop syncs on the host and cannot be captured);
+   experts), loaded by transformers alone (`--transformers-baselines`,
+   `from_pretrained`) and by offplan's runtime applying a plan that offloads
+   nothing; in each `--modes`: eager HF `generate`, CUDA-graph replay of a
+   static-cache decode step (`graph`), and replay of the same step under
+   `torch.compile` (`compiled-graph`: Inductor fuses the layers' small
+   kernels, as vLLM's default compiled CUDA graphs do). The eager loop syncs
+   on the host and cannot be captured;
 3. every expert in pinned host memory (a rule puts `experts` on uva), read
    through offplan's experts implementation (runtime/experts.py), and, for
    comparison, the same placement read by transformers' `batched_mm`;
@@ -38,7 +43,7 @@ and the run goes on to placements under a GPU budget:
    beside the measurement, with the bytes actually read from pinned memory.
 
 Every decode is greedy over the same prompts; its tokens are compared with the
-all-GPU model's under the same arithmetic, in the same mode: offplan's experts
+all-GPU model's (transformers alone) under the same arithmetic, in the same mode: offplan's experts
 implementation reproduces batched_mm at batch 1 and grouped_mm from batch 2 on
 (runtime/experts.py `arithmetic`). Records go to OUT/moe-MODEL.jsonl
 (OUT/moe-MODEL-skewS.jsonl with `--skew`) as they are measured; the tables
@@ -59,6 +64,29 @@ import decode  # the sibling benchmark: checkpoints, prompts, plans, decode loop
 from runtime.experts import arithmetic
 
 EXPERTS_HOST = "rules:\n  - {match: [experts], place: uva}\n"
+REPLAYED = ("graph", "compiled-graph")  # modes that replay a captured decode step
+
+
+class Plain:
+    """decode.decode_static's handle for a model that transformers loaded alone: nothing to join or remove."""
+
+    def join(self) -> None:
+        pass
+
+    def capture(self, step, warmup: int = 2):
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up off the capturing stream, as CUDA graphs require
+            for _ in range(warmup):
+                step()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = step()
+        return graph, out
+
+    def remove(self, restore: bool = True) -> None:
+        pass
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -71,8 +99,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--new-tokens", type=int, default=32)
-    ap.add_argument("--modes", nargs="+", default=["graph", "eager"], choices=["graph", "eager"])
+    ap.add_argument("--modes", nargs="+", default=["graph", "compiled-graph", "eager"],
+                    choices=REPLAYED + ("eager",))
     ap.add_argument("--baselines", nargs="+", default=["batched_mm", "grouped_mm", "eager"])
+    ap.add_argument("--transformers-baselines", nargs="*", default=["batched_mm", "grouped_mm"],
+                    help="all-GPU models loaded by transformers alone (from_pretrained), nothing of offplan's")
     ap.add_argument("--hardware", type=Path, help="a `plan calibrate` profile to use instead of calibrating now")
     ap.add_argument("--host-implementations", nargs="+", default=["offplan", "batched_mm"],
                     help="experts implementations to read every expert from pinned memory with")
@@ -197,14 +228,21 @@ class Run:
         text = f"format_version: 1\ncheckpoint: ckpt\nhardware: hw.yaml\n{body}"
         return decode.make_plan(self.work, name, text)
 
-    def load(self, plan: Path, implementation: str | None):
+    def load(self, plan: Path | None, implementation: str | None):
+        """`plan` applied by offplan's runtime; None: the checkpoint loaded by transformers alone."""
         import runtime
         from runtime.hf import build_meta_model
         gc.collect()
         if self.cuda:
             torch.cuda.empty_cache()
-        model = build_meta_model(self.ckpt)
-        handle = runtime.load(model, plan, device=self.args.device, progress=False)
+        if plan is None:
+            from transformers import AutoModelForCausalLM
+            model = AutoModelForCausalLM.from_pretrained(self.ckpt, dtype=torch.bfloat16,
+                                                         device_map=self.args.device).eval()
+            handle = Plain()
+        else:
+            model = build_meta_model(self.ckpt)
+            handle = runtime.load(model, plan, device=self.args.device, progress=False)
         if self.skew is not None:
             self.skew.install(model)
         if implementation is not None:
@@ -212,11 +250,11 @@ class Run:
         return model, handle
 
     def decode(self, model, handle, mode: str, batch: int) -> tuple[float, list]:
-        if mode == "graph":
-            return decode.decode_static(model, handle, self.ids, self.args.new_tokens, "graph", batch)
+        if mode in REPLAYED:
+            return decode.decode_static(model, handle, self.ids, self.args.new_tokens, mode, batch)
         return decode.decode(model, self.ids, batch, self.args.new_tokens, self.args.device)
 
-    def measure(self, name: str, plan: Path, implementation: str | None, modes: list[str], offloaded: bool,
+    def measure(self, name: str, plan: Path | None, implementation: str | None, modes: list[str], offloaded: bool,
                 batches: list[int] | None = None, predicted: dict[int, float] | None = None,
                 floor: bool = True, **extra) -> None:
         """Decode with `plan` in each mode and batch, and record it beside the all-GPU model's run and
@@ -231,13 +269,13 @@ class Run:
                 observed = {b: touched_experts(model, self.ids, b, self.args.new_tokens)[1]
                             for b in batches or self.args.batches}
             for mode in modes:
-                if mode == "graph" and (not self.cuda or used == "eager"):
+                if mode in REPLAYED and (not self.cuda or used == "eager"):
                     continue  # the eager loop syncs on the host: it cannot be captured
                 for b in batches or self.args.batches:
                     rate, tokens = self.decode(model, handle, mode, b)
                     key = (mode, b)
                     if not offloaded:
-                        self.reference[(used, mode, b)] = tokens
+                        self.reference.setdefault((used, mode, b), tokens)  # the first: transformers alone
                         if rate > self.best_gpu.get(key, (0, ""))[0]:
                             self.best_gpu[key] = (rate, used)
                     like = arithmetic(b * self.top_k) if used == "offplan" else used
@@ -247,7 +285,7 @@ class Run:
                         self.failures.append(f"{name} {mode} b={b}")
                     limit = self.floor.get(b) if offloaded and floor else None
                     best = self.best_gpu.get(key, (None, None))
-                    guess = predicted.get(b) if mode == "graph" else None
+                    guess = predicted.get(b) if mode in REPLAYED else None
                     self.record(kind="decode", name=name, implementation=used, mode=mode, batch=b, steps_per_s=rate,
                                 offloaded=offloaded, floor_steps_per_s=limit,
                                 ratio_to_floor=rate / limit if limit else None,
@@ -362,6 +400,9 @@ def main(argv=None) -> int:
     gpu = run.plan("gpu", "")
     host = run.plan("experts-host", EXPERTS_HOST)
     run.measure_floor(gpu)
+    if run.cuda:
+        for implementation in args.transformers_baselines:
+            run.measure(f"transformers-{implementation}", None, implementation, args.modes, offloaded=False)
     for implementation in args.baselines:
         run.measure(f"gpu-{implementation}", gpu, implementation, args.modes, offloaded=False)
     for implementation in args.host_implementations:
