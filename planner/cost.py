@@ -23,13 +23,21 @@ decode, so wherever they live they cost a decode step nothing.
 Time per step: three resources work at once, and the slowest sets the pace.
     cpu  = step overhead + stack layers x layer overhead   (launching kernels, eagerly;
                                                             0 when steps replay a CUDA graph)
-    gpu  = resident and prefetched bytes read / HBM + uva bytes read / UVA
+    gpu  = step GPU time + stack layers x layer GPU time   (kernel latency: hardware.py)
+           + resident and prefetched bytes read / HBM + uva bytes read / UVA
     link = uva bytes read / UVA + prefetched bytes / H2D copy
     step = max(cpu, gpu, link)
-The CPU runs ahead of the GPU, so launch overhead overlaps kernels. UVA reads
-sit inside the kernels that need them, so they count as GPU time; prefetch
-copies run on their own stream ahead of use, so they do not. Both cross the
-same PCIe link, so the link term adds them.
+The CPU runs ahead of the GPU, so launch overhead overlaps kernels. A layer's
+GPU time is what its kernels take beyond reading weights, measured by `plan
+calibrate` (a decoder layer with routed experts launches more kernels than a
+dense one, so it has its own figure); without it a CUDA-graph step of small
+kernels is predicted several times too fast. UVA reads sit inside the
+kernels that need them, so they count as GPU time; prefetch copies run on
+their own stream ahead of use, so they do not. Both cross the same PCIe link,
+so the link term adds them. An experts forward that stages its touched
+experts (runtime/experts.py: any expert of the layer in pinned memory, or at
+most BATCHED_PAIRS (token, expert) pairs, where batched_mm's arithmetic runs)
+writes them to HBM and reads them back: twice their bytes more over HBM.
 
 Prefill (the time to first token) of `workload.prompt_tokens` = T tokens, one
 sequence, over the layers that run in every step. Copies run ahead of compute
@@ -73,7 +81,7 @@ from dataclasses import dataclass
 
 from .checkpoint import TensorInfo
 from .graph import LayerGraph
-from .groups import FusedGroups
+from .groups import BATCHED_PAIRS, FusedGroups
 from .hardware import Hardware
 from .plan import LayerKind, Placement, Role, Runs
 from .routing import RoutingProfile
@@ -129,6 +137,8 @@ class CostModel:
         prefill to predict; `stage`: the policy's `uva.stage_prefill`."""
         self.graphs = graphs  # steps replayed from a CUDA graph: no CPU launch time
         self.graph = graph
+        # batched_mm's arithmetic at this batch: every experts forward stages its touched experts
+        self.batched = top_k is not None and batch * top_k <= BATCHED_PAIRS
         self.hw = hw
         self.batch = batch
         self.tokens = prompt_tokens
@@ -187,6 +197,7 @@ class CostModel:
                 self.pre_frac[n] = pre_frac
                 self.flops[n] = 2 * prompt_tokens * math.prod(tensors[n].shape) * pre
         self.size = {n: t.nbytes for n, t in tensors.items()}
+        self.routed = {n for n in self.role if groups.routed(n)}
         # prefill: staged tensors are copied once above the threshold; GEMMs re-read in-place ones per tile
         quantized = partners(tensors)  # dequantized on access: read once, never staged (quantized.py)
         self.gathered |= quantized.keys()
@@ -199,19 +210,26 @@ class CostModel:
         hbm, uva, h2d = hw.hbm_read_gbps * 1e3, hw.uva_read_gbps * 1e3, hw.h2d_copy_gbps * 1e3  # bytes/us
         flops_us = hw.matmul_tflops * 1e6  # FLOPs per us
         layers = []
-        total = [0, 0.0, 0.0, 0.0]
+        total = [0, float(hw.step_gpu_us), 0.0, 0.0]
         # a replayed CUDA graph launches nothing from the CPU
         cpu, per_layer = (0.0, 0.0) if self.graphs else (hw.step_overhead_us, hw.layer_overhead_us)
         for layer in self.graph.layers:
             if layer.runs is not Runs.STEP:
                 layers.append(LayerCost(layer.name, 0, 0, 0))
                 continue
-            read_hbm = read_uva = copied = 0.0
+            read_hbm = read_uva = copied = staged = 0.0
             flops = pre_hbm = pre_copied = pre_uva = 0.0
+            experts = [n for n in layer.params if n in self.routed]
+            stages = self.batched or any(place[n] is UVA for n in experts)
+            latency = 0.0
+            if layer.kind is LayerKind.LAYER:
+                latency = hw.moe_layer_gpu_us if experts else hw.layer_gpu_us
             for n in layer.params:
                 p, size = place[n], self.size[n]
                 b, pre = size * self.frac[n], size * self.pre_frac[n]
                 flops += self.flops[n]
+                if stages and n in self.routed:
+                    staged += 2 * b  # written to HBM and read back by the GEMVs
                 if p is UVA:
                     read_uva += b
                     if n in self.staged:
@@ -225,7 +243,7 @@ class CostModel:
                     if p is PREFETCH:
                         copied += size
                         pre_copied += size
-            gpu = read_hbm / hbm + read_uva / uva
+            gpu = latency + (read_hbm + staged) / hbm + read_uva / uva
             link = read_uva / uva + copied / h2d
             prefill = max(flops / flops_us + pre_hbm / hbm, pre_copied / h2d + pre_uva / uva)
             cpu += per_layer if layer.kind is LayerKind.LAYER else 0

@@ -40,6 +40,9 @@ from dataclasses import dataclass, field
 
 from .prefused import expert_rows, prefused_key
 
+# (token, expert) pairs up to which an experts forward runs batched_mm's arithmetic (runtime/experts.py):
+# a copy of each pair's expert weights in HBM, then one GEMV per pair; above, grouped_mm reads them in place
+BATCHED_PAIRS = 16
 _MEMBER = re.compile(r"^(.*\.experts)\.(\d+)\.([^.]+)(.*)$")
 # projection -> (the fused parameter it joins, its place within one expert's block)
 FUSED = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1), "w1": ("w13", 0), "w3": ("w13", 1)}

@@ -30,10 +30,22 @@ What is measured, and how:
   layers`. `per_layer` is the CPU time to launch one decoder layer's kernels
   through the framework; `per_step` is what a step costs outside the layers
   (embedding, head, sampling, cache bookkeeping). The line must explain the medians (R^2 >= 0.95),
-  or calibration fails: the CPU was busy with something else.
+  or calibration fails: the CPU was busy with something else;
+- GPU time per layer: the same tiny Llamas, and tiny Qwen3-MoE models (8
+  experts, top-2, transformers' `batched_mm`), with 2 to 32 layers, each
+  decode step (batch 1, static cache) captured in a CUDA graph and replayed:
+  no CPU in the way, and weights so small that reading them takes no time,
+  so what is left is what the GPU spends per kernel (launch latency, tiny
+  grids). The median replay is fitted the same way: `layer_gpu_us` and
+  `moe_layer_gpu_us` per decoder layer, `step_gpu_us` per step (embedding,
+  head, the dense fit's intercept). On the H100 a Qwen3-MoE decode step runs
+  about 650 kernels; this is the part of its time that reading weights does
+  not explain.
 
-Limits: the per-layer figure is a dense Llama layer's; a layer that launches
-more kernels (transformers' eager MoE expert loop) costs more per layer.
+Limits: the per-layer figures are a Llama layer's and a Qwen3-MoE layer's at
+batch 1; a layer that launches more kernels (transformers' eager MoE expert
+loop, shared experts) costs more per layer, and larger batches run larger
+kernels.
 """
 from __future__ import annotations
 
@@ -58,6 +70,7 @@ class Calibration:
     step_us_by_layers: dict[int, float]  # median eager decode step of the tiny Llamas
     r2: float  # of the per-layer line through them
     stage_ms: dict[int, tuple[float, float]]  # tokens -> (uva GEMMs in place, copied first), ms (stage_crossover)
+    replay_us_by_layers: dict[str, dict[int, float]]  # "dense" / "moe" -> layers -> replayed decode step, us
 
 
 def _median_ms(fn, repeat: int = 20, warmup: int = 2) -> float:
@@ -195,6 +208,51 @@ def _tiny_llama(layers: int):
     return LlamaForCausalLM(config).to("cuda", torch.bfloat16).eval()
 
 
+def _tiny_moe(layers: int):
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                            num_experts=8, num_experts_per_tok=2, num_hidden_layers=layers, num_attention_heads=4,
+                            num_key_value_heads=2, head_dim=16, max_position_embeddings=512, decoder_sparse_step=1,
+                            mlp_only_layers=[])
+    model = Qwen3MoeForCausalLM(config).to("cuda", torch.bfloat16).eval()
+    model.set_experts_implementation("batched_mm")
+    return model
+
+
+def _replayed_step_us(model, repeat: int = 20) -> float:
+    """A batch-1 decode step with a static cache captured in a CUDA graph: the median replay, µs."""
+    from transformers import StaticCache
+
+    cache = StaticCache(config=model.config, max_cache_len=256)  # each call writes a position: room for all
+    token = torch.ones(1, 1, dtype=torch.long, device="cuda")
+    pos = torch.tensor([4], device="cuda")
+
+    def step():
+        return model(token, past_key_values=cache, cache_position=pos).logits
+    with torch.no_grad():
+        model(torch.ones(1, 4, dtype=torch.long, device="cuda"), past_key_values=cache,
+              cache_position=torch.arange(4, device="cuda"))
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up off the capturing stream, as CUDA graphs require
+            step()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+
+        def replays():
+            for _ in range(5):
+                graph.replay()
+        return _median_ms(replays, repeat=repeat) * 1e3 / 5
+
+
+def replay_us_by_layers(make, counts=LAYER_COUNTS) -> dict[int, float]:
+    """Median graph-replayed decode step (µs) of the tiny models `make(layers)` builds, per layer count."""
+    return {n: _replayed_step_us(make(n)) for n in counts}
+
+
 def _median_step_us(model, steps: int) -> float:
     """One greedy `generate` of `steps` tokens at batch 1: the median wall time between decode steps."""
     from transformers import StoppingCriteriaList
@@ -247,15 +305,24 @@ def calibrate() -> Calibration:
     crossover = stage_crossover()
     steps = step_us_by_layers()
     per_step, per_layer, r2 = fit_line(list(steps), list(steps.values()))
-    if r2 < MIN_R2 or per_layer <= 0:
-        measured = ", ".join(f"{n} layers {us:.0f} us" for n, us in steps.items())
-        raise OffplanError(f"calibration failed: eager decode step times do not grow linearly with the layer "
-                           f"count ({measured}; R^2 {r2:.3f} < {MIN_R2}); something else is loading this "
-                           "machine's CPU or GPU: run `plan calibrate` again when it is idle")
+    replayed = {"dense": replay_us_by_layers(_tiny_llama), "moe": replay_us_by_layers(_tiny_moe)}
+    gpu_step, gpu_layer, r2_dense = fit_line(list(replayed["dense"]), list(replayed["dense"].values()))
+    _, gpu_moe_layer, r2_moe = fit_line(list(replayed["moe"]), list(replayed["moe"].values()))
+    for what, times, fit, slope in (("eager decode step", steps, r2, per_layer),
+                                    ("replayed dense decode step", replayed["dense"], r2_dense, gpu_layer),
+                                    ("replayed MoE decode step", replayed["moe"], r2_moe, gpu_moe_layer)):
+        if fit < MIN_R2 or slope <= 0:
+            measured = ", ".join(f"{n} layers {us:.0f} us" for n, us in times.items())
+            raise OffplanError(f"calibration failed: {what} times do not grow linearly with the layer "
+                               f"count ({measured}; R^2 {fit:.3f} < {MIN_R2}); something else is loading this "
+                               "machine's CPU or GPU: run `plan calibrate` again when it is idle")
     in_place = ", ".join(f"{m}: {a / b:.2f}" for m, (a, b) in crossover.items())
     hw = Hardware(name, round(h2d, 1), round(uva, 1), round(hbm), round(per_layer, 1), round(max(per_step, 0.0), 1),
                   matmul_tflops=round(tflops, 1), stage_above_tokens=stage_above(crossover),
+                  layer_gpu_us=round(gpu_layer, 1), moe_layer_gpu_us=round(gpu_moe_layer, 1),
+                  step_gpu_us=round(max(gpu_step, 0.0), 1),
                   measured=f"plan calibrate, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}; "
-                           f"CPU line R^2 {r2:.4f} over {len(steps)} layer counts; uva GEMM in place / copied "
+                           f"CPU line R^2 {r2:.4f} over {len(steps)} layer counts, replayed GPU lines R^2 "
+                           f"{r2_dense:.4f} (dense), {r2_moe:.4f} (MoE); uva GEMM in place / copied "
                            f"first, by tokens: {in_place}")
-    return Calibration(hw, steps, r2, crossover)
+    return Calibration(hw, steps, r2, crossover, replayed)

@@ -47,9 +47,10 @@ from __future__ import annotations
 
 import torch
 
+from planner.groups import BATCHED_PAIRS  # pairs up to which the batched_mm arithmetic runs: decode of 1-2 tokens
+
 from .dequant import dequantize, quantized, stored
 
-BATCHED_PAIRS = 16  # (token, expert) pairs up to which the batched_mm arithmetic runs: decode of 1-2 tokens
 _PREFIX = "offplan_"  # non-persistent buffers bound on an experts module: `offplan_slot_<param>`, `offplan_rows_<param>`
 
 

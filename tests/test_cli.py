@@ -77,21 +77,21 @@ plan for ckpt: 11 tensors, 21.0 MiB, backend prefetch
 layer                     gpu   uva   prefetch   slot   h2d/step   gpu ms
 ─────────────────────────────────────────────────────────────────────────
 model.embed_tokens    4.0 MiB     -          -      -          -    0.001
-model.layers.0        3.0 MiB     -          -      -          -    0.001
-model.layers.1              -     -    3.0 MiB      0    3.0 MiB    0.001
-model.layers.2        3.0 MiB     -          -      -          -    0.001
-model.layers.3              -     -    3.0 MiB      0    3.0 MiB    0.001
+model.layers.0        3.0 MiB     -          -      -          -    0.077
+model.layers.1              -     -    3.0 MiB      0    3.0 MiB    0.077
+model.layers.2        3.0 MiB     -          -      -          -    0.077
+model.layers.3              -     -    3.0 MiB      0    3.0 MiB    0.077
 model.norm            1.0 MiB     -          -      -          -    0.000
 lm_head               4.0 MiB     -          -      -          -    0.001
 ─────────────────────────────────────────────────────────────────────────
-total                15.0 MiB   0 B    6.0 MiB           6.0 MiB    0.008
+total                15.0 MiB   0 B    6.0 MiB           6.0 MiB    0.359
 
 prefetch: 2 layers, step 1, 1 slot x 3.0 MiB = 3.0 MiB of GPU buffers
 GPU footprint: 15.0 MiB resident + 3.0 MiB prefetch buffers = 18.0 MiB (no budget set)
 host (pinned): 6.0 MiB prefetch; offloading saves 3.0 MiB of GPU memory (50% of the offloaded bytes)
 predicted at batch 1, eager, on NVIDIA H100 80GB HBM3 (PCIe Gen5 host link): 6.0 MiB over the link per step; \
-step 3.20 ms = max(cpu 3.20 ms, gpu 0.008 ms, link 0.114 ms), bound by kernel launches (CPU); time to first \
-token (prefill of 512 tokens) 0.144 ms
+step 3.20 ms = max(cpu 3.20 ms, gpu 0.359 ms, link 0.114 ms), bound by kernel launches (CPU); \
+time to first token (prefill of 512 tokens) 0.144 ms
 note: backend prefetch (auto: prefetch.group_size is set): 6.0 MiB on prefetch from 2 layers
 """
 
@@ -102,7 +102,7 @@ def test_show(work, capsys):
     code, out, _ = run(capsys, "show", "prefetch.plan.yaml", "--json")
     data = json.loads(out)
     assert data["layers"][2] == {"name": "model.layers.1", "gpu": 0, "uva": 0, "prefetch": 3 * MiB, "slot": 0,
-                                 "h2d_bytes_per_step": 3 * MiB, "gpu_us": 1, "why": None}
+                                 "h2d_bytes_per_step": 3 * MiB, "gpu_us": 77, "why": None}
     assert data["prefetch"] == {"step": 1, "slots": 1, "slot_bytes": 3 * MiB, "layers": 2}
 
 
@@ -113,7 +113,7 @@ def test_show_against_the_budget(work, capsys):
         "GPU footprint: 18.0 MiB (budget 18.4 MiB: fits, 442.4 KiB to spare)",
         "host (pinned): 3.0 MiB uva; offloading saves 3.0 MiB of GPU memory (100% of the offloaded bytes)",
         "predicted at batch 1, eager, on NVIDIA H100 80GB HBM3 (PCIe Gen5 host link): 3.0 MiB over the link per step; "
-        "step 3.20 ms = max(cpu 3.20 ms, gpu 0.068 ms, link 0.062 ms), bound by kernel launches (CPU); "
+        "step 3.20 ms = max(cpu 3.20 ms, gpu 0.420 ms, link 0.062 ms), bound by kernel launches (CPU); "
         "time to first token (prefill of 512 tokens) 0.221 ms"]
 
 

@@ -66,15 +66,38 @@ def test_prediction_arithmetic():
     place["model.layers.1.self_attn.o_proj.weight"] = PREFETCH                 # 1 MB copied
     p = m.predict(place)
     layers = {l.name: l for l in p.layers}
-    # layer 0: 1 MB from HBM (100 us) + 3 MB touched through UVA at 0.5 MB/us (6000 us); link 6 ms
-    assert (layers["model.layers.0"].gpu_us, layers["model.layers.0"].link_us) == (6100, 6000)
+    # 1 (token, expert) pair: batched_mm's arithmetic, so every experts forward stages its touched experts
+    # (written to HBM and read back: twice their bytes more over HBM)
+    # layer 0: 1 MB from HBM (100 us) + the 3 MB touched through UVA at 0.5 MB/us (6000 us) + staging 6 MB
+    # (600 us); link 6 ms
+    assert (layers["model.layers.0"].gpu_us, layers["model.layers.0"].link_us) == (6700, 6000)
     assert layers["model.layers.0"].h2d_bytes == 3 * 10**6
-    # layer 1: (1 MB from its slot + 3 MB touched experts) from HBM; link: 1 MB copy = 1000 us
-    assert (layers["model.layers.1"].gpu_us, layers["model.layers.1"].link_us) == (400, 1000)
+    # layer 1: (1 MB from its slot + 3 MB touched experts + 6 MB staging) from HBM; link: 1 MB copy = 1000 us
+    assert (layers["model.layers.1"].gpu_us, layers["model.layers.1"].link_us) == (1000, 1000)
     assert p.h2d_bytes == 4 * 10**6
     assert p.cpu_us == 200  # 2 layers x 100 us, overlapping the GPU
-    assert p.gpu_us == 6600  # + lm_head 100 us (+ 1 embedding row, rounds away)
-    assert p.step_us == max(p.cpu_us, p.gpu_us, p.link_us) == 7000  # the link: 6000 + 1000
+    assert p.gpu_us == 7800  # + lm_head 100 us (+ 1 embedding row, rounds away)
+    assert p.step_us == max(p.cpu_us, p.gpu_us, p.link_us) == 7800
+
+
+def test_layer_gpu_time_and_staging_by_batch():
+    """Kernel latency per layer (dense or with routed experts) and per step counts as GPU time; above
+    BATCHED_PAIRS pairs an all-resident experts forward reads in place (grouped_mm), nothing staged."""
+    tensors = [t for t in moe(layers=2, experts=4) if not t[0].startswith("model.layers.0.mlp.")]
+    tensors.append(("model.layers.0.mlp.down_proj.weight", "U8", (10**6,)))  # layer 0: dense
+    hw = dataclasses.replace(HW, layer_gpu_us=50.0, moe_layer_gpu_us=70.0, step_gpu_us=30.0)
+    t = infos(tensors)
+    g = build_graph(t)
+    groups = FusedGroups.find(n for l in g.stack_layers() for n in l.params)
+    place = {n: GPU for n in t}
+    for batch, staged in ((1, 6 * 10**6), (32, 0)):
+        p = CostModel(g, t, hw, batch, groups, 1, graphs=True).predict(place)
+        layers = {l.name: l for l in p.layers}
+        touched = 12 * 10**6 * (1 - 0.75 ** batch)
+        assert layers["model.layers.0"].gpu_us == 50 + 200  # 2 MB dense from HBM
+        assert layers["model.layers.1"].gpu_us == round(70 + (10**6 + touched + staged) / 10**4)
+        assert p.cpu_us == 0  # replayed from a CUDA graph
+        assert p.gpu_us == round(30 + 250 + 70 + (10**6 + touched + staged) / 10**4 + 100 + batch / 10)
 
 
 def mixed(tensors, budget_mb, batch=1, step=2, top_k=2, rules=(), stage=True):
@@ -102,14 +125,15 @@ def test_mixed_puts_sparse_experts_on_uva_at_batch_1():
 def test_mixed_at_batch_64_offloads_no_more_than_it_must():
     # At batch 64 nearly every expert is touched, so reading one through UVA costs what copying it does.
     # Streaming whole layers must offload more than the 43 MB to shed (and pay for slots); one expert at a
-    # time, uva moves just enough: it is predicted faster. (Moving attention to uva too, as 'uva only' does,
+    # time, uva moves just enough: it is predicted faster, though the experts it reads through UVA are
+    # staged in HBM (written and read back: the GPU term, not the link, sets its step). (Moving attention to uva too, as 'uva only' does,
     # costs a prefill staging slot per layer moved, so it must move two experts more.)
     d = mixed(moe(), budget_mb=60, batch=64)
     assert d.notes[1] == (
-        "mixed chose 'sparse->uva, dense->prefetch': predicted step 90.028 ms, prefill 90.147 ms, request "
-        "23137.315 ms (prefill of 512 tokens + 256 steps at batch 64); others: sparse->uva, dense->uva: step "
-        "90.028 ms, prefill 90.147 ms, request 23137.315 ms; prefetch only: step 100.000 ms, prefill 100.153 ms, "
-        "request 25700.153 ms; uva only: step 91.928 ms, prefill 91.147 ms, request 23624.715 ms")
+        "mixed chose 'sparse->uva, dense->prefetch': predicted step 99.628 ms, prefill 90.147 ms, request "
+        "25594.915 ms (prefill of 512 tokens + 256 steps at batch 64); others: sparse->uva, dense->uva: step "
+        "99.628 ms, prefill 90.147 ms, request 25594.915 ms; prefetch only: step 100.000 ms, prefill 100.153 ms, "
+        "request 25700.153 ms; uva only: step 101.528 ms, prefill 91.147 ms, request 26082.315 ms")
     assert d.summary.uva_bytes == 43 * 10**6  # the embedding and 42 MB of experts: just what it must shed
     assert d.prefill is None  # experts and embeddings are never staged
 

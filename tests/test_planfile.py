@@ -66,7 +66,7 @@ def test_plan_content(tmp_path, built):
     assert text.endswith("params:\n" + "".join(
         f"  {n}: {'prefetch' if n.startswith(('model.layers.1.', 'model.layers.3.')) else 'gpu'}\n"
         for n in names))
-    assert "  - {name: model.layers.1, gpu: 0, uva: 0, prefetch: 3145728, h2d: 3145728, us: 1}\n" in text
+    assert "  - {name: model.layers.1, gpu: 0, uva: 0, prefetch: 3145728, h2d: 3145728, us: 77}\n" in text
     assert "    - {layer: model.layers.1, module: model.layers.1, layout: 0, slot: 0, after: model.layers.1}\n" in text
     assert ("  layouts:\n    - bytes: 3145728\n      buffers:\n"
             "        - {name: mlp.down_proj.weight, dtype: U8, shape: [2097152], offset: 0, bytes: 2097152}\n"
