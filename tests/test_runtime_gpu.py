@@ -126,8 +126,8 @@ def test_refuses_when_gpu_memory_is_short(tmp_path, checkpoints, monkeypatch):
 
 
 def test_calibrate_is_physical_and_repeatable(tmp_path, capsys):
-    """Two calibrations in a row: every figure inside what the hardware can do; bandwidths within 10% of each
-    other, the CPU's per-layer launch time within 25%. That figure is noisier: on the H100 machine back-to-back
+    """Two calibrations in a row: every figure inside what the hardware can do; bandwidths and the GPU time per
+    replayed layer within 10% of each other, the CPU's per-layer launch time within 25%. That figure is noisier: on the H100 machine back-to-back
     runs gave 714 and 817 us, and runs in separate processes on one day 586 to 1188 us. A calibration that
     refuses a noisy machine (its CPU line fit, R^2 < 0.95) is run again, as its message tells a user to, at
     most twice."""
@@ -150,9 +150,12 @@ def test_calibrate_is_physical_and_repeatable(tmp_path, capsys):
         assert 0 <= hw.step_overhead_us < 20000
         assert 100 < hw.matmul_tflops < 2000  # bf16 dense: 756 (PCIe) to 989 (SXM) TFLOP/s peak on the H100
         assert 32 <= hw.stage_above_tokens <= 1024  # a tiled GEMM re-reads an in-place weight: copying wins early
+        # a replayed layer: some 20 (dense) to 40 (MoE) kernels of 1-5 us each
+        assert 10 < hw.layer_gpu_us < hw.moe_layer_gpu_us < 500
+        assert 0 <= hw.step_gpu_us < 500
     a, b = runs
     for field, within in (("h2d_copy_gbps", 0.1), ("uva_read_gbps", 0.1), ("hbm_read_gbps", 0.1),
-                          ("layer_overhead_us", 0.25)):
+                          ("layer_overhead_us", 0.25), ("layer_gpu_us", 0.1), ("moe_layer_gpu_us", 0.1)):
         x, y = getattr(a, field), getattr(b, field)
         assert abs(x - y) <= within * max(x, y), (field, x, y)
 
