@@ -5,7 +5,7 @@ import re
 from pathlib import Path
 
 from .checkpoint import INDEX_NAME, Checkpoint, open_checkpoint
-from .errors import PolicyError
+from .errors import CheckpointError, PolicyError
 from .graph import build_graph
 from .nogc import no_gc
 from .patterns import Names, closest
@@ -15,6 +15,7 @@ from .hardware import H100, load_hardware
 from .files import relpath
 from .plan import Plan, RoutingRef
 from .prefused import prefused_key
+from .quantized import unreadable
 from .policy import Policy, load_policy
 from .routing import load_profile
 
@@ -74,6 +75,9 @@ def _build(policy: Policy, plan_dir: Path, checkpoint: Checkpoint | None) -> Pla
         raise PolicyError(f"{policy.path}: checkpoint: {policy.checkpoint_text} -> {policy.checkpoint}: no such file "
                           "or directory (the path is relative to the policy file)")
     ckpt = checkpoint or open_checkpoint(policy.checkpoint)
+    problems = unreadable(ckpt.tensors)
+    if problems:  # the runtime could not load the plan: say so now, not at apply
+        raise CheckpointError(f"{ckpt.root}: quantized tensors offplan cannot load", problems)
     names = list(ckpt.tensors)
     check_patterns(policy, names)
     facts = read_config(ckpt.root)

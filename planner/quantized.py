@@ -23,20 +23,43 @@ from .checkpoint import TensorInfo
 from .errors import PolicyError
 
 FP8 = ("F8_E4M3", "F8_E5M2")
+FP8_SCALE = "_scale_inv"
+MX_BLOCKS, MX_SCALES = "_blocks", "_scales"
+
+
+def _scale_of(name: str, t: TensorInfo) -> str | None:
+    """The scales tensor a quantized tensor needs, by the module doc's names; None: not quantized."""
+    if t.dtype in FP8:
+        return name + FP8_SCALE
+    if t.dtype == "U8" and name.endswith(MX_BLOCKS):
+        return name[:-len(MX_BLOCKS)] + MX_SCALES
+    return None
 
 
 def partners(tensors: Mapping[str, TensorInfo]) -> dict[str, str]:
     """Each quantized weight -> its scales, and each scales tensor -> its weight (module doc)."""
     out = {}
     for name, t in tensors.items():
-        if t.dtype in FP8:
-            scale = name + "_scale_inv"
-        elif t.dtype == "U8" and name.endswith("_blocks"):
-            scale = name[:-len("_blocks")] + "_scales"
-        else:
-            continue
+        scale = _scale_of(name, t)
         if scale in tensors:
             out[name], out[scale] = scale, name
+    return out
+
+
+def unreadable(tensors: Mapping[str, TensorInfo]) -> list[str]:
+    """One line per quantized tensor without the scales the runtime needs, each with what to use instead:
+    `plan build` refuses such a checkpoint, and so does the runtime."""
+    out = []
+    for name, t in tensors.items():
+        scale = _scale_of(name, t)
+        if scale is None or scale in tensors:
+            continue
+        if t.dtype in FP8:
+            out.append(f"{name}: {t.dtype} without {scale}: only block-scaled FP8 is supported (per-tensor "
+                       "`weight_scale` and compressed-tensors checkpoints are not): use the model's block-scaled "
+                       "FP8 release, or its bf16 one")
+        else:
+            out.append(f"{name}: MXFP4 blocks without {scale}")
     return out
 
 

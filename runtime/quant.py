@@ -54,12 +54,10 @@ import torch
 
 from planner.checkpoint import Checkpoint
 from planner.errors import ModelMismatchError
+from planner.quantized import FP8 as FP8_DTYPES, FP8_SCALE, MX_BLOCKS, MX_SCALES, unreadable
 
 from .checkpoint_names import Piece, Target, map_tensors
 
-FP8_SCALE = "_scale_inv"
-MX_BLOCKS, MX_SCALES = "_blocks", "_scales"
-FP8_DTYPES = ("F8_E4M3", "F8_E5M2")
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 DEFAULT_BLOCK = (128, 128)
 
@@ -84,25 +82,16 @@ def scan(ckpt: Checkpoint) -> tuple[dict[str, str], dict[str, str]]:
     """(quantized data tensor -> its format, scale tensor -> its data tensor) of the checkpoint.
 
     Raises ModelMismatchError for quantized tensors offplan cannot read (FP8 without block scales)."""
-    fmt, scales, problems = {}, {}, []
+    problems = unreadable(ckpt.tensors)  # planner/quantized.py: `plan build` refuses them too
+    if problems:
+        raise ModelMismatchError(f"{ckpt.root}: quantized tensors offplan cannot load", problems)
+    fmt, scales = {}, {}
     tensors = ckpt.tensors
     for name, info in tensors.items():
         if info.dtype in FP8_DTYPES:
-            scale = name + FP8_SCALE
-            if scale not in tensors:
-                problems.append(f"{name}: {info.dtype} without {scale}: only block-scaled FP8 is supported "
-                                "(per-tensor `weight_scale` and compressed-tensors checkpoints are not): use the model's "
-                                "block-scaled FP8 release, or its bf16 one")
-                continue
-            fmt[name], scales[scale] = "fp8", name
+            fmt[name], scales[name + FP8_SCALE] = "fp8", name
         elif name.endswith(MX_BLOCKS) and info.dtype == "U8":
-            scale = name[:-len(MX_BLOCKS)] + MX_SCALES
-            if scale not in tensors:
-                problems.append(f"{name}: MXFP4 blocks without {scale}")
-                continue
-            fmt[name], scales[scale] = "mxfp4", name
-    if problems:
-        raise ModelMismatchError(f"{ckpt.root}: quantized tensors offplan cannot load", problems)
+            fmt[name], scales[name[:-len(MX_BLOCKS)] + MX_SCALES] = "mxfp4", name
     return fmt, scales
 
 

@@ -117,14 +117,26 @@ def test_a_rule_cannot_part_a_weight_from_its_scales(tmp_path, checkpoints):
     assert "model.layers.0.self_attn.q_proj.weight and model.layers.0.self_attn.q_proj.weight_scale_inv" in str(e.value)
 
 
-def test_fp8_without_block_scales_is_refused(tmp_path, checkpoints):
+def test_fp8_without_block_scales_is_refused(tmp_path, checkpoints, capsys):
+    """`plan build` refuses it with one error naming the tensor and what to use instead, writing no plan; the
+    runtime's scan refuses it too (a plan built before the scales went missing is also stale)."""
+    from offplan.cli import main
+    from runtime.quant import scan
     quantized, _ = checkpoints["fp8-llama"]
     broken = tmp_path / "broken"
     from quantized_models import _rewrite
     _rewrite(quantized, broken, lambda n, t: {} if n.endswith("q_proj.weight_scale_inv") else {n: t}, None)
-    plan = make_plan(tmp_path, broken, "")
+    policy = tmp_path / "p.policy.yaml"
+    policy.write_text(f"format_version: 1\ncheckpoint: {broken}\n")
+    assert main(["build", str(policy)]) == 1
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("error: ") == 1 and "Traceback" not in err
+    assert "quantized tensors offplan cannot load" in err
+    assert "model.layers.0.self_attn.q_proj.weight: F8_E4M3 without model.layers.0.self_attn.q_proj.weight_scale_inv" \
+        in err and "use the model's block-scaled FP8 release, or its bf16 one" in err
+    assert not (tmp_path / "p.plan.yaml").exists()
     with pytest.raises(ModelMismatchError, match="q_proj.weight: F8_E4M3 without .*only block-scaled FP8"):
-        from_pretrained(plan, progress=False)
+        scan(open_checkpoint(broken))
 
 
 def test_apply_refuses_a_quantized_checkpoint(tmp_path, checkpoints):
