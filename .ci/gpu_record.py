@@ -1,7 +1,7 @@
 """The record of the last full GPU run, and the CI guard that keeps untested GPU code off main.
 
 CI has no GPU. Code that runs on the GPU (GPU_PATHS: the runtime, the GPU
-tests, the decode, MoE, prefill and quantized benchmarks, and the quantized
+tests, the decode, MoE, MoE-kernel, prefill and quantized benchmarks, and the quantized
 checkpoint writer the last one uses) therefore lands only with a record, committed in
 RECORD, of a full GPU test run on exactly that code: the git object id of each
 path (as `git rev-parse HEAD:runtime` prints it), the device, and pytest's
@@ -35,8 +35,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 RECORD = ".ci/gpu-run.json"  # relative to the root
-GPU_PATHS = ("runtime", "benchmarks/decode.py", "benchmarks/moe.py", "benchmarks/prefill.py", "benchmarks/quantized.py",
-             "tests/quantized_models.py", "tests/*_gpu.py")  # globs relative to the root
+GPU_PATHS = ("runtime", "benchmarks/decode.py", "benchmarks/moe.py", "benchmarks/moe_kernels.py", "benchmarks/prefill.py",
+             "benchmarks/quantized.py", "tests/quantized_models.py", "tests/*_gpu.py")  # globs relative to the root
 SUITE = ["-m", "pytest", "-m", "gpu", "-v", "-s", "-p", "no:cacheprovider", "tests"]
 SUMMARY = re.compile(r"^=+ (.* in [\d.]+s.*?) =+$")
 

@@ -1,5 +1,5 @@
-"""benchmarks/decode.py and benchmarks/moe.py on CUDA (marked `gpu`): every strategy and placement, eager and
-graph replay, same tokens as all-GPU."""
+"""benchmarks/decode.py, moe.py, moe_kernels.py and prefill.py on CUDA (marked `gpu`): every strategy and placement,
+eager and graph replay, same tokens as all-GPU."""
 from __future__ import annotations
 
 import pytest
@@ -46,18 +46,58 @@ def test_moe_benchmark_runs_on_cuda(tmp_path):
         spec.loader.exec_module(moe)
         code = moe.main(["--model", "tiny", "--layers", "4", "--batches", "1", "8", "--new-tokens", "4",
                          "--hardware", str(profile), "--dir", str(tmp_path / "work"), "--out", str(tmp_path / "out"),
-                         "--skew", "0.7", "--resident", "0.5", "--budget-batches", "1", "8", "--profile-prompts", "8"])
+                         "--modes", "graph", "eager", "--skew", "0.7", "--resident", "0.5", "--budget-batches", "1",
+                         "8", "--profile-prompts", "8"])
+        # batch 1 under torch.compile and graph replay: transformers alone, the plan applied, experts on host
+        compiled = moe.main(["--model", "tiny", "--layers", "2", "--batches", "1", "--new-tokens", "4",
+                             "--hardware", str(profile), "--dir", str(tmp_path / "work2"),
+                             "--out", str(tmp_path / "out2"), "--modes", "compiled-graph", "--baselines",
+                             "batched_mm", "--transformers-baselines", "batched_mm", "--host-implementations",
+                             "offplan"])
     finally:
         sys.path.remove(str(root))
     assert code == 0
     rows = [json.loads(l) for l in (tmp_path / "out" / "moe-tiny-skew0.7.jsonl").read_text().splitlines()]
     decoded = [r for r in rows if r["kind"] == "decode"]
     assert {(r["name"], r["mode"]) for r in decoded} >= {
-        ("gpu-batched_mm", "graph"), ("experts-host-offplan", "graph"), ("experts-host-offplan", "eager"),
-        ("budget-per-expert-0.5", "graph"), ("whole-layers-uva-0.5", "graph")}
+        ("transformers-batched_mm", "graph"), ("gpu-batched_mm", "graph"), ("experts-host-offplan", "graph"),
+        ("experts-host-offplan", "eager"), ("budget-per-expert-0.5", "graph"), ("whole-layers-uva-0.5", "graph")}
     assert all(r["same_tokens"] for r in decoded if r["implementation"] != "eager")
     whole = [r for r in decoded if r["name"] == "whole-layers-uva-0.5"]
     assert all(r["observed_h2d_bytes_per_step"] > 0 for r in whole)
+    assert compiled == 0
+    rows = [json.loads(l) for l in (tmp_path / "out2" / "moe-tiny.jsonl").read_text().splitlines()]
+    decoded = {r["name"]: r for r in rows if r["kind"] == "decode"}
+    assert set(decoded) == {"transformers-batched_mm", "gpu-batched_mm", "experts-host-offplan"}
+    assert all(r["mode"] == "compiled-graph" and r["same_tokens"] for r in decoded.values())
+
+
+def test_moe_kernels_benchmark_runs_on_cuda(tmp_path, capsys):
+    """moe_kernels.py on a tiny Qwen3-MoE: every placement's replayed step is profiled, its kernels add up to
+    at most the step, and with experts in pinned memory the gather is among them."""
+    import importlib.util
+    import json
+    import sys
+    from decode_bench import ROOT
+    root = ROOT / "benchmarks"
+    sys.path.insert(0, str(root))
+    try:
+        spec = importlib.util.spec_from_file_location("moe_kernels_gpu", root / "moe_kernels.py")
+        bench = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(bench)
+        code = bench.main(["--model", "tiny", "--layers", "2", "--steps", "5", "--skew", "0.7", "--resident", "0.5",
+                           "--compiled", "--dir", str(tmp_path / "work"), "--out", str(tmp_path / "out")])
+    finally:
+        sys.path.remove(str(root))
+    assert code == 0
+    rows = [json.loads(l) for l in (tmp_path / "out" / "moe-kernels-tiny.jsonl").read_text().splitlines()]
+    steps = {r["name"]: r for r in rows if r["kind"] == "step"}
+    assert set(steps) == {"gpu-batched_mm", "experts-host-offplan", "budget-per-expert-0.5",
+                          "gpu-batched_mm-compiled", "experts-host-offplan-compiled"}
+    assert all(0 < r["kernel_us"] <= r["step_us"] * 1.05 and r["kernels"] > 0 for r in steps.values())
+    assert steps["experts-host-offplan"]["host_bytes_per_step"] > 0
+    assert any(r["kind"] == "kernel" and r["name"] == "experts-host-offplan" and r["kernel"] == "_gather_kernel"
+               for r in rows)
 
 
 def test_prefill_benchmark_runs_on_cuda(tmp_path):
