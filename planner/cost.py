@@ -62,7 +62,11 @@ ceil(T / stage_above_tokens) reads: 1 up to the threshold, 3 at 512 tokens
 with the default 192 (measured on the H100: 2.1x a copy), 43 at 8192 (measured
 24x: long prompts read in place are predicted pessimistic).
 
-Limits: without a routing profile, expert routing is assumed uniform (real
+Limits: the GPU time per layer is measured at batch 1 on tiny Llama and
+Qwen3-MoE layers (runtime/calibrate.py): a layer that launches more kernels
+(shared experts, MLA) takes longer, and so do the larger kernels of larger
+batches (on the H100, an all-GPU Qwen3-MoE step at batch 8 is predicted 1.46x
+too fast, at batch 1 1.12x); without a routing profile, expert routing is assumed uniform (real
 routers are skewed, which touches fewer experts); with one, the tokens of a
 batch are assumed routed independently of each other, as the profile's prompts
 were; the overlap of prefetch is assumed perfect, so a plan whose offloaded
