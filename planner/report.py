@@ -128,7 +128,8 @@ def show(plan: Plan, unchecked: str | None = None) -> list[RenderableType | str]
     out += _footprint(plan)
     if plan.cost:
         c = plan.cost
-        bound = max((c.cpu_us, "kernel launches (CPU)"), (c.gpu_us, "the GPU (its kernels and reads)"), (c.link_us, "the host link"))[1]
+        bound = max((c.cpu_us, "kernel launches (CPU)"), (c.gpu_us, "the GPU (its kernels and reads)"),
+                    (c.link_us, "the host link"))[1]
         mode = "CUDA graph replay" if c.cuda_graphs else "eager"
         ttft = (f"; time to first token (prefill of {plural(c.prompt_tokens, 'token')}) {ms(c.prefill_us)}"
                 if c.prompt_tokens else "")
