@@ -230,7 +230,7 @@ def moe_tables() -> list[str]:
                 "experts implementation with every expert in pinned memory: " + ", ".join(
                     f"b={r['batch']} {r['steps_per_s']:.2f} steps/s ({r['ratio_to_floor']:.2f} x floor)"
                     for r in repeat) + ". Between runs the ratio to the floor moved by up to 0.10."]
-    return out + [""] + b1_tables() + kernel_tables() + skew_tables()
+    return out + [""] + b1_tables() + kernel_tables() + predict_tables() + skew_tables()
 
 
 def b1_tables() -> list[str]:
@@ -310,6 +310,30 @@ def kernel_tables() -> list[str]:
                 "needs link reads during that time, for instance of experts predicted for the next layer, which "
                 "offplan does not do."]
     return out + [""]
+
+
+def predict_tables() -> list[str]:
+    """moe_predict.py: how often the next layer's router, applied to this layer's experts input, names experts
+    that the next layer's router then picks."""
+    runs = {p.name: _moe_rows(p) for p in sorted(RESULTS.glob("moe-predict-qwen3-30b-a3b*.jsonl"))}
+    if not runs:
+        return []
+    first = next(iter(runs.values()))[0]
+    out = ["### Predicting the next layer's experts", "",
+           "`python benchmarks/moe_predict.py --layers 8` (and `--skew 0.7`): greedy decode of "
+           f"{first['decode_steps']} steps, all on the GPU; for each of the {first['layers'] - 1} pairs of "
+           "consecutive MoE layers, the next layer's router applied to this layer's experts input (pre-gating) "
+           f"names its top S experts; the share of them among the {first['top_k']} the next layer's router then "
+           "picks. Random weights, not a trained model.", "",
+           "| routing | " + " | ".join(f"top {r['predicted']}" for r in next(iter(runs.values()))) + " |",
+           "|---|" + "---|" * len(next(iter(runs.values())))]
+    for name, rows in runs.items():
+        label = "uniform (random weights)" if rows[0]["skew"] is None else f"RouterSkew {rows[0]['skew']:g}"
+        out.append(f"| {label} | " + " | ".join(f"{r['precision']:.1%}" for r in rows) + " |")
+    out += ["", "At batch 1 the link idles for about 250 us a layer (\"Where a batch-1 step's time goes\"), time enough for one or two "
+            "experts of this shape (9.4 MB each). With these hit rates, reading the top two predicted experts in "
+            "that time would save most of it. Offplan does not do this yet.", ""]
+    return out
 
 
 def skew_tables() -> list[str]:
@@ -535,6 +559,7 @@ def main() -> int:
              "grouped_mm --host-implementations offplan   # then: mv results/moe-qwen3-30b-a3b.jsonl "
              "results/moe-qwen3-30b-a3b-b1.jsonl",
              "python benchmarks/moe_kernels.py --layers 8 --skew 0.7 --resident 0.25 0.5 --compiled",
+             "python benchmarks/moe_predict.py --layers 8; python benchmarks/moe_predict.py --layers 8 --skew 0.7",
              "python benchmarks/moe.py --layers 8 --modes graph --baselines batched_mm grouped_mm "
              "--transformers-baselines --host-implementations offplan --skew 0.7 --resident 0.25 0.5 "
              "--budget-batches 1 8",

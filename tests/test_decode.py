@@ -84,3 +84,25 @@ def test_prefill_benchmark_runs_on_the_cpu(tmp_path):
     # read in place, 16 tokens re-read each weight twice (ceil(16 / 8)); staged, they are copied once
     assert pre["uva-in-place", 16]["predicted_ms"] > pre["uva", 16]["predicted_ms"]
     assert all(r["same_tokens"] for r in rows if r["kind"] == "decode")
+
+
+def test_moe_predict_benchmark_runs_on_the_cpu(tmp_path):
+    """moe_predict.py on the tiny MoE: one record per number of predicted experts, over every decode step of
+    every prompt (the prompt's own forward is not a decode step), each a share between 0 and 1."""
+    import importlib.util
+    import json
+    import sys
+    root = decode_bench.ROOT / "benchmarks"
+    sys.path.insert(0, str(root))
+    try:
+        spec = importlib.util.spec_from_file_location("moe_predict_main", root / "moe_predict.py")
+        bench = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(bench)
+        code = bench.main(["--model", "tiny", "--layers", "3", "--device", "cpu", "--prompts", "2", "--new-tokens",
+                           "4", "--skew", "0.7", "--dir", str(tmp_path / "work"), "--out", str(tmp_path / "out")])
+    finally:
+        sys.path.remove(str(root))
+    assert code == 0
+    rows = [json.loads(l) for l in (tmp_path / "out" / "moe-predict-tiny-skew0.7.jsonl").read_text().splitlines()]
+    assert [r["predicted"] for r in rows] == [1, 2, 4]  # the tiny model routes top-2 of 8
+    assert all(r["decode_steps"] == 2 * 3 and 0 <= r["precision"] <= 1 for r in rows)
