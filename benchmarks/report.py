@@ -330,9 +330,14 @@ def predict_tables() -> list[str]:
     for name, rows in runs.items():
         label = "uniform (random weights)" if rows[0]["skew"] is None else f"RouterSkew {rows[0]['skew']:g}"
         out.append(f"| {label} | " + " | ".join(f"{r['precision']:.1%}" for r in rows) + " |")
-    out += ["", "At batch 1 the link idles for about 250 us a layer (\"Where a batch-1 step's time goes\"), time enough for one or two "
-            "experts of this shape (9.4 MB each). With these hit rates, reading the top two predicted experts in "
-            "that time would save most of it. Offplan does not do this yet.", ""]
+    out += ["", "At batch 1 the link idles for about 250 us a layer (\"Where a batch-1 step's time goes\"), time "
+            "enough for one or two experts of this shape (9.4 MB each). Offplan does not read predicted experts "
+            "ahead. A trial that did (the next layer's top one or two host experts, read on a second stream into "
+            "an HBM buffer that the next gather takes them from) measured no gain beyond this path's run-to-run "
+            "spread in same-run comparisons at batch 1: read with a full grid, the side gather held the SMs and "
+            "slowed the compute stream's small kernels tenfold; on eight programs a row it read at 42 GB/s, two "
+            "experts took longer than the idle time, and one gained 1-7% against a spread of 5%. It was not "
+            "kept.", ""]
     return out
 
 
