@@ -6,8 +6,7 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-import decode_bench  # noqa: E402
-from decode_bench import run_decode  # noqa: E402
+from decode_bench import load_benchmark, run_decode  # noqa: E402
 
 
 def test_decode_benchmark_runs_on_the_cpu(tmp_path):
@@ -20,20 +19,11 @@ def test_decode_benchmark_runs_on_the_cpu(tmp_path):
 
 
 def test_moe_benchmark_runs_on_the_cpu(tmp_path):
-    import importlib.util
     import json
-    import sys
-    root = decode_bench.ROOT / "benchmarks"
-    sys.path.insert(0, str(root))  # moe.py imports its sibling decode.py, as `python benchmarks/moe.py` does
-    try:
-        spec = importlib.util.spec_from_file_location("moe_bench_main", root / "moe.py")
-        moe = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(moe)
-        code = moe.main(["--model", "tiny", "--layers", "2", "--device", "cpu", "--batches", "1", "2",
-                         "--new-tokens", "2", "--modes", "eager", "--dir", str(tmp_path / "work"),
-                         "--out", str(tmp_path / "out"), "--skew", "0.7", "--resident", "0.5", "--budget-batches", "1"])
-    finally:
-        sys.path.remove(str(root))
+    moe = load_benchmark("moe")  # with benchmarks/ on sys.path: moe.py imports its sibling decode.py
+    code = moe.main(["--model", "tiny", "--layers", "2", "--device", "cpu", "--batches", "1", "2",
+                     "--new-tokens", "2", "--modes", "eager", "--dir", str(tmp_path / "work"),
+                     "--out", str(tmp_path / "out"), "--skew", "0.7", "--resident", "0.5", "--budget-batches", "1"])
     assert code == 0
     rows = [json.loads(l) for l in (tmp_path / "out" / "moe-tiny-skew0.7.jsonl").read_text().splitlines()]
     # skewed routing: the profile (other prompts than the timed ones) says so, and the budget plans keep
@@ -56,24 +46,14 @@ def test_prefill_benchmark_runs_on_the_cpu(tmp_path):
     """prefill.py on the tiny MoE with a staging threshold of 8 tokens: a 16-token prompt is staged under the uva
     plan, a 4-token one is not; every plan gives all-GPU's logits and tokens, beside the planner's prediction."""
     import dataclasses
-    import importlib.util
     import json
-    import sys
 
     from planner.hardware import H100, dumps_hardware
     hw = tmp_path / "hw.yaml"
     hw.write_text(dumps_hardware(dataclasses.replace(H100, stage_above_tokens=8)))
-    root = decode_bench.ROOT / "benchmarks"
-    sys.path.insert(0, str(root))
-    try:
-        spec = importlib.util.spec_from_file_location("prefill_bench_main", root / "prefill.py")
-        prefill = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(prefill)
-        code = prefill.main(["--model", "tiny", "--layers", "4", "--device", "cpu", "--tokens", "4", "16",
-                             "--new-tokens", "2", "--hardware", str(hw), "--dir", str(tmp_path / "work"),
-                             "--out", str(tmp_path / "out")])
-    finally:
-        sys.path.remove(str(root))
+    code = load_benchmark("prefill").main([
+        "--model", "tiny", "--layers", "4", "--device", "cpu", "--tokens", "4", "16", "--new-tokens", "2",
+        "--hardware", str(hw), "--dir", str(tmp_path / "work"), "--out", str(tmp_path / "out")])
     assert code == 0
     rows = [json.loads(l) for l in (tmp_path / "out" / "prefill-tiny.jsonl").read_text().splitlines()]
     pre = {(r["strategy"], r["tokens"]): r for r in rows if r["kind"] == "prefill"}
@@ -89,19 +69,10 @@ def test_prefill_benchmark_runs_on_the_cpu(tmp_path):
 def test_moe_predict_benchmark_runs_on_the_cpu(tmp_path):
     """moe_predict.py on the tiny MoE: one record per number of predicted experts, over every decode step of
     every prompt (the prompt's own forward is not a decode step), each a share between 0 and 1."""
-    import importlib.util
     import json
-    import sys
-    root = decode_bench.ROOT / "benchmarks"
-    sys.path.insert(0, str(root))
-    try:
-        spec = importlib.util.spec_from_file_location("moe_predict_main", root / "moe_predict.py")
-        bench = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(bench)
-        code = bench.main(["--model", "tiny", "--layers", "3", "--device", "cpu", "--prompts", "2", "--new-tokens",
-                           "4", "--skew", "0.7", "--dir", str(tmp_path / "work"), "--out", str(tmp_path / "out")])
-    finally:
-        sys.path.remove(str(root))
+    code = load_benchmark("moe_predict").main([
+        "--model", "tiny", "--layers", "3", "--device", "cpu", "--prompts", "2", "--new-tokens", "4", "--skew", "0.7",
+        "--dir", str(tmp_path / "work"), "--out", str(tmp_path / "out")])
     assert code == 0
     rows = [json.loads(l) for l in (tmp_path / "out" / "moe-predict-tiny-skew0.7.jsonl").read_text().splitlines()]
     assert [r["predicted"] for r in rows] == [1, 2, 4]  # the tiny model routes top-2 of 8
