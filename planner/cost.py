@@ -180,9 +180,11 @@ class CostModel:
                               sum(prefill) / len(prefill))
             return read[g, e]
 
+        self.experts: dict[str, list[str]] = {}  # layer -> its routed tensors (staged by the experts forward)
         for layer in graph.layers:
+            self.experts[layer.name] = [n for n in layer.params if groups.routed(n)]
             for n in layer.params:
-                routed = groups.routed(n)
+                routed = n in self.experts[layer.name]
                 role = (roles or {}).get(n) or (
                     Role.EXPERT if routed else Role.EMBEDDING if n in embed else Role.DENSE)
                 if role is Role.EMBEDDING:
@@ -201,7 +203,6 @@ class CostModel:
                 self.pre_frac[n] = pre_frac
                 self.flops[n] = 2 * prompt_tokens * math.prod(tensors[n].shape) * pre
         self.size = {n: t.nbytes for n, t in tensors.items()}
-        self.routed = {n for n in self.role if groups.routed(n)}
         # prefill: staged tensors are copied once above the threshold; GEMMs re-read in-place ones per tile
         quantized = partners(tensors)  # dequantized on access: read once, never staged (quantized.py)
         self.gathered |= quantized.keys()
@@ -223,7 +224,7 @@ class CostModel:
                 continue
             read_hbm = read_uva = copied = staged = 0.0
             flops = pre_hbm = pre_copied = pre_uva = 0.0
-            experts = [n for n in layer.params if n in self.routed]
+            experts = self.experts[layer.name]
             stages = self.batched or any(place[n] is UVA for n in experts)
             latency = 0.0
             if layer.kind is LayerKind.LAYER:
@@ -232,7 +233,7 @@ class CostModel:
                 p, size = place[n], self.size[n]
                 b, pre = size * self.frac[n], size * self.pre_frac[n]
                 flops += self.flops[n]
-                if stages and n in self.routed:
+                if stages and n in experts:
                     staged += 2 * b  # written to HBM and read back by the GEMVs
                 if p is UVA:
                     read_uva += b
