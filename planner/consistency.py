@@ -10,17 +10,16 @@ disagree.
 What is compared depends on what is at hand. The plan stores each tensor's
 placement but not its size, so:
 
-- from the plan alone: the layer table lists the layers that `params:` forms
-  (with `stacks:`), in order; each byte count of a layer's row is backed by a
-  tensor of that layer with that placement; the totals add up (summary,
-  checkpoint bytes, footprint, predicted link bytes and step time); each
-  expert of a fused parameter has one placement, a prefetched group is whole; `prefetch:` streams exactly the
+- from the plan alone: the layer table lists the layers that `params:` forms (with `stacks:`), in order;
+  each byte count of a layer's row is backed by a tensor of that layer with that placement; the totals add
+  up (summary, checkpoint bytes, footprint, predicted link bytes and step time); each expert of a fused
+  parameter has one placement, a prefetched group is whole; `prefetch:` streams exactly the
   layers that `params:` prefetches, each from a buffer named like its tensors, through the slots and copy
   triggers of the rule that built it, and each of them runs in every forward (no vision tower, no MTP layer);
-  `prefill:` stages exactly the layers whose uva tensors prefill stages (staging.py: not embeddings, routed
-  experts or MTP layers, which the layer table's `runs` names), in order, each hooked at its module, with
-  bytes that are a multiple of 256 within what its row's uva bytes allow, its slot the largest of them,
-  min(2, layers) slots, and the summary's stage_buffer_bytes the pool;
+  `prefill:` stages exactly the layers whose uva tensors prefill stages (staging.py: not embeddings or MTP
+  layers, which the layer table's `runs` names; routed experts only with `experts: true`, then in some layer),
+  in order, each hooked at its module, with bytes a multiple of 256 within what its row's uva bytes (and GPU
+  bytes, for experts staged whole) allow, its slot the largest, min(2, layers) slots, stage_buffer_bytes the pool;
 - with the checkpoint's headers (sizes, dtypes, shapes: cheap to read), also
   exactly: `params:` names the checkpoint's tensors, each layer's bytes per
   placement are the sum of its tensors', the buffers and slot sizes are
@@ -41,12 +40,12 @@ from collections.abc import Callable, Mapping
 from .checkpoint import TensorInfo
 from .errors import PolicyError
 from .graph import Layer, LayerGraph, build_graph
-from .groups import FusedGroups, experts_map
+from .groups import FusedGroups, experts_map, is_expert
 from .plan import Placement, Plan, Runs
 from .quantized import apart, partners
 from .schedule import make_schedule, previous_user
 from .slots import ALIGN
-from .staging import STAGE_SLOTS, stageable, staged_bytes
+from .staging import STAGE_SLOTS, stageable, staged as staged_in
 from .units import human
 from .yamlio import dotted
 
@@ -257,20 +256,19 @@ def _prefill(plan: Plan, graph: LayerGraph, at, tensors) -> list[str]:
         return []  # `uva.stage_prefill: false` plans none; `plan check` compares with a rebuild
     runs = {r.name: r.runs for r in plan.layers}  # MTP layers are known from config.json, which the plan records here
     names = stageable((dataclasses.replace(l, runs=runs.get(l.name, l.runs)) for l in graph.layers),
-                      partners(tensors or {}))
-    staged = [(l, ns) for l in graph.layers
-              for ns in [[n for n in l.params if n in names and plan.params[n] is Placement.UVA]] if ns]
-    listed, want = [s.layer for s in p.layers], [l.name for l, _ in staged]
+                      partners(tensors or {}), p.experts)
+    staged = [(l, ns, size) for l in graph.layers for ns, size in [staged_in(l, names, plan.params, tensors)] if ns]
+    listed, want = [s.layer for s in p.layers], [l.name for l, _, _ in staged]
     if listed != want:
-        return [f"{at('prefill', 'layers')}: lists {_some(listed)} but the layers of params: with uva tensors "
-                f"that prefill stages (not embeddings, routed experts or MTP layers) are {_some(want)}"]
-    problems = []
-    rows = {r.name: r for r in plan.layers}
-    for k, (s, (l, ns)) in enumerate(zip(p.layers, staged)):
+        return [f"{at('prefill', 'layers')}: lists {_some(listed)} but the layers of params: with uva tensors that "
+                f"prefill stages (not embeddings{'' if p.experts else ', routed experts'} or MTP layers) are {_some(want)}"]
+    if p.experts and not any(is_expert(n) for _, ns, _ in staged for n in ns):
+        return [f"{at('prefill', 'experts')} is true but no staged layer holds a routed expert on uva"]
+    problems, rows = [], {r.name: r for r in plan.layers}
+    for k, (s, (l, ns, need)) in enumerate(zip(p.layers, staged)):
         if s.module != l.module:
             problems.append(f"{at('prefill', 'layers', k)}: {s.layer} runs in module {l.module}, not {s.module}")
-        if tensors is not None:
-            need = staged_bytes(ns, tensors)
+        if need is not None:
             if s.bytes != need:
                 problems.append(f"{at('prefill', 'layers', k, 'bytes')} is {s.bytes} but the staged tensors of "
                                 f"{s.layer} take {need} (each rounded up to {ALIGN} bytes)")
@@ -279,8 +277,10 @@ def _prefill(plan: Plan, graph: LayerGraph, at, tensors) -> list[str]:
         only = all(plan.params[n] is not Placement.UVA or n in names for n in l.params)
         if row is None:
             continue  # the layer table's own check names it
-        # each staged tensor is rounded up to ALIGN; they are all of the row's uva bytes unless experts are too
-        low, high = (row.uva if only else 0), row.uva + (ALIGN - 1) * len(ns)
+        # each staged tensor rounded up to ALIGN: all of the row's uva bytes unless some are not staged; staged
+        # experts take each fused parameter whole, those kept on the GPU too
+        whole = any(map(is_expert, ns))
+        low, high = (row.uva if only else 0), row.uva + (row.gpu if whole else 0) + (ALIGN - 1) * len(l.params)
         if s.bytes % ALIGN or not low <= s.bytes <= high:
             problems.append(f"{at('prefill', 'layers', k, 'bytes')} is {s.bytes} but the {len(ns)} staged tensors "
                             f"of {s.layer} ({row.uva} bytes on uva in its row) take a multiple of {ALIGN} from "

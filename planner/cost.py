@@ -40,23 +40,26 @@ most BATCHED_PAIRS (token, expert) pairs, where batched_mm's arithmetic runs)
 writes them to HBM and reads them back: twice their bytes more over HBM.
 
 Prefill (the time to first token) of `workload.prompt_tokens` = T tokens, one
-sequence, over the layers that run in every step. Copies run ahead of compute
-(prefetch, and prefill staging: staging.py), so each layer takes the longer of
-its compute and its link time:
-    compute = 2 x T x (dense elements + each routed expert's elements x its share of the tokens)
-              / matmul_tflops  +  bytes read from GPU memory / HBM
-    link    = (prefetched bytes + staged bytes) / H2D copy
-              + uva bytes a GEMM reads in place x ceil(T / stage_above_tokens) / UVA
-              + touched uva experts' bytes and embedding rows / UVA
-    prefill = the sum over the layers
+sequence, over the layers that run in every step. Copies run on their own
+stream ahead of compute (prefetch, and prefill staging: staging.py), so they
+overlap it; reads in place through UVA sit inside the kernels that need them
+(and a layer's touched experts are known only once its router has run), so
+they add:
+    compute  = 2 x T x (dense elements + each routed expert's elements x its share of the tokens)
+               / matmul_tflops  +  bytes read from GPU memory / HBM
+    copies   = (prefetched bytes + staged bytes) / H2D copy
+    in place = (uva bytes a GEMM reads in place x ceil(T / stage_above_tokens)
+                + touched uva experts' bytes and embedding rows) / UVA
+    layer    = max(compute, copies) + in place;  prefill = the sum over the layers
 A routed expert computes its share of the tokens: k/E under uniform routing,
 or its share of the routing profile's prefill tokens (its decode share when the
 profile has none), and is read at all with probability 1 - (1 - share)^T: a
 layer reads E x (1 - (1 - k/E)^T) of its experts. offplan's experts
 implementation gathers each touched expert once, wherever it lives. An
 embedding reads T rows and computes nothing. The uva tensors that prefill
-stages (staging.py: not embeddings, not routed experts) are copied once when T
-> stage_above_tokens; otherwise a GEMM reads them in place and re-reads them
+stages (staging.py: not embeddings; routed experts only when the touched share
+computed here reaches `stage_experts`'s) are copied once when T >
+stage_above_tokens; otherwise a GEMM reads them in place and re-reads them
 once per tile of output rows, which the model approximates as
 ceil(T / stage_above_tokens) reads: 1 up to the threshold, 3 at 512 tokens
 with the default 192 (measured on the H100: 2.1x a copy), 43 at 8192 (measured
@@ -79,6 +82,7 @@ images (vision towers: a text prompt).
 """
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -90,7 +94,7 @@ from .hardware import Hardware
 from .plan import LayerKind, Placement, Role, Runs
 from .routing import RoutingProfile
 from .quantized import partners
-from .staging import stageable
+from .staging import stage_experts, stageable
 
 GPU, UVA, PREFETCH = Placement.GPU, Placement.UVA, Placement.PREFETCH
 
@@ -206,9 +210,25 @@ class CostModel:
         # prefill: staged tensors are copied once above the threshold; GEMMs re-read in-place ones per tile
         quantized = partners(tensors)  # dequantized on access: read once, never staged (quantized.py)
         self.gathered |= quantized.keys()
-        self.staged = stageable(graph.layers, quantized) if stage and prompt_tokens > hw.stage_above_tokens \
-            else frozenset()
+        self.stages = stages = stage and prompt_tokens > hw.stage_above_tokens
+        staged_experts = stageable(graph.layers, quantized, True)
+        routed = [n for l in graph.layers if l.runs is Runs.STEP for n in self.experts[l.name] if n in staged_experts]
+        total = sum(self.size[n] for n in routed)
+        # the share of the routed bytes the prompt touches: whether prefill copies experts whole (staging.py)
+        self.touched = sum(self.size[n] * self.pre_frac[n] for n in routed) / total if total else 0.0
+        self.stage_experts = bool(stages and total and stage_experts(self.touched, hw))  # recommended
+        self.staged_experts, self.unstaged_experts = staged_experts, stageable(graph.layers, quantized)
+        self.staged = (staged_experts if self.stage_experts else self.unstaged_experts) if stages else frozenset()
+        self.stages_experts = self.stage_experts  # what `staged` holds
         self.reread = -(-prompt_tokens // hw.stage_above_tokens)
+
+    def staging_experts(self, on: bool) -> "CostModel":
+        """This model with prefill staging routed experts (`on`) or reading each touched one in place, whatever
+        `stage_experts` recommends: the planner may place both ways (placement.py)."""
+        other = copy.copy(self)
+        other.staged = (self.staged_experts if on else self.unstaged_experts) if self.stages else frozenset()
+        other.stages_experts = on and self.stages
+        return other
 
     def predict(self, place: Mapping[str, Placement]) -> Prediction:
         hw = self.hw
@@ -250,7 +270,7 @@ class CostModel:
                         pre_copied += size
             gpu = latency + (read_hbm + staged) / hbm + read_uva / uva
             link = read_uva / uva + copied / h2d
-            prefill = max(flops / flops_us + pre_hbm / hbm, pre_copied / h2d + pre_uva / uva)
+            prefill = max(flops / flops_us + pre_hbm / hbm, pre_copied / h2d) + pre_uva / uva
             cpu += per_layer if layer.kind is LayerKind.LAYER else 0
             h2d_bytes = int(read_uva + copied)
             layers.append(LayerCost(layer.name, h2d_bytes, round(gpu), round(link), round(prefill)))

@@ -30,7 +30,7 @@ from .graph import Layer, LayerGraph
 from .plan import Placement
 from .quantized import partners, with_partners
 from .slots import layout_bytes
-from .staging import STAGE_SLOTS, stageable, staged_bytes
+from .staging import STAGE_SLOTS, stageable, staged
 
 GPU, UVA, PREFETCH = Placement.GPU, Placement.UVA, Placement.PREFETCH
 
@@ -39,11 +39,12 @@ class Footprint:
     """Resident bytes and each streamed layer's slot image, kept current as tensors move.
 
     `place` is the caller's placement dict: `move` updates it together with the bytes.
-    `stage`: the policy's `uva.stage_prefill` (False: no staging pool).
+    `stage`: the policy's `uva.stage_prefill` (False: no staging pool); `experts`: prefill stages routed
+    experts too (staging.py `stage_experts`).
     """
 
     def __init__(self, graph: LayerGraph, tensors: Mapping[str, TensorInfo], place: dict[str, Placement],
-                 step: int, stage: bool = True):
+                 step: int, stage: bool = True, experts: bool = False):
         self.tensors = tensors
         self.place = place
         self.step = max(1, step)
@@ -51,7 +52,7 @@ class Footprint:
         self.resident = sum(tensors[n].nbytes for n, p in place.items() if p is GPU)
         self.streamed: dict[str, int] = {}  # layer name -> its slot image's bytes
         self.partner = partners(tensors)
-        self.stageable = stageable(graph.layers, self.partner) if stage else frozenset()
+        self.stageable = stageable(graph.layers, self.partner, experts) if stage else frozenset()
         self.staged: dict[str, int] = {}  # layer name -> its staged bytes
         for layer in graph.layers:
             self._restream(layer)
@@ -66,9 +67,9 @@ class Footprint:
             self.streamed.pop(layer.name, None)
 
     def _restage(self, layer: Layer) -> None:
-        names = [n for n in layer.params if n in self.stageable and self.place[n] is UVA]
+        names, size = staged(layer, self.stageable, self.place, self.tensors)
         if names:
-            self.staged[layer.name] = staged_bytes(names, self.tensors)
+            self.staged[layer.name] = size
         else:
             self.staged.pop(layer.name, None)
 

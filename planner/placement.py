@@ -49,8 +49,10 @@ Steps:
    forward of the previous user of its slot, cyclically; for step | layers
    that is the layer `step` positions earlier, exactly vLLM's schedule.
 8. Prefill staging (staging.py): the layers holding uva tensors other than
-   embeddings and routed experts copy them through 2 GPU slots at prefill,
-   unless `uva.stage_prefill: false`. The slots count in the footprint like
+   embeddings copy them through 2 GPU slots at prefill, unless
+   `uva.stage_prefill: false`; routed experts only when the workload's prompt
+   is predicted to touch most of them (cost.py `stage_experts`), each layer's
+   fused expert parameters whole. The slots count in the footprint like
    the prefetch pool, so every budget-driven walk sees them grow as it moves
    tensors to uva (footprint.py `fit`).
 9. A budget that the result exceeds is an error quoting the smallest
@@ -78,27 +80,24 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from itertools import chain
 
+from .backends import place_backend, staging_note
 from .checkpoint import TensorInfo
 from .cost import CostModel
 from .errors import BudgetError, PolicyError
-from .footprint import Footprint
-from .graph import Layer, LayerGraph
-from .groups import FusedGroups, experts_map, whole_groups
+from .graph import LayerGraph
+from .groups import FusedGroups, experts_map, is_expert
 from .hardware import H100, Hardware
-from .mixed import place_mixed
 from .notes import Outcome, notes
 from .patterns import Names
 from .plan import Backend, Cost, LayerBytes, Placement, PrefetchSchedule, PrefillStaging, Role, Runs, Summary
 from .policy import Policy, resolve_backend
 from .routing import RoutingProfile, check_fits
-from .schedule import fewest_layers, make_schedule
+from .schedule import make_schedule
 from .staging import make_staging
 from .quantized import check_rules
-from .placement_errors import check_groups, check_roles, check_streamed_runs, layer_list, nothing_left, over_budget
+from .placement_errors import check_groups, check_roles, check_streamed_runs, over_budget
 from .prefused import prefused_key
-from .units import GIB, plural
 
 GPU, UVA, PREFETCH = Placement.GPU, Placement.UVA, Placement.PREFETCH
 
@@ -169,29 +168,29 @@ def decide(graph: LayerGraph, tensors: Mapping[str, TensorInfo], policy: Policy,
     step = policy.prefetch.step
     if (backend is Backend.PREFETCH or PREFETCH in place.values()) and step < 1:
         raise PolicyError(f"{policy.path}: prefetch.step must be >= 1: rules place tensors on prefetch")
-    fp = Footprint(graph, tensors, place, step, stage)
-    skipped = None
-    prediction = None
-    mixed_notes: tuple[str, ...] = ()
-    reasons: dict[str, str] = {}
-
-    if backend is not Backend.NONE and budget is not None and fp.total <= budget:
-        skipped, backend = backend, Backend.NONE  # offloading more would only cost speed
-    elif backend is Backend.UVA:
-        _uva(stack, fixed, fp, policy, groups, selected["uva"], graph.rarely_run())
-    elif backend is Backend.PREFETCH:
-        _prefetch(stack, fixed, fp, policy, graph, selected["prefetch"], groups)
-    elif backend is Backend.MIXED:
-        choice = place_mixed(graph, policy, fp, fixed, groups, model)
-        fp, prediction, mixed_notes, reasons = choice.footprint, choice.prediction, choice.notes, choice.why
+    want = policy.uva.stage_experts  # None: the planner decides (policy.py UvaPolicy)
+    both = want is None and model.stage_experts
+    models = [model.staging_experts(True), model.staging_experts(False)] if both else [model.staging_experts(
+        model.stage_experts if want is None else want)]
+    tried = [place_backend(m, graph, tensors, dict(place), stage, policy, backend, stack, fixed, groups, selected)
+             for m in models]
+    fitting = [t for t in tried if budget is None or t.fp.total <= budget]
+    if not fitting:  # the smallest footprint: prefill reading experts in place, no slots for them
+        t = tried[-1]
+        raise BudgetError(over_budget(policy, t.backend, t.fp.total, t.fp.place, tensors, graph, t.fp.stage_pool))
+    new_tokens = work.new_tokens
+    request = lambda t: t.prediction.request_us(new_tokens)  # noqa: E731
+    # without a budget, GPU memory for experts' slots is not the planner's to spend: in place, and a note
+    chosen = tried[-1] if both and budget is None else min(fitting, key=request)  # ties: experts staged
+    fp, prediction, backend, skipped = chosen.fp, chosen.prediction, chosen.backend, chosen.skipped
+    mixed_notes, reasons = chosen.notes, chosen.reasons
+    if both and chosen is not tried[0] and any(p is Placement.UVA and is_expert(n) for n, p in fp.place.items()):
+        mixed_notes += (staging_note(tried[0], chosen, budget, work.prompt_tokens, model.touched, new_tokens),)
     place = fp.place
-    if budget is not None and fp.total > budget:
-        raise BudgetError(over_budget(policy, backend, fp.total, place, tensors, graph, fp.stage_pool))
     schedule = make_schedule(graph, place, tensors, step)
     staging = make_staging(graph, place, tensors, hardware.stage_above_tokens, fp.stageable) if stage else None
     if (staging.pool_bytes if staging else 0) != fp.stage_pool:  # one rule, two sums: a bug, not an input error
         raise AssertionError(f"staging pool {staging} against the footprint's {fp.stage_pool}")
-    prediction = prediction or model.predict(place)
     by = {GPU: 0, UVA: 0, PREFETCH: 0}
     layers = []
     for l, c in zip(graph.layers, prediction.layers):
@@ -211,87 +210,3 @@ def decide(graph: LayerGraph, tensors: Mapping[str, TensorInfo], policy: Policy,
                       routing, bool(moe) and top_k is not None and routing is None, checkpoint_fingerprint, staging,
                       groups.not_experts)
     return Decision(backend, place, schedule, tuple(layers), notes(outcome), summary, cost, staging)
-
-
-def _rarely_run_first(rare: list[Layer], fixed, fp: Footprint, groups: FusedGroups, selected):
-    """The units budget-driven placement offloads to uva first: what does not run in every decode step
-    (vision towers, MTP layers: graph.py) costs a decode step nothing, wherever it lives. Lazy: each
-    unit is taken from the placement as the walk (`Footprint.fit`) reaches it."""
-    for layer in rare:
-        for n in layer.params:
-            if n not in fixed and fp.place[n] is GPU and (selected is None or n in selected):
-                yield groups.expert(n)
-
-
-def _uva(stack, fixed, fp: Footprint, policy: Policy, groups: FusedGroups, selected, rare: list[Layer]) -> None:
-    """The per-tensor walk. With an amount, vLLM's walk over the stacks in order, in vLLM's units (a layer's
-    fused w13 or w2 whole); with a budget, rarely-run layers first, then one expert of one fused parameter
-    at a time. Neither moves what rules fixed or `uva.params` left out."""
-    amount = policy.uva.offload_gib > 0
-    if not amount and policy.budget_bytes is None:  # only `backend: uva` gets here
-        raise PolicyError(
-            f"{policy.path}: backend: uva offloads nothing: set uva.offload_gib (GiB to offload, as vLLM's "
-            "cpu_offload_gb) or budget_gib (offload until the GPU footprint fits)"
-            + ("; uva.params only narrows which tensors those offload" if selected is not None else ""))
-    cands = [n for l in stack for n in l.params if n not in fixed and (selected is None or n in selected)]
-    if not cands and (amount or selected is not None):
-        raise PolicyError(nothing_left(policy, "uva", stack, selected))
-    allowed = set(cands)
-
-    def units(unit):
-        """Each unit the walk reaches, less what rules fixed or `uva.params` left out."""
-        for n in cands:
-            if fp.place[n] is GPU:
-                yield [m for m in unit(n) if m in allowed and fp.place[m] is GPU]
-
-    if amount:  # vLLM's walk, in vLLM's units: a fused parameter (w13, w2) whole
-        limit = policy.uva.offload_gib * GIB
-        done = 0
-        for unit in units(groups.param):
-            if done >= limit:
-                break
-            resident = fp.resident
-            fp.move(unit, UVA)  # with any quantization scales
-            done += resident - fp.resident
-        return
-    fp.fit(chain(_rarely_run_first(rare, fixed, fp, groups, selected), units(groups.expert)), UVA,
-           policy.budget_bytes)
-
-
-def _prefetch(stack, fixed, fp: Footprint, policy: Policy, graph: LayerGraph, selected, groups: FusedGroups) -> None:
-    pre = policy.prefetch
-
-    def chosen(layer: Layer) -> list[str]:
-        names = [n for n in layer.params if n not in fixed and (selected is None or n in selected)]
-        return whole_groups(names, groups)
-
-    if pre.group_size > 0:
-        g, k = pre.group_size, pre.num_in_group
-        every = [l for l in stack if l.runs is Runs.STEP]  # a vision tower or MTP layer is never streamed
-        if g > len(every):
-            rare = f", {len(stack) - len(every)} more run in no decode step" if len(every) < len(stack) else ""
-            raise PolicyError(
-                f"{policy.path}: prefetch.group_size {g} is larger than the {plural(len(every), 'layer')} of "
-                f"the layer stacks ({', '.join(graph.stacks) or 'none detected'}{rare}): layer i streams iff "
-                f"i % {g} >= {g - k}, so the groups never repeat; set prefetch.group_size to at most "
-                f"{len(every)} (or use budget_gib and let the planner choose the layers)")
-        picked = [layer for i, layer in enumerate(every) if i % g >= g - k]
-        if not any(chosen(l) for l in picked):
-            raise PolicyError(nothing_left(policy, "prefetch", picked, selected,
-                                            f"prefetch.group_size {g} / num_in_group {k} streams layers "
-                                            f"{layer_list(picked)}, but "))
-        for layer in picked:
-            fp.move(chosen(layer), PREFETCH)
-        return
-    if policy.budget_bytes is None:  # only `backend: prefetch` gets here
-        raise PolicyError(
-            f"{policy.path}: backend: prefetch offloads nothing: set prefetch.group_size (with "
-            "num_in_group: stream the last num_in_group layers of every group, as vLLM's "
-            "offload_group_size) or budget_gib (stream the fewest layers that fit)")
-    eligible = [(l, c) for l, c in ((l, chosen(l)) for l in stack if l.runs is Runs.STEP) if c]
-    rare = graph.rarely_run()
-    if not eligible and not rare and selected is not None:
-        raise PolicyError(nothing_left(policy, "prefetch", stack, selected))
-    if not fp.fit(_rarely_run_first(rare, fixed, fp, groups, selected), UVA, policy.budget_bytes):
-        for layer, names in fewest_layers(eligible, fp, policy.budget_bytes):
-            fp.move(names, PREFETCH)

@@ -133,8 +133,8 @@ class PrefetchSchedule:
 
 @dataclass(frozen=True)
 class StagedLayer:
-    """A layer whose uva tensors (routed experts aside) are copied to the GPU before a forward over many
-    tokens: the plan's layer name, the module whose forward the runtime hooks (as `Transfer.module`),
+    """A layer whose uva tensors (routed experts only if `PrefillStaging.experts`) are copied to the GPU
+    before a forward over many tokens: the plan's layer name, the module whose forward the runtime hooks (as `Transfer.module`),
     and the bytes its staged tensors take in a slot, each ALIGN (256 B) apart."""
 
     layer: str
@@ -153,14 +153,16 @@ class PrefillStaging:
     crossover, measured by `plan calibrate`), each staged layer's uva tensors
     are copied into one of `slots` GPU buffers of `slot_bytes` first, the next
     layer's copy overlapping this one's compute, as prefetch does; at or below
-    it (decode) they are read in place. Routed experts are not staged: offplan's
-    experts implementation already reads each touched expert once per forward.
+    it (decode) they are read in place. Routed experts on uva are staged only
+    when `experts` (staging.py says when the planner sets it): otherwise offplan's
+    experts implementation reads each touched expert once per forward, after the router.
     """
 
     above_tokens: int
     slots: int
     slot_bytes: int  # the largest staged layer's `bytes`
     layers: tuple[StagedLayer, ...]  # in execution order
+    experts: bool = False  # routed experts on uva staged too: each fused parameter whole, its host rows copied
 
     @property
     def pool_bytes(self) -> int:

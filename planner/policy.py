@@ -66,14 +66,19 @@ class UvaPolicy:
     or `{stage_prefill: false}` to read uva tensors in place at prefill too (no staging buffers).
 
     Staging (planner/staging.py): a forward over more than the hardware profile's
-    `stage_above_tokens` tokens copies each layer's uva tensors (routed experts and
-    embeddings aside) into one of 2 GPU slots before the layer runs, since a GEMM reading
-    them in place re-reads them per tile. The slots count in the GPU footprint.
+    `stage_above_tokens` tokens copies each layer's uva tensors (embeddings aside) into one
+    of 2 GPU slots before the layer runs, since a GEMM reading them in place re-reads them
+    per tile. The slots count in the GPU footprint. Routed experts, whose slots hold a
+    layer's experts whole (Qwen3-30B-A3B: 1.1 GiB each), follow `stage_experts`: unset,
+    the planner stages them where the workload's prompt touches most of them and a budget
+    has room (it places both ways and keeps the faster request), and without a budget
+    only notes what staging them would take and save; `true` stages them, `false` never.
     """
 
     offload_gib: float = 0  # GiB of layer tensors to offload, walking layers in order (vLLM cpu_offload_gb)
     params: tuple[Pattern, ...] = ()  # only these tensors are candidates (vLLM cpu_offload_params)
     stage_prefill: bool = True  # copy uva layers to GPU slots at prefill (whatever placed them on uva)
+    stage_experts: bool | None = None  # routed experts too: None, the planner decides (see above)
 
     @property
     def offloads(self) -> bool:
@@ -166,7 +171,7 @@ def load_policy(path: str | Path) -> Policy:
     p = data.get("prefetch", {})
     # JSON Schema's "integer" admits 2.0: store ints, so plans and messages print 2.
     uva = UvaPolicy(u.get("offload_gib", 0), patterns(["uva", "params"], u.get("params")),
-                    bool(u.get("stage_prefill", True)))
+                    bool(u.get("stage_prefill", True)), u.get("stage_experts"))
     pre = PrefetchPolicy(int(p.get("group_size", 0)), int(p.get("num_in_group", 1)),
                          int(p.get("step", 1)), patterns(["prefetch", "params"], p.get("params")))
     for i, _ in enumerate(data.get("stacks", [])):

@@ -11,14 +11,15 @@ this one's compute, as prefetch does. At or below it (decode) nothing changes:
 they are read in place.
 
 What is staged (`stageable`): the tensors of the layer graph's LAYER, MODULE
-and HEAD layers (graph.py) that are no member of a fused expert group
-(groups.py: `FusedGroups.group_of`; `is_expert` is False exactly for those,
-by name alone, as the runtime tells them apart from a plan's names):
+and HEAD layers (graph.py), except:
 - never an embedding (EMBED): a lookup reads one row per token, and staging
   would copy the whole table;
-- never a routed expert, stored one expert a tensor or already fused
-  (prefused.py): offplan's experts implementation already reads each
-  touched expert once per forward, through a gather;
+- a routed expert (a member of a fused expert group, stored one expert a
+  tensor or already fused: groups.py `is_expert`, by name alone, as the
+  runtime tells them apart from a plan's names) only when the plan stages
+  experts (`experts`, below). Otherwise offplan's experts implementation
+  reads each touched expert once per forward, through a gather, after the
+  router has picked them: nothing overlaps that read;
 - never a quantized tensor or its scales (quantized.py): dequantizing reads
   each byte once, whatever the number of tokens;
 - never a multi-token-prediction layer (graph.py `Runs.MTP`): it runs in no
@@ -26,6 +27,23 @@ by name alone, as the runtime tells them apart from a plan's names):
   nothing (DeepSeek-V3's layer 61 holds a 1.7 GiB head of its own, which
   would size both slots). Vision towers run at prefill, over an image's many
   tokens, and are staged.
+
+Experts (`stage_experts`): copying a layer's host experts whole overlaps the
+previous layer's compute, but moves the experts no token is routed to as
+well; gathering the touched ones moves only those, on the critical path.
+Copying costs no more when the prompt touches at least UVA read / H2D copy
+bandwidth (0.92 on the H100) of the expert bytes, overlap aside, so the
+planner stages experts when the routing it assumes (the profile's prefill
+counts, or uniform: a layer reads E x (1 - (1 - k/E)^T) of its E experts)
+touches that share at the workload's prompt length T (cost.py). Under
+uniform routing that holds from a few dozen tokens for every MoE model known
+to us (Qwen3-30B-A3B: 128 experts, top 8, 99.8% at 100 tokens): a long
+prompt touches every expert. A layer whose experts are staged holds each of
+its fused expert parameters whole in the slot (the runtime indexes a
+parameter's rows by expert), so its bytes count every routed tensor of the
+layer, the experts kept on the GPU too; only those in pinned memory are
+copied.
+
 A staged layer holds at least one such tensor on uva. Its `bytes` are those
 tensors' bytes, each rounded up to ALIGN (256, slots.py) as they lie back to
 back in a slot; `slot_bytes` is the largest layer's, `slots` = min(2, staged
@@ -45,35 +63,51 @@ from collections.abc import Collection, Iterable, Mapping
 from .checkpoint import TensorInfo
 from .graph import Layer, LayerGraph
 from .groups import is_expert
-from .quantized import partners
+from .hardware import Hardware
 from .plan import LayerKind, Placement, PrefillStaging, Runs, StagedLayer
 from .slots import align
 
 STAGE_SLOTS = 2  # one slot runs while the next layer's copy fills the other
 
 
-def stageable(layers: Iterable[Layer], quantized: Collection[str] = ()) -> frozenset[str]:
+def stageable(layers: Iterable[Layer], quantized: Collection[str] = (), experts: bool = False) -> frozenset[str]:
     """The tensors of `layers` (a layer graph's) that prefill stages when they are on uva (module doc);
-    `quantized`: the quantized tensors and their scales (quantized.py `partners`), never staged."""
+    `quantized`: the quantized tensors and their scales (quantized.py `partners`), never staged;
+    `experts`: routed experts staged too, but not in a layer whose experts are quantized (their biases
+    alone would gain nothing)."""
     return frozenset(n for l in layers if l.kind is not LayerKind.EMBED and l.runs is not Runs.MTP
-                     for n in l.params if not is_expert(n) and n not in quantized)
+                     for whole in [experts and not any(is_expert(m) and m in quantized for m in l.params)]
+                     for n in l.params if (whole or not is_expert(n)) and n not in quantized)
 
 
-def staged_bytes(names: Iterable[str], tensors: Mapping[str, TensorInfo]) -> int:
-    """A staged layer's bytes in its slot: each tensor rounded up to ALIGN."""
-    return sum(align(tensors[n].nbytes) for n in names)
+def stage_experts(touched: float, hw: Hardware) -> bool:
+    """Whether prefill stages routed experts, given the share of their bytes the prompt touches (module doc)."""
+    return touched >= hw.uva_read_gbps / hw.h2d_copy_gbps
+
+
+def staged(layer: Layer, names: Collection[str], place: Mapping[str, Placement],
+           tensors: Mapping[str, TensorInfo] | None) -> tuple[list[str], int | None]:
+    """`layer`'s staged tensors (those of `names`, stageable, on uva) and their bytes in a slot: each
+    rounded up to ALIGN, and every routed tensor of the layer if one of them is routed (module doc);
+    None without `tensors`."""
+    mine = [n for n in layer.params if n in names and place[n] is Placement.UVA]
+    if tensors is None:
+        return mine, None
+    whole = [n for n in layer.params if n in names and is_expert(n)] if any(map(is_expert, mine)) else []
+    return mine, sum(align(tensors[n].nbytes) for n in [*(n for n in mine if not is_expert(n)), *whole])
 
 
 def make_staging(graph: LayerGraph, place: Mapping[str, Placement], tensors: Mapping[str, TensorInfo],
-                 above_tokens: int, names: frozenset[str] | None = None) -> PrefillStaging | None:
+                 above_tokens: int, names: frozenset[str]) -> PrefillStaging | None:
     """The plan's `prefill:` section for `place`, or None when no layer holds a stageable uva tensor.
-    `names`: `stageable(graph.layers, partners(tensors))`, when the caller has it."""
-    names = stageable(graph.layers, partners(tensors)) if names is None else names
-    layers = []
+    `names`: `stageable(graph.layers, partners(tensors), experts)`."""
+    layers, experts = [], False
     for l in graph.layers:
-        staged = [n for n in l.params if n in names and place[n] is Placement.UVA]
-        if staged:
-            layers.append(StagedLayer(l.name, l.module, staged_bytes(staged, tensors)))
+        mine, size = staged(l, names, place, tensors)
+        if mine:
+            layers.append(StagedLayer(l.name, l.module, size))
+            experts = experts or any(map(is_expert, mine))
     if not layers:
         return None
-    return PrefillStaging(above_tokens, min(STAGE_SLOTS, len(layers)), max(l.bytes for l in layers), tuple(layers))
+    return PrefillStaging(above_tokens, min(STAGE_SLOTS, len(layers)), max(l.bytes for l in layers), tuple(layers),
+                          experts)

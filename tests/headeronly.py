@@ -79,14 +79,15 @@ def infos(tensors) -> dict[str, TensorInfo]:
 
 def policy(backend: str = "auto", budget_gib: float | None = None, offload_gib: float = 0,
            uva_params=(), group_size: int = 0, num_in_group: int = 1, step: int = 1,
-           prefetch_params=(), rules=(), stacks=None, stage_prefill: bool = True) -> Policy:
+           prefetch_params=(), rules=(), stacks=None, stage_prefill: bool = True,
+           stage_experts: bool | None = None) -> Policy:
     """A Policy built directly (no YAML): rules are (patterns, place) pairs."""
     pats = lambda items: tuple(compile_pattern(p) for p in items)  # noqa: E731
     return Policy(
         path=Path("test.policy.yaml"), fingerprint="sha256:" + "0" * 64,
         checkpoint=Path("ckpt"), checkpoint_text="ckpt", backend=Backend(backend),
         budget_gib=budget_gib, stacks=None if stacks is None else tuple(stacks),
-        uva=UvaPolicy(offload_gib, pats(uva_params), stage_prefill),
+        uva=UvaPolicy(offload_gib, pats(uva_params), stage_prefill, stage_experts),
         prefetch=PrefetchPolicy(group_size, num_in_group, step, pats(prefetch_params)),
         rules=tuple(Rule(pats(m), Placement(p)) for m, p in rules))
 

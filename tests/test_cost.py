@@ -130,12 +130,18 @@ def test_mixed_at_batch_64_offloads_no_more_than_it_must():
     # costs a prefill staging slot per layer moved, so it must move two experts more.)
     d = mixed(moe(), budget_mb=60, batch=64)
     assert d.notes[1] == (
-        "mixed chose 'sparse->uva, dense->prefetch': predicted step 99.628 ms, prefill 90.147 ms, request "
-        "25594.915 ms (prefill of 512 tokens + 256 steps at batch 64); others: sparse->uva, dense->uva: step "
-        "99.628 ms, prefill 90.147 ms, request 25594.915 ms; prefetch only: step 100.000 ms, prefill 100.153 ms, "
-        "request 25700.153 ms; uva only: step 101.528 ms, prefill 91.147 ms, request 26082.315 ms")
+        "mixed chose 'sparse->uva, dense->prefetch': predicted step 99.628 ms, prefill 90.969 ms, request "
+        "25595.737 ms (prefill of 512 tokens + 256 steps at batch 64); others: sparse->uva, dense->uva: step "
+        "99.628 ms, prefill 90.969 ms, request 25595.737 ms; prefetch only: step 100.000 ms, prefill 100.153 ms, "
+        "request 25700.153 ms; uva only: step 101.528 ms, prefill 91.858 ms, request 26083.026 ms")
+    # 512 tokens touch every expert, so staging them whole was tried first: its 2 slots of a layer's experts
+    # leave room only for prefetching, slower here
+    assert d.notes[2] == (
+        "prefill reads each touched routed expert in place, though a prompt of 512 tokens favours staging each "
+        "layer's experts whole (100% of their bytes touched): the best placement with it is predicted at "
+        "25700.153 ms a request against 25595.737 ms")
     assert d.summary.uva_bytes == 43 * 10**6  # the embedding and 42 MB of experts: just what it must shed
-    assert d.prefill is None  # experts and embeddings are never staged
+    assert d.prefill is None  # embeddings are never staged, nor experts here
 
 
 def test_mixed_respects_rules_and_budget_check():
@@ -222,17 +228,21 @@ def prefill_placement(t):
 
 
 @pytest.mark.parametrize("tokens, stage, want", [
-    # T = 100 > 64: layer 0's attention is staged (a 1 MB copy); T x 2 FLOP per element:
-    #   embedding: 100 of 1000 rows through UVA                        max(0, 0.1 MB / 0.5)             =   200
+    # T = 100 > 64: layer 0's attention is staged (a 1 MB copy), and its experts too: 100 tokens touch
+    # 1 - (3/4)^100 = all of them, over the 0.5 UVA / 1 copy bandwidths it takes to favour copying them whole
+    # (12 MB more). Copies overlap compute, reads in place add to it. T x 2 FLOP per element:
+    #   embedding: 100 of 1000 rows through UVA, in place                          0.1 MB / 0.5    =   200
     #   layer 0: 2e8 FLOP (attention) + 12 x 2e8 x 1/4 (each expert computes a quarter of the tokens):
-    #            max(800 + 1 MB staged / HBM 100, 1 MB copied 1000 + 12 MB of touched experts / 0.5 24000) = 25000
-    #   layer 1: max(800 + 13 MB / HBM 1300, 1 MB prefetched 1000)                                       =  2100
-    #   head:    max(200 + 1 MB / HBM 100, 0)                                                            =   300
-    (100, True, (200, 25000, 2100, 300)),
-    # not staged: a GEMM reads the attention in place ceil(100 / 64) = 2 times: 2 MB / 0.5 = 4000 on the link
-    (100, False, (200, 28000, 2100, 300)),
-    # T = 64 is not above the threshold: read in place once (2000); 64 of 1000 rows; 2 x 64 FLOP per element
-    (64, True, (128, 26000, 1812, 228)),
+    #            max(800 + 13 MB staged / HBM 1300, 13 MB copied 13000)                             = 13000
+    #   layer 1: max(800 + 13 MB / HBM 1300, 1 MB prefetched 1000)                                  =  2100
+    #   head:    max(200 + 1 MB / HBM 100, 0)                                                       =   300
+    (100, True, (200, 13000, 2100, 300)),
+    # not staged: a GEMM reads the attention in place ceil(100 / 64) = 2 times, the experts gather the 12 MB
+    # touched once: 800 + 14 MB / 0.5 28000
+    (100, False, (200, 28800, 2100, 300)),
+    # T = 64 is not above the threshold: 64 of 1000 rows; 2 x 64 FLOP per element; layer 0: 128 + 384 of
+    # GEMMs + the attention read in place once (2000) and the touched experts (24000)
+    (64, True, (128, 26512, 1812, 228)),
 ])
 def test_prefill_prediction_by_hand(tokens, stage, want):
     t = infos(moe(layers=2, experts=4))
@@ -273,14 +283,15 @@ def test_mixed_minimises_the_request_not_the_step():
     t = infos(dense())  # 10 MB; the budget, 7.1 MB
     # per layer at rest: 2 x 1024 x 10^6 FLOP at 10^7 FLOP/us = 204.8 us, + 1 MB from HBM 100 us
     # uva (the embedding, layers 0 and 1): step = gpu: 7 MB from HBM 700 + 2.001 MB through UVA 2001 = 2701;
-    #   prefill: the embedding's 1000 rows 1000 + 2 x 4 reads of 1 MB 8000 + 6 x 304.8 + the head 304.8
+    #   prefill: the embedding's 1000 rows 1000 + 2 x (4 reads of 1 MB 4000 in place, after 204.8 of GEMMs)
+    #   + 6 x 304.8 + the head 304.8
     # sparse->uva, dense->prefetch (the embedding; layers 1, 3, 5, 7 through 2 slots of 1,000,192 bytes):
     #   step = link: 4 MB copied + 1 embedding row = 4001; prefill 1000 + 4 x 1000 (copies) + 4 x 304.8 + 304.8
     # prefetch only (5 layers: the embedding stays): step = link 5000; prefill 100 + 5 x 1000 + 3 x 304.8 + 304.8
-    want = {"sparse->uva, dense->prefetch": (4001, 6524), "sparse->uva, dense->uva": (2701, 11134),
-            "prefetch only": (5000, 6319), "uva only": (2701, 11134)}
-    # request: 1 new token: 10525 (streaming) < 11319 (prefetch only) < 13835 (uva);
-    #          4 new tokens: 21938 (uva) < 22528 (streaming)
+    want = {"sparse->uva, dense->prefetch": (4001, 6524), "sparse->uva, dense->uva": (2701, 11543),
+            "prefetch only": (5000, 6319), "uva only": (2701, 11543)}
+    # request: 1 new token: 10525 (streaming) < 11319 (prefetch only) < 14244 (uva);
+    #          4 new tokens: 22347 (uva) < 22528 (streaming)
     for new_tokens, best in ((1, "sparse->uva, dense->prefetch"), (4, "sparse->uva, dense->uva")):
         pol = dataclasses.replace(policy("mixed", budget_gib=7.1e6 / 2**30, step=2, stage_prefill=False),
                                   workload=Workload(1, prompt_tokens=1024, new_tokens=new_tokens))

@@ -19,7 +19,7 @@ from planner.hardware import H100
 from planner.placement import decide
 from planner.plan import PrefillStaging, StagedLayer
 from planner.planfile import dumps, loads
-from planner.policy import load_policy
+from planner.policy import Workload, load_policy
 from planner.schema import schema
 from synthetic import deepseek_v3, llama, qwen3_moe, write_header_only
 
@@ -48,19 +48,52 @@ def test_llama_stages_each_uva_layer_and_the_head_never_the_embedding():
     assert d.summary.gpu_footprint_bytes == d.summary.gpu_bytes + 2 * 74240
 
 
-def test_qwen3_moe_stages_no_routed_expert():
+def test_qwen3_moe_stages_routed_experts_whole_when_the_prompt_touches_them():
     d, _ = plan_of(small_qwen3_moe(), policy(rules=[(["layers.0", "embed_tokens", "lm_head"], "uva"),
-                                                    (["re:layers\\.1\\.mlp\\.experts"], "uva")]))
-    # layer 0 less its experts: input and post-attention norms (128 B) and q_norm, k_norm (32 B), each
-    # rounded up to 256, q and o 2 x 8192, k and v 2 x 4096, the router 512: 26112. Layer 1 holds only
-    # experts on uva: not staged. The head: 16384
-    assert d.prefill == PrefillStaging(H100.stage_above_tokens, 2, 26112, (StagedLayer("model.layers.0", "model.layers.0", 26112),
-                                                       StagedLayer("lm_head", "lm_head", 16384)))
+                                                    (["re:layers\\.1\\.mlp\\.experts\\.[0-2]\\."], "uva")],
+                                             stage_experts=True))
+    # A prompt of 512 tokens (the default workload) touches every expert. Layer 0: input and post-attention
+    # norms (128 B) and q_norm, k_norm (32 B), each rounded up to 256, q and o 2 x 8192, k and v 2 x 4096,
+    # the router 512: 26112, and its 4 experts x 3 x 4096: 75264. Layer 1 holds 3 of its 4 experts on uva:
+    # its slot takes all 4 (a fused parameter lies whole in it), 49152. The head: 16384
+    assert d.prefill == PrefillStaging(H100.stage_above_tokens, 2, 75264, (
+        StagedLayer("model.layers.0", "model.layers.0", 75264), StagedLayer("model.layers.1", "model.layers.1", 49152),
+        StagedLayer("lm_head", "lm_head", 16384)), experts=True)
 
 
-def test_experts_alone_on_uva_stage_nothing():
-    d, _ = plan_of(small_qwen3_moe(), policy(rules=[(["experts", "embed_tokens"], "uva")]))
-    assert (d.prefill, d.summary.stage_buffer_bytes) == (None, 0)
+def test_short_prompts_stage_no_routed_expert():
+    pol = dataclasses.replace(policy(rules=[(["layers.0", "embed_tokens", "lm_head"], "uva"),
+                                            (["re:layers\\.1\\.mlp\\.experts"], "uva")]),
+                              workload=Workload(1, prompt_tokens=H100.stage_above_tokens))
+    d, _ = plan_of(small_qwen3_moe(), pol)
+    # a prompt at the threshold stages nothing: the experts are read in place, after the router picks them.
+    # Layer 0 less its experts: 26112; layer 1 holds only experts on uva: not staged; the head: 16384
+    assert d.prefill == PrefillStaging(H100.stage_above_tokens, 2, 26112, (
+        StagedLayer("model.layers.0", "model.layers.0", 26112), StagedLayer("lm_head", "lm_head", 16384)))
+
+
+def test_experts_are_staged_when_asked_or_a_budget_has_room_and_noted_otherwise():
+    rules = [(["experts", "embed_tokens"], "uva")]
+    on, _ = plan_of(small_qwen3_moe(), policy(rules=rules, stage_experts=True))
+    assert on.prefill == PrefillStaging(H100.stage_above_tokens, 2, 49152, (
+        StagedLayer("model.layers.0", "model.layers.0", 49152), StagedLayer("model.layers.1", "model.layers.1", 49152)),
+        experts=True)
+    assert on.summary.stage_buffer_bytes == 2 * 49152
+    off, _ = plan_of(small_qwen3_moe(), policy(rules=rules, stage_experts=False))
+    assert (off.prefill, off.summary.stage_buffer_bytes) == (None, 0)
+    # unset, without a budget: GPU memory for the slots is not the planner's to spend; the plan says what it would do
+    auto, _ = plan_of(small_qwen3_moe(), policy(rules=rules))
+    assert (auto.prefill, auto.params) == (None, off.params)
+    assert auto.notes[2] == (
+        "prefill reads each touched routed expert in place, though a prompt of 512 tokens favours staging each "
+        f"layer's experts whole (100% of their bytes touched): that would take 96.0 KiB more GPU memory and cut the "
+        f"predicted prefill from {off.cost.prefill_us / 1e3:.3f} to {on.cost.prefill_us / 1e3:.3f} ms; set "
+        "`uva: {stage_experts: true}`, or budget_gib to let the planner weigh it")
+    # unset, with a budget that has room for the slots: staged (these tiny layers predict the same request
+    # either way, 2 us of prefill; a tie keeps the staging, which a prompt touching every expert favours)
+    budget = (on.summary.gpu_footprint_bytes + 1) / 2**30
+    d, _ = plan_of(small_qwen3_moe(), policy(rules=rules, budget_gib=budget))
+    assert (d.prefill, d.params) == (on.prefill, on.params)
 
 
 def test_stage_prefill_false_plans_no_staging_and_no_pool():
@@ -123,6 +156,22 @@ def test_a_plan_without_staging_or_a_prefill_prediction_still_round_trips(staged
     got = loads(old)
     assert (got.prefill, got.summary.stage_buffer_bytes, got.cost.prompt_tokens, got.cost.prefill_us) == (None, 0, 0, 0)
     assert dumps(got) == old
+
+
+def test_staged_experts_on_file_round_trip_and_a_hand_edit_is_caught(tmp_path):
+    write_header_only(tmp_path / "ckpt", small_qwen3_moe(), single=True)
+    text = "uva:\n  stage_experts: true\nrules:\n  - match: [experts]\n    place: uva\n"
+    plan = build(load_policy(write_policy(tmp_path, text)), tmp_path)
+    text = dumps(plan)
+    assert (f"prefill:\n  above_tokens: {H100.stage_above_tokens}\n  slots: 2\n  slot_bytes: 49152\n  experts: true\n"
+            "  layers:\n    - {layer: model.layers.0, module: model.layers.0, bytes: 49152}\n") in text
+    assert loads(text) == plan and dumps(loads(text)) == text
+    jsonschema.validate(yaml.safe_load(text), schema("plan.schema.json"))
+    with pytest.raises(PlanFileError) as e:  # without the flag, layers holding only experts stage nothing
+        loads(edit(text, "  experts: true\n", ""))
+    assert any("prefill.layers: lists model.layers.0, model.layers.1 but the layers of params: with uva tensors "
+               "that prefill stages (not embeddings, routed experts or MTP layers) are none" in p
+               for p in e.value.problems)
 
 
 def edit(text: str, old: str, new: str) -> str:
