@@ -101,12 +101,13 @@ def _stage(module, param: str, order: torch.Tensor, valid: torch.Tensor) -> torc
     dequantized (only the touched experts: dequant.py)."""
     q = quantized(module).get(param)
     if q is not None:
-        return dequantize(q, _rows(module, q.data, order, valid), _rows(module, q.scale, order, valid))
-    return _rows(module, param, order, valid)
+        return dequantize(q, _rows(module, q.data, stored(module, q.data), order, valid),
+                          _rows(module, q.scale, stored(module, q.scale), order, valid))
+    # through the attribute: while prefill stages the layer (prefill.py), its copy in a GPU slot
+    return _rows(module, param, getattr(module, param), order, valid)
 
 
-def _rows(module, name: str, order: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    full = stored(module, name)
+def _rows(module, name: str, full: torch.Tensor, order: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     slot = getattr(module, f"{_PREFIX}slot_{name}", None)
     if slot is None:  # all of it in HBM
         return full.index_select(0, order)

@@ -230,11 +230,10 @@ def _bind(h: OffloadHandle, placed: dict[str, torch.Tensor], staged: bool) -> No
     dequant.bind(h.quantized)
     _bind_experts(h)
     if h.plan.prefill is not None and h.staging is None:
-        # routed experts are read once per forward by offplan's experts implementation, quantized tensors
-        # once per access by their dequantization: neither is staged
-        unstaged = set(FusedGroups.find(h.plan.params).group_of) | {
-            p.source for t in h.targets if t.name in h.quantized_names for p in t.pieces}
-        h.prefill = PrefillStager(h.plan.prefill, uva, unstaged, h.layout.host_offset, h.arena, h.model, h.device)
+        # quantized tensors are read once per access by their dequantization: never staged
+        quantized = {p.source for t in h.targets if t.name in h.quantized_names for p in t.pieces}
+        h.prefill = PrefillStager(h.plan.prefill, uva, set(FusedGroups.find(h.plan.params).group_of), quantized,
+                                  h.layout.host_offset, h.arena, h.model, h.device)
     if h.cuda:
         if h.engine is not None:
             torch.cuda.current_stream(h.device).wait_stream(h.engine.copy_stream)

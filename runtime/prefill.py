@@ -4,13 +4,22 @@ A GEMM reading its weight in place through a UVA view pulls the weight over
 the host link once per output tile: for a decode step (a few tokens) that is
 once, for a long prompt many times (24x the bytes at 8192 tokens on the H100).
 The plan's `prefill:` section (planner/plan.py `PrefillStaging`) names the
-layers whose uva tensors (routed experts aside: offplan's experts
-implementation reads each touched expert once per forward) are staged, and
-`above_tokens`, the crossover `plan calibrate` measured. Per forward:
+layers whose uva tensors are staged, and `above_tokens`, the crossover `plan
+calibrate` measured. Routed experts are staged only where it says `experts`
+(when the prompt is predicted to touch most of them: planner/staging.py):
+each fused expert parameter lies whole in the slot, its experts in pinned
+memory copied, one copy per run of them, and offplan's experts
+implementation (experts.py) gathers the touched ones from the slot, those
+the plan keeps on the GPU from HBM as always. Otherwise the experts
+implementation reads each touched expert once per forward, through the
+zero-copy view, once the router has picked them. Per forward:
 
 - a forward pre-hook on each staged layer's module counts the tokens of its
   input (all dimensions but the last). At or below `above_tokens` it does
   nothing: decode reads in place, zero-copy, as before;
+- one on the model's input embedding starts the first staged layer's copy
+  when the forward begins (above the threshold), so that it overlaps the
+  layers before it instead of waiting for that layer's hook;
 - above, the layer's staged tensors are copied into a GPU slot (there are
   `slots`, normally 2, used in turn) and the compute stream waits for that
   copy; then the next staged layer's copy starts on the copy stream, after an
@@ -82,6 +91,22 @@ def _staged_class(cls: type, names: frozenset[tuple[str, bool]]) -> type:
     return type(f"Staged{cls.__name__}", (cls,), {n: _staged_property(n, b) for n, b in sorted(names)})
 
 
+def _copies(t: Target, dst: torch.Tensor, src: torch.Tensor, routed: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(slot bytes, pinned bytes) to stage `t`: all of it, or for a fused expert parameter each run of
+    consecutive experts in pinned memory (rows the plan keeps on the GPU are read from there: experts.py)."""
+    if not routed or not t.resident:
+        return [(dst, src)]
+    row, keep = t.nbytes // t.shape[0], set(t.resident)
+    out, start = [], None
+    for e in range(t.shape[0] + 1):
+        if e < t.shape[0] and e not in keep:
+            start = e if start is None else start
+        elif start is not None:
+            out.append((dst[start * row:e * row], src[start * row:e * row]))
+            start = None
+    return out
+
+
 def _tokens(x: torch.Tensor) -> int:
     return x.numel() // x.shape[-1] if x.dim() else 0
 
@@ -89,10 +114,11 @@ def _tokens(x: torch.Tensor) -> int:
 class PrefillStager:
     """Slots, a copy stream, each staged layer's copies, staged parameters and hooks (module doc)."""
 
-    def __init__(self, staging: PrefillStaging, targets: list[Target], experts: set[str], host_offset: dict[str, int],
-                 arena: PinnedArena, model: torch.nn.Module, device: torch.device):
+    def __init__(self, staging: PrefillStaging, targets: list[Target], experts: set[str], quantized: set[str],
+                 host_offset: dict[str, int], arena: PinnedArena, model: torch.nn.Module, device: torch.device):
         """`targets`: the uva targets; those whose pieces are routed experts (`experts`: checkpoint names of
-        fused expert groups) are not staged."""
+        fused expert groups) are staged only with `staging.experts`, quantized ones (`quantized`: checkpoint
+        names) never."""
         self.above = staging.above_tokens
         self.device = device
         self.cuda = device.type == "cuda"
@@ -106,8 +132,9 @@ class PrefillStager:
         self.hooks = []
         self.key = ops.register(self)
         mine = {l.layer: [] for l in staging.layers}
+        routed = {t.name for t in targets if any(p.source in experts for p in t.pieces)}
         for t in targets:
-            if any(p.source in experts for p in t.pieces):
+            if any(p.source in quantized for p in t.pieces) or (t.name in routed and not staging.experts):
                 continue
             layer = next((l for l in mine if t.pieces[0].source.startswith(l + ".")), None)
             if layer is not None:
@@ -124,7 +151,7 @@ class PrefillStager:
                                     f"({staging.slot_bytes})")
                     break
                 dst = slot[cursor:cursor + t.nbytes]
-                copies.append((dst, arena.host_view(host_offset[t.name], t.nbytes)))
+                copies += _copies(t, dst, arena.host_view(host_offset[t.name], t.nbytes), t.name in routed)
                 for alias in t.aliases:
                     path, _, attr = alias.rpartition(".")
                     views.setdefault(model.get_submodule(path), {})[attr] = (state, typed(dst, t.dtype, t.shape))
@@ -137,6 +164,9 @@ class PrefillStager:
             module = model.get_submodule(paths[layer.module])
             self.hooks.append(module.register_forward_pre_hook(self._pre_hook(index, state), with_kwargs=True))
             self.hooks.append(module.register_forward_hook(self._post_hook(state)))
+        embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+        if isinstance(embed, torch.nn.Module) and self.copies:  # the first staged layer's copy starts with the forward
+            self.hooks.append(embed.register_forward_pre_hook(self._start_hook))
         for owner, staged in views.items():
             kinds = {attr: owner._buffers.get(attr) is not None for attr in staged}
             lost = [a for a, buffer in kinds.items() if not buffer and owner._parameters.get(a) is None]
@@ -168,6 +198,20 @@ class PrefillStager:
                 return None
             return put(ops.prefetch_wait(x, self.key, index))
         return hook
+
+    def _start_hook(self, module, args):
+        """On the input embedding, above the threshold: the first staged layer's copy starts now, overlapping
+        the layers before it (`input_ids` [B, T]: B x T tokens, as the layers count them)."""
+        if not args or not isinstance(args[0], torch.Tensor) or args[0].numel() <= self.above:
+            return None
+        return (ops.prefetch_start(args[0], self.key, -1), *args[1:])
+
+    def start_after(self, index: int) -> None:
+        """The body of `offplan::prefetch_start` for this engine, called before any layer (`index` -1): start
+        the first staged layer's copy, unless one is under way."""
+        if self.ahead is None:
+            self._copy(0)
+            self.ahead = 0
 
     @staticmethod
     def _post_hook(state: _LayerState):

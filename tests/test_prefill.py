@@ -168,3 +168,57 @@ def test_compiled_staging_has_no_graph_break_and_is_exact(tmp_path, checkpoints)
     finally:
         torch._dynamo.reset()
         handle.remove(restore=False)
+
+
+SPLIT_STAGED = ("uva: {stage_experts: true}\nrules:\n  - {match: [self_attn], place: uva}\n"
+                "  - {match: ['re:experts\\.[02]\\.'], place: uva}\n")  # experts 1 and 3 of each layer stay on the GPU
+
+
+@pytest.mark.parametrize("body", ["backend: uva\nuva: {offload_gib: 100, stage_experts: true}", SPLIT_STAGED])
+def test_staged_experts_are_read_from_the_slot_exactly(tmp_path, checkpoints, body):
+    """With `experts: true` a staged layer's fused expert parameters lie whole in its slot: the experts forward
+    gathers the touched ones from there (the plan's GPU experts from their resident rows), and only above the
+    threshold; outputs equal the plain model's."""
+    plan = plan_with(tmp_path, checkpoints["moe"], body)
+    staging = load_plan(plan).prefill
+    assert staging.experts and [l.layer for l in staging.layers] == [f"model.layers.{i}" for i in range(4)]
+    model, handle = from_pretrained(plan, progress=False)
+    slots = [(s.data_ptr(), s.data_ptr() + s.numel()) for s in handle.prefill.slots]
+    seen = []
+    experts = model.model.layers[2].mlp.experts
+    hook = experts.register_forward_pre_hook(
+        lambda m, args: seen.append(any(a <= m.gate_up_proj.data_ptr() < b for a, b in slots)))
+    ref = reference(checkpoints["moe"])
+    torch.manual_seed(4)
+    prompt = torch.randint(0, 256, (2, 9))
+    try:
+        with torch.no_grad():
+            assert torch.equal(model(prompt).logits, ref(prompt).logits)
+            assert torch.equal(model(prompt[:, :1]).logits, ref(prompt[:, :1]).logits)
+            out = model.generate(prompt, max_new_tokens=4, do_sample=False, pad_token_id=0)
+        assert out.tolist() == ref.generate(prompt, max_new_tokens=4, do_sample=False, pad_token_id=0).tolist()
+        # staged: the two prefills; in place: the 2-token forward and the 3 decode steps
+        assert seen == [True, False, True, False, False, False]
+    finally:
+        hook.remove()
+        handle.remove(restore=False)
+
+
+def test_the_first_staged_copy_starts_with_the_forward(tmp_path, checkpoints):
+    """The input embedding's hook starts the first staged layer's copy above the threshold (it then overlaps
+    whatever runs before that layer), and nothing at or below it."""
+    plan = plan_with(tmp_path, checkpoints["llama"], "rules:\n  - {match: ['model.layers.2'], place: uva}")
+    model, handle = from_pretrained(plan, progress=False)
+    ahead = []
+    hook = model.get_input_embeddings().register_forward_hook(lambda *_: ahead.append(handle.prefill.ahead))
+    ref = reference(checkpoints["llama"])
+    prompt = torch.randint(0, 256, (2, 9))
+    try:
+        with torch.no_grad():
+            for x in (prompt, prompt[:, :4]):
+                assert torch.equal(model(x).logits, ref(x).logits)
+        assert ahead == [0, None]  # the only staged layer, layer 2: started by the embedding; then nothing
+        assert handle.stats().prefill_staged_layers == 1
+    finally:
+        hook.remove()
+        handle.remove(restore=False)

@@ -23,6 +23,10 @@ POLICIES = {
     "uva+prefetch": "rules:\n  - {match: [self_attn], place: uva}\n"
                     "prefetch: {group_size: 2, num_in_group: 1, step: 2, params: [mlp]}",
     "mixed": "backend: mixed\nbudget_gib: {budget}\nprefetch: {step: 2}",
+    # routed experts staged too (the llama has none): whole, and split with experts 1 and 3 on the GPU
+    "uva+experts": "backend: uva\nuva: {offload_gib: 100, stage_experts: true}",
+    "split experts": "uva: {stage_experts: true}\nrules:\n  - {match: [self_attn], place: uva}\n"
+                     "  - {match: ['re:experts\\.[02]\\.'], place: uva}\n",
 }
 # budgets under which mixed puts dense tensors on uva (the MoE's experts go first, and are never staged)
 MIXED_BUDGET_GIB = {"llama": 0.0003, "moe": 0.0001}
@@ -39,8 +43,8 @@ def plan_with(tmp_path, checkpoint, body: str):
     return make_plan(tmp_path, checkpoint, f"hardware: {hw}\n{body}")
 
 
-@pytest.mark.parametrize("kind", ["llama", "moe"])
-@pytest.mark.parametrize("policy", list(POLICIES))
+@pytest.mark.parametrize("kind, policy", [(k, p) for p in POLICIES for k in ("llama", "moe")
+                                          if k == "moe" or p != "split experts"])  # the llama has no experts
 def test_staged_prefill_and_in_place_decode_equal_all_gpu(tmp_path, checkpoints, kind, policy):
     plan = plan_with(tmp_path, checkpoints[kind], POLICIES[policy].replace("{budget}", str(MIXED_BUDGET_GIB[kind])))
     model, handle = from_pretrained(plan, progress=False)
@@ -62,9 +66,9 @@ def test_staged_prefill_and_in_place_decode_equal_all_gpu(tmp_path, checkpoints,
         handle.remove(restore=False)
 
 
-@pytest.mark.parametrize("kind", ["llama", "moe"])
-def test_compiled_staged_prefill_has_no_graph_break_and_is_exact(tmp_path, checkpoints, kind):
-    plan = plan_with(tmp_path, checkpoints[kind], POLICIES["uva"])
+@pytest.mark.parametrize("kind, policy", [("llama", "uva"), ("moe", "uva"), ("moe", "split experts")])
+def test_compiled_staged_prefill_has_no_graph_break_and_is_exact(tmp_path, checkpoints, kind, policy):
+    plan = plan_with(tmp_path, checkpoints[kind], POLICIES[policy])
     model, handle = from_pretrained(plan, progress=False)
     torch.manual_seed(1)
     prefill, step = torch.randint(0, 256, (2, 9), device="cuda"), torch.randint(0, 256, (2, 1), device="cuda")
