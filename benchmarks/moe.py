@@ -148,6 +148,29 @@ class RouterSkew:
             layer.mlp.gate.register_forward_pre_hook(lambda module, args, v=self.vectors[i]: (args[0] + v,))
 
 
+class RouterSpread:
+    """Token-dependent routing for a random-weight checkpoint, the same in every run (prefill.py --spread).
+
+    Each MoE layer's router sees its input plus row r of a fixed random matrix
+    [rows, hidden] (Gaussian, `strength` times the RMS of the router's
+    RMS-normalised input, 1) for the input's row r (token r of a prompt, or
+    sequence r of a decode step). Only the router sees it: the experts get the
+    layer's own input.
+    """
+
+    SEED = 11
+
+    def __init__(self, layers: int, hidden: int, rows: int, strength: float, device: str):
+        g = torch.Generator().manual_seed(self.SEED)
+        self.noise = [(strength * torch.randn(rows, hidden, generator=g)).to(device, torch.bfloat16)
+                      for _ in range(layers)]
+
+    def install(self, model) -> None:
+        for i, layer in enumerate(model.model.layers):
+            layer.mlp.gate.register_forward_pre_hook(lambda module, args, n=self.noise[i]: (
+                args[0] + n[:args[0].numel() // args[0].shape[-1]].view_as(args[0]),))
+
+
 def hit_shares(counts: list[int]) -> dict:
     """How skewed one layer's decode hits are: experts for 90% of them, share of the top quarter and half."""
     ranked = sorted(counts, reverse=True)

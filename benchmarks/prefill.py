@@ -2,6 +2,7 @@
 
     python benchmarks/prefill.py --model llama-8b --out results/                 # on the H100
     python benchmarks/prefill.py --model qwen3-30b-a3b --layers 8 --out results/
+    python benchmarks/prefill.py --model qwen3-30b-a3b --layers 8 --spread 2 --out results/
     python benchmarks/prefill.py --model tiny --device cpu --out /tmp/r          # smoke test, any machine
 
 For one model (random bf16 weights, real config shapes; decode.py's
@@ -12,13 +13,18 @@ checkpoint, and its calibration measured now on this GPU):
    - gpu: nothing offloaded;
    - uva: a rule puts those layers on uva; the plan stages them for prefill
      (runtime/prefill.py: copied to the GPU before a forward over more than
-     the profile's `stage_above_tokens` tokens);
+     the profile's `stage_above_tokens` tokens), routed experts too, each
+     layer's whole (`uva: {stage_experts: true}`);
+   - uva-gathered (MoE models): the same, but `stage_experts: false`: each
+     touched expert is read once, after the router, through offplan's
+     experts implementation;
    - uva-in-place: the same rule with `uva: {stage_prefill: false}`: every
      forward reads the pinned weights in place, as before staging existed;
    - prefetch: group_size g, num_in_group n, step 2;
-   - mixed: `backend: mixed` with the prefetch plan's GPU footprint as budget;
-   - experts-host (MoE models): a rule puts every routed expert on uva, read
-     through offplan's experts implementation;
+   - mixed: `backend: mixed` with the prefetch plan's GPU footprint as budget
+     (the planner decides whether to stage experts);
+   - experts-host, experts-host-gathered (MoE models): a rule puts every
+     routed expert on uva, staged whole at prefill or gathered once touched;
 2. per plan and prompt length T (--tokens): the forward that yields the
    first token, as generate's prefill runs it (a fresh cache, logits of the
    last position only), timed with a CUDA synchronize around it: the median of
@@ -37,8 +43,18 @@ it: which experts each layer touches at T is recorded in all-GPU's forward
 (the same routing as every plan's: their logits are bitwise equal). A
 prefetched layer is copied whole, touched or not.
 
-Records go, one JSON object per line, to OUT/prefill-MODEL.jsonl as they are
-measured. `benchmarks/report.py` turns them into the RESULTS.md table.
+A random-weight MoE routes unlike a trained one: its hidden states collapse
+with depth, so past the first layer a long prompt reaches only a third of
+the experts (30-40 of 128 per layer at 1024 tokens, measured on a small
+Qwen3-MoE config), where uniform routing, and a trained model's long
+prompts, reach nearly all. `--spread S` (moe.py `RouterSpread`) adds to each
+router's input a fixed random vector per token row, S times its RMS: at S = 2
+the same small model touches 127-128 of 128 experts per layer at 1024 tokens,
+114-127 at 128. Synthetic: it stands for a trained router, and only the
+routers see it.
+
+Records go, one JSON object per line, to OUT/prefill-MODEL.jsonl (with
+--spread S, OUT/prefill-MODEL-spreadS.jsonl) as they are measured. `benchmarks/report.py` turns them into the RESULTS.md table.
 """
 from __future__ import annotations
 
@@ -64,6 +80,8 @@ from decode import (FRACTIONS, checkpoint_and_hardware, config_for, decode, deco
                     make_plan, offloaded_layers, prompts, sync)
 
 REPEAT = 3
+STRATEGIES = ["uva", "uva-gathered", "uva-in-place", "prefetch", "mixed", "experts-host", "experts-host-gathered"]
+MOE_ONLY = {"uva-gathered", "experts-host", "experts-host-gathered"}  # they differ from the others in experts only
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -76,8 +94,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tokens", type=int, nargs="+", default=[128, 512, 2048, 8192])
     ap.add_argument("--fraction", type=float, default=0.5, choices=sorted(FRACTIONS))
-    ap.add_argument("--strategies", nargs="+", default=["uva", "uva-in-place", "prefetch", "mixed", "experts-host"],
-                    choices=["uva", "uva-in-place", "prefetch", "mixed", "experts-host"])
+    ap.add_argument("--strategies", nargs="+", default=STRATEGIES, choices=STRATEGIES)
+    ap.add_argument("--spread", type=float, help="MoE: route as a trained model's long prompt does, nearly every "
+                    "expert touched (RouterSpread of this strength; 2 in RESULTS.md)")
     ap.add_argument("--new-tokens", type=int, default=32, help="decode steps timed per plan")
     ap.add_argument("--hardware", type=Path, help="a `plan calibrate` profile to use instead of calibrating now")
     return ap.parse_args(argv)
@@ -88,8 +107,8 @@ def policy(strategy: str, layers: list[int], fraction: float, hw: Path, budget_g
     layer_rule = "  - match: ['re:^model\\.layers\\.(" + "|".join(map(str, layers)) + ")\\.']\n    place: uva\n"
     if strategy == "gpu":
         return head
-    if strategy == "uva":
-        return head + "rules:\n" + layer_rule
+    if strategy in ("uva", "uva-gathered"):  # routed experts staged whole at prefill, or gathered once touched
+        return head + f"uva: {{stage_experts: {'true' if strategy == 'uva' else 'false'}}}\nrules:\n" + layer_rule
     if strategy == "uva-in-place":
         return head + "uva: {stage_prefill: false}\nrules:\n" + layer_rule
     if strategy == "prefetch":
@@ -97,8 +116,9 @@ def policy(strategy: str, layers: list[int], fraction: float, hw: Path, budget_g
         return head + f"prefetch: {{group_size: {g}, num_in_group: {n}, step: 2}}\n"
     if strategy == "mixed":
         return head + f"backend: mixed\nbudget_gib: {budget_gib!r}\nprefetch: {{step: 2}}\n"
-    if strategy == "experts-host":
-        return head + "rules:\n  - {match: [experts], place: uva}\n"
+    if strategy in ("experts-host", "experts-host-gathered"):
+        staged = "true" if strategy == "experts-host" else "false"
+        return head + f"uva: {{stage_experts: {staged}}}\nrules:\n  - {{match: [experts], place: uva}}\n"
     raise ValueError(strategy)
 
 
@@ -166,7 +186,7 @@ class Prefill:
         self.args = args
         self.cuda = args.device == "cuda"
         args.out.mkdir(parents=True, exist_ok=True)
-        self.log = args.out / f"prefill-{args.model}.jsonl"
+        self.log = args.out / f"prefill-{args.model}{'' if args.spread is None else f'-spread{args.spread:g}'}.jsonl"
         self.log.write_text("")
         self.work = args.dir / args.model
         self.work.mkdir(parents=True, exist_ok=True)
@@ -176,6 +196,12 @@ class Prefill:
         g = torch.Generator().manual_seed(4321)
         self.prompt = torch.randint(3, vocab, (1, max(args.tokens)), generator=g).to(args.device)
         self.ids = prompts(vocab, args.device)
+        self.spread = None
+        if args.spread is not None:
+            from moe import RouterSpread
+            cfg = config_for(args.model, args.layers)
+            self.spread = RouterSpread(cfg.num_hidden_layers, cfg.hidden_size, max(args.tokens), args.spread, args.device)
+            self.record(kind="spread", strength=args.spread, seed=RouterSpread.SEED)
         self.reference: dict[int, torch.Tensor] = {}  # T -> all-GPU logits
         self.allgpu: dict[int, float] = {}  # T -> all-GPU prefill seconds
         self.touched: dict[int, dict[str, set[int]]] = {}  # T -> experts module -> experts routed to
@@ -198,10 +224,13 @@ class Prefill:
         plan = load_plan(plan_path)
         model = build_meta_model(self.ckpt)
         handle = runtime.load(model, plan_path, device=self.args.device, progress=False)
+        if self.spread is not None:
+            self.spread.install(model)
         staged = plan.prefill.above_tokens if plan.prefill else None
         facts = dict(strategy=strategy, offloaded_bytes=offloaded, uva_bytes=plan.summary.uva_bytes,
                      prefetch_bytes=plan.summary.prefetch_bytes, gpu_footprint_bytes=plan.summary.gpu_footprint_bytes,
-                     stage_above_tokens=staged, stage_buffer_bytes=plan.prefill.pool_bytes if plan.prefill else 0)
+                     stage_above_tokens=staged, stage_buffer_bytes=plan.prefill.pool_bytes if plan.prefill else 0,
+                     staged_experts=bool(plan.prefill and plan.prefill.experts))
         try:
             for n in self.args.tokens:
                 ids = self.prompt[:, :n]
@@ -250,7 +279,8 @@ def main(argv=None) -> int:
         text = policy(strategy, off, args.fraction, bench.hw_path, budget)
         path = make_plan(bench.work, f"prefill-{strategy}", text)
         plan = load_plan(path)
-        offloaded = {"gpu": 0, "uva": layer_bytes, "uva-in-place": layer_bytes, "experts-host": experts_bytes}.get(
+        offloaded = {"gpu": 0, "uva": layer_bytes, "uva-gathered": layer_bytes, "uva-in-place": layer_bytes,
+                     "experts-host": experts_bytes, "experts-host-gathered": experts_bytes}.get(
             strategy, plan.summary.uva_bytes + plan.summary.prefetch_bytes)
         bench.run(strategy, path, offloaded, predicted_prefill(bench.work, f"prefill-{strategy}", text, plan,
                                                                  args.tokens))
@@ -262,7 +292,7 @@ def main(argv=None) -> int:
         prefetch = make_plan(bench.work, "prefill-prefetch", policy("prefetch", off, args.fraction, bench.hw_path, None))
     budget = load_plan(prefetch).summary.gpu_footprint_bytes / GIB  # mixed gets prefetch's GPU footprint
     for strategy in args.strategies:
-        if strategy != "prefetch" and (strategy != "experts-host" or experts_bytes):
+        if strategy != "prefetch" and (strategy not in MOE_ONLY or experts_bytes):
             run(strategy)
     if bench.mismatches:
         print(f"FAILED: logits or tokens differ from all-GPU's for {', '.join(bench.mismatches)}", file=sys.stderr)

@@ -409,7 +409,9 @@ def skew_tables() -> list[str]:
 
 
 PREFILL_LABELS = {"gpu": "all on GPU", "uva": "uva, staged for prefill", "uva-in-place": "uva, read in place",
-                  "prefetch": "prefetch", "mixed": "mixed", "experts-host": "every routed expert on uva"}
+                  "uva-gathered": "uva, staged, experts gathered", "prefetch": "prefetch", "mixed": "mixed",
+                  "experts-host": "every routed expert on uva, staged",
+                  "experts-host-gathered": "every routed expert on uva, gathered"}
 
 
 def prefill_tables() -> list[str]:
@@ -424,14 +426,23 @@ def prefill_tables() -> list[str]:
         tokens = sorted({r["tokens"] for r in prefill})
         strategies = list(dict.fromkeys(r["strategy"] for r in prefill))
         by = {(r["strategy"], r["tokens"]): r for r in prefill}
-        out += [f"## {ck['model']}: prefill (time to first token) with half the decoder layers offloaded", "",
+        spread = next((r for r in rows if r["kind"] == "spread"), None)
+        routing = "" if spread is None else (
+            f"; routing spread as a trained model's (`--spread {spread['strength']:g}`: each router's input plus a "
+            "fixed random vector per token, synthetic; the prompt touches nearly every expert)")
+        experts = [r for r in prefill if r["strategy"] == "experts-host"]
+        touched = " ".join(f"{r['tokens']}: {r['link_bytes'] / r['offloaded_bytes']:.0%}," for r in experts).rstrip(",")
+        out += [f"## {ck['model']}: prefill (time to first token) with half the decoder layers offloaded{routing}", "",
                 f"`{path.name}`: {ck['bytes'] / 1e9:.1f} GB on {ck['device']}, torch {ck['torch']}; calibrated in "
                 f"the same run: H2D copy {hw['h2d_copy_gbps']} GB/s, UVA {hw['uva_read_gbps']} GB/s, GEMMs "
                 f"{hw.get('matmul_tflops', '?')} TFLOP/s, uva layers staged above {hw.get('stage_above_tokens', '?')} "
                 "tokens. One prompt, a fresh cache, the logits of the last position (generate's prefill); median of "
                 "3 after a warm-up. Floor = max(link bytes / H2D copy, all-GPU prefill), the link bytes being the "
                 "offloaded ones, a routed expert on uva only if the prompt routes a token to it. Each cell: ms, "
-                "x floor, x the prefetch plan. `=`: logits bitwise equal to all-GPU's.", "",
+                "x floor, x the prefetch plan. `=`: logits bitwise equal to all-GPU's. `staged`: routed experts "
+                "on uva copied whole, each layer's, ahead of it at prefill (`uva: {stage_experts: true}`); "
+                "`gathered`: each touched expert read once after the router."
+                + (f" The share of the expert bytes the prompt touches, by tokens: {touched}." if touched else ""), "",
                 "| plan | offloaded | " + " | ".join(f"{t} tokens" for t in tokens) + " |",
                 "|---|---|" + "---|" * len(tokens)]
         for st in strategies:
@@ -475,7 +486,8 @@ def prefill_tables() -> list[str]:
                 if r is None:
                     cells.append("")
                     continue
-                vs = f" ({r['steps_per_s'] / base['steps_per_s']:.3f}x in place)" if st == "uva" and base else ""
+                staged = st in ("uva", "uva-gathered")
+                vs = f" ({r['steps_per_s'] / base['steps_per_s']:.3f}x in place)" if staged and base else ""
                 cells.append(f"{r['steps_per_s']:.2f}{vs}{'' if r['same_tokens'] else ' ≠'}")
             out.append(f"| {PREFILL_LABELS.get(st, st)} | " + " | ".join(cells) + " |")
         out.append("")
@@ -572,6 +584,7 @@ def main() -> int:
              "python benchmarks/decode.py --model llama-8b --strategies prefetch --fractions 0.5 --modes compiled",
              "python benchmarks/prefill.py --model llama-8b",
              "python benchmarks/prefill.py --model qwen3-30b-a3b --layers 8",
+             "python benchmarks/prefill.py --model qwen3-30b-a3b --layers 8 --spread 2",
              "python benchmarks/quantized.py --layers 8",
              "python benchmarks/report.py",
              "```", "",

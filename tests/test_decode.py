@@ -43,8 +43,9 @@ def test_moe_benchmark_runs_on_the_cpu(tmp_path):
 
 
 def test_prefill_benchmark_runs_on_the_cpu(tmp_path):
-    """prefill.py on the tiny MoE with a staging threshold of 8 tokens: a 16-token prompt is staged under the uva
-    plan, a 4-token one is not; every plan gives all-GPU's logits and tokens, beside the planner's prediction."""
+    """prefill.py on the tiny MoE with a staging threshold of 8 tokens and the routers spread: a 16-token prompt
+    is staged under the uva plans (experts too, or not), a 4-token one is not; every plan gives all-GPU's logits
+    and tokens, beside the planner's prediction."""
     import dataclasses
     import json
 
@@ -53,11 +54,17 @@ def test_prefill_benchmark_runs_on_the_cpu(tmp_path):
     hw.write_text(dumps_hardware(dataclasses.replace(H100, stage_above_tokens=8)))
     code = load_benchmark("prefill").main([
         "--model", "tiny", "--layers", "4", "--device", "cpu", "--tokens", "4", "16", "--new-tokens", "2",
-        "--hardware", str(hw), "--dir", str(tmp_path / "work"), "--out", str(tmp_path / "out")])
+        "--hardware", str(hw), "--dir", str(tmp_path / "work"), "--out", str(tmp_path / "out"), "--spread", "2"])
     assert code == 0
-    rows = [json.loads(l) for l in (tmp_path / "out" / "prefill-tiny.jsonl").read_text().splitlines()]
+    rows = [json.loads(l) for l in (tmp_path / "out" / "prefill-tiny-spread2.jsonl").read_text().splitlines()]
+    assert {"kind": "spread", "strength": 2.0, "seed": 11} in rows
     pre = {(r["strategy"], r["tokens"]): r for r in rows if r["kind"] == "prefill"}
-    assert {s for s, _ in pre} == {"gpu", "uva", "uva-in-place", "prefetch", "mixed", "experts-host"}
+    assert {s for s, _ in pre} == {"gpu", "uva", "uva-gathered", "uva-in-place", "prefetch", "mixed", "experts-host",
+                                   "experts-host-gathered"}
+    assert {s: r["staged_experts"] for (s, t), r in pre.items() if t == 16 and s.startswith(("uva", "experts"))} == {
+        "uva": True, "uva-gathered": False, "uva-in-place": False, "experts-host": True, "experts-host-gathered": False}
+    # the experts of layers 2 and 3 are staged whole, so their slots grow
+    assert pre["uva", 16]["stage_buffer_bytes"] > pre["uva-gathered", 16]["stage_buffer_bytes"] > 0
     assert all(r["same_logits"] and r["predicted_ms"] is not None for r in pre.values())
     assert (pre["uva", 16]["staged_layers"], pre["uva", 4]["staged_layers"]) == (2, 0)  # layers 2 and 3 of 4
     assert pre["uva-in-place", 16]["staged_layers"] == 0 and pre["uva", 16]["stage_buffer_bytes"] > 0
