@@ -89,13 +89,19 @@ class Plain:
         pass
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+def model_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The model, checkpoint and output options of this benchmark and its siblings (moe_kernels.py,
+    moe_predict.py), which run on the same checkpoint."""
     ap.add_argument("--model", default="qwen3-30b-a3b", choices=["qwen3-30b-a3b", "tiny"])
     ap.add_argument("--layers", type=int, help="decoder layers (default: the real count)")
     ap.add_argument("--dir", type=Path, default=Path("/tmp/offplan-bench"), help="where checkpoints go")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    return ap
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = model_arguments(argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                                 formatter_class=argparse.RawDescriptionHelpFormatter))
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--new-tokens", type=int, default=32)

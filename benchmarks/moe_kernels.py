@@ -34,12 +34,8 @@ import moe
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="qwen3-30b-a3b", choices=["qwen3-30b-a3b", "tiny"])
-    ap.add_argument("--layers", type=int)
-    ap.add_argument("--dir", type=Path, default=Path("/tmp/offplan-bench"))
-    ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    ap = moe.model_arguments(argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                                     formatter_class=argparse.RawDescriptionHelpFormatter))
     ap.add_argument("--skew", type=float, help="RouterSkew strength, as moe.py")
     ap.add_argument("--resident", type=float, nargs="*", default=[], help="per-expert budget fractions (--skew)")
     ap.add_argument("--steps", type=int, default=50, help="replays timed, and profiled")

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
 import torch
 
@@ -32,12 +31,8 @@ import moe
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="qwen3-30b-a3b", choices=["qwen3-30b-a3b", "tiny"])
-    ap.add_argument("--layers", type=int)
-    ap.add_argument("--dir", type=Path, default=Path("/tmp/offplan-bench"))
-    ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    ap = moe.model_arguments(argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                                     formatter_class=argparse.RawDescriptionHelpFormatter))
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--skew", type=float)
     ap.add_argument("--prompts", type=int, default=8, help="moe.py's prompts decoded, one at a time")

@@ -7,7 +7,7 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from decode_bench import run_decode  # noqa: E402
+from decode_bench import load_benchmark, run_decode  # noqa: E402
 from planner.hardware import H100, dumps_hardware  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -31,31 +31,19 @@ def test_decode_benchmark_runs_every_strategy_on_cuda(tmp_path):
 def test_moe_benchmark_runs_on_cuda(tmp_path):
     """moe.py on a tiny Qwen3-MoE: every baseline, experts in pinned memory, the skewed budget plans, in graph
     replay and eagerly; the bytes it counts from pinned memory are the plan's uva experts actually touched."""
-    import importlib.util
     import json
-    import sys
-    from decode_bench import ROOT
-    from planner.hardware import H100, dumps_hardware
     profile = tmp_path / "h100.yaml"
     profile.write_text(dumps_hardware(H100))
-    root = ROOT / "benchmarks"
-    sys.path.insert(0, str(root))
-    try:
-        spec = importlib.util.spec_from_file_location("moe_bench_gpu", root / "moe.py")
-        moe = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(moe)
-        code = moe.main(["--model", "tiny", "--layers", "4", "--batches", "1", "8", "--new-tokens", "4",
-                         "--hardware", str(profile), "--dir", str(tmp_path / "work"), "--out", str(tmp_path / "out"),
-                         "--modes", "graph", "eager", "--skew", "0.7", "--resident", "0.5", "--budget-batches", "1",
-                         "8", "--profile-prompts", "8"])
-        # batch 1 under torch.compile and graph replay: transformers alone, the plan applied, experts on host
-        compiled = moe.main(["--model", "tiny", "--layers", "2", "--batches", "1", "--new-tokens", "4",
-                             "--hardware", str(profile), "--dir", str(tmp_path / "work2"),
-                             "--out", str(tmp_path / "out2"), "--modes", "compiled-graph", "--baselines",
-                             "batched_mm", "--transformers-baselines", "batched_mm", "--host-implementations",
-                             "offplan"])
-    finally:
-        sys.path.remove(str(root))
+    moe = load_benchmark("moe")
+    code = moe.main(["--model", "tiny", "--layers", "4", "--batches", "1", "8", "--new-tokens", "4",
+                     "--hardware", str(profile), "--dir", str(tmp_path / "work"), "--out", str(tmp_path / "out"),
+                     "--modes", "graph", "eager", "--skew", "0.7", "--resident", "0.5", "--budget-batches", "1", "8",
+                     "--profile-prompts", "8"])
+    # batch 1 under torch.compile and graph replay: transformers alone, the plan applied, experts on host
+    compiled = moe.main(["--model", "tiny", "--layers", "2", "--batches", "1", "--new-tokens", "4",
+                         "--hardware", str(profile), "--dir", str(tmp_path / "work2"), "--out", str(tmp_path / "out2"),
+                         "--modes", "compiled-graph", "--baselines", "batched_mm", "--transformers-baselines",
+                         "batched_mm", "--host-implementations", "offplan"])
     assert code == 0
     rows = [json.loads(l) for l in (tmp_path / "out" / "moe-tiny-skew0.7.jsonl").read_text().splitlines()]
     decoded = [r for r in rows if r["kind"] == "decode"]
@@ -75,20 +63,10 @@ def test_moe_benchmark_runs_on_cuda(tmp_path):
 def test_moe_kernels_benchmark_runs_on_cuda(tmp_path, capsys):
     """moe_kernels.py on a tiny Qwen3-MoE: every placement's replayed step is profiled, its kernels add up to
     at most the step, and with experts in pinned memory the gather is among them."""
-    import importlib.util
     import json
-    import sys
-    from decode_bench import ROOT
-    root = ROOT / "benchmarks"
-    sys.path.insert(0, str(root))
-    try:
-        spec = importlib.util.spec_from_file_location("moe_kernels_gpu", root / "moe_kernels.py")
-        bench = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(bench)
-        code = bench.main(["--model", "tiny", "--layers", "2", "--steps", "5", "--skew", "0.7", "--resident", "0.5",
-                           "--compiled", "--dir", str(tmp_path / "work"), "--out", str(tmp_path / "out")])
-    finally:
-        sys.path.remove(str(root))
+    code = load_benchmark("moe_kernels").main([
+        "--model", "tiny", "--layers", "2", "--steps", "5", "--skew", "0.7", "--resident", "0.5", "--compiled",
+        "--dir", str(tmp_path / "work"), "--out", str(tmp_path / "out")])
     assert code == 0
     rows = [json.loads(l) for l in (tmp_path / "out" / "moe-kernels-tiny.jsonl").read_text().splitlines()]
     steps = {r["name"]: r for r in rows if r["kind"] == "step"}
@@ -104,22 +82,12 @@ def test_prefill_benchmark_runs_on_cuda(tmp_path):
     """prefill.py on the tiny MoE on CUDA, with a staging threshold of 8 tokens: every plan's prefill gives all-GPU's
     logits, the uva plan stages its layers above the threshold only, and decode (eager and graph replay) matches."""
     import dataclasses
-    import importlib.util
     import json
-    import sys
-    from decode_bench import ROOT
     profile = tmp_path / "h100.yaml"
     profile.write_text(dumps_hardware(dataclasses.replace(H100, stage_above_tokens=8)))
-    root = ROOT / "benchmarks"
-    sys.path.insert(0, str(root))
-    try:
-        spec = importlib.util.spec_from_file_location("prefill_bench_gpu", root / "prefill.py")
-        prefill = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(prefill)
-        code = prefill.main(["--model", "tiny", "--layers", "4", "--tokens", "4", "64", "--new-tokens", "4",
-                             "--hardware", str(profile), "--dir", str(tmp_path / "work"), "--out", str(tmp_path / "out")])
-    finally:
-        sys.path.remove(str(root))
+    code = load_benchmark("prefill").main([
+        "--model", "tiny", "--layers", "4", "--tokens", "4", "64", "--new-tokens", "4", "--hardware", str(profile),
+        "--dir", str(tmp_path / "work"), "--out", str(tmp_path / "out")])
     assert code == 0
     rows = [json.loads(l) for l in (tmp_path / "out" / "prefill-tiny.jsonl").read_text().splitlines()]
     pre = {(r["strategy"], r["tokens"]): r for r in rows if r["kind"] == "prefill"}
