@@ -113,6 +113,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--hardware", type=Path, help="a `plan calibrate` profile to use instead of calibrating now")
     ap.add_argument("--host-implementations", nargs="+", default=["offplan", "batched_mm"],
                     help="experts implementations to read every expert from pinned memory with")
+    ap.add_argument("--spread", type=float, help="route each token apart, as a trained router does (RouterSpread "
+                    "of this strength; 2 in RESULTS.md)")
     ap.add_argument("--skew", type=float, help="route with RouterSkew of this strength (0.7: about 45%% of the "
                     "experts take 90%% of the hits) and measure budget placements")
     ap.add_argument("--resident", type=float, nargs="+", default=[0.25, 0.5],
@@ -155,13 +157,17 @@ class RouterSkew:
 
 
 class RouterSpread:
-    """Token-dependent routing for a random-weight checkpoint, the same in every run (prefill.py --spread).
+    """Token-dependent routing for a random-weight checkpoint, the same in every run (prefill.py and moe.py
+    --spread).
 
-    Each MoE layer's router sees its input plus row r of a fixed random matrix
-    [rows, hidden] (Gaussian, `strength` times the RMS of the router's
-    RMS-normalised input, 1) for the input's row r (token r of a prompt, or
-    sequence r of a decode step). Only the router sees it: the experts get the
-    layer's own input.
+    A random-weight model's hidden states collapse with depth: one prompt's tokens, and one sequence's decode
+    steps, reach the routers as nearly the same vector, so each routes to a few experts of its own, where a
+    trained model's tokens spread over many. So each MoE layer's router sees its input plus one row of a fixed
+    random matrix [rows, hidden] (Gaussian, `strength` times the RMS of the router's RMS-normalised input, 1),
+    picked by the input row's content (its sum, scaled and taken modulo `rows`): a different row for each token
+    and decode step, the same for the same hidden state in every plan (their logits are bitwise equal), and no
+    host synchronisation, so a decode step replays from a CUDA graph. Only the router sees it: the experts get
+    the layer's own input.
     """
 
     SEED = 11
@@ -171,10 +177,17 @@ class RouterSpread:
         self.noise = [(strength * torch.randn(rows, hidden, generator=g)).to(device, torch.bfloat16)
                       for _ in range(layers)]
 
+    @staticmethod
+    def _hook(noise: torch.Tensor):
+        def add(module, args):
+            x = args[0]
+            row = torch.remainder((x.float().sum(-1) * 4099).long(), noise.shape[0])
+            return (x + noise[row],)
+        return add
+
     def install(self, model) -> None:
         for i, layer in enumerate(model.model.layers):
-            layer.mlp.gate.register_forward_pre_hook(lambda module, args, n=self.noise[i]: (
-                args[0] + n[:args[0].numel() // args[0].shape[-1]].view_as(args[0]),))
+            layer.mlp.gate.register_forward_pre_hook(self._hook(self.noise[i]))
 
 
 def hit_shares(counts: list[int]) -> dict:
@@ -227,7 +240,8 @@ class Run:
         self.args = args
         self.cuda = args.device == "cuda"
         args.out.mkdir(parents=True, exist_ok=True)
-        self.log = args.out / f"moe-{args.model}{'' if args.skew is None else f'-skew{args.skew:g}'}.jsonl"
+        self.log = args.out / (f"moe-{args.model}{'' if args.skew is None else f'-skew{args.skew:g}'}"
+                               f"{'' if args.spread is None else f'-spread{args.spread:g}'}.jsonl")
         self.log.write_text("")
         self.work = args.dir / f"moe-{args.model}"
         self.work.mkdir(parents=True, exist_ok=True)
@@ -243,6 +257,10 @@ class Run:
                                                                  args.device)
         if self.skew is not None:
             self.record(kind="skew", strength=args.skew, seed=7)
+        self.spread = None if args.spread is None else RouterSpread(
+            self.layers, config.hidden_size, 4096, args.spread, args.device)
+        if self.spread is not None:
+            self.record(kind="spread", strength=args.spread, seed=RouterSpread.SEED)
         self.reference: dict = {}  # (implementation, mode, batch) -> all-GPU tokens
         self.best_gpu: dict = {}  # (mode, batch) -> the fastest all-GPU steps/s, and which implementation
         self.floor: dict = {}  # batch -> floor steps/s
@@ -274,6 +292,8 @@ class Run:
             handle = runtime.load(model, plan, device=self.args.device, progress=False)
         if self.skew is not None:
             self.skew.install(model)
+        if self.spread is not None:
+            self.spread.install(model)
         if implementation is not None:
             model.set_experts_implementation(implementation)
         return model, handle

@@ -48,10 +48,9 @@ with depth, so past the first layer a long prompt reaches only a third of
 the experts (30-40 of 128 per layer at 1024 tokens, measured on a small
 Qwen3-MoE config), where uniform routing, and a trained model's long
 prompts, reach nearly all. `--spread S` (moe.py `RouterSpread`) adds to each
-router's input a fixed random vector per token row, S times its RMS: at S = 2
-the same small model touches 127-128 of 128 experts per layer at 1024 tokens,
-114-127 at 128. Synthetic: it stands for a trained router, and only the
-routers see it.
+router's input a fixed random vector per token, picked by the token's hidden
+state, S times its RMS. Synthetic: it stands for a trained router, and only
+the routers see it.
 
 Records go, one JSON object per line, to OUT/prefill-MODEL.jsonl (with
 --spread S, OUT/prefill-MODEL-spreadS.jsonl) as they are measured. `benchmarks/report.py` turns them into the RESULTS.md table.

@@ -342,15 +342,22 @@ def predict_tables() -> list[str]:
 
 
 def skew_tables() -> list[str]:
-    path = next(iter(sorted(RESULTS.glob("moe-qwen3-30b-a3b-skew*.jsonl"))), None)
-    rows = _moe_rows(path) if path else []
+    """moe-qwen3-30b-a3b-skew*.jsonl: the run with the random model's own routing first, then with --spread."""
+    paths = sorted(RESULTS.glob("moe-qwen3-30b-a3b-skew*.jsonl"), key=lambda p: ("spread" in p.name, p.name))
+    return [line for p in paths for line in _skew_table(p)]
+
+
+def _skew_table(path: Path) -> list[str]:
+    rows = _moe_rows(path)
     if not rows:
         return []
     skew = next(r for r in rows if r["kind"] == "skew")
+    spread = next((r for r in rows if r["kind"] == "spread"), None)
     prof = next(r for r in rows if r["kind"] == "profile")
     budget = [r for r in rows if r["kind"] == "decode" and "resident_fraction" in r]
     gpu = {r["batch"]: r for r in rows if r["kind"] == "prediction"}
-    out = ["## Qwen3-30B-A3B (MoE), skewed routing: per-expert placement under a GPU budget", "",
+    title = "" if spread is None else f", each token routed apart (`--spread {spread['strength']:g}`)"
+    out = [f"## Qwen3-30B-A3B (MoE), skewed routing{title}: per-expert placement under a GPU budget", "",
            f"Random weights route almost uniformly; real routers do not. Here every router sees a fixed bias "
            f"(benchmarks/moe.py `RouterSkew`, strength {skew['strength']}): expert logits move by "
            f"-{skew['strength']} sigma ln(rank), ranks in a random order per layer. It is synthetic. Its strength "
@@ -359,8 +366,11 @@ def skew_tables() -> list[str]:
            "workload, 65 on a diverse one). On this model it routes a little more skewed: the routing profile, "
            f"recorded on other prompts than the timed ones ({prof['decode_tokens']} decode tokens), gives 90% of "
            f"the decode hits to {prof['experts_for_90pct']:.0f} of 128 experts, "
-           f"{prof['top_quarter_share']:.0%} to the top quarter, {prof['top_half_share']:.0%} to the top half.",
-           "",
+           f"{prof['top_quarter_share']:.0%} to the top quarter, {prof['top_half_share']:.0%} to the top half."
+           + ("" if spread is None else
+              " The routers also see moe.py's `RouterSpread`: a random model's hidden states collapse with depth, "
+              "so each of its sequences routes to a few experts of its own; spread, each token is routed apart, "
+              "as a trained router does, and the timed prompts route as the profile's did."), "",
            "- " + _moe_header(path, rows), "",
            "Each budget holds the dense weights and the given share of the expert bytes. Per expert: `backend: "
            "mixed` with the profile in `workload.routing`, which keeps the most-hit experts of every layer on the GPU. "
@@ -379,13 +389,14 @@ def skew_tables() -> list[str]:
            "|---|---|---|---|---|---|---|---|---|---|"]
     uva = next(r for r in rows if r["kind"] == "hardware")["uva_read_gbps"] * 1e3  # bytes per us
     by = {(r["name"].rsplit("-", 1)[0], r["resident_fraction"], r["batch"]): r for r in budget}
-    worst = 0.0
+    worst, ratios = 0.0, []
     for (name, fraction, b), r in sorted(by.items(), key=lambda kv: (kv[0][1], kv[0][2], kv[0][0])):
         whole = by.get(("whole-layers-uva", fraction, b))
         mb = r["predicted_h2d_bytes_per_step"].get(str(b))
         guess, got = r["predicted_steps_per_s"], r["steps_per_s"]
         at_observed = 1e6 / (1e6 / guess + (r["observed_h2d_bytes_per_step"] - mb) / uva)
         worst = max(worst, abs(at_observed / got - 1))
+        ratios.append(guess / got)
         out.append(f"| {fraction:.0%} | {b} | {name} | {got:.1f} | {got / whole['steps_per_s']:.2f} | "
                    f"{guess:.1f} | {guess / got:.2f} | {r['observed_h2d_bytes_per_step'] / 1e6:.0f} / "
                    f"{mb / 1e6:.0f} | {at_observed / got:.2f} | {'yes' if r['same_tokens'] else 'NO'} |")
@@ -395,11 +406,14 @@ def skew_tables() -> list[str]:
                     f"measured {g['best_gpu_steps_per_s']:.0f} "
                     f"({g['predicted_steps_per_s'] / g['best_gpu_steps_per_s']:.2f})" for b, g in sorted(gpu.items())) +
                 ". Its GPU time per layer is calibrated at batch 1 (`plan calibrate`: graph-replayed tiny models), "
-                "so larger batches, whose kernels take longer, are predicted optimistic. Its link bytes hold for "
-                "whole layers. Per expert, the timed prompts (one sequence at b=1, eight at b=8, greedy decodes of "
-                "random tokens) hit more of the experts the profile ranked low than the profile's own prompts did, "
-                "up to 2x the predicted bytes at 50% resident, where they are tens of MB; at the observed bytes the "
-                f"prediction is within {worst:.0%} of the measurement in every row."]
+                "so larger batches, whose kernels take longer, are predicted optimistic. "
+                + (f"Predicted / measured spans {min(ratios):.2f} to {max(ratios):.2f} over the budget rows; at the "
+                   f"observed bytes, within {worst:.0%} in every row." if spread is not None else
+                   "Its link bytes hold for whole layers. Per expert, the timed prompts (one sequence at b=1, eight "
+                   "at b=8, greedy decodes of random tokens) hit more of the experts the profile ranked low than the "
+                   "profile's own prompts did, up to 2x the predicted bytes at 50% resident, where they are tens of "
+                   f"MB; at the observed bytes the prediction is within {worst:.0%} of the measurement in every "
+                   "row.")]
     host = [r for r in rows if r["kind"] == "decode" and r["name"] == "experts-host-offplan"]
     if host:
         out += ["", "Every expert in pinned memory, in the same run (the floor from the unique experts the skewed "
@@ -598,6 +612,9 @@ def main() -> int:
              "python benchmarks/moe_predict.py --layers 8; python benchmarks/moe_predict.py --layers 8 --skew 0.7",
              "python benchmarks/moe.py --layers 8 --modes graph --baselines batched_mm grouped_mm "
              "--transformers-baselines --host-implementations offplan --skew 0.7 --resident 0.25 0.5 "
+             "--budget-batches 1 8",
+             "python benchmarks/moe.py --layers 8 --modes graph --baselines batched_mm grouped_mm "
+             "--transformers-baselines --host-implementations offplan --skew 0.7 --spread 2 --resident 0.25 0.5 "
              "--budget-batches 1 8",
              "python benchmarks/decode.py --model llama-8b --strategies prefetch --modes graph",
              "python benchmarks/decode.py --model llama-8b --strategies prefetch --fractions 0.5 --modes compiled",

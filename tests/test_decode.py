@@ -23,9 +23,11 @@ def test_moe_benchmark_runs_on_the_cpu(tmp_path):
     moe = load_benchmark("moe")  # with benchmarks/ on sys.path: moe.py imports its sibling decode.py
     code = moe.main(["--model", "tiny", "--layers", "2", "--device", "cpu", "--batches", "1", "2",
                      "--new-tokens", "2", "--modes", "eager", "--dir", str(tmp_path / "work"),
-                     "--out", str(tmp_path / "out"), "--skew", "0.7", "--resident", "0.5", "--budget-batches", "1"])
+                     "--out", str(tmp_path / "out"), "--skew", "0.7", "--resident", "0.5", "--budget-batches", "1",
+                     "--spread", "2"])
     assert code == 0
-    rows = [json.loads(l) for l in (tmp_path / "out" / "moe-tiny-skew0.7.jsonl").read_text().splitlines()]
+    rows = [json.loads(l) for l in (tmp_path / "out" / "moe-tiny-skew0.7-spread2.jsonl").read_text().splitlines()]
+    assert {"kind": "spread", "strength": 2.0, "seed": 11} in rows
     # skewed routing: the profile (other prompts than the timed ones) says so, and the budget plans keep
     # the same bytes resident, per expert or per layer, with the same tokens as the all-GPU model
     profile = next(r for r in rows if r["kind"] == "profile")
