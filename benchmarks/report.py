@@ -360,17 +360,19 @@ def _skew_table(path: Path) -> list[str]:
     out = [f"## Qwen3-30B-A3B (MoE), skewed routing{title}: per-expert placement under a GPU budget", "",
            f"Random weights route almost uniformly; real routers do not. Here every router sees a fixed bias "
            f"(benchmarks/moe.py `RouterSkew`, strength {skew['strength']}): expert logits move by "
-           f"-{skew['strength']} sigma ln(rank), ranks in a random order per layer. It is synthetic. Its strength "
+           f"-{skew['strength']} sigma ln(rank), ranks in a random order per layer. It is synthetic. Strength 0.7 "
            "was picked in a simulation over Gaussian logits (44% of the experts take 90% of the hits) to match "
            "published counts for Qwen3-30B-A3B (llama.cpp imatrix counts: 58 of 128 experts, 45%, on a narrow "
-           "workload, 65 on a diverse one). On this model it routes a little more skewed: the routing profile, "
+           "workload, 65 on a diverse one). On this model the routing profile, "
            f"recorded on other prompts than the timed ones ({prof['decode_tokens']} decode tokens), gives 90% of "
-           f"the decode hits to {prof['experts_for_90pct']:.0f} of 128 experts, "
+           f"the decode hits to {prof['experts_for_90pct']:.0f} of 128 experts (the simulation: 56), "
            f"{prof['top_quarter_share']:.0%} to the top quarter, {prof['top_half_share']:.0%} to the top half."
            + ("" if spread is None else
               " The routers also see moe.py's `RouterSpread`: a random model's hidden states collapse with depth, "
               "so each of its sequences routes to a few experts of its own; spread, each token is routed apart, "
-              "as a trained router does, and the timed prompts route as the profile's did."), "",
+              "as a trained router does, and the timed prompts route as the profile's did. The spread widens the "
+              "logits about 2.2x (noise of twice the input's RMS), so the bias needs about that much more "
+              "strength for the same skew."), "",
            "- " + _moe_header(path, rows), "",
            "Each budget holds the dense weights and the given share of the expert bytes. Per expert: `backend: "
            "mixed` with the profile in `workload.routing`, which keeps the most-hit experts of every layer on the GPU. "
@@ -523,8 +525,8 @@ def staging_ab() -> list[str]:
     return ["Decode does not see prefill staging: the three uva plans of the spread run above, loaded again in "
             f"{len(runs)} more processes (`python benchmarks/prefill.py --model qwen3-30b-a3b --layers 8 --spread 2 "
             "--tokens 2048 --strategies uva uva-gathered uva-in-place`, `staging-ab-*.jsonl`), replay a batch-1 "
-            "decode graph at " + "; ".join(cells) + " steps/s. The single run's 0.907x above is between-load "
-            "noise.", ""]
+            "decode graph at " + "; ".join(cells) + " steps/s: one plan loaded again moves as much as the plans "
+            "differ, so the single run's ratios above are between-load noise (not investigated).", ""]
 
 
 def quantized_tables() -> list[str]:
@@ -615,7 +617,7 @@ def main() -> int:
              "--budget-batches 1 8",
              "python benchmarks/moe.py --layers 8 --modes graph --baselines batched_mm grouped_mm "
              "--transformers-baselines --host-implementations offplan --skew 0.7 --spread 2 --resident 0.25 0.5 "
-             "--budget-batches 1 8",
+             "--budget-batches 1 8   # and with --skew 1.6",
              "python benchmarks/decode.py --model llama-8b --strategies prefetch --modes graph",
              "python benchmarks/decode.py --model llama-8b --strategies prefetch --fractions 0.5 --modes compiled",
              "python benchmarks/prefill.py --model llama-8b",
