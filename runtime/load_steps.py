@@ -34,7 +34,7 @@ import torch
 from planner.checkpoint import Checkpoint, open_checkpoint
 from planner.errors import ModelMismatchError, OffplanError, PlanFileError
 from planner.groups import FusedGroups
-from planner.plan import Placement, Plan
+from planner.plan import Placement, Plan, Runs
 from planner.planfile import load_plan
 from planner.staleness import require_current
 
@@ -232,8 +232,10 @@ def _bind(h: OffloadHandle, placed: dict[str, torch.Tensor], staged: bool) -> No
     if h.plan.prefill is not None and h.staging is None:
         # quantized tensors are read once per access by their dequantization: never staged
         quantized = {p.source for t in h.targets if t.name in h.quantized_names for p in t.pieces}
+        runs = {l.name: l.runs for l in h.plan.layers}  # a vision tower runs in image prompts only
         h.prefill = PrefillStager(h.plan.prefill, uva, set(FusedGroups.find(h.plan.params).group_of), quantized,
-                                  h.layout.host_offset, h.arena, h.model, h.device)
+                                  h.layout.host_offset, h.arena, h.model, h.device,
+                                  early=runs.get(h.plan.prefill.layers[0].layer) is Runs.STEP)
     if h.cuda:
         if h.engine is not None:
             torch.cuda.current_stream(h.device).wait_stream(h.engine.copy_stream)

@@ -19,7 +19,8 @@ zero-copy view, once the router has picked them. Per forward:
   nothing: decode reads in place, zero-copy, as before;
 - one on the model's input embedding starts the first staged layer's copy
   when the forward begins (above the threshold), so that it overlaps the
-  layers before it instead of waiting for that layer's hook;
+  layers before it instead of waiting for that layer's hook (unless that
+  layer is a vision tower, which a text prompt never runs);
 - above, the layer's staged tensors are copied into a GPU slot (there are
   `slots`, normally 2, used in turn) and the compute stream waits for that
   copy; then the next staged layer's copy starts on the copy stream, after an
@@ -115,10 +116,12 @@ class PrefillStager:
     """Slots, a copy stream, each staged layer's copies, staged parameters and hooks (module doc)."""
 
     def __init__(self, staging: PrefillStaging, targets: list[Target], experts: set[str], quantized: set[str],
-                 host_offset: dict[str, int], arena: PinnedArena, model: torch.nn.Module, device: torch.device):
+                 host_offset: dict[str, int], arena: PinnedArena, model: torch.nn.Module, device: torch.device,
+                 early: bool = True):
         """`targets`: the uva targets; those whose pieces are routed experts (`experts`: checkpoint names of
         fused expert groups) are staged only with `staging.experts`, quantized ones (`quantized`: checkpoint
-        names) never."""
+        names) never. `early`: the first staged layer runs in every forward (no vision tower, which a text
+        prompt skips), so its copy may start at the input embedding."""
         self.above = staging.above_tokens
         self.device = device
         self.cuda = device.type == "cuda"
@@ -165,7 +168,7 @@ class PrefillStager:
             self.hooks.append(module.register_forward_pre_hook(self._pre_hook(index, state), with_kwargs=True))
             self.hooks.append(module.register_forward_hook(self._post_hook(state)))
         embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-        if isinstance(embed, torch.nn.Module) and self.copies:  # the first staged layer's copy starts with the forward
+        if early and isinstance(embed, torch.nn.Module) and self.copies:  # the first staged copy starts with the forward
             self.hooks.append(embed.register_forward_pre_hook(self._start_hook))
         for owner, staged in views.items():
             kinds = {attr: owner._buffers.get(attr) is not None for attr in staged}
