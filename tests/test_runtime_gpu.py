@@ -131,7 +131,8 @@ def test_calibrate_is_physical_and_repeatable(tmp_path, capsys):
     on the H100 machine back-to-back runs gave 714 and 817, 922 and 1366 us (32% apart), and runs in separate
     processes on one day 586 to 1188 us, so a repeatability band for it failed runs at random without finding
     anything (eager predictions carry that spread: RESULTS.md). A calibration that refuses a noisy machine (its
-    CPU line fit, R^2 < 0.95) is run again, as its message tells a user to, at most twice."""
+    CPU line fit, R^2 < 0.95) is run again, as its message tells a user to, at most twice. HBM bandwidth is timed
+    from a replayed graph: launched from Python, two runs in a row once read 2614 and 2343 GB/s."""
     from offplan.cli import main
     from planner.hardware import load_hardware
     runs = []
