@@ -43,7 +43,8 @@ class Placed:
 
 
 def place_backend(model: CostModel, graph: LayerGraph, tensors: Mapping[str, TensorInfo], place: dict[str, Placement],
-           stage: bool, policy: Policy, backend: Backend, stack, fixed, groups: FusedGroups, selected) -> Placed:
+                  stage: bool, policy: Policy, backend: Backend, stack, fixed, groups: FusedGroups,
+                  selected) -> Placed:
     """The backend's placement over `place` (which it changes), prefill staging experts as `model` says
     (placement.py, steps 4-6 and 8)."""
     fp = Footprint(graph, tensors, place, policy.prefetch.step, stage, model.stages_experts)

@@ -29,7 +29,8 @@ from .checkpoint import TensorInfo
 from .graph import Layer, LayerGraph
 from .plan import Placement
 from .quantized import partners, with_partners
-from .slots import layout_bytes
+from .groups import is_expert
+from .slots import align, layout_bytes
 from .staging import STAGE_SLOTS, stageable, staged
 
 GPU, UVA, PREFETCH = Placement.GPU, Placement.UVA, Placement.PREFETCH
@@ -54,6 +55,10 @@ class Footprint:
         self.partner = partners(tensors)
         self.stageable = stageable(graph.layers, self.partner, experts) if stage else frozenset()
         self.staged: dict[str, int] = {}  # layer name -> its staged bytes
+        # what a move changes of a layer's staged bytes, kept as counts: a budget walk moves one expert at a time
+        self.routed = {n for n in self.stageable if is_expert(n)}
+        self.whole: dict[str, int] = {}  # layer -> its routed tensors' bytes (staged experts lie whole: staging.py)
+        self.on_uva: dict[str, list[int]] = {}  # layer -> [dense staged bytes, dense count, routed count] on uva
         for layer in graph.layers:
             self._restream(layer)
             self._restage(layer)
@@ -67,11 +72,29 @@ class Footprint:
             self.streamed.pop(layer.name, None)
 
     def _restage(self, layer: Layer) -> None:
-        names, size = staged(layer, self.stageable, self.place, self.tensors)
-        if names:
-            self.staged[layer.name] = size
+        """The layer's counts from scratch (staging.py `staged` is the rule), then its staged bytes."""
+        names, _ = staged(layer, self.stageable, self.place, self.tensors)
+        dense = [n for n in names if n not in self.routed]
+        self.whole[layer.name] = sum(align(self.tensors[n].nbytes) for n in layer.params if n in self.routed)
+        self.on_uva[layer.name] = [sum(align(self.tensors[n].nbytes) for n in dense), len(dense),
+                                   len(names) - len(dense)]
+        self._stage_bytes(layer.name)
+
+    def _stage_bytes(self, layer: str) -> None:
+        dense, count, routed = self.on_uva[layer]
+        if count or routed:
+            self.staged[layer] = dense + (self.whole[layer] if routed else 0)
         else:
-            self.staged.pop(layer.name, None)
+            self.staged.pop(layer, None)
+
+    def _count(self, n: str, sign: int) -> None:
+        """`n` (stageable) came to uva (sign 1) or left it (-1)."""
+        counts = self.on_uva[self.layer_of[n].name]
+        if n in self.routed:
+            counts[2] += sign
+        else:
+            counts[0] += sign * align(self.tensors[n].nbytes)
+            counts[1] += sign
 
     def _stage_pool(self) -> int:
         return min(STAGE_SLOTS, len(self.staged)) * max(self.staged.values(), default=0)
@@ -93,11 +116,12 @@ class Footprint:
             if UVA in (was, to) and n in self.stageable:
                 layer = self.layer_of[n]
                 staged[layer.name] = layer
+                self._count(n, 1 if to is UVA else -1)
             self.place[n] = to
         for layer in touched.values():
             self._restream(layer)
-        for layer in staged.values():
-            self._restage(layer)
+        for name in staged:
+            self._stage_bytes(name)
         if staged:
             self.stage_pool = self._stage_pool()
 
@@ -153,5 +177,5 @@ class Footprint:
         """An independent footprint over a copy of the placement (for a strategy to try)."""
         other = object.__new__(Footprint)
         other.__dict__.update(self.__dict__, place=dict(self.place), streamed=dict(self.streamed),
-                              staged=dict(self.staged))
+                              staged=dict(self.staged), on_uva={k: list(v) for k, v in self.on_uva.items()})
         return other
