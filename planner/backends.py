@@ -33,7 +33,6 @@ GPU, UVA, PREFETCH = Placement.GPU, Placement.UVA, Placement.PREFETCH
 class Placed:
     """One placement by `place_backend`: its footprint, prediction, the backend that ran (or was skipped), notes."""
 
-    model: CostModel
     fp: Footprint
     prediction: Prediction
     backend: Backend
@@ -58,7 +57,7 @@ def place_backend(model: CostModel, graph: LayerGraph, tensors: Mapping[str, Ten
     elif backend is Backend.MIXED:
         choice = place_mixed(graph, policy, fp, fixed, groups, model)
         fp, prediction, notes, reasons = choice.footprint, choice.prediction, choice.notes, choice.why
-    return Placed(model, fp, prediction or model.predict(fp.place), backend, skipped, notes, reasons)
+    return Placed(fp, prediction or model.predict(fp.place), backend, skipped, notes, reasons)
 
 
 def _rarely_run_first(rare: list[Layer], fixed, fp: Footprint, groups: FusedGroups, selected):

@@ -216,15 +216,15 @@ class CostModel:
         total = sum(self.size[n] for n in routed)
         # the share of the routed bytes the prompt touches: whether prefill copies experts whole (staging.py)
         self.touched = sum(self.size[n] * self.pre_frac[n] for n in routed) / total if total else 0.0
-        self.stage_experts = bool(stages and total and stage_experts(self.touched, hw))  # recommended
+        self.favours_staged_experts = bool(stages and total and stage_experts(self.touched, hw))
         self.staged_experts, self.unstaged_experts = staged_experts, stageable(graph.layers, quantized)
-        self.staged = (staged_experts if self.stage_experts else self.unstaged_experts) if stages else frozenset()
-        self.stages_experts = self.stage_experts  # what `staged` holds
+        self.stages_experts = self.favours_staged_experts  # what `staged` holds: see `staging_experts`
+        self.staged = (staged_experts if self.stages_experts else self.unstaged_experts) if stages else frozenset()
         self.reread = -(-prompt_tokens // hw.stage_above_tokens)
 
     def staging_experts(self, on: bool) -> "CostModel":
         """This model with prefill staging routed experts (`on`) or reading each touched one in place, whatever
-        `stage_experts` recommends: the planner may place both ways (placement.py)."""
+        `favours_staged_experts` says: the planner may place both ways (placement.py)."""
         other = copy.copy(self)
         other.staged = (self.staged_experts if on else self.unstaged_experts) if self.stages else frozenset()
         other.stages_experts = on and self.stages

@@ -51,7 +51,7 @@ Steps:
 8. Prefill staging (staging.py): the layers holding uva tensors other than
    embeddings copy them through 2 GPU slots at prefill, unless
    `uva.stage_prefill: false`; routed experts only when the workload's prompt
-   is predicted to touch most of them (cost.py `stage_experts`), each layer's
+   is predicted to touch most of them (cost.py `favours_staged_experts`), each layer's
    fused expert parameters whole. The slots count in the footprint like
    the prefetch pool, so every budget-driven walk sees them grow as it moves
    tensors to uva (footprint.py `fit`).
@@ -169,11 +169,10 @@ def decide(graph: LayerGraph, tensors: Mapping[str, TensorInfo], policy: Policy,
     if (backend is Backend.PREFETCH or PREFETCH in place.values()) and step < 1:
         raise PolicyError(f"{policy.path}: prefetch.step must be >= 1: rules place tensors on prefetch")
     want = policy.uva.stage_experts  # None: the planner decides (policy.py UvaPolicy)
-    both = want is None and model.stage_experts
-    models = [model.staging_experts(True), model.staging_experts(False)] if both else [model.staging_experts(
-        model.stage_experts if want is None else want)]
-    tried = [place_backend(m, graph, tensors, dict(place), stage, policy, backend, stack, fixed, groups, selected)
-             for m in models]
+    both = want is None and model.favours_staged_experts
+    choices = (True, False) if both else (model.favours_staged_experts if want is None else want,)
+    tried = [place_backend(model.staging_experts(c), graph, tensors, dict(place), stage, policy, backend, stack,
+                           fixed, groups, selected) for c in choices]
     fitting = [t for t in tried if budget is None or t.fp.total <= budget]
     if not fitting:  # the smallest footprint: prefill reading experts in place, no slots for them
         t = tried[-1]
