@@ -13,8 +13,8 @@ checkpoint, and its calibration measured now on this GPU):
    - gpu: nothing offloaded;
    - uva: a rule puts those layers on uva; the plan stages them for prefill
      (runtime/prefill.py: copied to the GPU before a forward over more than
-     the profile's `stage_above_tokens` tokens), routed experts too, each
-     layer's whole (`uva: {stage_experts: true}`);
+     the profile's `stage_above_tokens` tokens), routed experts too, through
+     the expert ring (`uva: {stage_experts: true}`);
    - uva-gathered (MoE models): the same, but `stage_experts: false`: each
      touched expert is read once, after the router, through offplan's
      experts implementation;
@@ -24,7 +24,8 @@ checkpoint, and its calibration measured now on this GPU):
    - mixed: `backend: mixed` with the prefetch plan's GPU footprint as budget
      (the planner decides whether to stage experts);
    - experts-host, experts-host-gathered (MoE models): a rule puts every
-     routed expert on uva, staged whole at prefill or gathered once touched;
+     routed expert on uva, streamed through the ring at prefill or gathered
+     once touched;
 2. per plan and prompt length T (--tokens): the forward that yields the
    first token, as generate's prefill runs it (a fresh cache, logits of the
    last position only), timed with a CUDA synchronize around it: the median of
@@ -229,7 +230,8 @@ class Prefill:
         facts = dict(strategy=strategy, offloaded_bytes=offloaded, uva_bytes=plan.summary.uva_bytes,
                      prefetch_bytes=plan.summary.prefetch_bytes, gpu_footprint_bytes=plan.summary.gpu_footprint_bytes,
                      stage_above_tokens=staged, stage_buffer_bytes=plan.prefill.pool_bytes if plan.prefill else 0,
-                     staged_experts=bool(plan.prefill and plan.prefill.experts))
+                     staged_experts=bool(plan.prefill and plan.prefill.experts),
+                     ring_bytes=plan.prefill.ring_bytes if plan.prefill else 0)
         try:
             for n in self.args.tokens:
                 ids = self.prompt[:, :n]

@@ -2,10 +2,8 @@
 
 `place_backend` runs the policy's backend (placement.py steps 4-6: nothing
 when the budget already fits, the uva walk, the prefetch walk, or mixed.py)
-through a `Footprint` whose prefill staging pool counts routed experts or
-not, as its cost model says (staging.py `stage_experts`); placement.py tries
-both where the prompt favours staging experts and keeps the faster request
-that fits.
+through a `Footprint`, with the cost model that placement.py built for the
+plan's prefill (staging routed experts or not: staging.py `stage_experts`).
 """
 from __future__ import annotations
 
@@ -24,7 +22,7 @@ from .placement_errors import layer_list, nothing_left
 from .plan import Backend, Placement, Runs
 from .policy import Policy
 from .schedule import fewest_layers
-from .units import GIB, human, plural
+from .units import GIB, plural
 
 GPU, UVA, PREFETCH = Placement.GPU, Placement.UVA, Placement.PREFETCH
 
@@ -46,7 +44,7 @@ def place_backend(model: CostModel, graph: LayerGraph, tensors: Mapping[str, Ten
                   selected) -> Placed:
     """The backend's placement over `place` (which it changes), prefill staging experts as `model` says
     (placement.py, steps 4-6 and 8)."""
-    fp = Footprint(graph, tensors, place, policy.prefetch.step, stage, model.stages_experts)
+    fp = Footprint(graph, tensors, place, policy.prefetch.step, stage)
     budget, skipped, prediction, notes, reasons = policy.budget_bytes, None, None, (), {}
     if backend is not Backend.NONE and budget is not None and fp.total <= budget:
         skipped, backend = backend, Backend.NONE  # offloading more would only cost speed
@@ -142,20 +140,3 @@ def _prefetch(stack, fixed, fp: Footprint, policy: Policy, graph: LayerGraph, se
     if not fp.fit(_rarely_run_first(rare, fixed, fp, groups, selected), UVA, policy.budget_bytes):
         for layer, names in fewest_layers(eligible, fp, policy.budget_bytes):
             fp.move(names, PREFETCH)
-
-
-def staging_note(staged: Placed, chosen: Placed, budget: int | None, prompt_tokens: int, touched: float,
-                 new_tokens: int) -> str:
-    """Why the plan reads routed experts in place at prefill though the prompt favours staging them (`staged`:
-    the placement that stages them, `chosen`: the plan's)."""
-    head = (f"prefill reads each touched routed expert in place, though a prompt of {prompt_tokens} tokens "
-            f"favours staging each layer's experts whole ({touched:.0%} of their bytes touched): ")
-    if budget is None:
-        return head + (f"that would take {human(staged.fp.stage_pool - chosen.fp.stage_pool)} more GPU memory and "
-                       f"cut the predicted prefill from {chosen.prediction.prefill_us / 1e3:.3f} to "
-                       f"{staged.prediction.prefill_us / 1e3:.3f} ms; set `uva: {{stage_experts: true}}`, or "
-                       "budget_gib to let the planner weigh it")
-    if staged.fp.total > budget:
-        return head + f"its slots would take the GPU footprint to {human(staged.fp.total)}, over the budget"
-    return head + (f"the best placement with it is predicted at {staged.prediction.request_us(new_tokens) / 1e3:.3f}"
-                   f" ms a request against {chosen.prediction.request_us(new_tokens) / 1e3:.3f} ms")

@@ -17,14 +17,14 @@ placement but not its size, so:
   layers that `params:` prefetches, each from a buffer named like its tensors, through the slots and copy
   triggers of the rule that built it, and each of them runs in every forward (no vision tower, no MTP layer);
   `prefill:` stages exactly the layers whose uva tensors prefill stages (staging.py: not embeddings or MTP
-  layers, which the layer table's `runs` names; routed experts only with `experts: true`, then in some layer),
-  in order, each hooked at its module, with bytes a multiple of 256 within what its row's uva bytes (and GPU
-  bytes, for experts staged whole) allow, its slot the largest, min(2, layers) slots, stage_buffer_bytes the pool;
+  layers, which the layer table's `runs` names; routed experts only with `ring_bytes`, then in some layer),
+  in order, each hooked at its module, with bytes a multiple of 256 within what its row's uva bytes allow,
+  its slot the largest, min(2, layers with bytes) slots, stage_buffer_bytes the pool;
 - with the checkpoint's headers (sizes, dtypes, shapes: cheap to read), also
   exactly: `params:` names the checkpoint's tensors, each layer's bytes per
   placement are the sum of its tensors', the buffers and slot sizes are
-  those its prefetched tensors need, and each staged layer's bytes those of
-  its staged tensors; a quantized weight and its scales share a placement.
+  those its prefetched tensors need, each staged layer's bytes those of its
+  staged tensors, and the ring its routed experts'; a quantized weight and its scales share a placement.
 
 Not checked: the predicted link bytes, GPU time per layer and prefill, which
 need the cost model's hardware profile (only the step's totals are
@@ -45,7 +45,7 @@ from .plan import Placement, Plan, Runs
 from .quantized import apart, partners
 from .schedule import make_schedule, previous_user
 from .slots import ALIGN
-from .staging import STAGE_SLOTS, stageable, staged as staged_in
+from .staging import RING_BYTES, STAGE_SLOTS, ring_bytes, stageable, staged as staged_in
 from .units import human
 from .yamlio import dotted
 
@@ -57,9 +57,8 @@ def inconsistencies(plan: Plan, where: Where | None = None, tensors: Mapping[str
                     footprint: int | None = None) -> list[str]:
     """Every disagreement between the plan's parts, one line each, located by `where`.
 
-    `tensors` (the checkpoint's headers) makes the byte checks exact; `footprint`
-    is the file's `summary.gpu_footprint_bytes` (not kept in `Summary`).
-    """
+    `tensors` (the checkpoint's headers) makes the byte checks exact; `footprint` is the file's
+    `summary.gpu_footprint_bytes` (not kept in `Summary`)."""
     def at(*path) -> str:
         return f"{where(path)}: {dotted(path)}" if where else dotted(path)
 
@@ -91,8 +90,7 @@ def _totals(plan: Plan, at, footprint: int | None) -> list[str]:
             problems.append(f"{at('summary', f'{k}_bytes')} is {getattr(s, f'{k}_bytes')} but the layers "
                             f"add up to {totals[k]}")
     if sum(totals.values()) != plan.total_bytes:
-        problems.append(f"{at('checkpoint', 'bytes')} is {plan.total_bytes} but the layers add up to "
-                        f"{sum(totals.values())}")
+        problems.append(f"{at('checkpoint', 'bytes')} is {plan.total_bytes} but the layers add up to {sum(totals.values())}")
     if footprint is not None and footprint != s.gpu_footprint_bytes:
         problems.append(f"{at('summary', 'gpu_footprint_bytes')} is {footprint} but gpu_bytes + "
                         f"prefetch_buffer_bytes + stage_buffer_bytes is {s.gpu_footprint_bytes}")
@@ -263,7 +261,7 @@ def _prefill(plan: Plan, graph: LayerGraph, at, tensors) -> list[str]:
         return [f"{at('prefill', 'layers')}: lists {_some(listed)} but the layers of params: with uva tensors that "
                 f"prefill stages (not embeddings{'' if p.experts else ', routed experts'} or MTP layers) are {_some(want)}"]
     if p.experts and not any(is_expert(n) for _, ns, _ in staged for n in ns):
-        return [f"{at('prefill', 'experts')} is true but no staged layer holds a routed expert on uva"]
+        return [f"{at('prefill', 'ring_bytes')} is set but no staged layer holds a routed expert on uva"]
     problems, rows = [], {r.name: r for r in plan.layers}
     for k, (s, (l, ns, need)) in enumerate(zip(p.layers, staged)):
         if s.module != l.module:
@@ -277,20 +275,22 @@ def _prefill(plan: Plan, graph: LayerGraph, at, tensors) -> list[str]:
         only = all(plan.params[n] is not Placement.UVA or n in names for n in l.params)
         if row is None:
             continue  # the layer table's own check names it
-        # each staged tensor rounded up to ALIGN: all of the row's uva bytes unless some are not staged; staged
-        # experts take each fused parameter whole, those kept on the GPU too
-        whole = any(map(is_expert, ns))
-        low, high = (row.uva if only else 0), row.uva + (row.gpu if whole else 0) + (ALIGN - 1) * len(l.params)
+        # each rounded up to ALIGN: all of the row's uva bytes unless some are not staged or are routed (the ring)
+        low, high = row.uva if only and not any(map(is_expert, ns)) else 0, row.uva + (ALIGN - 1) * len(l.params)
         if s.bytes % ALIGN or not low <= s.bytes <= high:
             problems.append(f"{at('prefill', 'layers', k, 'bytes')} is {s.bytes} but the {len(ns)} staged tensors "
                             f"of {s.layer} ({row.uva} bytes on uva in its row) take a multiple of {ALIGN} from "
                             f"{low} to {high}")
+    if tensors and p.ring_bytes != (ring := ring_bytes(sum(tensors[n].nbytes for n in ns if is_expert(n))
+                                                       for _, ns, _ in staged)):
+        problems.append(f"{at('prefill', 'ring_bytes')} is {p.ring_bytes} but the staged layers' routed experts on "
+                        f"uva give {ring} (the largest layer's, at most {RING_BYTES})")
     largest = max(s.bytes for s in p.layers)
     if p.slot_bytes != largest:
         problems.append(f"{at('prefill', 'slot_bytes')} is {p.slot_bytes} but the largest staged layer is {largest}")
-    if p.slots != min(STAGE_SLOTS, len(p.layers)):
-        problems.append(f"{at('prefill', 'slots')} is {p.slots} but {len(p.layers)} staged layers give "
-                        f"{min(STAGE_SLOTS, len(p.layers))} (at most {STAGE_SLOTS})")
+    if p.slots != min(STAGE_SLOTS, n := sum(1 for s in p.layers if s.bytes)):
+        problems.append(f"{at('prefill', 'slots')} is {p.slots} but {n} staged layers with bytes in a slot give "
+                        f"{min(STAGE_SLOTS, n)} (at most {STAGE_SLOTS})")
     return problems
 
 

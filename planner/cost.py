@@ -51,6 +51,8 @@ they add:
     in place = (uva bytes a GEMM reads in place x ceil(T / stage_above_tokens)
                 + touched uva experts' bytes and embedding rows) / UVA
     layer    = max(compute, copies) + in place;  prefill = the sum over the layers
+(staged routed experts stream through a ring of at most 512 MiB, staging.py:
+assumed to hold enough to keep the copies going while a layer computes).
 A routed expert computes its share of the tokens: k/E under uniform routing,
 or its share of the routing profile's prefill tokens (its decode share when the
 profile has none), and is read at all with probability 1 - (1 - share)^T: a
@@ -224,7 +226,7 @@ class CostModel:
 
     def staging_experts(self, on: bool) -> "CostModel":
         """This model with prefill staging routed experts (`on`) or reading each touched one in place, whatever
-        `favours_staged_experts` says: the planner may place both ways (placement.py)."""
+        `favours_staged_experts` says: the policy may force either (placement.py)."""
         other = copy.copy(self)
         other.staged = (self.staged_experts if on else self.unstaged_experts) if self.stages else frozenset()
         other.stages_experts = on and self.stages

@@ -46,9 +46,9 @@ def staging(old: PrefillStaging | None, new: PrefillStaging | None) -> dict:
         p = new or old
         return {"added" if old is None else "removed": {
             "above_tokens": p.above_tokens, "slots": p.slots, "slot_bytes": p.slot_bytes,
-            "layers": [l.layer for l in p.layers]}}
+            "ring_bytes": p.ring_bytes, "layers": [l.layer for l in p.layers]}}
     out = {key: {"old": getattr(old, key), "new": getattr(new, key)}
-           for key in ("above_tokens", "slots", "slot_bytes") if getattr(old, key) != getattr(new, key)}
+           for key in ("above_tokens", "slots", "slot_bytes", "ring_bytes") if getattr(old, key) != getattr(new, key)}
     was, now = {l.layer: l.bytes for l in old.layers}, {l.layer: l.bytes for l in new.layers}
     out["layers_added"] = [n for n in now if n not in was]
     out["layers_removed"] = [n for n in was if n not in now]
@@ -90,7 +90,8 @@ def staging_lines(p: dict) -> list[str]:
             return [f"prefill staging: {verb} {plural(len(s['layers']), 'layer')} ({some(s['layers'])}) through "
                     f"{plural(s['slots'], 'slot')} x {human(s['slot_bytes'])} above {plural(s['above_tokens'], 'token')}"]
     parts = [f"{what} {change(p[key]['old'], p[key]['new'], fmt)}" for key, what, fmt in
-             (("above_tokens", "above", str), ("slots", "slots", str), ("slot_bytes", "slot size", human)) if key in p]
+             (("above_tokens", "above", str), ("slots", "slots", str), ("slot_bytes", "slot size", human),
+              ("ring_bytes", "expert ring", human)) if key in p]
     if "layers_added" in p:
         parts.append(f"stages {some(p['layers_added'])} too")
     if "layers_removed" in p:

@@ -6,6 +6,9 @@ Computed here only.
     slot_bytes = the largest such layer's slot image (slots.py)
     stage slots = min(2, staged layers); stage slot bytes = the largest staged layer (staging.py)
 
+Routed experts staged at prefill stream through the expert ring, which each
+staged forward allocates and frees (staging.py): it is not counted here.
+
 The placement pipeline builds one `Footprint` over the live placement and
 moves tensors through it (`move`), so every step of a backend sees the
 current total at the cost of the tensors it moved; strategies that branch
@@ -29,7 +32,6 @@ from .checkpoint import TensorInfo
 from .graph import Layer, LayerGraph
 from .plan import Placement
 from .quantized import partners, with_partners
-from .groups import is_expert
 from .slots import align, layout_bytes
 from .staging import STAGE_SLOTS, stageable, staged
 
@@ -40,12 +42,11 @@ class Footprint:
     """Resident bytes and each streamed layer's slot image, kept current as tensors move.
 
     `place` is the caller's placement dict: `move` updates it together with the bytes.
-    `stage`: the policy's `uva.stage_prefill` (False: no staging pool); `experts`: prefill stages routed
-    experts too (staging.py `stage_experts`).
+    `stage`: the policy's `uva.stage_prefill` (False: no staging pool).
     """
 
     def __init__(self, graph: LayerGraph, tensors: Mapping[str, TensorInfo], place: dict[str, Placement],
-                 step: int, stage: bool = True, experts: bool = False):
+                 step: int, stage: bool = True):
         self.tensors = tensors
         self.place = place
         self.step = max(1, step)
@@ -53,15 +54,14 @@ class Footprint:
         self.resident = sum(tensors[n].nbytes for n, p in place.items() if p is GPU)
         self.streamed: dict[str, int] = {}  # layer name -> its slot image's bytes
         self.partner = partners(tensors)
-        self.stageable = stageable(graph.layers, self.partner, experts) if stage else frozenset()
+        self.stageable = stageable(graph.layers, self.partner) if stage else frozenset()  # routed experts: the ring
         self.staged: dict[str, int] = {}  # layer name -> its staged bytes
-        # what a move changes of a layer's staged bytes, kept as counts: a budget walk moves one expert at a time
-        self.routed = {n for n in self.stageable if is_expert(n)}
-        self.whole: dict[str, int] = {}  # layer -> its routed tensors' bytes (staged experts lie whole: staging.py)
-        self.on_uva: dict[str, list[int]] = {}  # layer -> [dense staged bytes, dense count, routed count] on uva
+        self.on_uva: dict[str, list[int]] = {}  # layer -> [staged bytes, staged tensors] on uva, kept as tensors move
         for layer in graph.layers:
             self._restream(layer)
-            self._restage(layer)
+            names, size = staged(layer, self.stageable, self.place, self.tensors)
+            self.on_uva[layer.name] = [size, len(names)]
+            self._stage_bytes(layer.name)
         self.stage_pool = self._stage_pool()
 
     def _restream(self, layer: Layer) -> None:
@@ -71,30 +71,18 @@ class Footprint:
         else:
             self.streamed.pop(layer.name, None)
 
-    def _restage(self, layer: Layer) -> None:
-        """The layer's counts from scratch (staging.py `staged` is the rule), then its staged bytes."""
-        names, _ = staged(layer, self.stageable, self.place, self.tensors)
-        dense = [n for n in names if n not in self.routed]
-        self.whole[layer.name] = sum(align(self.tensors[n].nbytes) for n in layer.params if n in self.routed)
-        self.on_uva[layer.name] = [sum(align(self.tensors[n].nbytes) for n in dense), len(dense),
-                                   len(names) - len(dense)]
-        self._stage_bytes(layer.name)
-
     def _stage_bytes(self, layer: str) -> None:
-        dense, count, routed = self.on_uva[layer]
-        if count or routed:
-            self.staged[layer] = dense + (self.whole[layer] if routed else 0)
+        size, count = self.on_uva[layer]
+        if count:
+            self.staged[layer] = size
         else:
             self.staged.pop(layer, None)
 
     def _count(self, n: str, sign: int) -> None:
         """`n` (stageable) came to uva (sign 1) or left it (-1)."""
         counts = self.on_uva[self.layer_of[n].name]
-        if n in self.routed:
-            counts[2] += sign
-        else:
-            counts[0] += sign * align(self.tensors[n].nbytes)
-            counts[1] += sign
+        counts[0] += sign * align(self.tensors[n].nbytes)
+        counts[1] += sign
 
     def _stage_pool(self) -> int:
         return min(STAGE_SLOTS, len(self.staged)) * max(self.staged.values(), default=0)

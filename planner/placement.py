@@ -51,10 +51,10 @@ Steps:
 8. Prefill staging (staging.py): the layers holding uva tensors other than
    embeddings copy them through 2 GPU slots at prefill, unless
    `uva.stage_prefill: false`; routed experts only when the workload's prompt
-   is predicted to touch most of them (cost.py `favours_staged_experts`), each layer's
-   fused expert parameters whole. The slots count in the footprint like
-   the prefetch pool, so every budget-driven walk sees them grow as it moves
-   tensors to uva (footprint.py `fit`).
+   is predicted to touch most of them (cost.py `favours_staged_experts`),
+   through the expert ring, which each staged forward allocates. The slots
+   count in the footprint like the prefetch pool, so every budget-driven walk
+   sees them grow as it moves tensors to uva (footprint.py `fit`).
 9. A budget that the result exceeds is an error quoting the smallest
    budget_gib that this policy fits (exact to the byte: see
    `smallest_budget_gib`), and what is pinned to the GPU outside the stacks.
@@ -81,12 +81,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from .backends import place_backend, staging_note
+from .backends import place_backend
 from .checkpoint import TensorInfo
 from .cost import CostModel
 from .errors import BudgetError, PolicyError
 from .graph import LayerGraph
-from .groups import FusedGroups, experts_map, is_expert
+from .groups import FusedGroups, experts_map
 from .hardware import H100, Hardware
 from .notes import Outcome, notes
 from .patterns import Names
@@ -94,7 +94,7 @@ from .plan import Backend, Cost, LayerBytes, Placement, PrefetchSchedule, Prefil
 from .policy import Policy, resolve_backend
 from .routing import RoutingProfile, check_fits
 from .schedule import make_schedule
-from .staging import make_staging
+from .staging import make_staging, stageable
 from .quantized import check_rules
 from .placement_errors import check_groups, check_roles, check_streamed_runs, over_budget
 from .prefused import prefused_key
@@ -169,25 +169,18 @@ def decide(graph: LayerGraph, tensors: Mapping[str, TensorInfo], policy: Policy,
     if (backend is Backend.PREFETCH or PREFETCH in place.values()) and step < 1:
         raise PolicyError(f"{policy.path}: prefetch.step must be >= 1: rules place tensors on prefetch")
     want = policy.uva.stage_experts  # None: the planner decides (policy.py UvaPolicy)
-    both = want is None and model.favours_staged_experts
-    choices = (True, False) if both else (model.favours_staged_experts if want is None else want,)
-    tried = [place_backend(model.staging_experts(c), graph, tensors, dict(place), stage, policy, backend, stack,
-                           fixed, groups, selected) for c in choices]
-    fitting = [t for t in tried if budget is None or t.fp.total <= budget]
-    if not fitting:  # the smallest footprint: prefill reading experts in place, no slots for them
-        t = tried[-1]
-        raise BudgetError(over_budget(policy, t.backend, t.fp.total, t.fp.place, tensors, graph, t.fp.stage_pool))
-    new_tokens = work.new_tokens
-    request = lambda t: t.prediction.request_us(new_tokens)  # noqa: E731
-    # without a budget, GPU memory for experts' slots is not the planner's to spend: in place, and a note
-    chosen = tried[-1] if both and budget is None else min(fitting, key=request)  # ties: experts staged
+    experts = model.favours_staged_experts if want is None else want  # their ring is no footprint: staging.py
+    chosen = place_backend(model.staging_experts(experts), graph, tensors, dict(place), stage, policy, backend,
+                           stack, fixed, groups, selected)
+    if budget is not None and chosen.fp.total > budget:
+        raise BudgetError(over_budget(policy, chosen.backend, chosen.fp.total, chosen.fp.place, tensors, graph,
+                                      chosen.fp.stage_pool))
     fp, prediction, backend, skipped = chosen.fp, chosen.prediction, chosen.backend, chosen.skipped
     mixed_notes, reasons = chosen.notes, chosen.reasons
-    if both and chosen is not tried[0] and any(p is Placement.UVA and is_expert(n) for n, p in fp.place.items()):
-        mixed_notes += (staging_note(tried[0], chosen, budget, work.prompt_tokens, model.touched, new_tokens),)
     place = fp.place
     schedule = make_schedule(graph, place, tensors, step)
-    staging = make_staging(graph, place, tensors, hardware.stage_above_tokens, fp.stageable) if stage else None
+    staging = make_staging(graph, place, tensors, hardware.stage_above_tokens,
+                           stageable(graph.layers, fp.partner, experts)) if stage else None
     if (staging.pool_bytes if staging else 0) != fp.stage_pool:  # one rule, two sums: a bug, not an input error
         raise AssertionError(f"staging pool {staging} against the footprint's {fp.stage_pool}")
     by = {GPU: 0, UVA: 0, PREFETCH: 0}

@@ -135,7 +135,8 @@ class PrefetchSchedule:
 class StagedLayer:
     """A layer whose uva tensors (routed experts only if `PrefillStaging.experts`) are copied to the GPU
     before a forward over many tokens: the plan's layer name, the module whose forward the runtime hooks (as `Transfer.module`),
-    and the bytes its staged tensors take in a slot, each ALIGN (256 B) apart."""
+    and the bytes its staged tensors other than routed experts take in a slot, each ALIGN (256 B) apart
+    (0 when it stages only experts, which go through the ring)."""
 
     layer: str
     module: str
@@ -154,18 +155,26 @@ class PrefillStaging:
     are copied into one of `slots` GPU buffers of `slot_bytes` first, the next
     layer's copy overlapping this one's compute, as prefetch does; at or below
     it (decode) they are read in place. Routed experts on uva are staged only
-    when `experts` (staging.py says when the planner sets it): otherwise offplan's
-    experts implementation reads each touched expert once per forward, after the router.
+    where `ring_bytes` is set (staging.py says when the planner sets it), and
+    not through the slots: their rows stream through a ring of `ring_bytes`
+    that each staged forward allocates and frees (runtime/ring.py), prefill
+    working memory like the activations. Otherwise offplan's experts
+    implementation reads each touched expert once per forward, after the router.
     """
 
     above_tokens: int
-    slots: int
+    slots: int  # min(2, staged layers with `bytes`): 0 when only routed experts are staged
     slot_bytes: int  # the largest staged layer's `bytes`
     layers: tuple[StagedLayer, ...]  # in execution order
-    experts: bool = False  # routed experts on uva staged too: each fused parameter whole, its host rows copied
+    ring_bytes: int = 0  # routed experts on uva staged too, through a ring of this many bytes (0: not staged)
+
+    @property
+    def experts(self) -> bool:
+        return self.ring_bytes > 0
 
     @property
     def pool_bytes(self) -> int:
+        """The slots, held from load on (the ring is allocated per staged forward: not counted)."""
         return self.slots * self.slot_bytes
 
 

@@ -117,7 +117,7 @@ def dumps(plan: Plan) -> str:
     st = plan.prefill
     if st is not None:  # absent when nothing is staged, as in plans before staging
         out += ["prefill:\n", f"  above_tokens: {st.above_tokens}\n", f"  slots: {st.slots}\n",
-                f"  slot_bytes: {st.slot_bytes}\n", *(["  experts: true\n"] if st.experts else []), "  layers:\n"]
+                f"  slot_bytes: {st.slot_bytes}\n", *([f"  ring_bytes: {st.ring_bytes}\n"] if st.experts else []), "  layers:\n"]
         out += [f"    - {_flow(layer=l.layer, module=l.module, bytes=l.bytes)}\n" for l in st.layers]
     out.append("params:\n")
     out += [f"  {_s(name)}: {place.value}\n" for name, place in plan.params.items()]
@@ -205,7 +205,7 @@ def _parse(text: str, path: Path) -> tuple[Plan, yamlio.Located]:
     st = d.get("prefill")
     prefill = None if st is None else PrefillStaging(
         st["above_tokens"], st["slots"], st["slot_bytes"],
-        tuple(StagedLayer(l["layer"], l["module"], l["bytes"]) for l in st["layers"]), st.get("experts", False))
+        tuple(StagedLayer(l["layer"], l["module"], l["bytes"]) for l in st["layers"]), st.get("ring_bytes", 0))
     plan = Plan(
         checkpoint_path=d["checkpoint"]["path"],
         checkpoint_fingerprint=d["checkpoint"]["fingerprint"],

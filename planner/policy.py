@@ -68,11 +68,10 @@ class UvaPolicy:
     Staging (planner/staging.py): a forward over more than the hardware profile's
     `stage_above_tokens` tokens copies each layer's uva tensors (embeddings aside) into one
     of 2 GPU slots before the layer runs, since a GEMM reading them in place re-reads them
-    per tile. The slots count in the GPU footprint. Routed experts, whose slots hold a
-    layer's experts whole (Qwen3-30B-A3B: 1.1 GiB each), follow `stage_experts`: unset,
-    the planner stages them where the workload's prompt touches most of them and a budget
-    has room (it places both ways and keeps the faster request), and without a budget
-    only notes what staging them would take and save; `true` stages them, `false` never.
+    per tile. The slots count in the GPU footprint. Routed experts stream through a ring
+    of at most 512 MiB instead, which each staged forward allocates (prefill working
+    memory, not in the footprint), and follow `stage_experts`: unset, the planner stages
+    them where the workload's prompt touches most of them; `true` stages them, `false` never.
     """
 
     offload_gib: float = 0  # GiB of layer tensors to offload, walking layers in order (vLLM cpu_offload_gb)

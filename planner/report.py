@@ -92,7 +92,8 @@ def show_data(plan: Plan) -> dict:
             "layers": len(plan.prefetch.schedule)},
         "prefill": None if plan.prefill is None else {
             "above_tokens": plan.prefill.above_tokens, "slots": plan.prefill.slots,
-            "slot_bytes": plan.prefill.slot_bytes, "layers": [l.layer for l in plan.prefill.layers]},
+            "slot_bytes": plan.prefill.slot_bytes, "ring_bytes": plan.prefill.ring_bytes or None,
+            "layers": [l.layer for l in plan.prefill.layers]},
         "notes": list(plan.notes),
     }
 
@@ -124,7 +125,9 @@ def show(plan: Plan, unchecked: str | None = None) -> list[RenderableType | str]
         st = plan.prefill
         out.append(f"prefill staging: {plural(len(st.layers), 'layer')} copy their uva tensors through "
                    f"{plural(st.slots, 'slot')} x {human(st.slot_bytes)} = {human(st.pool_bytes)} of GPU buffers "
-                   f"when a forward carries more than {plural(st.above_tokens, 'token')}")
+                   f"when a forward carries more than {plural(st.above_tokens, 'token')}"
+                   + (f"; routed experts stream through a ring of {human(st.ring_bytes)}, allocated by each such "
+                      "forward (working memory, like its activations)" if st.experts else ""))
     out += _footprint(plan)
     if plan.cost:
         c = plan.cost

@@ -28,27 +28,35 @@ and HEAD layers (graph.py), except:
   would size both slots). Vision towers run at prefill, over an image's many
   tokens, and are staged.
 
-Experts (`stage_experts`): copying a layer's host experts whole overlaps the
-previous layer's compute, but moves the experts no token is routed to as
-well; gathering the touched ones moves only those, on the critical path.
-Copying costs no more when the prompt touches at least UVA read / H2D copy
-bandwidth (0.92 on the H100) of the expert bytes, overlap aside, so the
-planner stages experts when the routing it assumes (the profile's prefill
-counts, or uniform: a layer reads E x (1 - (1 - k/E)^T) of its E experts)
-touches that share at the workload's prompt length T (cost.py). Under
-uniform routing that holds from a few dozen tokens for every MoE model known
-to us (Qwen3-30B-A3B: 128 experts, top 8, 99.8% at 100 tokens): a long
-prompt touches every expert. A layer whose experts are staged holds each of
-its fused expert parameters whole in the slot (the runtime indexes a
-parameter's rows by expert), so its bytes count every routed tensor of the
-layer, the experts kept on the GPU too; only those in pinned memory are
-copied.
+Experts (`stage_experts`): copying a layer's host experts ahead of it
+overlaps the copy with earlier layers' compute, but moves the experts no
+token is routed to as well; gathering the touched ones moves only those, on
+the critical path. Copying costs no more when the prompt touches at least
+UVA read / H2D copy bandwidth (0.92 on the H100) of the expert bytes,
+overlap aside, so the planner stages experts when the routing it assumes
+(the profile's prefill counts, or uniform: a layer reads E x (1 - (1 -
+k/E)^T) of its E experts) touches that share at the workload's prompt length
+T (cost.py). Under uniform routing that holds from a few dozen tokens for
+every MoE model known to us (Qwen3-30B-A3B: 128 experts, top 8, 99.8% at 100
+tokens): a long prompt touches every expert.
+
+Staged experts do not go through the slots. Offplan's experts implementation
+gathers a forward's expert rows into a tensor of its own (runtime/experts.py),
+so a host row is free again once gathered: the rows stream through a ring of
+`ring_bytes` (runtime/ring.py) that each staged forward allocates and frees,
+prefill working memory like the activations (and the gathered rows, which
+hold all of a layer's experts), so the footprint does not count it. It holds
+one layer's host experts (the largest staged layer's: the copies then run a
+whole layer ahead), up to RING_BYTES: 512 MiB streams 9.8 ms of the H100's
+link, more than a layer of Qwen3-30B-A3B computes at 8192 tokens (7 ms
+measured), so the link need not wait on compute for want of room.
 
 A staged layer holds at least one such tensor on uva. Its `bytes` are those
-tensors' bytes, each rounded up to ALIGN (256, slots.py) as they lie back to
-back in a slot; `slot_bytes` is the largest layer's, `slots` = min(2, staged
-layers), and the pool (`slots x slot_bytes`) is GPU memory that the plan's
-footprint counts (footprint.py), like the prefetch pool.
+tensors' bytes but the routed experts', each rounded up to ALIGN (256,
+slots.py) as they lie back to back in a slot; `slot_bytes` is the largest
+layer's, `slots` = min(2, staged layers with such bytes), and the pool (`slots x slot_bytes`)
+is GPU memory held from load on, which the plan's footprint counts
+(footprint.py), like the prefetch pool.
 
 Example: Llama-3.1-8B with the MLP of layers 0-17 on uva stages 18 layers of
 336 MiB (gate, up and down: 3 x 14336 x 4096 x 2 bytes) through 2 slots: 672 MiB.
@@ -68,6 +76,7 @@ from .plan import LayerKind, Placement, PrefillStaging, Runs, StagedLayer
 from .slots import align
 
 STAGE_SLOTS = 2  # one slot runs while the next layer's copy fills the other
+RING_BYTES = 512 * 2**20  # the expert ring's most (module doc)
 
 
 def stageable(layers: Iterable[Layer], quantized: Collection[str] = (), experts: bool = False) -> frozenset[str]:
@@ -87,27 +96,30 @@ def stage_experts(touched: float, hw: Hardware) -> bool:
 
 def staged(layer: Layer, names: Collection[str], place: Mapping[str, Placement],
            tensors: Mapping[str, TensorInfo] | None) -> tuple[list[str], int | None]:
-    """`layer`'s staged tensors (those of `names`, stageable, on uva) and their bytes in a slot: each
-    rounded up to ALIGN, and every routed tensor of the layer if one of them is routed (module doc);
-    None without `tensors`."""
+    """`layer`'s staged tensors (those of `names`, stageable, on uva) and the bytes those other than routed
+    experts take in a slot, each rounded up to ALIGN (module doc); None without `tensors`."""
     mine = [n for n in layer.params if n in names and place[n] is Placement.UVA]
     if tensors is None:
         return mine, None
-    whole = [n for n in layer.params if n in names and is_expert(n)] if any(map(is_expert, mine)) else []
-    return mine, sum(align(tensors[n].nbytes) for n in [*(n for n in mine if not is_expert(n)), *whole])
+    return mine, sum(align(tensors[n].nbytes) for n in mine if not is_expert(n))
+
+
+def ring_bytes(host_experts: Iterable[int]) -> int:
+    """The expert ring for staged layers holding these bytes of routed experts on uva (module doc)."""
+    return min(RING_BYTES, max(host_experts, default=0))
 
 
 def make_staging(graph: LayerGraph, place: Mapping[str, Placement], tensors: Mapping[str, TensorInfo],
                  above_tokens: int, names: frozenset[str]) -> PrefillStaging | None:
     """The plan's `prefill:` section for `place`, or None when no layer holds a stageable uva tensor.
     `names`: `stageable(graph.layers, partners(tensors), experts)`."""
-    layers, experts = [], False
+    layers, host = [], []
     for l in graph.layers:
         mine, size = staged(l, names, place, tensors)
         if mine:
             layers.append(StagedLayer(l.name, l.module, size))
-            experts = experts or any(map(is_expert, mine))
+            host.append(sum(tensors[n].nbytes for n in mine if is_expert(n)))
     if not layers:
         return None
-    return PrefillStaging(above_tokens, min(STAGE_SLOTS, len(layers)), max(l.bytes for l in layers), tuple(layers),
-                          experts)
+    return PrefillStaging(above_tokens, min(STAGE_SLOTS, sum(1 for l in layers if l.bytes)),
+                          max(l.bytes for l in layers), tuple(layers), ring_bytes(host))

@@ -38,6 +38,12 @@ Triton, it is `index_select` (which on CUDA would read padding rows over the
 link too). The kernel is an opaque custom op (`offplan::gather_rows`), so
 torch.compile traces the rest without a graph break.
 
+At prefill of a layer that the plan stages (prefill.py), the unique list is
+every expert in expert order (U = E: a long prompt touches nearly all of
+them), step 2 gathers only the rows held in HBM, and the rows in pinned
+memory come from the expert ring (ring.py: copied ahead of the layer, over
+the link, while earlier layers computed), through `offplan::expert_fill`.
+
 A module whose fused parameters are all in HBM (on the GPU, or prefetched into
 a slot) has nothing to deduplicate: it runs transformers' own implementation
 whose arithmetic `arithmetic` picks for its pairs (`batched_mm` or
@@ -49,6 +55,7 @@ import torch
 
 from planner.groups import BATCHED_PAIRS  # pairs up to which the batched_mm arithmetic runs: decode of 1-2 tokens
 
+from . import ops
 from .dequant import dequantize, quantized, stored
 
 _PREFIX = "offplan_"  # non-persistent buffers bound on an experts module: `offplan_slot_<param>`, `offplan_rows_<param>`
@@ -85,6 +92,11 @@ def bind(module: torch.nn.Module, param: str, resident: torch.Tensor, slot: torc
     module.register_buffer(f"{_PREFIX}slot_{param}", slot, persistent=False)
 
 
+def bound(module: torch.nn.Module, param: str) -> bool:
+    """Whether `param` of `module` runs through offplan's experts implementation (`bind` gave it rows)."""
+    return getattr(module, f"{_PREFIX}slot_{param}", None) is not None
+
+
 def unbind(module: torch.nn.Module) -> None:
     for name in [n for n, _ in module.named_buffers(recurse=False) if n.startswith(_PREFIX)]:
         delattr(module, name)
@@ -103,8 +115,15 @@ def _stage(module, param: str, order: torch.Tensor, valid: torch.Tensor) -> torc
     if q is not None:
         return dequantize(q, _rows(module, q.data, stored(module, q.data), order, valid),
                           _rows(module, q.scale, stored(module, q.scale), order, valid))
-    # through the attribute: while prefill stages the layer (prefill.py), its copy in a GPU slot
     return _rows(module, param, getattr(module, param), order, valid)
+
+
+def _in_hbm(module, param: str) -> torch.Tensor:
+    """[E] int32: 1 for each expert of `param` with rows in HBM (`bind`), 0 for those in pinned memory."""
+    slot = getattr(module, f"{_PREFIX}slot_{param}", None)
+    if slot is None:  # all of it in HBM
+        return torch.ones(module.num_experts, dtype=torch.int32, device=getattr(module, param).device)
+    return (slot >= 0).to(torch.int32)
 
 
 def _rows(module, name: str, full: torch.Tensor, order: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -156,17 +175,23 @@ def offplan_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, 
     ids = top_k_index.reshape(-1)
     weights = top_k_weights.reshape(-1)
     first = "gate_up_proj" if self.has_gate else "up_proj"
-    if num_tokens == 1:  # one token's k experts are distinct: staged in pair order, no weight copy per pair
+    ring = getattr(self, "_offplan_ring", None)  # set by prefill.py on the experts modules it stages
+    if ring is not None and ring.state.staged:  # every expert, in order: HBM rows gathered, host rows from the ring
+        size, order, pos = experts, torch.arange(experts, device=ids.device), ids
+        rows = {p: _stage(self, p, order, _in_hbm(self, p)) for p in fused_params(self)}
+        ops.expert_fill(list(rows.values()), ring.key, ring.unit)
+    elif num_tokens == 1:  # one token's k experts are distinct: staged in pair order, no weight copy per pair
         rows = {p: _stage(self, p, ids, torch.ones_like(ids, dtype=torch.int32)) for p in fused_params(self)}
         return _batched(self, hidden_states, rows, weights, k)
-    size = min(experts, pairs)
-    hit = torch.zeros(experts, dtype=torch.int32, device=ids.device).index_fill_(0, ids, 1)
-    order = torch.sort(hit, descending=True, stable=True).indices[:size]  # hit experts first, by number
-    valid = hit.index_select(0, order)
-    slot_of = torch.zeros(experts, dtype=torch.long, device=ids.device).index_copy_(
-        0, order, torch.arange(size, device=ids.device))
-    pos = slot_of.index_select(0, ids)  # [T*k]: each pair's slot
-    rows = {p: _stage(self, p, order, valid) for p in fused_params(self)}
+    else:
+        size = min(experts, pairs)
+        hit = torch.zeros(experts, dtype=torch.int32, device=ids.device).index_fill_(0, ids, 1)
+        order = torch.sort(hit, descending=True, stable=True).indices[:size]  # hit experts first, by number
+        valid = hit.index_select(0, order)
+        slot_of = torch.zeros(experts, dtype=torch.long, device=ids.device).index_copy_(
+            0, order, torch.arange(size, device=ids.device))
+        pos = slot_of.index_select(0, ids)  # [T*k]: each pair's slot
+        rows = {p: _stage(self, p, order, valid) for p in fused_params(self)}
     bias = (lambda p: rows[f"{p}_bias"]) if self.has_bias else (lambda p: None)
     if arithmetic(pairs) == "batched_mm":  # one weight copy per pair, from HBM
         return _batched(self, hidden_states, rows, weights, k, pos)
@@ -190,14 +215,15 @@ def offplan_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, 
 # ---------------------------------------------------------------- the gather
 
 def _gather_reference(full, resident, slot, order, valid) -> torch.Tensor:
-    """rows[u] = resident[slot[e]] if slot[e] >= 0 else full[e], e = order[u] (padding rows: any)."""
+    """rows[u] = resident[slot[e]] if slot[e] >= 0 else full[e], e = order[u]; rows not `valid`: zeros (the
+    kernel leaves them unwritten), so that a test on the CPU sees a row the forward should have read elsewhere."""
     s = slot.index_select(0, order)
     from_resident = resident.index_select(0, s.clamp(min=0)) if resident.shape[0] else None
     rows = full.index_select(0, order)
-    if from_resident is None:
-        return rows
-    keep = (s >= 0).view(-1, *([1] * (rows.dim() - 1)))
-    return torch.where(keep, from_resident, rows)
+    shape = (-1, *([1] * (rows.dim() - 1)))
+    if from_resident is not None:
+        rows = torch.where((s >= 0).view(shape), from_resident, rows)
+    return torch.where(valid.view(shape) != 0, rows, torch.zeros((), dtype=rows.dtype))
 
 
 try:

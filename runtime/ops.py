@@ -1,7 +1,10 @@
 """The prefetch engine's two operations as `torch.library` custom ops, for torch.compile and CUDA graphs.
 
 The prefill stager (prefill.py) uses `prefetch_wait` too: its `wait(layer)`
-stages the layer and starts the next one's copy.
+stages the layer and starts the next one's copy. It adds a third:
+`offplan::expert_fill(rows, engine, unit)`: copy a staged experts module's
+host rows from the expert ring (ring.py) into `rows`, the rows its experts
+forward gathered (experts.py), which it mutates.
 
 `offplan::prefetch_wait(x, engine, layer)`: make the current stream wait for
 `layer`'s copy, then return a copy of `x` (the layer's input activations).
@@ -67,3 +70,13 @@ def prefetch_start(y: torch.Tensor, engine: int, layer: int) -> torch.Tensor:
 @prefetch_start.register_fake
 def _(y, engine, layer):
     return torch.empty_like(y)
+
+
+@torch.library.custom_op("offplan::expert_fill", mutates_args=("rows",))
+def expert_fill(rows: list[torch.Tensor], engine: int, unit: int) -> None:
+    _engine(engine).fill(unit, rows)
+
+
+@expert_fill.register_fake
+def _(rows, engine, unit):
+    return None

@@ -5,22 +5,24 @@ the host link once per output tile: for a decode step (a few tokens) that is
 once, for a long prompt many times (24x the bytes at 8192 tokens on the H100).
 The plan's `prefill:` section (planner/plan.py `PrefillStaging`) names the
 layers whose uva tensors are staged, and `above_tokens`, the crossover `plan
-calibrate` measured. Routed experts are staged only where it says `experts`
-(when the prompt is predicted to touch most of them: planner/staging.py):
-each fused expert parameter lies whole in the slot, its experts in pinned
-memory copied, one copy per run of them, and offplan's experts
-implementation (experts.py) gathers the touched ones from the slot, those
-the plan keeps on the GPU from HBM as always. Otherwise the experts
-implementation reads each touched expert once per forward, through the
-zero-copy view, once the router has picked them. Per forward:
+calibrate` measured. Routed experts are staged only where it says so
+(`ring_bytes`: when the prompt is predicted to touch most of them,
+planner/staging.py), and not through the slots: their rows in pinned memory
+stream through the expert ring (ring.py), from which offplan's experts
+implementation (experts.py) takes them after its gather of the rows in HBM.
+Otherwise the experts implementation reads each touched expert once per
+forward, through the zero-copy view, once the router has picked them. Per
+forward:
+
+Per forward:
 
 - a forward pre-hook on each staged layer's module counts the tokens of its
   input (all dimensions but the last). At or below `above_tokens` it does
   nothing: decode reads in place, zero-copy, as before;
 - one on the model's input embedding starts the first staged layer's copy
-  when the forward begins (above the threshold), so that it overlaps the
-  layers before it instead of waiting for that layer's hook (unless that
-  layer is a vision tower, which a text prompt never runs);
+  and the expert ring when the forward begins (above the threshold), so that
+  they overlap the layers before it instead of waiting for that layer's hook
+  (unless that layer is a vision tower, which a text prompt never runs);
 - above, the layer's staged tensors are copied into a GPU slot (there are
   `slots`, normally 2, used in turn) and the compute stream waits for that
   copy; then the next staged layer's copy starts on the copy stream, after an
@@ -48,22 +50,34 @@ a CUDA graph stages nothing: it stays zero-copy.
 Without CUDA the same rotation runs with synchronous copies into CPU slots, so
 CI exercises it; a wrong slot gives wrong outputs.
 
-Lifecycle: `PrefillStager(...)` (slots, module classes swapped, hooks) -> forwards ->
+A staged experts module's forward finds its layer's state, the stager's key
+and its unit in the ring through the `_offplan_ring` attribute the stager
+sets on it (`RingUse`), and calls `offplan::expert_fill` while the layer is
+staged. An experts module that does not dispatch through offplan's experts
+implementation (experts.py `supports`; Llama 4's in transformers 5.17, which
+multiplies every expert for every token) reads its host experts in place at
+prefill too (`in_place` names them): the planner, which sees names only,
+cannot size a slot for them.
+
+Lifecycle: `PrefillStager(...)` (slots, ring, module classes swapped, hooks) -> forwards ->
 `remove()` (classes restored, hooks removed, slots freed).
 """
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 
 from planner.errors import PlanFileError
 from planner.plan import PrefillStaging
 
+from . import experts as experts_impl
 from . import ops
 from .arena import PinnedArena, align, typed
 from .checkpoint_names import Target
 from .modules import module_paths
+from .ring import ExpertRing
 
 
 class _LayerState:
@@ -71,6 +85,15 @@ class _LayerState:
 
     def __init__(self):
         self.staged = False
+
+
+@dataclass(frozen=True)
+class RingUse:
+    """What a staged experts module's forward needs of the ring: its layer's state, the stager, its unit."""
+
+    state: _LayerState
+    key: int
+    unit: int
 
 
 def _staged_property(name: str, buffer: bool) -> property:
@@ -92,22 +115,6 @@ def _staged_class(cls: type, names: frozenset[tuple[str, bool]]) -> type:
     return type(f"Staged{cls.__name__}", (cls,), {n: _staged_property(n, b) for n, b in sorted(names)})
 
 
-def _copies(t: Target, dst: torch.Tensor, src: torch.Tensor, routed: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(slot bytes, pinned bytes) to stage `t`: all of it, or for a fused expert parameter each run of
-    consecutive experts in pinned memory (rows the plan keeps on the GPU are read from there: experts.py)."""
-    if not routed or not t.resident:
-        return [(dst, src)]
-    row, keep = t.nbytes // t.shape[0], set(t.resident)
-    out, start = [], None
-    for e in range(t.shape[0] + 1):
-        if e < t.shape[0] and e not in keep:
-            start = e if start is None else start
-        elif start is not None:
-            out.append((dst[start * row:e * row], src[start * row:e * row]))
-            start = None
-    return out
-
-
 def _tokens(x: torch.Tensor) -> int:
     return x.numel() // x.shape[-1] if x.dim() else 0
 
@@ -119,9 +126,9 @@ class PrefillStager:
                  host_offset: dict[str, int], arena: PinnedArena, model: torch.nn.Module, device: torch.device,
                  early: bool = True):
         """`targets`: the uva targets; those whose pieces are routed experts (`experts`: checkpoint names of
-        fused expert groups) are staged only with `staging.experts`, quantized ones (`quantized`: checkpoint
-        names) never. `early`: the first staged layer runs in every forward (no vision tower, which a text
-        prompt skips), so its copy may start at the input embedding."""
+        fused expert groups) go through the expert ring, and only with `staging.experts`; quantized ones
+        (`quantized`: checkpoint names) are never staged. `early`: the first staged layer runs in every forward
+        (no vision tower, which a text prompt skips), so its copies may start at the input embedding."""
         self.above = staging.above_tokens
         self.device = device
         self.cuda = device.type == "cuda"
@@ -130,8 +137,11 @@ class PrefillStager:
         self.copies: list[list[tuple[torch.Tensor, torch.Tensor]]] = []  # per staged layer: (slot bytes, pinned bytes)
         self.ready = [torch.cuda.Event() for _ in staging.layers] if self.cuda else []
         self.ahead: int | None = None  # the layer whose copy was started by the one before it
+        self.last: int | None = None  # the last staged layer waited for (a lower one starts a new forward)
         self.staged_forwards = 0  # staged layer forwards, for stats and tests
         self.swapped: dict[torch.nn.Module, type] = {}  # module -> its own class
+        self.ring_modules: list[torch.nn.Module] = []
+        self.in_place: list[str] = []  # routed experts whose module runs its own forward: read in place (module doc)
         self.hooks = []
         self.key = ops.register(self)
         mine = {l.layer: [] for l in staging.layers}
@@ -144,22 +154,38 @@ class PrefillStager:
                 mine[layer].append(t)
         paths, problems = module_paths(model, targets, {l.module for l in staging.layers})
         views: dict[torch.nn.Module, dict[str, tuple[_LayerState, torch.Tensor]]] = {}
+        units: list[list[tuple[int, torch.Tensor, list[int]]]] = []
         for index, layer in enumerate(staging.layers):
-            slot = self.slots[index % staging.slots]
+            slot = self.slots[index % staging.slots] if self.slots else None  # none: it stages experts only
             state = _LayerState()
-            cursor, copies = 0, []
+            cursor, copies, rows = 0, [], {}
             for t in mine[layer.layer]:
+                host = arena.host_view(host_offset[t.name], t.nbytes)
+                path, _, attr = t.name.rpartition(".")
+                owner = model.get_submodule(path)
+                if t.name in routed:  # through the ring, if offplan's experts implementation runs the module
+                    if experts_impl.bound(owner, attr):
+                        rows.setdefault(owner, []).append((experts_impl.fused_params(owner).index(attr),
+                                                           typed(host, t.dtype, t.shape),
+                                                           sorted(set(range(t.shape[0])) - set(t.resident))))
+                    else:
+                        self.in_place.append(t.name)
+                    continue
                 if cursor + t.nbytes > staging.slot_bytes:
                     problems.append(f"{layer.layer}: its staged tensors need more than the plan's slot_bytes "
                                     f"({staging.slot_bytes})")
                     break
                 dst = slot[cursor:cursor + t.nbytes]
-                copies += _copies(t, dst, arena.host_view(host_offset[t.name], t.nbytes), t.name in routed)
+                copies.append((dst, host))
                 for alias in t.aliases:
                     path, _, attr = alias.rpartition(".")
                     views.setdefault(model.get_submodule(path), {})[attr] = (state, typed(dst, t.dtype, t.shape))
                 cursor = align(cursor + t.nbytes)
-            if not copies:
+            for owner, params in rows.items():
+                owner._offplan_ring = RingUse(state, self.key, len(units))
+                self.ring_modules.append(owner)
+                units.append(params)
+            if not copies and not rows and not self.in_place:
                 problems.append(f"{layer.layer}: the plan stages it for prefill, but it has no uva tensor here")
             self.copies.append(copies)
             if layer.module not in paths:
@@ -167,6 +193,10 @@ class PrefillStager:
             module = model.get_submodule(paths[layer.module])
             self.hooks.append(module.register_forward_pre_hook(self._pre_hook(index, state), with_kwargs=True))
             self.hooks.append(module.register_forward_hook(self._post_hook(state)))
+        try:
+            self.ring = ExpertRing(staging.ring_bytes, units, device, self.copy_stream) if units else None
+        except PlanFileError as e:
+            problems.append(str(e))
         embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
         if early and isinstance(embed, torch.nn.Module) and self.copies:  # the first staged copy starts with the forward
             self.hooks.append(embed.register_forward_pre_hook(self._start_hook))
@@ -211,10 +241,17 @@ class PrefillStager:
 
     def start_after(self, index: int) -> None:
         """The body of `offplan::prefetch_start` for this engine, called before any layer (`index` -1): start
-        the first staged layer's copy, unless one is under way."""
+        the first staged layer's copy, unless one is under way, then the expert ring's."""
         if self.ahead is None:
             self._copy(0)
             self.ahead = 0
+        if self.ring is not None:
+            self.ring.begin()
+        self.last = -1
+
+    def fill(self, unit: int, rows: list[torch.Tensor]) -> None:
+        """The body of `offplan::expert_fill`: `unit`'s host rows from the ring (ring.py)."""
+        self.ring.fill(unit, rows)
 
     @staticmethod
     def _post_hook(state: _LayerState):
@@ -228,6 +265,9 @@ class PrefillStager:
         self.staged_forwards += 1
         if self.ahead != index:
             self._copy(index)
+        if self.ring is not None and (self.last is None or index <= self.last):  # a forward the embedding did not start
+            self.ring.begin()
+        self.last = index
         self.ahead = None
         if self.cuda:
             torch.cuda.current_stream(self.device).wait_event(self.ready[index])
@@ -254,6 +294,10 @@ class PrefillStager:
             owner.__class__ = cls
             del owner._offplan_staged
         self.swapped = {}
+        for owner in self.ring_modules:
+            del owner._offplan_ring
+        self.ring_modules = []
+        self.ring = None
         for h in self.hooks:
             h.remove()
         self.hooks = []

@@ -336,7 +336,7 @@ CORPUS = [
     case("staging slots", edited_plan("prefill:\n  above_tokens: 192\n  slots: 2\n",
                                       "prefill:\n  above_tokens: 192\n  slots: 1\n", at="1\n  slot_bytes"),
          ["diff", "p.plan.yaml", "bad.plan.yaml"],
-         "bad.plan.yaml:{at}: prefill.slots is 1 but 4 staged layers give 2 (at most 2)"),
+         "bad.plan.yaml:{at}: prefill.slots is 1 but 4 staged layers with bytes in a slot give 2 (at most 2)"),
     case("staging pool left out of the summary", edited_plan("  stage_buffer_bytes: 6291456\n", "",
                                                              at="gpu_bytes: 9437184"),
          ["show", "bad.plan.yaml"],

@@ -14,7 +14,7 @@ from planner.graph import build_graph
 from planner.groups import FusedGroups
 from planner.hardware import Hardware, dumps_hardware, load_hardware
 from planner.placement import decide
-from planner.plan import Role
+from planner.plan import PrefillStaging, Role, StagedLayer
 from planner.policy import Rule, Workload, load_policy
 from planner.patterns import compile_pattern
 
@@ -130,18 +130,18 @@ def test_mixed_at_batch_64_offloads_no_more_than_it_must():
     # costs a prefill staging slot per layer moved, so it must move two experts more.)
     d = mixed(moe(), budget_mb=60, batch=64)
     assert d.notes[1] == (
-        "mixed chose 'sparse->uva, dense->prefetch': predicted step 99.628 ms, prefill 90.969 ms, request "
-        "25595.737 ms (prefill of 512 tokens + 256 steps at batch 64); others: sparse->uva, dense->uva: step "
-        "99.628 ms, prefill 90.969 ms, request 25595.737 ms; prefetch only: step 100.000 ms, prefill 100.153 ms, "
-        "request 25700.153 ms; uva only: step 101.528 ms, prefill 91.858 ms, request 26083.026 ms")
-    # 512 tokens touch every expert, so staging them whole was tried first: its 2 slots of a layer's experts
-    # leave room only for prefetching, slower here
-    assert d.notes[2] == (
-        "prefill reads each touched routed expert in place, though a prompt of 512 tokens favours staging each "
-        "layer's experts whole (100% of their bytes touched): the best placement with it is predicted at "
-        "25700.153 ms a request against 25595.737 ms")
+        "mixed chose 'sparse->uva, dense->prefetch': predicted step 99.628 ms, prefill 48.147 ms, request "
+        "25552.915 ms (prefill of 512 tokens + 256 steps at batch 64); others: sparse->uva, dense->uva: step "
+        "99.628 ms, prefill 48.147 ms, request 25552.915 ms; prefetch only: step 100.000 ms, prefill 100.153 ms, "
+        "request 25700.153 ms; uva only: step 101.528 ms, prefill 49.147 ms, request 26040.315 ms")
+    # 512 tokens touch every expert, so prefill streams the experts on uva through the ring, which costs no
+    # footprint: layer 0's 24 MB and layer 1's 18 MB copied at 1 MB/ms, 42 ms that hide those layers' compute
+    # (0.822 ms), where reading them in place after the router would take 84 ms at 0.5 MB/ms (90.969 ms)
     assert d.summary.uva_bytes == 43 * 10**6  # the embedding and 42 MB of experts: just what it must shed
-    assert d.prefill is None  # embeddings are never staged, nor experts here
+    assert d.prefill == PrefillStaging(HW.stage_above_tokens, 0, 0, (
+        StagedLayer("model.layers.0", "model.layers.0", 0), StagedLayer("model.layers.1", "model.layers.1", 0)),
+        ring_bytes=24 * 10**6)  # embeddings are never staged; the ring holds layer 0's experts
+    assert d.summary.stage_buffer_bytes == 0
 
 
 def test_mixed_respects_rules_and_budget_check():

@@ -175,32 +175,34 @@ SPLIT_STAGED = ("uva: {stage_experts: true}\nrules:\n  - {match: [self_attn], pl
 
 
 @pytest.mark.parametrize("body", ["backend: uva\nuva: {offload_gib: 100, stage_experts: true}", SPLIT_STAGED])
-def test_staged_experts_are_read_from_the_slot_exactly(tmp_path, checkpoints, body):
-    """With `experts: true` a staged layer's fused expert parameters lie whole in its slot: the experts forward
-    gathers the touched ones from there (the plan's GPU experts from their resident rows), and only above the
-    threshold; outputs equal the plain model's."""
+def test_staged_experts_stream_through_the_ring_exactly(tmp_path, checkpoints, body):
+    """With `ring_bytes` a staged layer's experts in pinned memory stream through the expert ring: the experts
+    forward gathers the rows in HBM (the plan's GPU experts) and takes the others from the ring, only above the
+    threshold; outputs equal the plain model's. On the CPU the gather leaves the host rows zero, so a row the
+    ring did not deliver, or delivered to the wrong expert, changes the logits."""
     plan = plan_with(tmp_path, checkpoints["moe"], body)
     staging = load_plan(plan).prefill
     assert staging.experts and [l.layer for l in staging.layers] == [f"model.layers.{i}" for i in range(4)]
     model, handle = from_pretrained(plan, progress=False)
-    slots = [(s.data_ptr(), s.data_ptr() + s.numel()) for s in handle.prefill.slots]
-    seen = []
-    experts = model.model.layers[2].mlp.experts
-    hook = experts.register_forward_pre_hook(
-        lambda m, args: seen.append(any(a <= m.gate_up_proj.data_ptr() < b for a, b in slots)))
+    ring = handle.prefill.ring
+    assert len(ring.chunks) > ring.positions > 1  # the chunks wrap around the ring: each buffer reused
+    assert ring.ring_bytes <= staging.ring_bytes
+    filled = []
+    fill = handle.prefill.fill
+    handle.prefill.fill = lambda unit, rows: (filled.append(unit), fill(unit, rows))[1]
     ref = reference(checkpoints["moe"])
     torch.manual_seed(4)
     prompt = torch.randint(0, 256, (2, 9))
     try:
         with torch.no_grad():
             assert torch.equal(model(prompt).logits, ref(prompt).logits)
+            assert ring.buffer is None and ring.consumed == len(ring.chunks)  # all consumed, the ring released
             assert torch.equal(model(prompt[:, :1]).logits, ref(prompt[:, :1]).logits)
             out = model.generate(prompt, max_new_tokens=4, do_sample=False, pad_token_id=0)
         assert out.tolist() == ref.generate(prompt, max_new_tokens=4, do_sample=False, pad_token_id=0).tolist()
-        # staged: the two prefills; in place: the 2-token forward and the 3 decode steps
-        assert seen == [True, False, True, False, False, False]
+        # the two prefills fill every unit, in order; the 2-token forward and the decode steps read in place
+        assert filled == [0, 1, 2, 3] * 2
     finally:
-        hook.remove()
         handle.remove(restore=False)
 
 

@@ -23,12 +23,13 @@ POLICIES = {
     "uva+prefetch": "rules:\n  - {match: [self_attn], place: uva}\n"
                     "prefetch: {group_size: 2, num_in_group: 1, step: 2, params: [mlp]}",
     "mixed": "backend: mixed\nbudget_gib: {budget}\nprefetch: {step: 2}",
-    # routed experts staged too (the llama has none): whole, and split with experts 1 and 3 on the GPU
+    # routed experts streamed through the ring too (the llama has none): all, and experts 0 and 2 (1 and 3 on
+    # the GPU, gathered from HBM)
     "uva+experts": "backend: uva\nuva: {offload_gib: 100, stage_experts: true}",
     "split experts": "uva: {stage_experts: true}\nrules:\n  - {match: [self_attn], place: uva}\n"
                      "  - {match: ['re:experts\\.[02]\\.'], place: uva}\n",
 }
-# budgets under which mixed puts dense tensors on uva (the MoE's experts go first, and are never staged)
+# budgets under which mixed puts dense tensors on uva (the MoE's experts go first, through the ring)
 MIXED_BUDGET_GIB = {"llama": 0.0003, "moe": 0.0001}
 
 
@@ -58,6 +59,9 @@ def test_staged_prefill_and_in_place_decode_equal_all_gpu(tmp_path, checkpoints,
                 assert torch.equal(model(prompt).logits, ref(prompt).logits)
             staged = handle.stats().prefill_staged_layers
             assert staged == 2 * len(handle.plan.prefill.layers)
+            ring = handle.prefill.ring
+            if handle.plan.prefill.experts:  # every chunk of the ring consumed, the ring released
+                assert ring.buffer is None and ring.consumed == len(ring.chunks) > 0
             out = model.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0)
             want = ref.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0)
         assert out.tolist() == want.tolist()

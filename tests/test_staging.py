@@ -48,17 +48,19 @@ def test_llama_stages_each_uva_layer_and_the_head_never_the_embedding():
     assert d.summary.gpu_footprint_bytes == d.summary.gpu_bytes + 2 * 74240
 
 
-def test_qwen3_moe_stages_routed_experts_whole_when_the_prompt_touches_them():
+def test_qwen3_moe_streams_routed_experts_through_the_ring_when_the_prompt_touches_them():
     d, _ = plan_of(small_qwen3_moe(), policy(rules=[(["layers.0", "embed_tokens", "lm_head"], "uva"),
                                                     (["re:layers\\.1\\.mlp\\.experts\\.[0-2]\\."], "uva")],
                                              stage_experts=True))
-    # A prompt of 512 tokens (the default workload) touches every expert. Layer 0: input and post-attention
-    # norms (128 B) and q_norm, k_norm (32 B), each rounded up to 256, q and o 2 x 8192, k and v 2 x 4096,
-    # the router 512: 26112, and its 4 experts x 3 x 4096: 75264. Layer 1 holds 3 of its 4 experts on uva:
-    # its slot takes all 4 (a fused parameter lies whole in it), 49152. The head: 16384
-    assert d.prefill == PrefillStaging(H100.stage_above_tokens, 2, 75264, (
-        StagedLayer("model.layers.0", "model.layers.0", 75264), StagedLayer("model.layers.1", "model.layers.1", 49152),
-        StagedLayer("lm_head", "lm_head", 16384)), experts=True)
+    # A prompt of 512 tokens (the default workload) touches every expert. Layer 0's slot: input and
+    # post-attention norms (128 B) and q_norm, k_norm (32 B), each rounded up to 256, q and o 2 x 8192, k and v
+    # 2 x 4096, the router 512: 26112; its 4 experts (4 x 3 x 4096 = 49152) go through the ring. Layer 1 holds
+    # only experts on uva, 3 of its 4 (36864): nothing in a slot. The head: 16384. The ring holds the larger
+    # layer's host experts, 49152, and costs no footprint: the pool is the slots'
+    assert d.prefill == PrefillStaging(H100.stage_above_tokens, 2, 26112, (
+        StagedLayer("model.layers.0", "model.layers.0", 26112), StagedLayer("model.layers.1", "model.layers.1", 0),
+        StagedLayer("lm_head", "lm_head", 16384)), ring_bytes=49152)
+    assert d.summary.stage_buffer_bytes == 2 * 26112
 
 
 def test_short_prompts_stage_no_routed_expert():
@@ -72,27 +74,21 @@ def test_short_prompts_stage_no_routed_expert():
         StagedLayer("model.layers.0", "model.layers.0", 26112), StagedLayer("lm_head", "lm_head", 16384)))
 
 
-def test_experts_are_staged_when_asked_or_a_budget_has_room_and_noted_otherwise():
+def test_experts_are_staged_unless_refused():
     rules = [(["experts", "embed_tokens"], "uva")]
     on, _ = plan_of(small_qwen3_moe(), policy(rules=rules, stage_experts=True))
-    assert on.prefill == PrefillStaging(H100.stage_above_tokens, 2, 49152, (
-        StagedLayer("model.layers.0", "model.layers.0", 49152), StagedLayer("model.layers.1", "model.layers.1", 49152)),
-        experts=True)
-    assert on.summary.stage_buffer_bytes == 2 * 49152
+    assert on.prefill == PrefillStaging(H100.stage_above_tokens, 0, 0, (
+        StagedLayer("model.layers.0", "model.layers.0", 0), StagedLayer("model.layers.1", "model.layers.1", 0)),
+        ring_bytes=49152)
+    assert on.summary.stage_buffer_bytes == 0
     off, _ = plan_of(small_qwen3_moe(), policy(rules=rules, stage_experts=False))
-    assert (off.prefill, off.summary.stage_buffer_bytes) == (None, 0)
-    # unset, without a budget: GPU memory for the slots is not the planner's to spend; the plan says what it would do
+    assert (off.prefill, off.summary.stage_buffer_bytes, off.params) == (None, 0, on.params)
+    assert on.cost.prefill_us <= off.cost.prefill_us  # (2 us each: these layers are tiny)
+    # unset: the prompt of 512 tokens touches every expert, and the ring costs no footprint: staged, with a
+    # budget or without
     auto, _ = plan_of(small_qwen3_moe(), policy(rules=rules))
-    assert (auto.prefill, auto.params) == (None, off.params)
-    assert auto.notes[2] == (
-        "prefill reads each touched routed expert in place, though a prompt of 512 tokens favours staging each "
-        f"layer's experts whole (100% of their bytes touched): that would take 96.0 KiB more GPU memory and cut the "
-        f"predicted prefill from {off.cost.prefill_us / 1e3:.3f} to {on.cost.prefill_us / 1e3:.3f} ms; set "
-        "`uva: {stage_experts: true}`, or budget_gib to let the planner weigh it")
-    # unset, with a budget that has room for the slots: staged (these tiny layers predict the same request
-    # either way, 2 us of prefill; a tie keeps the staging, which a prompt touching every expert favours)
-    budget = (on.summary.gpu_footprint_bytes + 1) / 2**30
-    d, _ = plan_of(small_qwen3_moe(), policy(rules=rules, budget_gib=budget))
+    assert (auto.prefill, auto.params) == (on.prefill, on.params)
+    d, _ = plan_of(small_qwen3_moe(), policy(rules=rules, budget_gib=(on.summary.gpu_footprint_bytes + 1) / 2**30))
     assert (d.prefill, d.params) == (on.prefill, on.params)
 
 
@@ -163,14 +159,18 @@ def test_staged_experts_on_file_round_trip_and_a_hand_edit_is_caught(tmp_path):
     text = "uva:\n  stage_experts: true\nrules:\n  - match: [experts]\n    place: uva\n"
     plan = build(load_policy(write_policy(tmp_path, text)), tmp_path)
     text = dumps(plan)
-    assert (f"prefill:\n  above_tokens: {H100.stage_above_tokens}\n  slots: 2\n  slot_bytes: 49152\n  experts: true\n"
-            "  layers:\n    - {layer: model.layers.0, module: model.layers.0, bytes: 49152}\n") in text
+    assert (f"prefill:\n  above_tokens: {H100.stage_above_tokens}\n  slots: 0\n  slot_bytes: 0\n  ring_bytes: 49152\n"
+            "  layers:\n    - {layer: model.layers.0, module: model.layers.0, bytes: 0}\n") in text
     assert loads(text) == plan and dumps(loads(text)) == text
     jsonschema.validate(yaml.safe_load(text), schema("plan.schema.json"))
     with pytest.raises(PlanFileError) as e:  # without the flag, layers holding only experts stage nothing
-        loads(edit(text, "  experts: true\n", ""))
+        loads(edit(text, "  ring_bytes: 49152\n", ""))
     assert any("prefill.layers: lists model.layers.0, model.layers.1 but the layers of params: with uva tensors "
                "that prefill stages (not embeddings, routed experts or MTP layers) are none" in p
+               for p in e.value.problems)
+    with pytest.raises(PlanFileError) as e:  # the checkpoint's sizes give the ring
+        loads(edit(text, "  ring_bytes: 49152\n", "  ring_bytes: 36864\n"), tensors=open_checkpoint(tmp_path / "ckpt").tensors)
+    assert any("prefill.ring_bytes is 36864 but the staged layers' routed experts on uva give 49152" in p
                for p in e.value.problems)
 
 
@@ -263,7 +263,7 @@ def test_show_and_diff_report_the_staging_and_the_prefill(tmp_path, monkeypatch,
     assert main(["show", "on.plan.yaml", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["prefill"] == {"above_tokens": H100.stage_above_tokens, "slots": 2, "slot_bytes": 74240,
-                               "layers": ["model.layers.0", "model.layers.1"]}
+                               "ring_bytes": None, "layers": ["model.layers.0", "model.layers.1"]}
     assert (data["summary"]["stage_buffer_bytes"], data["cost"]["prompt_tokens"], data["cost"]["prefill_us"]) == (
         148480, 512, on.cost.prefill_us)
     assert main(["diff", "on.plan.yaml", "off.plan.yaml"]) == 0
@@ -279,7 +279,7 @@ def test_show_and_diff_report_the_staging_and_the_prefill(tmp_path, monkeypatch,
     assert main(["diff", "on.plan.yaml", "off.plan.yaml", "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
     assert (d["prefill"], d["staging_changed"], d["summary"]["stage_buffer_bytes"]) == (
-        {"removed": {"above_tokens": H100.stage_above_tokens, "slots": 2, "slot_bytes": 74240,
+        {"removed": {"above_tokens": H100.stage_above_tokens, "slots": 2, "slot_bytes": 74240, "ring_bytes": 0,
                      "layers": ["model.layers.0", "model.layers.1"]}}, True, -148480)
     assert d["predicted_prefill_us"] == {"old": on.cost.prefill_us, "new": off.cost.prefill_us}
 
