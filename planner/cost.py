@@ -51,7 +51,7 @@ they add:
     in place = (uva bytes a GEMM reads in place x ceil(T / stage_above_tokens)
                 + touched uva experts' bytes and embedding rows) / UVA
     layer    = max(compute, copies) + in place;  prefill = the sum over the layers
-(staged routed experts stream through a ring of at most 512 MiB, staging.py:
+(staged routed experts stream through a ring of at most 1 GiB, staging.py:
 assumed to hold enough to keep the copies going while a layer computes).
 A routed expert computes its share of the tokens: k/E under uniform routing,
 or its share of the routing profile's prefill tokens (its decode share when the

@@ -9,16 +9,17 @@ saturated, and then UVA and prefetch cost the same link time.
 Algorithm. Candidates are the tensors of the layer stacks, of embedding
 modules, and of whatever runs in no decode step (vision towers, MTP layers),
 that no rule placed; a routed expert is a unit (below). What runs in no decode
-step reads nothing per step, so it counts as the sparsest and goes to uva first. Four strategies
+step reads nothing per step, so it counts as the sparsest and goes to uva first. Five strategies
 each build a placement that fits the budget:
 
-1. sparse -> uva, then dense -> prefetch: sparse units, least-touched first,
-   move to UVA until the plan fits; if that is not enough, the fewest stack
-   layers, spread evenly, stream their dense tensors;
-2. sparse -> uva, then dense -> uva: the same, then dense units in execution
+1. sparse -> uva, then dense -> prefetch: sparse units, least-touched first
+   (ties in execution order), move to UVA until the plan fits; if that is
+   not enough, the fewest stack layers, spread evenly, stream their dense tensors;
+2. the same with ties taken round the layers (below), where that places otherwise;
+3. sparse -> uva, then dense -> uva: as 1, then dense units in execution
    order to UVA;
-3. prefetch only: the fewest stack layers, spread evenly, stream every candidate;
-4. uva only: units in execution order to UVA (vLLM's walk).
+4. prefetch only: the fewest stack layers, spread evenly, stream every candidate;
+5. uva only: units in execution order to UVA (vLLM's walk).
 
 The cost model (cost.py) predicts each; the fastest request wins: the lowest
 prefill of `workload.prompt_tokens` plus `workload.new_tokens` decode steps,
@@ -35,7 +36,14 @@ or of one whole tensor where the checkpoint stores every expert in it
 reads: with a routing profile
 (`workload.routing`), the experts its decode tokens never or rarely took go
 to uva first and the most-hit ones stay on the GPU; without one, every
-expert of a layer reads alike and the walk takes them in order.
+expert reads alike. Ties are taken in execution order (strategy 1), or round
+the layers (2: each layer's first unit, then its second...). Round the
+layers, each layer's host experts are a share that prefill copies
+(staging.py) while other layers compute, where whole layers of them, the
+first ones first, wait on the link; but every layer with an expert in
+pinned memory gathers its touched experts into HBM in each decode step
+(runtime/experts.py), which at large batches costs more HBM traffic. The
+cost model weighs the two.
 
 Limits: each strategy is greedy (no search over arbitrary subsets), and the
 prediction is only as good as the hardware profile and the routing (a
@@ -75,7 +83,7 @@ class MixedChoice:
 
 def place_mixed(graph: LayerGraph, policy: Policy, fp: Footprint, fixed: set[str], groups: FusedGroups,
                 model: CostModel) -> MixedChoice:
-    """Try the four strategies of the module doc on copies of `fp`; keep the fastest request that fits."""
+    """Try the five strategies of the module doc on copies of `fp`; keep the fastest request that fits."""
     budget = policy.budget_bytes
     units: list[Unit] = []
     seen: set[str] = set()
@@ -89,6 +97,11 @@ def place_mixed(graph: LayerGraph, policy: Policy, fp: Footprint, fixed: set[str
             seen.update(members)
             units.append(Unit(members, layer, model.frac[n], sum(fp.tensors[m].nbytes for m in members)))
     sparse = sorted((u for u in units if u.frac < 1), key=lambda u: u.frac)
+    # ties (every expert under uniform routing) round the layers: each layer's n-th unit, then its n+1-th
+    rank, seen_in = {}, {}
+    for u in units:
+        rank[id(u)] = seen_in[u.layer.name] = seen_in.get(u.layer.name, -1) + 1
+    spread = sorted(sparse, key=lambda u: (u.frac, rank[id(u)]))
     dense = [u for u in units if u.frac >= 1]
 
     def to_uva(f: Footprint, seq) -> Footprint:
@@ -106,13 +119,17 @@ def place_mixed(graph: LayerGraph, policy: Policy, fp: Footprint, fixed: set[str
             f.move(names, PREFETCH)
         return f
 
-    first = to_uva(fp.copy(), sparse)
+    first, around = to_uva(fp.copy(), sparse), to_uva(fp.copy(), spread)
     strategies = {
         "sparse->uva, dense->prefetch": first if first.total <= budget else to_prefetch(first, dense),
+        "sparse round the layers->uva, dense->prefetch": around if around.total <= budget else to_prefetch(
+            around, dense),
         "sparse->uva, dense->uva": to_uva(fp.copy(), sparse + dense),
         "prefetch only": to_prefetch(fp.copy(), units),
         "uva only": to_uva(fp.copy(), units),
     }
+    if strategies["sparse round the layers->uva, dense->prefetch"].place == strategies["sparse->uva, dense->prefetch"].place:
+        del strategies["sparse round the layers->uva, dense->prefetch"]  # no ties to take otherwise (dense models)
     fitting = [k for k, f in strategies.items() if f.total <= budget]
     if not fitting:  # decide() raises the budget error with the smallest footprint
         return MixedChoice(min(strategies.values(), key=lambda f: f.total), None, (), {})

@@ -47,9 +47,11 @@ so a host row is free again once gathered: the rows stream through a ring of
 prefill working memory like the activations (and the gathered rows, which
 hold all of a layer's experts), so the footprint does not count it. It holds
 one layer's host experts (the largest staged layer's: the copies then run a
-whole layer ahead), up to RING_BYTES: 512 MiB streams 9.8 ms of the H100's
-link, more than a layer of Qwen3-30B-A3B computes at 8192 tokens (7 ms
-measured), so the link need not wait on compute for want of room.
+whole layer ahead), up to RING_BYTES: 1 GiB streams 19.5 ms of the H100's
+link, more than twice what a layer of Qwen3-30B-A3B computes at 8192 tokens
+(58 ms for 8 layers, measured), so the link need not wait on compute for want
+of room. (512 MiB left the link idle for part of each layer at 8192 tokens:
+1.16x the floor where whole-layer slots reached 1.09x.)
 
 A staged layer holds at least one such tensor on uva. Its `bytes` are those
 tensors' bytes but the routed experts', each rounded up to ALIGN (256,
@@ -76,7 +78,7 @@ from .plan import LayerKind, Placement, PrefillStaging, Runs, StagedLayer
 from .slots import align
 
 STAGE_SLOTS = 2  # one slot runs while the next layer's copy fills the other
-RING_BYTES = 512 * 2**20  # the expert ring's most (module doc)
+RING_BYTES = 2**30  # the expert ring's most (module doc)
 
 
 def stageable(layers: Iterable[Layer], quantized: Collection[str] = (), experts: bool = False) -> frozenset[str]:

@@ -270,8 +270,8 @@ def test_gpt_oss_120b_reads_4_of_128_experts_a_step(tmp_path, mxfp4, layer_bytes
     assert {(l.uva, l.h2d) for l in layers} == {(layer_bytes, layer_bytes // 32)} and len(layers) == 36
     if mxfp4:
         assert plan.prefill is None  # nothing but experts on uva, quantized: never staged
-    else:  # bf16: a prompt of 512 tokens touches every expert, streamed through a ring of the most, 512 MiB
-        assert (plan.prefill.slots, plan.prefill.ring_bytes, len(plan.prefill.layers)) == (0, 512 * 2**20, 36)
+    else:  # bf16: a prompt of 512 tokens touches every expert, streamed through a ring of the most, 1 GiB
+        assert (plan.prefill.slots, plan.prefill.ring_bytes, len(plan.prefill.layers)) == (0, 2**30, 36)
     assert plan.notes == ("rules place 56.80 GiB on uva (216 tensors)" if mxfp4 else
                           "rules place 213.65 GiB on uva (144 tensors)",
                           "backend auto offloads nothing beyond the rules: no offload amount or budget is set",
