@@ -40,9 +40,11 @@ The floor at T is max(link bytes / H2D copy bandwidth, all-GPU's prefill at
 T): every offloaded byte the forward needs crosses the link at least once, and
 offloading cannot beat all-GPU. The link bytes are the plan's offloaded bytes,
 except that a routed expert on uva counts only if the prompt routes a token to
-it: which experts each layer touches at T is recorded in all-GPU's forward
-(the same routing as every plan's: their logits are bitwise equal). A
-prefetched layer is copied whole, touched or not.
+it (which experts each layer touches at T is recorded in all-GPU's forward:
+the same routing as every plan's, their logits being bitwise equal), and an
+embedding on uva only by the rows of the prompt's distinct tokens (a lookup;
+Qwen3-30B-A3B's table is 622 MB, which the floor counted whole before
+2026-11-23). A prefetched layer is copied whole, touched or not.
 
 A random-weight MoE routes unlike a trained one: its hidden states collapse
 with depth, so past the first layer a long prompt reaches only a third of
@@ -70,7 +72,8 @@ import torch
 
 from planner.build import build
 from planner.groups import expert_number
-from planner.plan import Placement, Plan
+from planner.graph import build_graph
+from planner.plan import LayerKind, Placement, Plan
 from planner.planfile import load_plan
 from planner.policy import load_policy
 from planner.units import GIB
@@ -154,12 +157,18 @@ def touched_experts(model, ids: torch.Tensor, device) -> dict[str, set[int]]:
     return touched
 
 
-def link_bytes(plan: Plan, tensors: dict, touched: dict[str, set[int]]) -> int:
-    """The offloaded bytes a prefill must move: every prefetched and uva tensor, but a uva routed expert only if
-    `touched` (module doc)."""
+def link_bytes(plan: Plan, tensors: dict, touched: dict[str, set[int]], ids: torch.Tensor) -> int:
+    """The offloaded bytes a prefill over `ids` must move: every prefetched and uva tensor, but a uva routed expert
+    only if `touched`, and of an embedding on uva the rows of the prompt's tokens (module doc)."""
+    embeddings = {n for l in build_graph(plan.params, plan.stacks).layers if l.kind is LayerKind.EMBED
+                  for n in l.params}
     total = 0
     for name, place in plan.params.items():
         if place is Placement.GPU:
+            continue
+        if place is Placement.UVA and name in embeddings:  # a lookup: one row per distinct token
+            info = tensors[name]
+            total += info.nbytes // info.shape[0] * min(info.shape[0], ids.unique().numel())
             continue
         expert = expert_number(name)
         if place is Placement.UVA and expert is not None:
@@ -246,7 +255,7 @@ class Prefill:
                 seconds = statistics.median(times)
                 if strategy == "gpu":
                     self.reference[n], self.allgpu[n] = logits, seconds
-                link = link_bytes(plan, self.info.tensors, self.touched[n])
+                link = link_bytes(plan, self.info.tensors, self.touched[n], ids)
                 floor = max(link / (self.hw.h2d_copy_gbps * 1e9), self.allgpu[n])
                 self.record(kind="prefill", tokens=n, prefill_ms=seconds * 1e3, link_bytes=link, floor_ms=floor * 1e3,
                             ratio_to_floor=seconds / floor, same_logits=bool(torch.equal(logits, self.reference[n])),

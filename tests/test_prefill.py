@@ -12,7 +12,7 @@ pytest.importorskip("transformers")
 from planner.hardware import H100, dumps_hardware  # noqa: E402
 from planner.planfile import load_plan  # noqa: E402
 from runtime.hf import from_pretrained  # noqa: E402
-from tiny_models import make_plan, reference, save_models  # noqa: E402
+from tiny_models import check_ring, make_plan, reference, save_models  # noqa: E402
 
 ABOVE = 8  # tokens: the test profile's crossover; a [2, 9] prompt (18 tokens) is staged, a decode step (2) is not
 
@@ -187,9 +187,7 @@ def test_staged_experts_stream_through_the_ring_exactly(tmp_path, checkpoints, b
     ring = handle.prefill.ring
     assert len(ring.chunks) > ring.positions > 1  # the chunks wrap around the ring: each buffer reused
     assert ring.ring_bytes <= staging.ring_bytes
-    filled = []
-    fill = handle.prefill.fill
-    handle.prefill.fill = lambda unit, rows: (filled.append(unit), fill(unit, rows))[1]
+    filled = check_ring(handle)  # every row of each fill compared with the parameter
     ref = reference(checkpoints["moe"])
     torch.manual_seed(4)
     prompt = torch.randint(0, 256, (2, 9))

@@ -13,7 +13,7 @@ import torch._inductor.config as inductor_config  # noqa: E402
 
 from planner.hardware import H100, dumps_hardware  # noqa: E402
 from runtime.hf import from_pretrained  # noqa: E402
-from tiny_models import make_plan, reference, save_models  # noqa: E402
+from tiny_models import check_ring, make_plan, reference, save_models  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -54,13 +54,15 @@ def test_staged_prefill_and_in_place_decode_equal_all_gpu(tmp_path, checkpoints,
     prompt = torch.randint(0, 256, (2, 9), device="cuda")
     try:
         assert handle.prefill is not None, "the policy puts dense tensors on uva: the plan stages them"
+        filled = check_ring(handle) if handle.plan.prefill.experts else []  # each fill's rows against the parameters
         with torch.no_grad():
             for _ in range(2):
                 assert torch.equal(model(prompt).logits, ref(prompt).logits)
             staged = handle.stats().prefill_staged_layers
             assert staged == 2 * len(handle.plan.prefill.layers)
             ring = handle.prefill.ring
-            if handle.plan.prefill.experts:  # every chunk of the ring consumed, the ring released
+            if handle.plan.prefill.experts:  # every unit filled in both forwards, every chunk consumed, the ring freed
+                assert filled == list(range(len(handle.prefill.ring_modules))) * 2
                 assert ring.buffer is None and ring.consumed == len(ring.chunks) > 0
             out = model.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0)
             want = ref.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0)

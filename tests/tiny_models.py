@@ -210,3 +210,23 @@ def reference_family(directory: Path):
     config = transformers.AutoConfig.from_pretrained(directory)
     cls = getattr(transformers, config.architectures[0])
     return cls.from_pretrained(directory, dtype=torch.bfloat16).eval()
+
+
+def check_ring(handle) -> list[int]:
+    """Wrap the prefill stager's expert fill (runtime/ring.py) so that after each fill the experts forward's rows
+    are compared with the module's own fused parameters, every row: those gathered from HBM and those the ring
+    delivered (on CUDA a row the ring missed would hold whatever memory the allocator handed back, possibly the
+    right values from a previous forward). Returns the units filled, in order."""
+    from runtime.experts import fused_params
+    stager, filled = handle.prefill, []
+    fill = stager.fill
+
+    def checked(unit, rows):
+        fill(unit, rows)
+        module = stager.ring_modules[unit]
+        for name, got in zip(fused_params(module), rows):
+            assert torch.equal(got, getattr(module, name).detach().to(got.device)), f"unit {unit}: {name} differs"
+        filled.append(unit)
+
+    stager.fill = checked
+    return filled
