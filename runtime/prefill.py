@@ -11,8 +11,7 @@ planner/staging.py), and not through the slots: their rows in pinned memory
 stream through the expert ring (ring.py), from which offplan's experts
 implementation (experts.py) takes them after its gather of the rows in HBM.
 Otherwise the experts implementation reads each touched expert once per
-forward, through the zero-copy view, once the router has picked them. Per
-forward:
+forward, through the zero-copy view, once the router has picked them.
 
 Per forward:
 
@@ -158,7 +157,7 @@ class PrefillStager:
         for index, layer in enumerate(staging.layers):
             slot = self.slots[index % staging.slots] if self.slots else None  # none: it stages experts only
             state = _LayerState()
-            cursor, copies, rows = 0, [], {}
+            cursor, copies, rows, in_place = 0, [], {}, len(self.in_place)
             for t in mine[layer.layer]:
                 host = arena.host_view(host_offset[t.name], t.nbytes)
                 path, _, attr = t.name.rpartition(".")
@@ -185,7 +184,7 @@ class PrefillStager:
                 owner._offplan_ring = RingUse(state, self.key, len(units))
                 self.ring_modules.append(owner)
                 units.append(params)
-            if not copies and not rows and not self.in_place:
+            if not copies and not rows and len(self.in_place) == in_place:
                 problems.append(f"{layer.layer}: the plan stages it for prefill, but it has no uva tensor here")
             self.copies.append(copies)
             if layer.module not in paths:
