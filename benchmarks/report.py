@@ -447,6 +447,7 @@ def prefill_tables() -> list[str]:
             f"; routing spread as a trained model's (`--spread {spread['strength']:g}`: each router's input plus a "
             "fixed random vector per token, synthetic; the prompt touches nearly every expert)")
         experts = [r for r in prefill if r["strategy"] == "experts-host"]
+        ring = any("ring_bytes" in r for r in prefill)  # recorded since the expert ring (2026-11-23)
         touched = " ".join(f"{r['tokens']}: {r['link_bytes'] / r['offloaded_bytes']:.0%}," for r in experts).rstrip(",")
         out += [f"## {ck['model']}: prefill (time to first token) with half the decoder layers offloaded{routing}", "",
                 f"`{path.name}`: {ck['bytes'] / 1e9:.1f} GB on {ck['device']}, torch {ck['torch']}; calibrated in "
@@ -454,10 +455,15 @@ def prefill_tables() -> list[str]:
                 f"{hw.get('matmul_tflops', '?')} TFLOP/s, uva layers staged above {hw.get('stage_above_tokens', '?')} "
                 "tokens. One prompt, a fresh cache, the logits of the last position (generate's prefill); median of "
                 "3 after a warm-up. Floor = max(link bytes / H2D copy, all-GPU prefill), the link bytes being the "
-                "offloaded ones, a routed expert on uva only if the prompt routes a token to it. Each cell: ms, "
-                "x floor, x the prefetch plan. `=`: logits bitwise equal to all-GPU's. `staged`: routed experts "
-                "on uva copied whole, each layer's, ahead of it at prefill (`uva: {stage_experts: true}`); "
-                "`gathered`: each touched expert read once after the router."
+                "offloaded ones, a routed expert on uva only if the prompt routes a token to it"
+                + (", an embedding on uva by the rows of the prompt's tokens. Each cell: ms, x floor, x the prefetch "
+                   "plan. `=`: logits bitwise equal to all-GPU's. `staged`: routed experts on uva streamed through "
+                   "the expert ring ahead of their layer at prefill (`uva: {stage_experts: true}`; runtime/ring.py, "
+                   "at most 1 GiB allocated per prefill, not in the footprint)" if ring else
+                   ". Measured before 2026-11-23, with the code of then: an embedding on uva counted whole in the "
+                   "floor, and `staged` routed experts lay whole in 2 slots of a layer each, in the footprint. Each "
+                   "cell: ms, x floor, x the prefetch plan. `=`: logits bitwise equal to all-GPU's")
+                + "; `gathered`: each touched expert read once after the router."
                 + (f" The share of the expert bytes the prompt touches, by tokens: {touched}." if touched else ""), "",
                 "| plan | offloaded | " + " | ".join(f"{t} tokens" for t in tokens) + " |",
                 "|---|---|" + "---|" * len(tokens)]
@@ -522,8 +528,9 @@ def staging_ab() -> list[str]:
         rates = [f"{r['steps_per_s']:.2f}" for rows in runs for r in rows
                  if r["kind"] == "decode" and r["mode"] == "graph" and r["strategy"] == st]
         cells.append(f"{name} {' and '.join(rates)}")
-    return ["Decode does not see prefill staging: the three uva plans of the spread run above, loaded again in "
-            f"{len(runs)} more processes (`python benchmarks/prefill.py --model qwen3-30b-a3b --layers 8 --spread 2 "
+    return ["Decode does not see prefill staging: the three uva plans of the spread run, loaded again in "
+            f"{len(runs)} more processes on 2026-11-22, when staged experts lay whole in 2 slots of a layer each "
+            "instead of streaming through the ring (`python benchmarks/prefill.py --model qwen3-30b-a3b --layers 8 --spread 2 "
             "--tokens 2048 --strategies uva uva-gathered uva-in-place`, `staging-ab-*.jsonl`), replay a batch-1 "
             "decode graph at " + "; ".join(cells) + " steps/s: one plan loaded again moves as much as the plans "
             "differ, so the single run's ratios above are between-load noise (not investigated).", ""]
