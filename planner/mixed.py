@@ -120,16 +120,17 @@ def place_mixed(graph: LayerGraph, policy: Policy, fp: Footprint, fixed: set[str
         return f
 
     first, around = to_uva(fp.copy(), sparse), to_uva(fp.copy(), spread)
+    first = first if first.total <= budget else to_prefetch(first, dense)
+    around = around if around.total <= budget else to_prefetch(around, dense)
     strategies = {
-        "sparse->uva, dense->prefetch": first if first.total <= budget else to_prefetch(first, dense),
-        "sparse round the layers->uva, dense->prefetch": around if around.total <= budget else to_prefetch(
-            around, dense),
+        "sparse->uva, dense->prefetch": first,
+        "sparse round the layers->uva, dense->prefetch": around,
         "sparse->uva, dense->uva": to_uva(fp.copy(), sparse + dense),
         "prefetch only": to_prefetch(fp.copy(), units),
         "uva only": to_uva(fp.copy(), units),
     }
-    if strategies["sparse round the layers->uva, dense->prefetch"].place == strategies["sparse->uva, dense->prefetch"].place:
-        del strategies["sparse round the layers->uva, dense->prefetch"]  # no ties to take otherwise (dense models)
+    if around.place == first.place:  # no ties to take otherwise (a dense model's)
+        del strategies["sparse round the layers->uva, dense->prefetch"]
     fitting = [k for k, f in strategies.items() if f.total <= budget]
     if not fitting:  # decide() raises the budget error with the smallest footprint
         return MixedChoice(min(strategies.values(), key=lambda f: f.total), None, (), {})
