@@ -216,12 +216,12 @@ class CostModel:
         staged_experts = stageable(graph.layers, quantized, True)
         routed = [n for l in graph.layers if l.runs is Runs.STEP for n in self.experts[l.name] if n in staged_experts]
         total = sum(self.size[n] for n in routed)
-        # the share of the routed bytes the prompt touches: whether prefill copies experts whole (staging.py)
-        self.touched = sum(self.size[n] * self.pre_frac[n] for n in routed) / total if total else 0.0
-        self.favours_staged_experts = bool(stages and total and stage_experts(self.touched, hw))
+        # the share of the routed bytes the prompt touches: whether prefill streams experts ahead (staging.py)
+        touched = sum(self.size[n] * self.pre_frac[n] for n in routed) / total if total else 0.0
+        self.favours_staged_experts = bool(stages and total and stage_experts(touched, hw))
         self.staged_experts, self.unstaged_experts = staged_experts, stageable(graph.layers, quantized)
-        self.stages_experts = self.favours_staged_experts  # what `staged` holds: see `staging_experts`
-        self.staged = (staged_experts if self.stages_experts else self.unstaged_experts) if stages else frozenset()
+        self.staged = frozenset() if not stages else (
+            staged_experts if self.favours_staged_experts else self.unstaged_experts)
         self.reread = -(-prompt_tokens // hw.stage_above_tokens)
 
     def staging_experts(self, on: bool) -> "CostModel":
@@ -229,7 +229,6 @@ class CostModel:
         `favours_staged_experts` says: the policy may force either (placement.py)."""
         other = copy.copy(self)
         other.staged = (self.staged_experts if on else self.unstaged_experts) if self.stages else frozenset()
-        other.stages_experts = on and self.stages
         return other
 
     def predict(self, place: Mapping[str, Placement]) -> Prediction:

@@ -88,7 +88,9 @@ def staging_lines(p: dict) -> list[str]:
         if key in p:
             s = p[key]
             return [f"prefill staging: {verb} {plural(len(s['layers']), 'layer')} ({some(s['layers'])}) through "
-                    f"{plural(s['slots'], 'slot')} x {human(s['slot_bytes'])} above {plural(s['above_tokens'], 'token')}"]
+                    f"{plural(s['slots'], 'slot')} x {human(s['slot_bytes'])}"
+                    + (f" and an expert ring of {human(s['ring_bytes'])}" if s["ring_bytes"] else "")
+                    + f" above {plural(s['above_tokens'], 'token')}"]
     parts = [f"{what} {change(p[key]['old'], p[key]['new'], fmt)}" for key, what, fmt in
              (("above_tokens", "above", str), ("slots", "slots", str), ("slot_bytes", "slot size", human),
               ("ring_bytes", "expert ring", human)) if key in p]

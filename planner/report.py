@@ -123,9 +123,10 @@ def show(plan: Plan, unchecked: str | None = None) -> list[RenderableType | str]
                    f"{human(p.slot_bytes)} = {human(p.pool_bytes)} of GPU buffers")
     if plan.prefill:
         st = plan.prefill
-        out.append(f"prefill staging: {plural(len(st.layers), 'layer')} copy their uva tensors through "
-                   f"{plural(st.slots, 'slot')} x {human(st.slot_bytes)} = {human(st.pool_bytes)} of GPU buffers "
-                   f"when a forward carries more than {plural(st.above_tokens, 'token')}"
+        slots = (f"copy their uva tensors through {plural(st.slots, 'slot')} x {human(st.slot_bytes)} = "
+                 f"{human(st.pool_bytes)} of GPU buffers" if st.slots else "hold only routed experts")
+        out.append(f"prefill staging: {plural(len(st.layers), 'layer')} {slots} when a forward carries more than "
+                   f"{plural(st.above_tokens, 'token')}"
                    + (f"; routed experts stream through a ring of {human(st.ring_bytes)}, allocated by each such "
                       "forward (working memory, like its activations)" if st.experts else ""))
     out += _footprint(plan)
