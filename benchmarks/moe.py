@@ -120,6 +120,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--resident", type=float, nargs="+", default=[0.25, 0.5],
                     help="with --skew: fractions of the expert bytes a budget keeps on the GPU")
     ap.add_argument("--profile-prompts", type=int, default=64, help="with --skew: prompts to record routing on")
+    ap.add_argument("--lookahead-ab", action="store_true", help="also every expert in pinned memory at batch 1 "
+                    "without the experts lookahead (runtime/lookahead.py), in the same run")
     ap.add_argument("--budget-batches", type=int, nargs="+", default=[1, 8],
                     help="with --skew: batches the budget placements decode at (and are predicted at)")
     return ap.parse_args(argv)
@@ -275,8 +277,9 @@ class Run:
         text = f"format_version: 1\ncheckpoint: ckpt\nhardware: hw.yaml\n{body}"
         return decode.make_plan(self.work, name, text)
 
-    def load(self, plan: Path | None, implementation: str | None):
-        """`plan` applied by offplan's runtime; None: the checkpoint loaded by transformers alone."""
+    def load(self, plan: Path | None, implementation: str | None, lookahead: bool = True):
+        """`plan` applied by offplan's runtime; None: the checkpoint loaded by transformers alone. `lookahead`
+        False: without the runtime's experts lookahead (runtime/lookahead.py), to measure what it gains."""
         import runtime
         from runtime.hf import build_meta_model
         gc.collect()
@@ -290,6 +293,9 @@ class Run:
         else:
             model = build_meta_model(self.ckpt)
             handle = runtime.load(model, plan, device=self.args.device, progress=False)
+            if not lookahead and handle.lookahead is not None:
+                handle.lookahead.remove()
+                handle.lookahead = None
         if self.skew is not None:
             self.skew.install(model)
         if self.spread is not None:
@@ -305,11 +311,11 @@ class Run:
 
     def measure(self, name: str, plan: Path | None, implementation: str | None, modes: list[str], offloaded: bool,
                 batches: list[int] | None = None, predicted: dict[int, float] | None = None,
-                floor: bool = True, **extra) -> None:
+                floor: bool = True, lookahead: bool = True, **extra) -> None:
         """Decode with `plan` in each mode and batch, and record it beside the all-GPU model's run and
         the floor (`floor`: every expert is in pinned memory); `predicted`: batch -> the plan's
         predicted steps/s; `extra` goes into every record."""
-        model, handle = self.load(plan, implementation)
+        model, handle = self.load(plan, implementation, lookahead)
         used = model.config._experts_implementation
         predicted = predicted or {}
         observed = {}  # batch -> bytes read from pinned memory per decode step on the timed prompts
@@ -457,6 +463,9 @@ def main(argv=None) -> int:
     for implementation in args.host_implementations:
         run.measure(f"experts-host-{implementation}", host, None if implementation == "offplan" else implementation,
                     args.modes, offloaded=True)
+    if args.lookahead_ab and "offplan" in args.host_implementations:
+        run.measure("experts-host-offplan-no-lookahead", host, None, args.modes, offloaded=True, lookahead=False,
+                    batches=[1])
     if run.skew is not None:
         run.measure_budgets(run.record_profile(gpu))
     rows = [json.loads(line) for line in run.log.read_text().splitlines()]

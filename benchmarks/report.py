@@ -266,14 +266,16 @@ def b1_tables() -> list[str]:
                          f"{r['ratio_to_best_gpu']:.2f} x best)")
         load = "transformers alone" if name.startswith("transformers-") else "plan applied"
         where = "pinned memory" if name.startswith("experts-host") else "GPU"
+        where += ", lookahead off" if name.endswith("-no-lookahead") else ""
         out.append(f"| {load} | {where} | {impl} | " + " | ".join(cells) + " |")
     same = all(r["same_tokens"] for r in decoded)
     floor = next(r for r in rows if r["kind"] == "floor" and r["batch"] == 1)
     out += ["", f"Floor at batch 1: {floor['floor_steps_per_s']:.1f} steps/s (8 experts x 8 layers, "
             f"{floor['bytes_per_step'] / 1e6:.0f} MB, at the run's UVA rate). Tokens equal to transformers alone "
             f"with the same implementation, in the same mode, in every row: **{'yes' if same else 'NO'}**. "
-            "Every expert in pinned memory reads lower here than in the skewed run below (graph, b=1) and in "
-            "moe_kernels.py's profile (a 13.9 ms step, 0.85x the floor): the same path, run to run.", ""]
+            "Experts in pinned memory read with the runtime's experts lookahead (runtime/lookahead.py: the next "
+            "layer's 2 guessed experts read ahead while the GPU computes), and with it switched off in the same "
+            "run (`lookahead off`, `--lookahead-ab`). Older runs on this page predate the lookahead.", ""]
     return out
 
 
@@ -306,9 +308,9 @@ def kernel_tables() -> list[str]:
                 f"({comp['step_us'] - gather['experts-host-offplan-compiled']:.0f} us compiled), is attention, "
                 "routing, the experts' GEMVs over the staged rows and the head, and it cannot overlap the gather: "
                 "a layer's experts are known only after its router runs, and the next layer needs their output. "
-                "That is what keeps batch 1 under 0.95x the floor (the floor counts only the link). Reaching it "
-                "needs link reads during that time, for instance of experts predicted for the next layer, which "
-                "offplan does not do."]
+                "That is what kept batch 1 under 0.95x the floor (the floor counts only the link). This profile "
+                "was taken before the runtime read guessed experts ahead in that time (runtime/lookahead.py; its "
+                "gain: the batch-1 table above)."]
     return out + [""]
 
 
@@ -331,13 +333,13 @@ def predict_tables() -> list[str]:
         label = "uniform (random weights)" if rows[0]["skew"] is None else f"RouterSkew {rows[0]['skew']:g}"
         out.append(f"| {label} | " + " | ".join(f"{r['precision']:.1%}" for r in rows) + " |")
     out += ["", "At batch 1 the link idles for about 250 us a layer (\"Where a batch-1 step's time goes\"), time "
-            "enough for one or two experts of this shape (9.4 MB each). Offplan does not read predicted experts "
-            "ahead. A trial that did (the next layer's top one or two host experts, read on a second stream into "
-            "an HBM buffer that the next gather takes them from) measured no gain beyond this path's run-to-run "
-            "spread in same-run comparisons at batch 1: read with a full grid, the side gather held the SMs and "
-            "slowed the compute stream's small kernels tenfold; on eight programs a row it read at 42 GB/s, two "
-            "experts took longer than the idle time, and one gained 1-7% against a spread of 5%. It was not "
-            "kept.", ""]
+            "enough for one or two experts of this shape (9.4 MB each). The runtime reads the top 2 guessed "
+            "experts of the next layer ahead in that time (runtime/lookahead.py): on a side stream, once the "
+            "layer's gather is done, by one kernel of 8 programs (51 GB/s, the SMs left to the compute stream), "
+            "rank by rank until the next layer's gather needs the link, which then takes the guessed experts' "
+            "completed blocks from HBM. An earlier trial with a gather of a full grid on the side stream held the "
+            "SMs and slowed the compute stream's small kernels tenfold; one that always read two whole experts "
+            "outlasted the idle time.", ""]
     return out
 
 
@@ -615,7 +617,7 @@ def main() -> int:
              "--strategies accelerate uva uva-64b prefetch mixed",
              "python benchmarks/moe.py --layers 8",
              "python benchmarks/moe.py --layers 8 --batches 1 --modes graph compiled-graph --baselines batched_mm "
-             "grouped_mm --host-implementations offplan   # then: mv results/moe-qwen3-30b-a3b.jsonl "
+             "grouped_mm --host-implementations offplan --lookahead-ab   # then: mv results/moe-qwen3-30b-a3b.jsonl "
              "results/moe-qwen3-30b-a3b-b1.jsonl",
              "python benchmarks/moe_kernels.py --layers 8 --skew 0.7 --resident 0.25 0.5 --compiled",
              "python benchmarks/moe_predict.py --layers 8; python benchmarks/moe_predict.py --layers 8 --skew 0.7",

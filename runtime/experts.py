@@ -20,7 +20,9 @@ resident copy (`bind`). Per forward, for T tokens with top-k routing over E expe
    copied from the resident rows for experts on the GPU, read once through the
    zero-copy view for the others, and not read at all for padding, so padding
    costs no link bytes. With T*k >= E every expert is staged: each host row
-   still crosses the link once;
+   still crosses the link once. For one token, the rows of experts that the
+   module before guessed and read ahead come from the lookahead's buffer in
+   HBM instead (lookahead.py);
 3. the experts' arithmetic over the staged rows, every (token, k) pair routed
    to its slot (`arithmetic` says which): for T*k <= `BATCHED_PAIRS` (one or
    two tokens), transformers' `batched_mm` arithmetic exactly (a GEMV per
@@ -108,14 +110,15 @@ def arithmetic(pairs: int) -> str:
     return "batched_mm" if pairs <= BATCHED_PAIRS else "grouped_mm"
 
 
-def _stage(module, param: str, order: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+def _stage(module, param: str, order: torch.Tensor, valid: torch.Tensor, ahead: int = 0) -> torch.Tensor:
     """`param`'s rows for the slots `order`, in HBM; a quantized parameter's gathered quantized, then
-    dequantized (only the touched experts: dequant.py)."""
+    dequantized (only the touched experts: dequant.py). `ahead`: the key of the lookahead whose buffer
+    holds some of them (lookahead.py), 0 for none."""
     q = quantized(module).get(param)
     if q is not None:
-        return dequantize(q, _rows(module, q.data, stored(module, q.data), order, valid),
-                          _rows(module, q.scale, stored(module, q.scale), order, valid))
-    return _rows(module, param, getattr(module, param), order, valid)
+        return dequantize(q, _rows(module, q.data, stored(module, q.data), order, valid, ahead),
+                          _rows(module, q.scale, stored(module, q.scale), order, valid, ahead))
+    return _rows(module, param, getattr(module, param), order, valid, ahead)
 
 
 def _in_hbm(module, param: str) -> torch.Tensor:
@@ -126,11 +129,19 @@ def _in_hbm(module, param: str) -> torch.Tensor:
     return (slot >= 0).to(torch.int32)
 
 
-def _rows(module, name: str, full: torch.Tensor, order: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    slot = getattr(module, f"{_PREFIX}slot_{name}", None)
+def slot_of(module, name: str) -> torch.Tensor | None:
+    """[E] int32: each expert's row among the resident rows of stored tensor `name` (-1: in pinned memory);
+    None when `name` is not bound (all of it in HBM)."""
+    return getattr(module, f"{_PREFIX}slot_{name}", None)
+
+
+def _rows(module, name: str, full: torch.Tensor, order: torch.Tensor, valid: torch.Tensor,
+          ahead: int = 0) -> torch.Tensor:
+    slot = slot_of(module, name)
     if slot is None:  # all of it in HBM
         return full.index_select(0, order)
-    return gather_rows(full, getattr(module, f"{_PREFIX}rows_{name}"), slot, order, valid)
+    index = module._offplan_ahead.index if ahead else -1
+    return gather_rows(full, getattr(module, f"{_PREFIX}rows_{name}"), slot, order, valid, ahead, name, index)
 
 
 def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, transposed: bool) -> torch.Tensor:
@@ -181,7 +192,13 @@ def offplan_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, 
         rows = {p: _stage(self, p, order, _in_hbm(self, p)) for p in fused_params(self)}
         ops.expert_fill(list(rows.values()), ring.key, ring.unit)
     elif num_tokens == 1:  # one token's k experts are distinct: staged in pair order, no weight copy per pair
-        rows = {p: _stage(self, p, ids, torch.ones_like(ids, dtype=torch.int32)) for p in fused_params(self)}
+        use = getattr(self, "_offplan_ahead", None)  # set by lookahead.py on modules with experts in pinned memory
+        if use is not None and (use.reads or use.guesses):  # this module's guessed experts joined, the next guessed
+            ids = ops.ahead_begin(ids, hidden_states, use.key, use.index)
+        ahead = use.key if use is not None and use.reads else 0
+        rows = {p: _stage(self, p, ids, torch.ones_like(ids, dtype=torch.int32), ahead) for p in fused_params(self)}
+        if use is not None and use.guesses:  # after the gathers: the next module's guessed experts read ahead
+            hidden_states = ops.ahead_read(hidden_states, list(rows.values()), use.key, use.index)
         return _batched(self, hidden_states, rows, weights, k)
     else:
         size = min(experts, pairs)
@@ -214,15 +231,19 @@ def offplan_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, 
 
 # ---------------------------------------------------------------- the gather
 
-def _gather_reference(full, resident, slot, order, valid) -> torch.Tensor:
-    """rows[u] = resident[slot[e]] if slot[e] >= 0 else full[e], e = order[u]; rows not `valid`: zeros (the
-    kernel leaves them unwritten), so that a test on the CPU sees a row the forward should have read elsewhere."""
+def _gather_reference(full, resident, slot, order, valid, ahead=None) -> torch.Tensor:
+    """rows[u] = resident[slot[e]] if slot[e] >= 0, else ahead.rows[j] if ahead.ids[j] == e (the side read
+    completes every chunk without CUDA), else full[e], e = order[u]; rows not `valid`: zeros (the kernel
+    leaves them unwritten), so that a test on the CPU sees a row the forward should have read elsewhere."""
     s = slot.index_select(0, order)
-    from_resident = resident.index_select(0, s.clamp(min=0)) if resident.shape[0] else None
+    shape = (-1, *([1] * (full.dim() - 1)))
     rows = full.index_select(0, order)
-    shape = (-1, *([1] * (rows.dim() - 1)))
-    if from_resident is not None:
-        rows = torch.where((s >= 0).view(shape), from_resident, rows)
+    if ahead is not None:
+        hit = order.view(-1, 1) == ahead.ids.view(1, -1)  # [U, count]
+        from_ahead = ahead.rows.index_select(0, hit.to(torch.long).argmax(dim=1))
+        rows = torch.where(hit.any(dim=1).view(shape), from_ahead, rows)
+    if resident.shape[0]:
+        rows = torch.where((s >= 0).view(shape), resident.index_select(0, s.clamp(min=0)), rows)
     return torch.where(valid.view(shape) != 0, rows, torch.zeros((), dtype=rows.dtype))
 
 
@@ -234,7 +255,8 @@ except ImportError:  # the CPU build of torch: the reference gather serves
 
 if triton is not None:
     @triton.jit
-    def _gather_kernel(out, full, resident, slot, order, valid, row_numel, BLOCK: tl.constexpr):
+    def _gather_kernel(out, full, resident, slot, order, valid, ahead_ids, ahead_rows, done, row_numel, first, per,
+                       BLOCK: tl.constexpr, AHEAD: tl.constexpr, PROGRAMS: tl.constexpr, RATIO: tl.constexpr):
         u = tl.program_id(0)
         offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < row_numel
@@ -242,33 +264,51 @@ if triton is not None:
             e = tl.load(order + u).to(tl.int64)
             s = tl.load(slot + e).to(tl.int64)
             if s >= 0:
-                x = tl.load(resident + s * row_numel + offs, mask=mask)
+                src = resident + s * row_numel
             else:
-                x = tl.load(full + e * row_numel + offs, mask=mask)
+                src = full + e * row_numel
+                j = -1
+                for i in tl.static_range(AHEAD):  # the experts guessed for this module (AHEAD 0: none)
+                    j = tl.where(tl.load(ahead_ids + i) == e, i, j)
+                if j >= 0:  # read ahead, if the side read completed this block's chunk (lookahead.Source)
+                    c = j * per + first + tl.program_id(1) // RATIO
+                    if c // PROGRAMS < tl.load(done + c % PROGRAMS):
+                        src = ahead_rows + j.to(tl.int64) * row_numel
+            x = tl.load(src + offs, mask=mask)
             tl.store(out + u.to(tl.int64) * row_numel + offs, x, mask=mask)
+
+
+def _words(t: torch.Tensor) -> torch.Tensor:
+    """Quantized bytes viewed 4 at a time (the kernels move int32 words), other dtypes as they are."""
+    return t.view(torch.int32) if t.element_size() == 1 and t.shape[-1] % 4 == 0 else t
 
 
 @torch.library.custom_op("offplan::gather_rows", mutates_args=())
 def gather_rows(full: torch.Tensor, resident: torch.Tensor, slot: torch.Tensor, order: torch.Tensor,
-                valid: torch.Tensor) -> torch.Tensor:
+                valid: torch.Tensor, ahead: int = 0, name: str = "", index: int = -1) -> torch.Tensor:
     """Rows of `full` [E, ...] for the slots `order` [U]: each expert's from `resident` where `slot` has it,
-    else from `full` in place (through the zero-copy view: over the link); padding slots (`valid` 0) read
-    nothing and hold garbage, which no pair reads."""
+    else from the lookahead's buffer where the lookahead keyed `ahead` read it for module `index`'s stored
+    tensor `name` (lookahead.py), else from `full` in place (through the zero-copy view: over the link);
+    padding slots (`valid` 0) read nothing and hold garbage, which no pair reads."""
+    from .lookahead import BLOCK as READ_BLOCK, PROGRAMS
+    source = ops.engine(ahead).source(index, name, full) if ahead else None
     if not full.is_cuda or triton is None:
-        return _gather_reference(full, resident, slot, order, valid)
-    if full.element_size() == 1 and full.shape[-1] % 4 == 0:  # quantized bytes: moved 4 at a time
-        words = gather_rows(full.view(torch.int32), resident.view(torch.int32), slot, order, valid)
-        return words.view(full.dtype)
-    row_numel = full[0].numel()
+        return _gather_reference(full, resident, slot, order, valid, source)
+    words = _words(full)
+    row_numel = words[0].numel()
     out = torch.empty((order.numel(), *full.shape[1:]), dtype=full.dtype, device=order.device)
     block = 4096
     _gather_kernel[(order.numel(), triton.cdiv(row_numel, block))](
-        out, full, resident, slot, order, valid, row_numel, BLOCK=block)
+        _words(out), words, _words(resident), slot, order, valid,
+        order if source is None else source.ids, words if source is None else _words(source.rows),
+        slot if source is None else source.done, row_numel, 0 if source is None else source.first,
+        1 if source is None else source.per, BLOCK=block, AHEAD=0 if source is None else source.ids.numel(),
+        PROGRAMS=PROGRAMS, RATIO=READ_BLOCK // block)
     return out
 
 
 @gather_rows.register_fake
-def _(full, resident, slot, order, valid):
+def _(full, resident, slot, order, valid, ahead=0, name="", index=-1):
     return full.new_empty((order.shape[0], *full.shape[1:]))
 
 

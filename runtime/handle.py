@@ -19,6 +19,7 @@ from . import dequant, experts
 from .arena import PinnedArena, typed
 from .checkpoint_names import Target
 from .layout import HostLayout
+from .lookahead import Lookahead
 from .prefetch import PrefetchEngine
 from .prefill import PrefillStager
 from .quant import Quant
@@ -37,7 +38,7 @@ class LoadStats:
     prefetch_bytes: int
     host_bytes: int  # the arena: offloaded tensors plus alignment
     pinned_host_bytes: int  # of it page-locked (cudaHostRegister; 0 without CUDA)
-    gpu_buffer_bytes: int  # prefetch slots, prefill staging slots and the uva staging buffer
+    gpu_buffer_bytes: int  # prefetch slots, prefill staging slots, the uva staging buffer, the experts lookahead buffer
     prefetch_copies: int  # layer copies issued so far
     prefetch_reprimes: int  # forwards that started over after one stopped part-way
     load_seconds: float
@@ -77,6 +78,7 @@ class OffloadHandle:
         self.quantized: dict[torch.nn.Module, dict[str, Quant]] = {}  # tensors read dequantized (quant.py)
         self.quantized_names: set[str] = set()  # their stored tensors' model names
         self.bound_experts: list[torch.nn.Module] = []  # experts modules given resident rows (experts.py)
+        self.lookahead: Lookahead | None = None  # their next experts read ahead at decode (lookahead.py)
         self.experts_before: str | None = None  # the experts implementation before "offplan"
         self.load_seconds = 0.0
         self.start_alloc = 0
@@ -93,7 +95,8 @@ class OffloadHandle:
             host_bytes=self.arena.nbytes if self.arena is not None else 0,
             pinned_host_bytes=self.arena.pinned_bytes if self.arena is not None else 0,
             gpu_buffer_bytes=(self.engine.pool_bytes if self.engine else 0)
-            + (self.staging.stage_bytes if self.staging else 0) + (self.prefill.pool_bytes if self.prefill else 0),
+            + (self.staging.stage_bytes if self.staging else 0) + (self.prefill.pool_bytes if self.prefill else 0)
+            + (self.lookahead.buffer_bytes if self.lookahead else 0),
             prefetch_copies=self.engine.copies if self.engine else 0,
             prefetch_reprimes=self.engine.reprimes if self.engine else 0,
             load_seconds=self.load_seconds, peak_gpu_bytes_during_load=self.peak_gpu_bytes,
@@ -110,6 +113,8 @@ class OffloadHandle:
         forward, and after an eager forward that a graph replay follows."""
         if self.engine is not None:
             self.engine.join()
+        if self.lookahead is not None:
+            self.lookahead.join()
 
     def capture(self, step: Callable[[], object], warmup: int = 2) -> tuple[torch.cuda.CUDAGraph, object]:
         """Capture one call of `step` (a decode step over static inputs) in a CUDA graph.
@@ -157,6 +162,9 @@ class OffloadHandle:
         if self.staging is not None:
             self.staging.remove()
             self.staging = None
+        if self.lookahead is not None:
+            self.lookahead.remove()
+            self.lookahead = None
         for module in self.bound_experts:
             experts.unbind(module)
         if self.bound_experts:

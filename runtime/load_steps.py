@@ -45,6 +45,7 @@ from .checkpoint_names import Target, map_tensors
 from .handle import OffloadHandle
 from .layout import lay_out
 from .loader import TORCH_DTYPES, Progress, ShardReader, Stager, check_holds_weights
+from .lookahead import LOOKAHEAD, Lookahead
 from .prefetch import PrefetchEngine
 from .prefill import PrefillStager
 from .staging import UvaStaging
@@ -267,6 +268,17 @@ def _bind_experts(h: OffloadHandle) -> None:
     h.bound_experts += [m for m in quantized if m not in h.bound_experts]
     h.experts_before = h.model.config._experts_implementation
     h.model.set_experts_implementation("offplan")
+    h.lookahead = lookahead(h.model, h.bound_experts, h.device)
+
+
+def lookahead(model: torch.nn.Module, bound: list[torch.nn.Module], device: torch.device,
+              count: int = LOOKAHEAD) -> Lookahead | None:
+    """The lookahead over the experts modules with experts in pinned memory (lookahead.py), in forward order;
+    None where fewer than two have them."""
+    order = {m: (i, p) for i, (p, m) in enumerate(model.named_modules())}
+    names = {order[m][1]: [n for n in experts.stored_params(m) if experts.slot_of(m, n) is not None] for m in bound}
+    paths = sorted((p for p, n in names.items() if n), key=lambda p: order[model.get_submodule(p)][0])
+    return Lookahead(model, paths, names, count, device) if len(paths) > 1 and count else None
 
 
 def _experts_module(model: torch.nn.Module, t: Target) -> torch.nn.Module | None:

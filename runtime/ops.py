@@ -4,7 +4,9 @@ The prefill stager (prefill.py) uses `prefetch_wait` too: its `wait(layer)`
 stages the layer and starts the next one's copy. It adds a third:
 `offplan::expert_fill(rows, engine, unit)`: copy a staged experts module's
 host rows from the expert ring (ring.py) into `rows`, the rows its experts
-forward gathered (experts.py), which it mutates.
+forward gathered (experts.py), which it mutates. The lookahead (lookahead.py)
+adds two more, for decode of one token: `offplan::ahead_begin` and
+`offplan::ahead_read`.
 
 `offplan::prefetch_wait(x, engine, layer)`: make the current stream wait for
 `layer`'s copy, then return a copy of `x` (the layer's input activations).
@@ -43,11 +45,15 @@ def register(engine) -> int:
     return key
 
 
-def _engine(key: int):
-    engine = _ENGINES.get(key)
-    if engine is None:
+def engine(key: int):
+    """The engine registered under `key`."""
+    found = _ENGINES.get(key)
+    if found is None:
         raise RuntimeError("offplan: this model's offload handle was removed; load it again")
-    return engine
+    return found
+
+
+_engine = engine
 
 
 @torch.library.custom_op("offplan::prefetch_wait", mutates_args=())
@@ -80,3 +86,36 @@ def expert_fill(rows: list[torch.Tensor], engine: int, unit: int) -> None:
 @expert_fill.register_fake
 def _(rows, engine, unit):
     return None
+
+
+@torch.library.custom_op("offplan::ahead_begin", mutates_args=())
+def ahead_begin(ids: torch.Tensor, x: torch.Tensor, engine: int, index: int) -> torch.Tensor:
+    """Before experts module `index`'s gathers (lookahead.py): stop the side read of its guessed experts and
+    wait for it, if the module before guessed for it; then guess the next module's experts from `x`, on the
+    side stream. Returns a copy of `ids` (its routed experts), which the gathers read: they cannot run
+    before the wait."""
+    look = _engine(engine)
+    if look.reads(index):
+        look.join(index)
+    if look.guesses(index):
+        look.guess(index, x)
+    return ids.clone()
+
+
+@ahead_begin.register_fake
+def _(ids, x, engine, index):
+    return torch.empty_like(ids)
+
+
+@torch.library.custom_op("offplan::ahead_read", mutates_args=())
+def ahead_read(x: torch.Tensor, gathered: list[torch.Tensor], engine: int, index: int) -> torch.Tensor:
+    """Once `gathered` (module `index`'s gathered rows) is enqueued, read the guessed experts of the next
+    module on the side stream (lookahead.py); returns a copy of `x`, which the module's GEMVs read: the read
+    is enqueued before them."""
+    _engine(engine).read(index)
+    return x.clone()
+
+
+@ahead_read.register_fake
+def _(x, gathered, engine, index):
+    return torch.empty_like(x)

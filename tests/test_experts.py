@@ -102,3 +102,64 @@ def test_gather_rows_takes_resident_rows_from_hbm_and_the_rest_in_place():
     valid = torch.tensor([1, 1, 1, 0], dtype=torch.int32)
     rows = experts.gather_rows(full, resident, slot, order, valid)
     assert torch.equal(rows[:3], torch.stack([resident[1], full[0], resident[0]]))  # padding (rows[3]): anything
+
+
+EVERY_EXPERT = "rules:\n  - {match: [experts], place: uva}\n"
+
+
+def _decode_logits(model, steps: int = 6, seed: int = 4) -> list[torch.Tensor]:
+    """One sequence, one token a forward (where the lookahead runs): each step's logits."""
+    torch.manual_seed(seed)
+    ids = torch.randint(0, 256, (1, 7))
+    found = []
+    with torch.no_grad():
+        step = model(ids)
+        for _ in range(steps):
+            token = step.logits[:, -1:].argmax(-1)
+            step = model(token, past_key_values=step.past_key_values)
+            found.append(step.logits)
+    return found
+
+
+@pytest.mark.parametrize("body", [EVERY_EXPERT, SPLIT])
+def test_lookahead_decode_equals_transformers_and_reads_its_buffer(tmp_path, models, body, monkeypatch):
+    """With experts in pinned memory in every layer, one-token forwards guess the next layer's experts and read
+    them ahead (runtime/lookahead.py): outputs stay bitwise batched_mm's, and the gathers do take rows from the
+    buffer (spoiling it changes the outputs)."""
+    from runtime import lookahead
+    model, handle = from_pretrained(make_plan(tmp_path, models["qwen3-moe"], body), progress=False)
+    ref = reference(models["qwen3-moe"])
+    ref.set_experts_implementation("batched_mm")
+    look = handle.lookahead
+    assert look is not None and [m._offplan_ahead.reads for m in look.modules] == [False, True, True]
+    assert handle.stats().gpu_buffer_bytes == look.buffer_bytes > 0
+    for got, want in zip(_decode_logits(model), _decode_logits(ref)):
+        assert torch.equal(got, want)
+    read = lookahead.read_ahead
+
+    def spoiled(look, target, full, slots):
+        read(look, target, full, slots)
+        for rows in look.rows.values():
+            rows.add_(1)
+    monkeypatch.setattr(lookahead, "read_ahead", spoiled)
+    assert any(not torch.equal(got, want) for got, want in zip(_decode_logits(model), _decode_logits(ref)))
+    handle.remove(restore=False)
+    assert not any(hasattr(m, "_offplan_ahead") for m in model.modules())
+
+
+def test_gather_rows_takes_guessed_experts_from_the_lookahead_buffer():
+    from runtime import ops
+    from runtime.lookahead import Source
+
+    class Look:  # the lookahead's answer for one stored tensor (lookahead.Lookahead.source)
+        def source(self, index, name, full):
+            assert (index, name) == (2, "down_proj")
+            return Source(torch.tensor([4, 1]), torch.full((2, 3), -5.0), torch.zeros(8, dtype=torch.int32), 0, 1)
+    look = Look()
+    key = ops.register(look)
+    full = torch.arange(5 * 3, dtype=torch.float32).view(5, 3)
+    resident = torch.full((1, 3), -1.0)
+    slot = torch.tensor([-1, 0, -1, -1, -1], dtype=torch.int32)  # expert 1 resident: HBM before the buffer
+    order = torch.tensor([4, 1, 0])
+    rows = experts.gather_rows(full, resident, slot, order, torch.ones(3, dtype=torch.int32), key, "down_proj", 2)
+    assert torch.equal(rows, torch.stack([torch.full((3,), -5.0), resident[0], full[0]]))

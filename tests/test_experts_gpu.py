@@ -118,3 +118,83 @@ def test_no_graph_break_under_torch_compile_on_cuda(tmp_path, models):
     finally:
         torch._dynamo.reset()
         handle.remove(restore=False)
+
+
+def test_lookahead_stopped_part_way_gathers_exact_rows():
+    """The side read stops when the next gather needs the link (runtime/lookahead.py), at any chunk: the gather
+    then takes each guessed block from the buffer only where the read completed it. Stops at 40 moments, from
+    before the read to after it; every gathered row must equal the pinned one (a chunk stored by only some of a
+    program's threads showed here as a few thousand wrong values)."""
+    from runtime.lookahead import BLOCK, PROGRAMS, _read_kernel
+    e, count, na, nb = 12, 2, 768 * 2048, 2048 * 384
+    arena = PinnedArena(e * (na + nb) * 2, cuda=True)
+    arena.host_view(0, arena.nbytes).view(torch.bfloat16).copy_(torch.randn(e * (na + nb)).to(torch.bfloat16))
+    view = arena.device_view(0, arena.nbytes)
+    fa = typed(view[:e * na * 2], torch.bfloat16, (e, na))
+    fb = typed(view[e * na * 2:], torch.bfloat16, (e, nb))
+    slot = torch.full((e,), -1, dtype=torch.int32, device="cuda")
+    ids = torch.zeros(count, dtype=torch.long, device="cuda")
+    stop = torch.full((1,), -1, dtype=torch.int32, device="cuda")
+    done = torch.zeros(PROGRAMS, dtype=torch.int32, device="cuda")
+    oa, ob = (torch.empty(count, n, dtype=torch.bfloat16, device="cuda") for n in (na, nb))
+    ca, cb = -(-na // BLOCK), -(-nb // BLOCK)
+    total = count * (ca + cb)  # chunks of the side read
+    side, partial = torch.cuda.Stream(), 0
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(40):
+        guess = torch.randperm(e, generator=gen)[:count].cuda()
+        order = torch.cat([guess, torch.randperm(e, generator=gen)[:2].cuda()]).unique()
+        oa.fill_(7)
+        ob.fill_(7)  # what a block taken from an unread chunk would show
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            ids.copy_(guess)
+            stop.fill_(-1)
+            _read_kernel[(PROGRAMS,)](ids, stop, done, 5, oa, fa, slot, na, ob, fb, slot, nb, count, 2,
+                                      PROGRAMS=PROGRAMS, BLOCK=BLOCK, num_warps=16)
+        torch.cuda._sleep(trial * 2000)  # cycles before the gather needs the link
+        stop.fill_(5)
+        torch.cuda.current_stream().wait_stream(side)
+        for full, rows, first in ((fa, oa, 0), (fb, ob, ca)):
+            out = torch.empty(order.numel(), full.shape[1], dtype=full.dtype, device="cuda")
+            experts._gather_kernel[(order.numel(), -(-full.shape[1] // 4096))](
+                out, full, full[:0], slot, order, torch.ones_like(order, dtype=torch.int32), ids, rows, done,
+                full.shape[1], first, ca + cb, BLOCK=4096, AHEAD=count, PROGRAMS=PROGRAMS,
+                RATIO=BLOCK // 4096)
+            assert torch.equal(out, full[order]), trial
+        partial += 0 < int(done.sum()) < total
+    assert partial >= 5  # the stops fell inside the read
+    arena.release()
+
+
+def test_decode_with_the_lookahead_replays_bitwise_as_transformers(tmp_path, models):
+    """Every expert in pinned memory: a captured decode step guesses and reads ahead on the side stream; its
+    replays give transformers' batched_mm logits bitwise, step after step."""
+    from transformers import StaticCache
+    from test_experts import EVERY_EXPERT
+    model, handle = from_pretrained(make_plan(tmp_path, models["qwen3-moe"], EVERY_EXPERT), progress=False)
+    assert handle.lookahead is not None
+    ref = reference(models["qwen3-moe"], device="cuda")
+    ref.set_experts_implementation("batched_mm")
+    graph_cache = StaticCache(config=model.config, max_cache_len=64)
+    ref_cache = StaticCache(config=ref.config, max_cache_len=64)
+    prompt = torch.randint(0, 256, (1, 8), device="cuda")
+    static_ids = torch.zeros(1, 1, dtype=torch.long, device="cuda")
+    static_pos = torch.tensor([8], device="cuda")
+    with torch.no_grad():
+        graph, static_logits = handle.capture(
+            lambda: model(static_ids, past_key_values=graph_cache, cache_position=static_pos).logits)
+        graph_cache.reset()
+        model(prompt, past_key_values=graph_cache, cache_position=torch.arange(8, device="cuda"))
+        handle.join()
+        ref(prompt, past_key_values=ref_cache, cache_position=torch.arange(8, device="cuda"))
+        for step in range(20):
+            token = torch.randint(0, 256, (1, 1), device="cuda")
+            static_ids.copy_(token)
+            static_pos.fill_(8 + step)
+            graph.replay()
+            want = ref(token, past_key_values=ref_cache, cache_position=torch.tensor([8 + step], device="cuda"))
+            torch.cuda.synchronize()
+            assert torch.equal(static_logits, want.logits), step
+    assert int(handle.lookahead.done.sum()) > 0  # the replays read ahead
+    handle.remove(restore=False)
