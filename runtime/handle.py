@@ -104,13 +104,16 @@ class OffloadHandle:
             prefill_staged_layers=self.prefill.staged_forwards if self.prefill else 0)
 
     def synchronize(self) -> None:
-        """Wait for prefetch copies in flight (before and after capturing a CUDA graph; see `capture`)."""
+        """Wait for prefetch copies and lookahead reads in flight (before and after capturing a CUDA graph;
+        see `capture`)."""
         if self.engine is not None:
             self.engine.synchronize()
+        if self.lookahead is not None:
+            self.lookahead.synchronize()
 
     def join(self) -> None:
-        """Make the current stream wait for prefetch copies in flight: at the end of a captured
-        forward, and after an eager forward that a graph replay follows."""
+        """Make the current stream wait for prefetch copies and lookahead reads in flight: at the end of a
+        captured forward, and after an eager forward that a graph replay follows."""
         if self.engine is not None:
             self.engine.join()
         if self.lookahead is not None:

@@ -123,6 +123,7 @@ class Lookahead:
         self.device = device
         self.cuda = device.type == "cuda"
         self.stream = torch.cuda.Stream(device) if self.cuda else None
+        self.pending = False  # work enqueued on the side stream that the current stream has not joined
         self.ids = torch.zeros(2, count, dtype=torch.long, device=device)  # by the guessed module's parity
         self.stop = torch.full((1,), -1, dtype=torch.int32, device=device)  # the index of the module waiting
         self.done = torch.zeros(PROGRAMS, dtype=torch.int32, device=device)  # chunks each program completed
@@ -168,6 +169,7 @@ class Lookahead:
         if not self.cuda:
             return contextlib.nullcontext()
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        self.pending = True
         return torch.cuda.stream(self.stream)
 
     def guess(self, index: int, x: torch.Tensor) -> None:
@@ -192,10 +194,17 @@ class Lookahead:
     def join(self, index: int | None = None) -> None:
         """Make the current stream wait for the side stream; `index`: module `index` needs the link, so its
         read stops at the chunks in flight."""
-        if self.cuda:
-            if index is not None:
+        if self.cuda and self.pending:  # else nothing to wait for: a wait on an event recorded outside a
+            if index is not None:       # graph capture would invalidate the capture
                 self.stop.fill_(index)
             torch.cuda.current_stream(self.device).wait_stream(self.stream)
+            self.pending = False
+
+    def synchronize(self) -> None:
+        """Wait on the host for the side stream (before a graph capture)."""
+        if self.stream is not None:
+            self.stream.synchronize()
+            self.pending = False
 
     def remove(self) -> None:
         for module in self.modules:
