@@ -278,7 +278,7 @@ if triton is not None:
             tl.store(out + u.to(tl.int64) * row_numel + offs, x, mask=mask)
 
 
-def _words(t: torch.Tensor) -> torch.Tensor:
+def as_words(t: torch.Tensor) -> torch.Tensor:
     """Quantized bytes viewed 4 at a time (the kernels move int32 words), other dtypes as they are."""
     return t.view(torch.int32) if t.element_size() == 1 and t.shape[-1] % 4 == 0 else t
 
@@ -290,20 +290,19 @@ def gather_rows(full: torch.Tensor, resident: torch.Tensor, slot: torch.Tensor, 
     else from the lookahead's buffer where the lookahead keyed `ahead` read it for module `index`'s stored
     tensor `name` (lookahead.py), else from `full` in place (through the zero-copy view: over the link);
     padding slots (`valid` 0) read nothing and hold garbage, which no pair reads."""
-    from .lookahead import BLOCK as READ_BLOCK, PROGRAMS
     source = ops.engine(ahead).source(index, name, full) if ahead else None
     if not full.is_cuda or triton is None:
         return _gather_reference(full, resident, slot, order, valid, source)
-    words = _words(full)
+    words = as_words(full)
     row_numel = words[0].numel()
     out = torch.empty((order.numel(), *full.shape[1:]), dtype=full.dtype, device=order.device)
     block = 4096
     _gather_kernel[(order.numel(), triton.cdiv(row_numel, block))](
-        _words(out), words, _words(resident), slot, order, valid,
-        order if source is None else source.ids, words if source is None else _words(source.rows),
+        as_words(out), words, as_words(resident), slot, order, valid,
+        order if source is None else source.ids, words if source is None else as_words(source.rows),
         slot if source is None else source.done, row_numel, 0 if source is None else source.first,
         1 if source is None else source.per, BLOCK=block, AHEAD=0 if source is None else source.ids.numel(),
-        PROGRAMS=PROGRAMS, RATIO=READ_BLOCK // block)
+        PROGRAMS=1 if source is None else source.programs, RATIO=1 if source is None else source.block // block)
     return out
 
 

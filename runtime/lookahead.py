@@ -61,7 +61,7 @@ import torch
 
 from . import ops
 from .dequant import stored
-from .experts import slot_of
+from .experts import as_words, slot_of
 
 PROGRAMS = 8  # programs of the side read: eight read 51 GB/s on the H100 (the link's rate), the SMs stay free
 BLOCK = 8192  # elements (int32 words for quantized bytes) a program reads at a time, between looks at `stop`
@@ -82,14 +82,16 @@ class AheadUse:
 @dataclass(frozen=True)
 class Source:
     """Where a gather finds guessed rows of one stored tensor: `rows` [count, ...] for the experts `ids`,
-    chunk k of the side read complete when k // PROGRAMS < done[k % PROGRAMS]; this tensor's chunks of a
-    guess start at `first` of `per`."""
+    chunk k of the side read (`BLOCK` elements) complete when k // PROGRAMS < done[k % PROGRAMS]; this
+    tensor's chunks of a guess start at `first` of `per`."""
 
     ids: torch.Tensor
     rows: torch.Tensor
     done: torch.Tensor
     first: int
     per: int
+    programs: int = PROGRAMS
+    block: int = BLOCK
 
 
 def router_of(model: torch.nn.Module, path: str) -> torch.nn.Module | None:
@@ -104,12 +106,8 @@ def router_of(model: torch.nn.Module, path: str) -> torch.nn.Module | None:
     return None
 
 
-def _words(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.int32) if t.element_size() == 1 and t.shape[-1] % 4 == 0 else t
-
-
 def _chunks(t: torch.Tensor) -> int:
-    return -(-_words(t)[0].numel() // BLOCK)
+    return -(-as_words(t)[0].numel() // BLOCK)
 
 
 class Lookahead:
@@ -131,9 +129,12 @@ class Lookahead:
         self.key = ops.register(self)
         routers = [router_of(model, p) for p in paths]
         self.names: list[list[str]] = []  # per module: the stored tensors read ahead for it, first read first
+        self.chunks: list[dict[str, tuple[int, int]]] = []  # per module, per such tensor: (first, per) (Source)
         for path, module in zip(paths, self.modules):
             big = sorted(names[path], key=lambda n: -stored(module, n)[0].nbytes)[:2]
             self.names.append([n for n in names[path] if n in big])
+            sizes = [_chunks(stored(module, n)) for n in self.names[-1]]
+            self.chunks.append({n: (sum(sizes[:i]), sum(sizes)) for i, n in enumerate(self.names[-1])})
         self.rows: dict[str, torch.Tensor] = {}
         for i, module in enumerate(self.modules):
             reads = i > 0 and routers[i] is not None
@@ -156,13 +157,10 @@ class Lookahead:
 
     def source(self, index: int, name: str, full: torch.Tensor) -> Source | None:
         """Where module `index`'s gather of stored tensor `name` (`full`) finds guessed rows; None: nowhere."""
-        names = self.names[index]
-        if name not in names:
+        if name not in self.chunks[index]:
             return None
-        module = self.modules[index]
-        sizes = [_chunks(stored(module, n)) for n in names]
         rows = self.rows[name].view(-1)[:self.count * full[0].numel()].view(self.count, *full.shape[1:])
-        return Source(self.ids[index % 2], rows, self.done, sum(sizes[:names.index(name)]), sum(sizes))
+        return Source(self.ids[index % 2], rows, self.done, *self.chunks[index][name])
 
     def _side(self):
         """Run what follows on the side stream, after the work enqueued on the current one so far."""
@@ -229,8 +227,8 @@ def read_ahead(look: Lookahead, target: int, full: list[torch.Tensor], slots: li
         return
     look.stop.fill_(-1)
     (a, b), (sa, sb), (oa, ob) = ((x * 2)[:2] for x in (full, slots, outs))
-    _read_kernel[(PROGRAMS,)](ids, look.stop, look.done, target, _words(oa), _words(a), sa, _words(a)[0].numel(),
-                              _words(ob), _words(b), sb, _words(b)[0].numel(), look.count, len(full),
+    _read_kernel[(PROGRAMS,)](ids, look.stop, look.done, target, as_words(oa), as_words(a), sa, as_words(a)[0].numel(),
+                              as_words(ob), as_words(b), sb, as_words(b)[0].numel(), look.count, len(full),
                               PROGRAMS=PROGRAMS, BLOCK=BLOCK, num_warps=16)
 
 

@@ -81,29 +81,35 @@ def test_uva_false_refuses_a_plan_that_splits_experts(tmp_path, models):
         from_pretrained(plan, progress=False, uva=False)
 
 
-def test_decode_step_with_experts_in_pinned_memory_replays_in_a_cuda_graph(tmp_path, models):
+def _replays_as(model, handle, eager, steps: int = 20) -> None:
+    """Capture `model`'s decode step (static cache, one token) and replay it `steps` times over random tokens,
+    each replay's logits bitwise those of `eager` (a model, `model` itself or a reference) on the same token."""
     from transformers import StaticCache
-    plan = make_plan(tmp_path, models["qwen3-moe"], SPLIT)
-    model, handle = from_pretrained(plan, progress=False)
-    cfg = model.config
-    graph_cache, eager_cache = StaticCache(config=cfg, max_cache_len=64), StaticCache(config=cfg, max_cache_len=64)
+    graph_cache = StaticCache(config=model.config, max_cache_len=64)
+    eager_cache = StaticCache(config=eager.config, max_cache_len=64)
     prompt = torch.randint(0, 256, (1, 8), device="cuda")
     static_ids = torch.zeros(1, 1, dtype=torch.long, device="cuda")
     static_pos = torch.tensor([8], device="cuda")
     with torch.no_grad():
         graph, static_logits = handle.capture(
             lambda: model(static_ids, past_key_values=graph_cache, cache_position=static_pos).logits)
-        for cache in (graph_cache, eager_cache):
-            cache.reset()
-            model(prompt, past_key_values=cache, cache_position=torch.arange(8, device="cuda"))
-        for step in range(20):
+        graph_cache.reset()
+        model(prompt, past_key_values=graph_cache, cache_position=torch.arange(8, device="cuda"))
+        handle.join()
+        eager(prompt, past_key_values=eager_cache, cache_position=torch.arange(8, device="cuda"))
+        for step in range(steps):
             token = torch.randint(0, 256, (1, 1), device="cuda")
             static_ids.copy_(token)
             static_pos.fill_(8 + step)
             graph.replay()
-            want = model(token, past_key_values=eager_cache, cache_position=torch.tensor([8 + step], device="cuda"))
+            want = eager(token, past_key_values=eager_cache, cache_position=torch.tensor([8 + step], device="cuda"))
             torch.cuda.synchronize()
             assert torch.equal(static_logits, want.logits), step
+
+
+def test_decode_step_with_experts_in_pinned_memory_replays_in_a_cuda_graph(tmp_path, models):
+    model, handle = from_pretrained(make_plan(tmp_path, models["qwen3-moe"], SPLIT), progress=False)
+    _replays_as(model, handle, model)
     handle.remove(restore=False)
 
 
@@ -170,31 +176,11 @@ def test_lookahead_stopped_part_way_gathers_exact_rows():
 def test_decode_with_the_lookahead_replays_bitwise_as_transformers(tmp_path, models):
     """Every expert in pinned memory: a captured decode step guesses and reads ahead on the side stream; its
     replays give transformers' batched_mm logits bitwise, step after step."""
-    from transformers import StaticCache
     from test_experts import EVERY_EXPERT
     model, handle = from_pretrained(make_plan(tmp_path, models["qwen3-moe"], EVERY_EXPERT), progress=False)
     assert handle.lookahead is not None
     ref = reference(models["qwen3-moe"], device="cuda")
     ref.set_experts_implementation("batched_mm")
-    graph_cache = StaticCache(config=model.config, max_cache_len=64)
-    ref_cache = StaticCache(config=ref.config, max_cache_len=64)
-    prompt = torch.randint(0, 256, (1, 8), device="cuda")
-    static_ids = torch.zeros(1, 1, dtype=torch.long, device="cuda")
-    static_pos = torch.tensor([8], device="cuda")
-    with torch.no_grad():
-        graph, static_logits = handle.capture(
-            lambda: model(static_ids, past_key_values=graph_cache, cache_position=static_pos).logits)
-        graph_cache.reset()
-        model(prompt, past_key_values=graph_cache, cache_position=torch.arange(8, device="cuda"))
-        handle.join()
-        ref(prompt, past_key_values=ref_cache, cache_position=torch.arange(8, device="cuda"))
-        for step in range(20):
-            token = torch.randint(0, 256, (1, 1), device="cuda")
-            static_ids.copy_(token)
-            static_pos.fill_(8 + step)
-            graph.replay()
-            want = ref(token, past_key_values=ref_cache, cache_position=torch.tensor([8 + step], device="cuda"))
-            torch.cuda.synchronize()
-            assert torch.equal(static_logits, want.logits), step
+    _replays_as(model, handle, ref)
     assert int(handle.lookahead.done.sum()) > 0  # the replays read ahead
     handle.remove(restore=False)
