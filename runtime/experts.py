@@ -197,7 +197,7 @@ def offplan_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, 
             ids = ops.ahead_begin(ids, hidden_states, use.key, use.index)
         ahead = use.key if use is not None and use.reads else 0
         rows = {p: _stage(self, p, ids, torch.ones_like(ids, dtype=torch.int32), ahead) for p in fused_params(self)}
-        if use is not None and use.guesses:  # after the gathers: the next module's guessed experts read ahead
+        if use is not None:  # every gather enqueued before any GEMV; then the next module's guess read ahead
             hidden_states = ops.ahead_read(hidden_states, list(rows.values()), use.key, use.index)
         return _batched(self, hidden_states, rows, weights, k)
     else:

@@ -45,6 +45,19 @@ run): 0.85x -> 0.92x the link floor under graph replay, 0.90x -> 0.94x
 compiled and replayed. The buffer holds 2 experts' rows (19 MB); it counts in
 `LoadStats.gpu_buffer_bytes`, not in the plan's GPU footprint.
 
+Limits. The link still idles between steps: from the last layer's gathers,
+through the head, to the next step's first router (measured with kernel
+timestamps on the H100 at that shape: about 0.35 ms compiled, 0.5 ms in a
+replay of the eager kernels). No guess fills it: the next step's experts
+depend on a token the head has not picked yet. That time alone bounds batch 1
+at about 0.97x the floor compiled, 0.96x replayed eagerly; kernel edges (some
+5 us at each gather and side read) and side reads that a wrong guess wastes
+take the rest. Tried on that shape and not kept: guessing the first layer
+from its block's input (the embedding, before attention), which on random
+weights named one of its experts too rarely to pay for stopping the read; two
+chunks in flight per program, which stopped later; sixteen programs, within
+the noise; a high-priority side stream, no change.
+
 Without CUDA the side stream is the current one and every chunk is read, in
 order, so CI exercises the buffer: a row taken from it for the wrong expert
 gives wrong outputs.

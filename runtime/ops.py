@@ -110,9 +110,12 @@ def _(ids, x, engine, index):
 @torch.library.custom_op("offplan::ahead_read", mutates_args=())
 def ahead_read(x: torch.Tensor, gathered: list[torch.Tensor], engine: int, index: int) -> torch.Tensor:
     """Once `gathered` (module `index`'s gathered rows) is enqueued, read the guessed experts of the next
-    module on the side stream (lookahead.py); returns a copy of `x`, which the module's GEMVs read: the read
-    is enqueued before them."""
-    _engine(engine).read(index)
+    module on the side stream, if it guesses for one (lookahead.py). Returns a copy of `x`, which the module's
+    GEMVs read: the read, and every gather, is enqueued before them (torch.compile would otherwise be free to
+    put the first GEMV between two gathers, and the link would idle through it)."""
+    look = _engine(engine)
+    if look.guesses(index):
+        look.read(index)
     return x.clone()
 
 
