@@ -259,7 +259,7 @@ def b1_tables() -> list[str]:
             if r is None:
                 cells.append("-")
                 continue
-            first = (f"{r['ratio_to_floor']:.2f} x floor" if r["offloaded"] else
+            first = (f"{r['ratio_to_floor']:.3f} x floor" if r["offloaded"] else
                      "" if name.startswith("transformers-") else
                      f"{r['steps_per_s'] / alone[(impl, mode)]:.3f} x alone")
             cells.append(f"{r['steps_per_s']:.1f} ({first + ', ' if first else ''}"

@@ -41,7 +41,7 @@ guess nor read: their gathers keep the link busy.
 
 Measured on the H100 (`benchmarks/moe.py --lookahead-ab`: Qwen3-30B-A3B's
 shape, every expert of 8 layers in pinned memory, batch 1, count 2, the same
-run): 0.85x -> 0.92x the link floor under graph replay, 0.90x -> 0.94x
+run): 0.86x -> 0.93x the link floor under graph replay, 0.92x -> 0.948x
 compiled and replayed. The buffer holds 2 experts' rows (19 MB); it counts in
 `LoadStats.gpu_buffer_bytes`, not in the plan's GPU footprint.
 
