@@ -87,16 +87,64 @@ def config_for(model: str, layers: int | None):
 
 
 def make_checkpoint(model: str, layers: int | None, directory: Path, device: str) -> Path:
-    """Random bf16 weights in the real shapes, saved as sharded safetensors (reused if present)."""
+    """Random bf16 weights in the real shapes, saved as sharded safetensors (reused if present).
+
+    One decoder layer at a time, so that the checkpoint may be as large as the
+    disk allows, beyond the GPU's memory and half the host's (transformers'
+    `save_pretrained` converts a whole model's fused experts back to
+    per-expert tensors at once): transformers builds and saves a model of one
+    layer (its checkpoint names, its initialisation); every layer is then drawn
+    afresh under layer 0's names and shapes, a tensor that layer 0 holds
+    constant (a norm's ones) copied, any other normal around 0 with layer 0's
+    standard deviation. The embedding, final norm and head are the one-layer
+    model's. One shard per layer.
+    """
+    from safetensors.torch import load_file, save_file
     from transformers import AutoModelForCausalLM
     if (directory / "model.safetensors.index.json").is_file():
         return directory
     shutil.rmtree(directory, ignore_errors=True)
+    config = config_for(model, layers)
+    one = config_for(model, 1)
     torch.manual_seed(0)
     with torch.device(device):
-        m = AutoModelForCausalLM.from_config(config_for(model, layers), dtype=torch.bfloat16)
-    m.save_pretrained(directory, max_shard_size="5GB")
+        m = AutoModelForCausalLM.from_config(one, dtype=torch.bfloat16)
+    seed = directory.with_name(directory.name + ".one-layer")
+    shutil.rmtree(seed, ignore_errors=True)
+    m.save_pretrained(seed)
     del m
+    saved: dict[str, torch.Tensor] = {}
+    for f in sorted(seed.glob("*.safetensors")):
+        saved.update(load_file(f))
+    prefix = "model.layers.0."
+    layer0 = {k[len(prefix):]: v for k, v in saved.items() if k.startswith(prefix)}
+    count = config.num_hidden_layers
+    files = [f"model-{i + 1:05d}-of-{count + 1:05d}.safetensors" for i in range(count + 1)]
+    directory.mkdir(parents=True)
+    weight_map, total = {}, 0
+    for i in range(count + 1):
+        if i < count:
+            shard = {}
+            for name, v in layer0.items():
+                flat = v.view(-1)
+                t = torch.empty(v.shape, dtype=v.dtype, device=device)
+                shard[f"model.layers.{i}.{name}"] = (t.copy_(v) if bool((flat == flat[0]).all())
+                                                     else t.normal_(0.0, float(v.float().std()))).cpu()
+        else:
+            shard = {k: v for k, v in saved.items() if not k.startswith("model.layers.")}
+        save_file(shard, directory / files[i], metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, files[i]))
+        total += sum(t.nbytes for t in shard.values())
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    shown = json.loads((seed / "config.json").read_text())
+    full = config.to_dict()
+    full.update({k: shown[k] for k in ("architectures", "dtype", "torch_dtype") if k in shown})
+    (directory / "config.json").write_text(json.dumps(full, indent=2) + "\n")
+    for extra in ("generation_config.json",):
+        if (seed / extra).is_file():
+            shutil.copy(seed / extra, directory / extra)
+    shutil.rmtree(seed)
     os.sync()  # no writeback of 16+ GB competing with the first measurements
     gc.collect()
     if device == "cuda":

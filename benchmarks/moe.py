@@ -5,9 +5,10 @@ r"""MoE decode with experts in pinned host memory, against honest all-GPU baseli
         --host-implementations offplan --skew 0.7 --resident 0.25 0.5 --budget-batches 1 8
     python benchmarks/moe.py --model tiny --device cpu --out /tmp/r    # smoke test, any machine
 
-Qwen3-30B-A3B's shape (128 experts, top-8; `--layers` of its 48 layers, so the
-checkpoint fits the disk; every per-layer figure is the real one), random bf16
-weights saved as a sharded safetensors checkpoint. One run measures:
+Qwen3-30B-A3B's shape (128 experts, top-8; `--layers` of its 48 layers, all of
+them by default: 61 GB of disk, which the H100 machine holds; every per-layer
+figure is the real one), random bf16 weights saved as a sharded safetensors
+checkpoint (decode.make_checkpoint, a layer at a time). One run measures:
 
 1. the hardware (`runtime.calibrate`): the UVA read bandwidth sets the floor;
 2. all on the GPU, per transformers experts implementation (`--baselines`:
@@ -360,7 +361,8 @@ class Run:
                 unique, _ = touched_experts(model, self.ids, b, self.args.new_tokens)
                 nbytes = unique * self.layers * self.expert_bytes
                 self.floor[b] = self.hw.uva_read_gbps * 1e9 / nbytes
-                self.record(kind="floor", batch=b, unique_experts_per_layer=unique, bytes_per_step=nbytes,
+                self.record(kind="floor", batch=b, layers=self.layers, unique_experts_per_layer=unique,
+                            expert_bytes=self.expert_bytes, bytes_per_step=nbytes,
                             uva_read_gbps=self.hw.uva_read_gbps, floor_steps_per_s=self.floor[b])
         finally:
             handle.remove(restore=False)

@@ -40,23 +40,25 @@ it whole and replays it. Forwards of more tokens (prefill, batches) neither
 guess nor read: their gathers keep the link busy.
 
 Measured on the H100 (`benchmarks/moe.py --lookahead-ab`: Qwen3-30B-A3B's
-shape, every expert of 8 layers in pinned memory, batch 1, count 2, the same
-run): 0.86x -> 0.93x the link floor under graph replay, 0.92x -> 0.948x
-compiled and replayed. The buffer holds 2 experts' rows (19 MB); it counts in
+shape, every expert in pinned memory, batch 1, count 2, off and on in the same
+run): with 8 of its layers, 0.86x -> 0.93x the link floor under graph replay,
+0.92x -> 0.948x compiled and replayed; with all 48, 0.875x -> 0.970x and
+0.914x -> 0.963x. The buffer holds 2 experts' rows (19 MB); it counts in
 `LoadStats.gpu_buffer_bytes`, not in the plan's GPU footprint.
 
 Limits. The link still idles between steps: from the last layer's gathers,
 through the head, to the next step's first router (measured with kernel
 timestamps on the H100 at that shape: about 0.35 ms compiled, 0.5 ms in a
 replay of the eager kernels). No guess fills it: the next step's experts
-depend on a token the head has not picked yet. That time alone bounds batch 1
-at about 0.97x the floor compiled, 0.96x replayed eagerly; kernel edges (some
-5 us at each gather and side read) and side reads that a wrong guess wastes
-take the rest. Tried on that shape and not kept: guessing the first layer
-from its block's input (the embedding, before attention), which on random
-weights named one of its experts too rarely to pay for stopping the read; two
-chunks in flight per program, which stopped later; sixteen programs, within
-the noise; a high-priority side stream, no change.
+depend on a token the head has not picked yet. With 8 layers that time alone
+bounds batch 1 at about 0.97x the floor compiled, 0.96x replayed eagerly; at
+48 it is under 1% of a step. Kernel edges (some 5 us at each gather and side
+read) and side reads that a wrong guess wastes take the rest. Tried on that
+shape and not kept: guessing the first layer from its block's input (the
+embedding, before attention), which on random weights named one of its experts
+too rarely to pay for stopping the read; two chunks in flight per program,
+which stopped later; sixteen programs, within the noise; a high-priority side
+stream, no change.
 
 Without CUDA the side stream is the current one and every chunk is read, in
 order, so CI exercises the buffer: a row taken from it for the wrong expert
