@@ -24,8 +24,12 @@ checkpoint (decode.make_checkpoint, a layer at a time). One run measures:
    through offplan's experts implementation (runtime/experts.py), and, for
    comparison, the same placement read by transformers' `batched_mm`;
 4. the floor per batch: the bytes of the unique experts that routing touches
-   in a decode step (counted in an untimed pass over the same prompts), over
-   the UVA read bandwidth of step 1. Nothing can read them faster.
+   in a decode step (counted in an untimed pass over the same prompts, all on
+   the GPU with `grouped_mm`, whose arithmetic offplan reproduces from batch 2
+   on; one token's k experts are k experts in any arithmetic; and its prefill
+   holds no weight copy per pair, which at 48 layers and batch 8 would not fit
+   the H100), over the UVA read bandwidth of step 1. Nothing can read them
+   faster.
 
 With `--skew S`, every model of the run routes as real MoE models do, a few
 experts taking most tokens (RouterSkew: random weights alone route uniformly),
@@ -355,7 +359,7 @@ class Run:
             del model, handle
 
     def measure_floor(self, plan: Path) -> None:
-        model, handle = self.load(plan, "batched_mm")
+        model, handle = self.load(plan, "grouped_mm")  # module doc, step 4
         try:
             for b in self.args.batches:
                 unique, _ = touched_experts(model, self.ids, b, self.args.new_tokens)
