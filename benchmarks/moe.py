@@ -25,11 +25,11 @@ checkpoint (decode.make_checkpoint, a layer at a time). One run measures:
    comparison, the same placement read by transformers' `batched_mm`;
 4. the floor per batch: the bytes of the unique experts that routing touches
    in a decode step (counted in an untimed pass over the same prompts, all on
-   the GPU with `grouped_mm`, whose arithmetic offplan reproduces from batch 2
-   on; one token's k experts are k experts in any arithmetic; and its prefill
-   holds no weight copy per pair, which at 48 layers and batch 8 would not fit
-   the H100), over the UVA read bandwidth of step 1. Nothing can read them
-   faster.
+   the GPU with `grouped_mm`, whose arithmetic offplan reproduces above 16
+   (token, expert) pairs, while one token's k experts are k in any arithmetic;
+   its prefill holds no weight copy per pair, which at 48 layers and batch 32
+   would not fit the H100), over the UVA read bandwidth of step 1. Nothing can
+   read them faster.
 
 With `--skew S`, every model of the run routes as real MoE models do, a few
 experts taking most tokens (RouterSkew: random weights alone route uniformly),

@@ -230,7 +230,39 @@ def moe_tables() -> list[str]:
                 "experts implementation with every expert in pinned memory: " + ", ".join(
                     f"b={r['batch']} {r['steps_per_s']:.2f} steps/s ({r['ratio_to_floor']:.2f} x floor)"
                     for r in repeat) + ". Between runs the ratio to the floor moved by up to 0.10."]
-    return out + [""] + b1_tables() + kernel_tables() + predict_tables() + skew_tables()
+    return out + [""] + wide_tables() + b1_tables() + kernel_tables() + predict_tables() + skew_tables()
+
+
+def wide_tables() -> list[str]:
+    """moe.py at batch 8 and 32 with all 48 layers, graph replay: every expert on host against the floor."""
+    path = RESULTS / "moe-qwen3-30b-a3b-b8-b32-48layers.jsonl"
+    rows = _moe_rows(path)
+    decoded = [r for r in rows if r["kind"] == "decode"]
+    if not decoded:
+        return []
+    batches = sorted({r["batch"] for r in decoded})
+    floors = {r["batch"]: r for r in rows if r["kind"] == "floor"}
+    out = ["### All 48 layers at batch 8 and 32", "",
+           "- " + _moe_header(path, rows), "",
+           "The same measurement with the real layer count (61 GB), graph replay, `grouped_mm` only: at these batches "
+           "transformers' `batched_mm` copies a weight per (token, expert) pair at prefill, 24 GiB at batch 32, which "
+           "does not fit beside the model. Each cell: steps/s (x floor, for experts in pinned memory).", "",
+           "| experts | load | " + " | ".join(f"b={b}" for b in batches) + " |", "|---|---|" + "---|" * len(batches),
+           "| floor: unique experts per layer per step | | " + " | ".join(
+               f"{floors[b]['unique_experts_per_layer']:.1f}: {floors[b]['floor_steps_per_s']:.2f} steps/s"
+               for b in batches) + " |"]
+    for name in dict.fromkeys(r["name"] for r in decoded):
+        cells = []
+        for b in batches:
+            r = next((x for x in decoded if (x["name"], x["batch"]) == (name, b)), None)
+            cells.append("-" if r is None else f"{r['steps_per_s']:.2f} ({r['ratio_to_floor']:.3f} x floor)"
+                         if r["offloaded"] else f"{r['steps_per_s']:.1f}")
+        where = "pinned memory, offplan" if name.startswith("experts-host") else "GPU, " + name.split("-", 1)[1]
+        load = "transformers alone" if name.startswith("transformers-") else "plan applied"
+        out.append(f"| {where} | {load} | " + " | ".join(cells) + " |")
+    same = all(r["same_tokens"] for r in decoded)
+    return out + ["", f"Tokens equal to transformers alone with `grouped_mm` in every row: **{'yes' if same else 'NO'}**.",
+                  ""]
 
 
 B1_RUNS = {  # the batch-1 tables: their runs, each a moe.py run of its own (floor and baselines measured in it)
@@ -650,6 +682,9 @@ def main() -> int:
              "for m in graph compiled-graph; do python benchmarks/moe.py --batches 1 --modes $m --baselines "
              "batched_mm grouped_mm --host-implementations offplan --lookahead-ab; mv results/moe-qwen3-30b-a3b.jsonl "
              "results/moe-qwen3-30b-a3b-b1-48layers-$m.jsonl; done   # all 48 layers: 61 GB of disk",
+             "python benchmarks/moe.py --batches 8 32 --modes graph --baselines grouped_mm --transformers-baselines "
+             "grouped_mm --host-implementations offplan   # then: mv results/moe-qwen3-30b-a3b.jsonl "
+             "results/moe-qwen3-30b-a3b-b8-b32-48layers.jsonl",
              "python benchmarks/moe_kernels.py --layers 8 --skew 0.7 --resident 0.25 0.5 --compiled",
              "python benchmarks/moe_predict.py --layers 8; python benchmarks/moe_predict.py --layers 8 --skew 0.7",
              "python benchmarks/moe.py --layers 8 --modes graph --baselines batched_mm grouped_mm "
