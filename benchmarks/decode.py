@@ -109,15 +109,18 @@ def make_checkpoint(model: str, layers: int | None, directory: Path, device: str
     torch.manual_seed(0)
     with torch.device(device):
         m = AutoModelForCausalLM.from_config(one, dtype=torch.bfloat16)
-    seed = directory.with_name(directory.name + ".one-layer")
-    shutil.rmtree(seed, ignore_errors=True)
-    m.save_pretrained(seed)
+    one_layer = directory.with_name(directory.name + ".one-layer")
+    shutil.rmtree(one_layer, ignore_errors=True)
+    m.save_pretrained(one_layer)
     del m
     saved: dict[str, torch.Tensor] = {}
-    for f in sorted(seed.glob("*.safetensors")):
+    for f in sorted(one_layer.glob("*.safetensors")):
         saved.update(load_file(f))
     prefix = "model.layers.0."
     layer0 = {k[len(prefix):]: v for k, v in saved.items() if k.startswith(prefix)}
+    # per name: layer 0's tensor where it is constant (copied), else the standard deviation to draw with
+    draw = {name: v if bool((v.view(-1) == v.view(-1)[0]).all()) else float(v.float().std())
+            for name, v in layer0.items()}
     count = config.num_hidden_layers
     files = [f"model-{i + 1:05d}-of-{count + 1:05d}.safetensors" for i in range(count + 1)]
     directory.mkdir(parents=True)
@@ -126,10 +129,10 @@ def make_checkpoint(model: str, layers: int | None, directory: Path, device: str
         if i < count:
             shard = {}
             for name, v in layer0.items():
-                flat = v.view(-1)
                 t = torch.empty(v.shape, dtype=v.dtype, device=device)
-                shard[f"model.layers.{i}.{name}"] = (t.copy_(v) if bool((flat == flat[0]).all())
-                                                     else t.normal_(0.0, float(v.float().std()))).cpu()
+                how = draw[name]
+                shard[f"model.layers.{i}.{name}"] = (t.copy_(how) if isinstance(how, torch.Tensor)
+                                                     else t.normal_(0.0, how)).cpu()
         else:
             shard = {k: v for k, v in saved.items() if not k.startswith("model.layers.")}
         save_file(shard, directory / files[i], metadata={"format": "pt"})
@@ -137,14 +140,13 @@ def make_checkpoint(model: str, layers: int | None, directory: Path, device: str
         total += sum(t.nbytes for t in shard.values())
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-    shown = json.loads((seed / "config.json").read_text())
+    shown = json.loads((one_layer / "config.json").read_text())
     full = config.to_dict()
     full.update({k: shown[k] for k in ("architectures", "dtype", "torch_dtype") if k in shown})
     (directory / "config.json").write_text(json.dumps(full, indent=2) + "\n")
-    for extra in ("generation_config.json",):
-        if (seed / extra).is_file():
-            shutil.copy(seed / extra, directory / extra)
-    shutil.rmtree(seed)
+    if (one_layer / "generation_config.json").is_file():
+        shutil.copy(one_layer / "generation_config.json", directory / "generation_config.json")
+    shutil.rmtree(one_layer)
     os.sync()  # no writeback of 16+ GB competing with the first measurements
     gc.collect()
     if device == "cuda":

@@ -272,8 +272,7 @@ B1_RUNS = {  # the batch-1 tables: their runs, each a moe.py run of its own (flo
         "The real layer count, which the H100 machine's disk holds (61 GB). The time between steps, from the last "
         "layer's gathers through the head to the first layer's router, when no expert can be read yet "
         "(runtime/lookahead.py, Limits), is the same at any layer count: 3-4% of an 8-layer step, under 1% of "
-        "this one. The two runs ran on two machines, whose UVA rates calibrated 0.8 GB/s apart: at the compiled "
-        "run's 50.8 GB/s, the graph run's floor would be 14.0 steps/s and its ratio 0.954."),
+        "this one."),
 }
 
 
@@ -335,8 +334,22 @@ def _b1_table(title: str, paths: list[Path]) -> list[str]:
                       f"({f['unique_experts_per_layer']:.0f} experts{layers}, {f['bytes_per_step'] / 1e6:.0f} MB, at "
                       f"its UVA rate, {f['uva_read_gbps']} GB/s)")
     out += ["", f"Floor at batch 1: {'; '.join(floors)}. Tokens equal to transformers alone with the same "
-            f"implementation, in the same mode, in every row: **{'yes' if same else 'NO'}**.", ""]
-    return out
+            f"implementation, in the same mode, in every row: **{'yes' if same else 'NO'}**."]
+    return out + _rescaled(runs) + [""]
+
+
+def _rescaled(runs: list[tuple[Path, list[dict]]]) -> list[str]:
+    """Where a table's runs calibrated different UVA rates: each offloaded row's ratio at the fastest run's rate."""
+    rate = {path: next(r for r in rows if r["kind"] == "hardware")["uva_read_gbps"] for path, rows in runs}
+    top = max(rate.values())
+    slower = [(path, r) for path, rows in runs if rate[path] < top for r in rows
+              if r["kind"] == "decode" and r["batch"] == 1 and r["offloaded"]]
+    if not slower:
+        return []
+    return [f"The runs calibrated UVA at {', '.join(f'{g} GB/s' for g in rate.values())}; at {top} GB/s the floor "
+            "ratios would read: " + ", ".join(
+                f"{r['mode']}{' (lookahead off)' if r['name'].endswith('-no-lookahead') else ''} "
+                f"{r['ratio_to_floor'] * rate[path] / top:.3f}" for path, r in slower) + "."]
 
 
 def kernel_tables() -> list[str]:
