@@ -50,16 +50,16 @@ from pathlib import Path
 
 import torch
 
-from planner.build import build
-from planner.checkpoint import Checkpoint, open_checkpoint
-from planner.config import read_config
-from planner.cost import CostModel
-from planner.graph import build_graph
-from planner.groups import FusedGroups
-from planner.hardware import H100, Hardware, dumps_hardware, load_hardware
+from planner.decide.build import build
+from planner.inputs.checkpoint import Checkpoint, open_checkpoint
+from planner.inputs.config import read_config
+from planner.decide.cost import CostModel
+from planner.decide.graph import build_graph
+from planner.decide.groups import FusedGroups
+from planner.inputs.hardware import H100, Hardware, dumps_hardware, load_hardware
 from planner.files import write_atomic
 from planner.planfile import dumps, load_plan
-from planner.policy import load_policy
+from planner.inputs.policy import load_policy
 from planner.units import GIB
 
 FRACTIONS = {0.25: (4, 1), 0.5: (2, 1), 0.75: (4, 3)}
@@ -187,7 +187,7 @@ def checkpoint_and_hardware(args: argparse.Namespace, work: Path, record) -> tup
     if args.hardware:
         hw = load_hardware(args.hardware)
     elif cuda:
-        from runtime.calibrate import calibrate
+        from runtime.measure.calibrate import calibrate
         hw = calibrate().hardware
     else:
         hw = H100
@@ -361,18 +361,18 @@ class Bench:
 
     def run_offplan(self, name: str, strategy: str, fraction: float, plan_path: Path, offloaded: int) -> None:
         import runtime
-        import runtime.arena
+        import runtime.place.arena
         from runtime.hf import build_meta_model
 
         gc.collect()
         if self.cuda:
             torch.cuda.empty_cache()
         model = build_meta_model(self.ckpt)
-        runtime.arena.BASE_OFFSET = 64 if strategy == "uva-64b" else 0
+        runtime.place.arena.BASE_OFFSET = 64 if strategy == "uva-64b" else 0
         try:
             handle = runtime.load(model, plan_path, device=self.args.device, progress=False)
         finally:
-            runtime.arena.BASE_OFFSET = 0
+            runtime.place.arena.BASE_OFFSET = 0
         s, plan = handle.stats(), load_plan(plan_path)
         facts = dict(load_seconds=s.load_seconds, load_gb_per_s=s.load_bytes_per_s / 1e9,
                      peak_gpu_bytes_during_load=s.peak_gpu_bytes_during_load,

@@ -66,7 +66,7 @@ from pathlib import Path
 import torch
 
 import decode  # the sibling benchmark: checkpoints, prompts, plans, decode loops
-from runtime.experts import arithmetic
+from runtime.execute.experts import arithmetic
 
 EXPERTS_HOST = "rules:\n  - {match: [experts], place: uva}\n"
 REPLAYED = ("graph", "compiled-graph")  # modes that replay a captured decode step
@@ -213,7 +213,7 @@ def hit_shares(counts: list[int]) -> dict:
 def touched_experts(model, ids: torch.Tensor, batch: int, new: int) -> tuple[float, float]:
     """(unique experts per MoE layer per decode step, bytes of them read from pinned memory per decode step),
     counted in one untimed greedy `generate` of `new` tokens after the first `batch` prompts."""
-    from runtime.experts import fused_params, supports
+    from runtime.execute.experts import fused_params, supports
     unique: list[int] = []
     host = [0]
 
@@ -374,8 +374,8 @@ class Run:
     def record_profile(self, plan: Path) -> Path:
         """Record a routing profile with the all-GPU model on `--profile-prompts` prompts other than the timed
         ones, `--new-tokens` each."""
-        from planner.routing import write_profile
-        from runtime.routing import checkpoint_groups, record_routing
+        from planner.inputs.routing import write_profile
+        from runtime.measure.routing import checkpoint_groups, record_routing
         model, handle = self.load(plan, None)
         seed = 99
         ids = torch.randint(3, self.vocab, (self.args.profile_prompts, decode.PROMPT_LEN),

@@ -100,7 +100,7 @@ def main(argv=None) -> int:
                 "--profile-prompts", "32"]
     moe_args += ["--layers", str(args.layers)] if args.layers else []
     moe_args += ["--skew", str(args.skew)] if args.skew is not None else []
-    from planner.hardware import H100, dumps_hardware
+    from planner.inputs.hardware import H100, dumps_hardware
     args.out.mkdir(parents=True, exist_ok=True)
     hw = args.out / "moe-kernels-hw.yaml"  # the built-in H100 figures: the profile needs no calibration
     hw.write_text(dumps_hardware(H100))

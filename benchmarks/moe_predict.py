@@ -45,7 +45,7 @@ def main(argv=None) -> int:
     from transformers import AutoModelForCausalLM
     work = args.dir / f"moe-{args.model}"
     ckpt = decode.make_checkpoint(args.model, args.layers, work / "ckpt", args.device)
-    from planner.checkpoint import open_checkpoint
+    from planner.inputs.checkpoint import open_checkpoint
     info = open_checkpoint(ckpt)
     config = decode.config_for(args.model, args.layers)
     model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16).to(args.device).eval()

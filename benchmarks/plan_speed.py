@@ -95,11 +95,11 @@ def baseline(ckpt: Path) -> int:
 
 def plan(policy_path: Path) -> int:
     """offplan end to end, as `plan build` runs it; returns the tensor count."""
-    from planner.build import build, default_output
-    from planner.checkpoint import open_checkpoint
+    from planner.decide.build import build, default_output
+    from planner.inputs.checkpoint import open_checkpoint
     from planner.files import write_atomic
     from planner.planfile import dumps
-    from planner.policy import load_policy
+    from planner.inputs.policy import load_policy
 
     policy = load_policy(policy_path)
     ckpt = open_checkpoint(policy.checkpoint)
@@ -140,7 +140,7 @@ def _child(mode: str, policy: Path) -> tuple[float, float]:
 
 
 def _child_main(mode: str, policy: str) -> int:
-    import planner.build, planner.checkpoint, planner.plan, planner.policy  # noqa: F401, E401
+    import planner.decide.build, planner.inputs.checkpoint, planner.plan, planner.inputs.policy  # noqa: F401, E401
     t = time.perf_counter()
     if mode == "plan":
         plan(Path(policy))

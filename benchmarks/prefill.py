@@ -70,12 +70,12 @@ from pathlib import Path
 
 import torch
 
-from planner.build import build
-from planner.groups import expert_number
-from planner.graph import build_graph
+from planner.decide.build import build
+from planner.decide.groups import expert_number
+from planner.decide.graph import build_graph
 from planner.plan import LayerKind, Placement, Plan
 from planner.planfile import load_plan
-from planner.policy import load_policy
+from planner.inputs.policy import load_policy
 from planner.units import GIB
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -139,7 +139,7 @@ def predicted_prefill(work: Path, name: str, text: str, plan: Plan, tokens: list
 
 def touched_experts(model, ids: torch.Tensor, device) -> dict[str, set[int]]:
     """Experts module path -> the experts that the prefill forward over `ids` routes at least one token to."""
-    from runtime.experts import supports
+    from runtime.execute.experts import supports
     touched: dict[str, set[int]] = {}
 
     def hook(path):

@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 import decode  # the sibling benchmark: checkpoints, prompts, plans, decode loops
-from planner.checkpoint import open_checkpoint
+from planner.inputs.checkpoint import open_checkpoint
 from runtime.hf import from_pretrained
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
@@ -118,7 +118,7 @@ def main(argv=None) -> int:
     fp8, ref = make_checkpoints(args, work, record)
     cuda = args.device == "cuda"
     if cuda:
-        from runtime.calibrate import calibrate
+        from runtime.measure.calibrate import calibrate
         hw = calibrate().hardware
         record(kind="hardware", **hw.__dict__)
     top_k = 2 if args.model == "tiny" else 8

@@ -8,7 +8,7 @@ CUDA view at batch 1, 8 and 64, and copied to the GPU in one piece:
 
 - `torch.empty` + `cudaHostRegister`: the arena before this measurement (the
   allocator gives a 64-byte-aligned base);
-- the runtime's arena (`runtime.arena.PinnedArena`, an anonymous mmap) with its
+- the runtime's arena (`runtime.place.arena.PinnedArena`, an anonymous mmap) with its
   base 64, 256 and 2048 bytes past a page boundary (a tensor at a 256-byte
   offset inside a page-aligned arena reads like a base at +256), on a page
   boundary, and on a 2 MiB boundary with transparent huge pages requested;
@@ -29,8 +29,8 @@ from pathlib import Path
 
 import torch
 
-from runtime.arena import HUGE_PAGE, PAGE, PinnedArena, _CudaArrayInterface
-from runtime.calibrate import gemv_gbps, mlp_weights, random_bytes, warm_up
+from runtime.place.arena import HUGE_PAGE, PAGE, PinnedArena, _CudaArrayInterface
+from runtime.measure.calibrate import gemv_gbps, mlp_weights, random_bytes, warm_up
 
 NBYTES = 8 * 14336 * 4096 * 2
 BATCHES = (1, 8, 64)

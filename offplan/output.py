@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import sys
 
-from planner.report import print_to
+from planner.planfile.show import print_to
 
 
 def emit(args, data, text) -> None:

@@ -6,19 +6,19 @@ import os
 import sys
 from pathlib import Path
 
-from planner import yamlio
-from planner.build import build, default_output
-from planner.checkpoint import INDEX_NAME, open_checkpoint, resolve
-from planner.diff import diff_data, diff_text
+from planner.decide.build import build, default_output
+from planner.decide.notes import is_warning
 from planner.errors import InconsistentPlanError, OffplanError, PolicyError
 from planner.files import write_atomic
-from planner.hardware import load_hardware
-from planner.notes import is_warning
+from planner.inputs import yamlio
+from planner.inputs.checkpoint import INDEX_NAME, open_checkpoint, resolve
+from planner.inputs.hardware import load_hardware
+from planner.inputs.policy import Policy, load_policy
+from planner.inputs.routing import load_profile, skew
 from planner.planfile import dumps, load_plan, read_plan
-from planner.policy import Policy, load_policy
-from planner.routing import load_profile, skew
-from planner.report import show, show_data, show_tensors, tensors_data
-from planner.staleness import stale_reasons
+from planner.planfile.diff import diff_data, diff_text
+from planner.planfile.show import show, show_data, show_tensors, tensors_data
+from planner.planfile.staleness import stale_reasons
 from planner.units import human, ms, plural
 
 from .output import emit

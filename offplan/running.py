@@ -31,19 +31,19 @@ from pathlib import Path
 
 import torch
 
-from planner import yamlio
-from planner.checkpoint import INDEX_NAME, Checkpoint, open_checkpoint
 from planner.errors import OffplanError, PlanFileError
-from planner.planfile import load_plan
 from planner.files import relpath, write_atomic
-from planner.hardware import dumps_hardware
-from planner.routing import skew, write_profile
+from planner.inputs import yamlio
+from planner.inputs.checkpoint import INDEX_NAME, Checkpoint, open_checkpoint
+from planner.inputs.hardware import dumps_hardware
+from planner.inputs.routing import skew, write_profile
+from planner.planfile import load_plan
 from planner.units import human, ms, plural
-from runtime.calibrate import calibrate
-from runtime.handle import LoadStats
+from runtime.execute.handle import LoadStats
 from runtime.hf import from_pretrained
-from runtime.loader import check_holds_weights
-from runtime.routing import checkpoint_groups, record_routing
+from runtime.measure.calibrate import calibrate
+from runtime.measure.routing import checkpoint_groups, record_routing
+from runtime.place.loader import check_holds_weights
 
 from .cli import PROMPT_LEN, RANDOM_PROMPTS, SEED
 from .output import emit

@@ -2,15 +2,15 @@
 
 Pure Python: it never imports torch and never reads weight data.
 """
-from .build import build, build_file
-from .checkpoint import Checkpoint, TensorInfo, open_checkpoint
-from .errors import (BudgetError, CheckpointError, InconsistentPlanError, InputError, ModelMismatchError,
-                     OffplanError, PlanFileError, PolicyError, RoutingProfileError, StalePlanError)
+from .decide.build import build, build_file
+from .errors import (BudgetError, CheckpointError, InconsistentPlanError, InputError, ModelMismatchError, OffplanError,
+                     PlanFileError, PolicyError, RoutingProfileError, StalePlanError)
 from .files import write_atomic
+from .inputs.checkpoint import Checkpoint, TensorInfo, open_checkpoint
+from .inputs.policy import Policy, load_policy
+from .inputs.routing import RoutingProfile, dumps_profile, load_profile, write_profile
 from .plan import Backend, Placement, Plan
 from .planfile import dumps, load_plan, loads, read_plan
-from .policy import Policy, load_policy
-from .routing import RoutingProfile, dumps_profile, load_profile, write_profile
 
 __all__ = ["build", "build_file", "Checkpoint", "TensorInfo", "open_checkpoint", "BudgetError",
            "CheckpointError", "InconsistentPlanError", "InputError", "ModelMismatchError", "OffplanError",

@@ -12,8 +12,9 @@ checkpoint's config.json on the meta device and loads it per the plan.
 routing profile (which experts the prompts route to) for `workload.routing`.
 This package is the only part of offplan that imports torch.
 """
-from . import hf, routing
-from .handle import LoadStats, OffloadHandle
+from . import hf
+from .execute.handle import LoadStats, OffloadHandle
 from .load_steps import apply, load
+from .measure import routing
 
 __all__ = ["LoadStats", "OffloadHandle", "apply", "hf", "load", "routing"]

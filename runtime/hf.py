@@ -7,9 +7,9 @@ import torch
 
 from planner.errors import OffplanError
 
-from .handle import OffloadHandle
+from .execute.handle import OffloadHandle
 from .load_steps import load, open_plan
-from .loader import check_holds_weights
+from .place.loader import check_holds_weights
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 

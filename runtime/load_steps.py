@@ -31,24 +31,25 @@ from pathlib import Path
 
 import torch
 
-from planner.checkpoint import Checkpoint, open_checkpoint
+from planner.decide.groups import FusedGroups
 from planner.errors import ModelMismatchError, OffplanError, PlanFileError
-from planner.groups import FusedGroups
+from planner.inputs.checkpoint import Checkpoint, open_checkpoint
 from planner.plan import Placement, Plan, Runs
 from planner.planfile import load_plan
-from planner.staleness import require_current
+from planner.planfile.staleness import require_current
 
-from . import dequant, experts, quant
-from .arena import PinnedArena, as_bytes, typed
-from .buffers import materialize_buffers
-from .checkpoint_names import Target, map_tensors
-from .handle import OffloadHandle
-from .layout import lay_out
-from .loader import TORCH_DTYPES, Progress, ShardReader, Stager, check_holds_weights
-from .lookahead import LOOKAHEAD, Lookahead
-from .prefetch import PrefetchEngine
-from .prefill import PrefillStager
-from .staging import UvaStaging
+from .execute import experts
+from .execute.handle import OffloadHandle
+from .execute.lookahead import LOOKAHEAD, Lookahead
+from .execute.prefetch import PrefetchEngine
+from .execute.prefill import PrefillStager
+from .execute.staging import UvaStaging
+from .place import dequant, quant
+from .place.arena import PinnedArena, as_bytes, typed
+from .place.buffers import materialize_buffers
+from .place.layout import lay_out
+from .place.loader import TORCH_DTYPES, Progress, ShardReader, Stager, check_holds_weights
+from .place.names import Target, map_tensors
 
 GPU, UVA, PREFETCH = Placement.GPU, Placement.UVA, Placement.PREFETCH
 

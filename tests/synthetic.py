@@ -12,7 +12,7 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
-from planner.dtypes import nbytes
+from planner.inputs.dtypes import nbytes
 
 Tensor = tuple[str, str, tuple[int, ...]]  # name, dtype, shape
 

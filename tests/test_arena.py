@@ -7,7 +7,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from runtime.arena import BASE_ALIGN, HUGE_PAGE, PAGE, PinnedArena, align, typed  # noqa: E402
+from runtime.place.arena import BASE_ALIGN, HUGE_PAGE, PAGE, PinnedArena, align, typed  # noqa: E402
 
 
 def test_no_attribute_hides_a_method():

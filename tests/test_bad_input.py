@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from offplan.cli import main
-from planner.policy import load_policy
+from planner.inputs.policy import load_policy
 
 ROOT = Path(__file__).resolve().parent.parent
 HEAD = "format_version: 1\ncheckpoint: ./ckpt\n"

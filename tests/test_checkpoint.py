@@ -10,8 +10,8 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from headeronly import MiB, entries, toy, write_index, write_raw_shard
-from planner.checkpoint import TensorInfo, open_checkpoint, resolve
-from planner.dtypes import BITS, nbytes
+from planner.inputs.checkpoint import TensorInfo, open_checkpoint, resolve
+from planner.inputs.dtypes import BITS, nbytes
 from planner.errors import CheckpointError
 from synthetic import deepseek_v3, write_header_only
 

@@ -10,7 +10,7 @@ import pytest
 
 from headeronly import MiB, write_policy
 from offplan.cli import main
-from planner.checkpoint import open_checkpoint
+from planner.inputs.checkpoint import open_checkpoint
 from planner.planfile import load_plan
 
 # 18.4 MiB: offload layer 0 (3 MiB) of 21 MiB; read in place at prefill too (staging slots: test_show_prefill)

@@ -7,16 +7,16 @@ import json
 import pytest
 
 from headeronly import GPU, PREFETCH, UVA, infos, policy
-from planner.config import ModelFacts, read_config
-from planner.cost import CostModel
+from planner.inputs.config import ModelFacts, read_config
+from planner.decide.cost import CostModel
 from planner.errors import PolicyError
-from planner.graph import build_graph
-from planner.groups import FusedGroups
-from planner.hardware import Hardware, dumps_hardware, load_hardware
-from planner.placement import decide
+from planner.decide.graph import build_graph
+from planner.decide.groups import FusedGroups
+from planner.inputs.hardware import Hardware, dumps_hardware, load_hardware
+from planner.decide.placement import decide
 from planner.plan import PrefillStaging, Role, StagedLayer
-from planner.policy import Rule, Workload, load_policy
-from planner.patterns import compile_pattern
+from planner.inputs.policy import Rule, Workload, load_policy
+from planner.inputs.patterns import compile_pattern
 
 # 1 MB/us copy, 0.5 MB/us UVA, 10 MB/us HBM, 100 us per layer: easy arithmetic.
 HW = Hardware("test", h2d_copy_gbps=1.0, uva_read_gbps=0.5, hbm_read_gbps=10.0, layer_overhead_us=100.0)

@@ -51,7 +51,7 @@ def test_prefill_benchmark_runs_on_the_cpu(tmp_path):
     import dataclasses
     import json
 
-    from planner.hardware import H100, dumps_hardware
+    from planner.inputs.hardware import H100, dumps_hardware
     hw = tmp_path / "hw.yaml"
     hw.write_text(dumps_hardware(dataclasses.replace(H100, stage_above_tokens=8)))
     code = load_benchmark("prefill").main([

@@ -8,7 +8,7 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from decode_bench import load_benchmark, run_decode  # noqa: E402
-from planner.hardware import H100, dumps_hardware  # noqa: E402
+from planner.inputs.hardware import H100, dumps_hardware  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 

@@ -7,7 +7,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from runtime import experts  # noqa: E402
+from runtime.execute import experts  # noqa: E402
 from runtime.hf import from_pretrained  # noqa: E402
 from tiny_models import make_plan, qwen3_moe_config, reference, save_model  # noqa: E402
 
@@ -126,7 +126,7 @@ def test_lookahead_decode_equals_transformers_and_reads_its_buffer(tmp_path, mod
     """With experts in pinned memory in every layer, one-token forwards guess the next layer's experts and read
     them ahead (runtime/lookahead.py): outputs stay bitwise batched_mm's, and the gathers do take rows from the
     buffer (spoiling it changes the outputs)."""
-    from runtime import lookahead
+    from runtime.execute import lookahead
     model, handle = from_pretrained(make_plan(tmp_path, models["qwen3-moe"], body), progress=False)
     ref = reference(models["qwen3-moe"])
     ref.set_experts_implementation("batched_mm")
@@ -148,8 +148,8 @@ def test_lookahead_decode_equals_transformers_and_reads_its_buffer(tmp_path, mod
 
 
 def test_gather_rows_takes_guessed_experts_from_the_lookahead_buffer():
-    from runtime import ops
-    from runtime.lookahead import Source
+    from runtime.execute import ops
+    from runtime.execute.lookahead import Source
 
     class Look:  # the lookahead's answer for one stored tensor (lookahead.Lookahead.source)
         def source(self, index, name, full):

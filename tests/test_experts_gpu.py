@@ -7,8 +7,8 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from runtime import experts  # noqa: E402
-from runtime.arena import PinnedArena, typed  # noqa: E402
+from runtime.execute import experts  # noqa: E402
+from runtime.place.arena import PinnedArena, typed  # noqa: E402
 from runtime.hf import from_pretrained  # noqa: E402
 from test_experts import RESIDENT_LAYER_0, SPLIT, configs  # noqa: E402
 from tiny_models import make_plan, reference, save_model  # noqa: E402
@@ -131,7 +131,7 @@ def test_lookahead_stopped_part_way_gathers_exact_rows():
     then takes each guessed block from the buffer only where the read completed it. Stops at 40 moments, from
     before the read to after it; every gathered row must equal the pinned one (a chunk stored by only some of a
     program's threads showed here as a few thousand wrong values)."""
-    from runtime.lookahead import BLOCK, PROGRAMS, _read_kernel
+    from runtime.execute.lookahead import BLOCK, PROGRAMS, _read_kernel
     e, count, na, nb = 12, 2, 768 * 2048, 2048 * 384
     arena = PinnedArena(e * (na + nb) * 2, cuda=True)
     arena.host_view(0, arena.nbytes).view(torch.bfloat16).copy_(torch.randn(e * (na + nb)).to(torch.bfloat16))

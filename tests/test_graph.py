@@ -5,10 +5,10 @@ import networkx as nx
 import pytest
 
 from headeronly import toy, write_policy
-from planner.build import build
+from planner.decide.build import build
 from planner.errors import PolicyError
-from planner.graph import build_graph, execution_order, natural_key
-from planner.policy import load_policy
+from planner.decide.graph import build_graph, execution_order, natural_key
+from planner.inputs.policy import load_policy
 from synthetic import llama, write_header_only
 
 

@@ -15,11 +15,11 @@ torch = pytest.importorskip("torch")
 
 import runtime  # noqa: E402
 from headeronly import MiB, entries, write_index, write_raw_shard  # noqa: E402
-from planner.checkpoint import open_checkpoint  # noqa: E402
+from planner.inputs.checkpoint import open_checkpoint  # noqa: E402
 from offplan.cli import main  # noqa: E402
 from planner.errors import CheckpointError  # noqa: E402
 from planner.units import human  # noqa: E402
-from runtime.loader import check_holds_weights  # noqa: E402
+from runtime.place.loader import check_holds_weights  # noqa: E402
 
 NOTE = ("It is a header-only checkpoint, for planning only (plans/examples/make_checkpoints.py writes them). "
         "To load the model, download the real checkpoint, point the policy's `checkpoint:` at it and run "

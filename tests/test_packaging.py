@@ -18,9 +18,9 @@ from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 
 from offplan import cli
-from planner.build import build
+from planner.decide.build import build
 from planner.planfile import dumps
-from planner.policy import load_policy
+from planner.inputs.policy import load_policy
 
 ROOT = Path(__file__).resolve().parent.parent
 VERSION = re.search(r'^version = "(.+)"$', (ROOT / "pyproject.toml").read_text(), re.M).group(1)

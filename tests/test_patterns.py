@@ -6,10 +6,10 @@ import re
 import pytest
 
 from headeronly import toy, write_policy
-from planner.build import build, check_patterns
+from planner.decide.build import build, check_patterns
 from planner.errors import PolicyError
-from planner.patterns import closest, compile_pattern
-from planner.policy import load_policy
+from planner.inputs.patterns import closest, compile_pattern
+from planner.inputs.policy import load_policy
 from synthetic import qwen3_moe, write_header_only
 
 

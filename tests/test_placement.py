@@ -14,11 +14,11 @@ import pytest
 from headeronly import (GPU, PREFETCH, UVA, MiB, infos, mib, offloaded_layers, placed, plan_of,
                         policy, toy)
 from planner.errors import BudgetError, PolicyError
-from planner.graph import build_graph
-from planner.hardware import H100
-from planner.placement import resolve_backend
-from planner.placement_errors import smallest_budget_gib
-from planner.schedule import make_schedule, spread
+from planner.decide.graph import build_graph
+from planner.inputs.hardware import H100
+from planner.decide.placement import resolve_backend
+from planner.decide.placement_errors import smallest_budget_gib
+from planner.decide.schedule import make_schedule, spread
 from planner.plan import Buffer, LayerBytes, Layout, PrefillStaging, StagedLayer, Transfer
 
 DOWN, O = "mlp.down_proj.weight", "self_attn.o_proj.weight"

@@ -9,15 +9,15 @@ import pytest
 import yaml
 
 from headeronly import MiB, toy, write_policy
-from planner.build import build, build_file
-from planner.checkpoint import open_checkpoint
+from planner.decide.build import build, build_file
+from planner.inputs.checkpoint import open_checkpoint
 from planner.errors import OffplanError, PlanFileError
 from planner.files import write_atomic
 from planner.plan import Placement
 from planner.planfile import dumps, load_plan, loads
-from planner.policy import load_policy
+from planner.inputs.policy import load_policy
 from synthetic import write_header_only
-from planner.schema import schema
+from planner.inputs.schema import schema
 
 POLICIES = {
     "none": "",

@@ -10,9 +10,9 @@ import pytest
 
 from headeronly import write_policy
 from planner.errors import PolicyError
-from planner.patterns import compile_pattern
+from planner.inputs.patterns import compile_pattern
 from planner.plan import Backend, Placement
-from planner.policy import Policy, PrefetchPolicy, Rule, UvaPolicy, Workload, load_policy
+from planner.inputs.policy import Policy, PrefetchPolicy, Rule, UvaPolicy, Workload, load_policy
 
 SCHEMAS = Path(__file__).resolve().parent.parent / "schemas"
 

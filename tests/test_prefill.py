@@ -9,7 +9,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from planner.hardware import H100, dumps_hardware  # noqa: E402
+from planner.inputs.hardware import H100, dumps_hardware  # noqa: E402
 from planner.planfile import load_plan  # noqa: E402
 from runtime.hf import from_pretrained  # noqa: E402
 from tiny_models import check_ring, make_plan, reference, save_models  # noqa: E402

@@ -11,7 +11,7 @@ pytest.importorskip("transformers")
 
 import torch._inductor.config as inductor_config  # noqa: E402
 
-from planner.hardware import H100, dumps_hardware  # noqa: E402
+from planner.inputs.hardware import H100, dumps_hardware  # noqa: E402
 from runtime.hf import from_pretrained  # noqa: E402
 from tiny_models import check_ring, make_plan, reference, save_models  # noqa: E402
 

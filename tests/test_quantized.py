@@ -11,8 +11,8 @@ transformers = pytest.importorskip("transformers")
 from planner.errors import ModelMismatchError, OffplanError, PolicyError  # noqa: E402
 from planner.plan import Placement  # noqa: E402
 from planner.planfile import load_plan  # noqa: E402
-from planner.quantized import partners  # noqa: E402
-from planner.checkpoint import open_checkpoint  # noqa: E402
+from planner.inputs.quantized import partners  # noqa: E402
+from planner.inputs.checkpoint import open_checkpoint  # noqa: E402
 from quantized_models import fp8_dequantize, fp8_quantize, reference_dir, write_fp8, write_mxfp4  # noqa: E402
 from runtime.hf import build_meta_model, from_pretrained  # noqa: E402
 from tiny_models import llama_config, logits, make_plan, qwen3_moe_config, reference, save_model  # noqa: E402
@@ -121,7 +121,7 @@ def test_fp8_without_block_scales_is_refused(tmp_path, checkpoints, capsys):
     """`plan build` refuses it with one error naming the tensor and what to use instead, writing no plan; the
     runtime's scan refuses it too (a plan built before the scales went missing is also stale)."""
     from offplan.cli import main
-    from runtime.quant import scan
+    from runtime.place.quant import scan
     quantized, _ = checkpoints["fp8-llama"]
     broken = tmp_path / "broken"
     from quantized_models import _rewrite

@@ -10,8 +10,9 @@ pytest.importorskip("transformers")
 
 import torch._inductor.config as inductor_config  # noqa: E402
 
-from runtime import dequant, experts  # noqa: E402
-from runtime.arena import PinnedArena, typed  # noqa: E402
+from runtime.place import dequant
+from runtime.execute import experts  # noqa: E402
+from runtime.place.arena import PinnedArena, typed  # noqa: E402
 from runtime.hf import from_pretrained  # noqa: E402
 from test_quantized import POLICIES, gpt_oss_config  # noqa: E402
 from quantized_models import reference_dir, write_fp8, write_mxfp4  # noqa: E402
@@ -51,7 +52,7 @@ def test_fp8_kernel_reads_pinned_memory_and_equals_the_torch_arithmetic():
                                          ("fp8", "split"), ("mxfp4", "uva"), ("mxfp4", "prefetch")])
 def test_quantized_loads_on_cuda_equal_the_dequantized_reference(tmp_path, checkpoints, name, policy):
     quantized, ref = checkpoints[name]
-    from planner.checkpoint import open_checkpoint
+    from planner.inputs.checkpoint import open_checkpoint
     body = SPLIT if policy == "split" else POLICIES[policy].replace(
         "BUDGET", str(open_checkpoint(quantized).total_bytes * 0.6 / 2**30))
     model, handle = from_pretrained(make_plan(tmp_path, quantized, body), progress=False)

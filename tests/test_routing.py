@@ -8,17 +8,17 @@ import pytest
 
 from headeronly import infos
 from offplan.cli import main
-from planner.build import build_file
-from planner.checkpoint import open_checkpoint
-from planner.cost import CostModel
+from planner.decide.build import build_file
+from planner.inputs.checkpoint import open_checkpoint
+from planner.decide.cost import CostModel
 from planner.errors import PolicyError, RoutingProfileError
-from planner.graph import build_graph
-from planner.groups import FusedGroups
-from planner.hardware import Hardware
+from planner.decide.graph import build_graph
+from planner.decide.groups import FusedGroups
+from planner.inputs.hardware import Hardware
 from planner.planfile import dumps, load_plan
-from planner.policy import Workload, load_policy
-from planner.routing import (HEADER, LayerHits, RoutingProfile, dumps_profile, load_profile, mismatches,
-                             profile_fingerprint, skew)
+from planner.inputs.policy import Workload, load_policy
+from planner.inputs.routing import (HEADER, LayerHits, RoutingProfile, dumps_profile, load_profile, mismatches,
+                                    profile_fingerprint, skew)
 from synthetic import qwen3_moe, write_header_only
 
 HW = Hardware("test", h2d_copy_gbps=1.0, uva_read_gbps=0.5, hbm_read_gbps=10.0, layer_overhead_us=100.0)

@@ -11,11 +11,11 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from offplan.cli import main  # noqa: E402
-from planner.build import build_file  # noqa: E402
-from planner.checkpoint import open_checkpoint  # noqa: E402
+from planner.decide.build import build_file  # noqa: E402
+from planner.inputs.checkpoint import open_checkpoint  # noqa: E402
 from planner.errors import OffplanError  # noqa: E402
-from planner.routing import load_profile  # noqa: E402
-from runtime.routing import RoutingRecorder, checkpoint_groups, record_routing  # noqa: E402
+from planner.inputs.routing import load_profile  # noqa: E402
+from runtime.measure.routing import RoutingRecorder, checkpoint_groups, record_routing  # noqa: E402
 from tiny_models import make_plan, qwen3_moe_config, reference, save_model  # noqa: E402
 
 LAYERS = [f"model.layers.{i}.mlp.experts" for i in range(4)]  # tiny Qwen3-MoE: 4 layers of 4 experts, top-2

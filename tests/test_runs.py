@@ -8,13 +8,13 @@ import re
 import pytest
 
 from headeronly import write_policy
-from planner.build import build
-from planner.config import ModelFacts
-from planner.graph import build_graph, schedule_problems
+from planner.decide.build import build
+from planner.inputs.config import ModelFacts
+from planner.decide.graph import build_graph, schedule_problems
 from planner.errors import InconsistentPlanError, PolicyError
 from planner.plan import Placement, Runs, Transfer
 from planner.planfile import dumps, loads
-from planner.policy import load_policy
+from planner.inputs.policy import load_policy
 from synthetic import deepseek_v3, qwen2_vl, write_header_only
 
 GPU, UVA = Placement.GPU, Placement.UVA

@@ -241,7 +241,7 @@ def test_apply_refuses_a_plan_whose_params_disagree_with_its_layers(tmp_path, ch
 
 
 def test_progress_is_a_summary_line_in_logs_and_quiet_when_told(capsys):
-    from runtime.loader import Progress
+    from runtime.place.loader import Progress
     bar = Progress(3 * 2**30)  # stderr is not a terminal here
     for _ in range(3):
         bar.update(2**30)

@@ -134,7 +134,7 @@ def test_calibrate_is_physical_and_repeatable(tmp_path, capsys):
     CPU line fit, R^2 < 0.95) is run again, as its message tells a user to, at most twice. HBM bandwidth is timed
     from a replayed graph: launched from Python, two runs in a row once read 2614 and 2343 GB/s."""
     from offplan.cli import main
-    from planner.hardware import load_hardware
+    from planner.inputs.hardware import load_hardware
     runs = []
     for i in range(2):
         out = tmp_path / f"hw{i}.yaml"

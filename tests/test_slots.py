@@ -1,11 +1,11 @@
 """Slot images (planner/slots.py, planner/groups.units): fused expert parameters in the runtime's memory order."""
 from __future__ import annotations
 
-from planner.checkpoint import TensorInfo
-from planner.graph import build_graph
-from planner.groups import units
+from planner.inputs.checkpoint import TensorInfo
+from planner.decide.graph import build_graph
+from planner.decide.groups import units
 from planner.plan import Buffer, Layout
-from planner.slots import layout_bytes, layout_of
+from planner.decide.slots import layout_bytes, layout_of
 
 
 def info(name, shape, dtype="BF16"):

@@ -11,16 +11,16 @@ import yaml
 
 from headeronly import infos, plan_of, policy, write_policy
 from offplan.cli import main
-from planner.build import build
-from planner.checkpoint import open_checkpoint
+from planner.decide.build import build
+from planner.inputs.checkpoint import open_checkpoint
 from planner.errors import PlanFileError
-from planner.graph import build_graph
-from planner.hardware import H100
-from planner.placement import decide
+from planner.decide.graph import build_graph
+from planner.inputs.hardware import H100
+from planner.decide.placement import decide
 from planner.plan import PrefillStaging, StagedLayer
 from planner.planfile import dumps, loads
-from planner.policy import Workload, load_policy
-from planner.schema import schema
+from planner.inputs.policy import Workload, load_policy
+from planner.inputs.schema import schema
 from synthetic import deepseek_v3, llama, qwen3_moe, write_header_only
 
 

@@ -5,10 +5,10 @@ from pathlib import Path
 
 import torch
 
-from planner.build import build
+from planner.decide.build import build
 from planner.files import write_atomic
 from planner.planfile import dumps
-from planner.policy import load_policy
+from planner.inputs.policy import load_policy
 
 
 def llama_config(**overrides):
@@ -217,7 +217,7 @@ def check_ring(handle) -> list[int]:
     are compared with the module's own fused parameters, every row: those gathered from HBM and those the ring
     delivered (on CUDA a row the ring missed would hold whatever memory the allocator handed back, possibly the
     right values from a previous forward). Returns the units filled, in order."""
-    from runtime.experts import fused_params
+    from runtime.execute.experts import fused_params
     stager, filled = handle.prefill, []
     fill = stager.fill
 

@@ -1,0 +1,142 @@
+"""The backends' placements: one attempt of `placement.decide`, over a copy of the rules' placement.
+
+`place_backend` runs the policy's backend (placement.py steps 4-6: nothing
+when the budget already fits, the uva walk, the prefetch walk, or mixed.py)
+through a `Footprint`, with the cost model that placement.py built for the
+plan's prefill (staging routed experts or not: staging.py `stage_experts`).
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from itertools import chain
+
+from ..errors import PolicyError
+from ..inputs.checkpoint import TensorInfo
+from ..inputs.policy import Policy
+from ..plan import Backend, Placement, Runs
+from ..units import GIB, plural
+from .cost import CostModel, Prediction
+from .footprint import Footprint
+from .graph import Layer, LayerGraph
+from .groups import FusedGroups, whole_groups
+from .mixed import place_mixed
+from .placement_errors import layer_list, nothing_left
+from .schedule import fewest_layers
+
+GPU, UVA, PREFETCH = Placement.GPU, Placement.UVA, Placement.PREFETCH
+
+
+@dataclass(frozen=True)
+class Placed:
+    """One placement by `place_backend`: its footprint, prediction, the backend that ran (or was skipped), notes."""
+
+    fp: Footprint
+    prediction: Prediction
+    backend: Backend
+    skipped: Backend | None
+    notes: tuple[str, ...]
+    reasons: dict[str, str]
+
+
+def place_backend(model: CostModel, graph: LayerGraph, tensors: Mapping[str, TensorInfo], place: dict[str, Placement],
+                  stage: bool, policy: Policy, backend: Backend, stack, fixed, groups: FusedGroups,
+                  selected) -> Placed:
+    """The backend's placement over `place` (which it changes), prefill staging experts as `model` says
+    (placement.py, steps 4-6 and 8)."""
+    fp = Footprint(graph, tensors, place, policy.prefetch.step, stage)
+    budget, skipped, prediction, notes, reasons = policy.budget_bytes, None, None, (), {}
+    if backend is not Backend.NONE and budget is not None and fp.total <= budget:
+        skipped, backend = backend, Backend.NONE  # offloading more would only cost speed
+    elif backend is Backend.UVA:
+        _uva(stack, fixed, fp, policy, groups, selected["uva"], graph.rarely_run())
+    elif backend is Backend.PREFETCH:
+        _prefetch(stack, fixed, fp, policy, graph, selected["prefetch"], groups)
+    elif backend is Backend.MIXED:
+        choice = place_mixed(graph, policy, fp, fixed, groups, model)
+        fp, prediction, notes, reasons = choice.footprint, choice.prediction, choice.notes, choice.why
+    return Placed(fp, prediction or model.predict(fp.place), backend, skipped, notes, reasons)
+
+
+def _rarely_run_first(rare: list[Layer], fixed, fp: Footprint, groups: FusedGroups, selected):
+    """The units budget-driven placement offloads to uva first: what does not run in every decode step
+    (vision towers, MTP layers: graph.py) costs a decode step nothing, wherever it lives. Lazy: each
+    unit is taken from the placement as the walk (`Footprint.fit`) reaches it."""
+    for layer in rare:
+        for n in layer.params:
+            if n not in fixed and fp.place[n] is GPU and (selected is None or n in selected):
+                yield groups.expert(n)
+
+
+def _uva(stack, fixed, fp: Footprint, policy: Policy, groups: FusedGroups, selected, rare: list[Layer]) -> None:
+    """The per-tensor walk. With an amount, vLLM's walk over the stacks in order, in vLLM's units (a layer's
+    fused w13 or w2 whole); with a budget, rarely-run layers first, then one expert of one fused parameter
+    at a time. Neither moves what rules fixed or `uva.params` left out."""
+    amount = policy.uva.offload_gib > 0
+    if not amount and policy.budget_bytes is None:  # only `backend: uva` gets here
+        raise PolicyError(
+            f"{policy.path}: backend: uva offloads nothing: set uva.offload_gib (GiB to offload, as vLLM's "
+            "cpu_offload_gb) or budget_gib (offload until the GPU footprint fits)"
+            + ("; uva.params only narrows which tensors those offload" if selected is not None else ""))
+    cands = [n for l in stack for n in l.params if n not in fixed and (selected is None or n in selected)]
+    if not cands and (amount or selected is not None):
+        raise PolicyError(nothing_left(policy, "uva", stack, selected))
+    allowed = set(cands)
+
+    def units(unit):
+        """Each unit the walk reaches, less what rules fixed or `uva.params` left out."""
+        for n in cands:
+            if fp.place[n] is GPU:
+                yield [m for m in unit(n) if m in allowed and fp.place[m] is GPU]
+
+    if amount:  # vLLM's walk, in vLLM's units: a fused parameter (w13, w2) whole
+        limit = policy.uva.offload_gib * GIB
+        done = 0
+        for unit in units(groups.param):
+            if done >= limit:
+                break
+            resident = fp.resident
+            fp.move(unit, UVA)  # with any quantization scales
+            done += resident - fp.resident
+        return
+    fp.fit(chain(_rarely_run_first(rare, fixed, fp, groups, selected), units(groups.expert)), UVA,
+           policy.budget_bytes)
+
+
+def _prefetch(stack, fixed, fp: Footprint, policy: Policy, graph: LayerGraph, selected, groups: FusedGroups) -> None:
+    pre = policy.prefetch
+
+    def chosen(layer: Layer) -> list[str]:
+        names = [n for n in layer.params if n not in fixed and (selected is None or n in selected)]
+        return whole_groups(names, groups)
+
+    if pre.group_size > 0:
+        g, k = pre.group_size, pre.num_in_group
+        every = [l for l in stack if l.runs is Runs.STEP]  # a vision tower or MTP layer is never streamed
+        if g > len(every):
+            rare = f", {len(stack) - len(every)} more run in no decode step" if len(every) < len(stack) else ""
+            raise PolicyError(
+                f"{policy.path}: prefetch.group_size {g} is larger than the {plural(len(every), 'layer')} of "
+                f"the layer stacks ({', '.join(graph.stacks) or 'none detected'}{rare}): layer i streams iff "
+                f"i % {g} >= {g - k}, so the groups never repeat; set prefetch.group_size to at most "
+                f"{len(every)} (or use budget_gib and let the planner choose the layers)")
+        picked = [layer for i, layer in enumerate(every) if i % g >= g - k]
+        if not any(chosen(l) for l in picked):
+            raise PolicyError(nothing_left(policy, "prefetch", picked, selected,
+                                            f"prefetch.group_size {g} / num_in_group {k} streams layers "
+                                            f"{layer_list(picked)}, but "))
+        for layer in picked:
+            fp.move(chosen(layer), PREFETCH)
+        return
+    if policy.budget_bytes is None:  # only `backend: prefetch` gets here
+        raise PolicyError(
+            f"{policy.path}: backend: prefetch offloads nothing: set prefetch.group_size (with "
+            "num_in_group: stream the last num_in_group layers of every group, as vLLM's "
+            "offload_group_size) or budget_gib (stream the fewest layers that fit)")
+    eligible = [(l, c) for l, c in ((l, chosen(l)) for l in stack if l.runs is Runs.STEP) if c]
+    rare = graph.rarely_run()
+    if not eligible and not rare and selected is not None:
+        raise PolicyError(nothing_left(policy, "prefetch", stack, selected))
+    if not fp.fit(_rarely_run_first(rare, fixed, fp, groups, selected), UVA, policy.budget_bytes):
+        for layer, names in fewest_layers(eligible, fp, policy.budget_bytes):
+            fp.move(names, PREFETCH)

@@ -1,0 +1,120 @@
+"""`plan build`: policy + checkpoint headers -> Plan. The one place the steps are wired together."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from ..errors import CheckpointError, PolicyError
+from ..files import relpath
+from ..inputs.checkpoint import INDEX_NAME, Checkpoint, open_checkpoint
+from ..inputs.config import read_config
+from ..inputs.hardware import H100, load_hardware
+from ..inputs.patterns import Names, closest
+from ..inputs.policy import Policy, load_policy
+from ..inputs.prefused import prefused_key
+from ..inputs.quantized import unreadable
+from ..inputs.routing import load_profile
+from ..nogc import no_gc
+from ..plan import Plan, RoutingRef
+from .graph import build_graph
+from .placement import decide
+
+
+def default_output(policy_path: Path) -> Path:
+    """`qwen3.policy.yaml` -> `qwen3.plan.yaml`, beside the policy."""
+    name = policy_path.name
+    for suffix in (".policy.yaml", ".policy.yml", ".yaml", ".yml"):
+        if name.endswith(suffix):
+            name = name[: -len(suffix)]
+            break
+    return policy_path.with_name(name + ".plan.yaml")
+
+
+_BY_NUMBER = re.compile(r"(^|\.)experts\.\d")
+
+
+def _stacked_example(names: list[str]) -> str:
+    """A tensor holding every expert at once (prefused.py), a weight rather than a bias or scale; "" if none."""
+    stacked = [n for n in names if prefused_key(n)]
+    return next((n for n in stacked if "bias" not in n and "scale" not in n), stacked[0] if stacked else "")
+
+
+def check_patterns(policy: Policy, names: list[str]) -> None:
+    """Every pattern of the policy must match some tensor: vLLM ignores typos silently.
+
+    A pattern that picks experts by number (`experts.3`) where the checkpoint stores them already
+    fused (prefused.py) is told why it cannot: the plan places each checkpoint tensor whole."""
+    problems = []
+    index = Names(names)
+    fused = None
+    for where, pattern in policy.all_patterns():
+        if not index.any_match(pattern):
+            near = [] if pattern.regex else closest(pattern.text, names)
+            hint = f"; did you mean {' or '.join(repr(n) for n in near)}?" if near else ""
+            if _BY_NUMBER.search(pattern.text) or (pattern.regex and "experts" in pattern.text):
+                fused = fused if fused is not None else _stacked_example(names)
+                if fused:
+                    hint = (f": this checkpoint stores its experts already fused, one tensor holding a parameter "
+                            f"of every expert ({fused}), and the plan places a checkpoint tensor whole, so a rule "
+                            f"cannot pick some of its experts; match the parameter (`experts.{prefused_key(fused)[1]}`)"
+                            " or the module (`experts`)")
+            problems.append(f"{policy.where(where)}: {where}: {pattern.text!r} matches no tensor "
+                            f"of the checkpoint{hint}")
+    if problems:
+        raise PolicyError(f"{policy.path}: patterns that match nothing", problems)
+
+
+def build(policy: Policy, plan_dir: Path, checkpoint: Checkpoint | None = None) -> Plan:
+    """Plan `policy` for a plan file that will live in `plan_dir` (paths are stored relative to it)."""
+    with no_gc():
+        return _build(policy, plan_dir, checkpoint)
+
+
+def _build(policy: Policy, plan_dir: Path, checkpoint: Checkpoint | None) -> Plan:
+    if checkpoint is None and not policy.checkpoint.exists():
+        raise PolicyError(f"{policy.path}: checkpoint: {policy.checkpoint_text} -> {policy.checkpoint}: no such file "
+                          "or directory (the path is relative to the policy file)")
+    ckpt = checkpoint or open_checkpoint(policy.checkpoint)
+    problems = unreadable(ckpt.tensors)
+    if problems:  # the runtime could not load the plan: say so now, not at apply
+        raise CheckpointError(f"{ckpt.root}: quantized tensors offplan cannot load", problems)
+    names = list(ckpt.tensors)
+    check_patterns(policy, names)
+    facts = read_config(ckpt.root)
+    graph = build_graph(names, policy.stacks, policy.where, facts)
+    hardware = load_hardware(policy.hardware) if policy.hardware else H100
+    top_k = policy.workload.experts_per_token or facts.top_k
+    routing = load_profile(policy.workload.routing) if policy.workload.routing else None
+    d = decide(graph, ckpt.tensors, policy, hardware, top_k, routing, ckpt.fingerprint, facts.experts)
+    # The directory when it is the standard layout, else the file the policy named.
+    if ckpt.index is None:
+        ckpt_file = ckpt.root / next(iter(ckpt.tensors.values())).shard
+    else:
+        ckpt_file = ckpt.root if ckpt.index.name == INDEX_NAME else ckpt.index
+    ckpt_path = relpath(ckpt_file, plan_dir)
+    return Plan(
+        checkpoint_path=ckpt_path,
+        checkpoint_fingerprint=ckpt.fingerprint,
+        tensors=len(ckpt.tensors),
+        total_bytes=ckpt.total_bytes,
+        policy_path=relpath(policy.path, plan_dir),
+        policy_fingerprint=policy.fingerprint,
+        backend=d.backend,
+        budget_bytes=policy.budget_bytes,
+        stacks=graph.stacks,
+        tied_embeddings=graph.tied_embeddings,
+        summary=d.summary,
+        layers=d.layers,
+        prefetch=d.prefetch,
+        params=d.params,
+        notes=d.notes,
+        cost=d.cost,
+        routing=None if routing is None else RoutingRef(relpath(routing.path, plan_dir), routing.fingerprint),
+        prefill=d.prefill,
+    )
+
+
+def build_file(policy_path: str | Path, output: str | Path | None = None) -> tuple[Plan, Path]:
+    policy = load_policy(policy_path)
+    out = Path(output) if output else default_output(Path(policy_path))
+    return build(policy, out.parent), out

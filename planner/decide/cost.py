@@ -1,0 +1,283 @@
+"""The cost model: bytes over the host link and time per decode step, and the prefill, predicted from a placement.
+
+Roles say what fraction of a tensor one decode step (one new token per
+sequence, batch b) reads:
+- expert: a member of a fused expert group (see groups.py). Routing picks
+  expert e for a token with probability p_e, so a step of b tokens reads it
+  with probability 1 - (1 - p_e)^b. With a routing profile (routing.py), p_e
+  is the expert's share of the profile's decode tokens (decode hits / decode
+  tokens: top-k routing makes them add up to k); without one, routing is
+  assumed uniform, p_e = k/E for each of a layer's E experts. A tensor that
+  holds every expert at once (prefused.py: GPT-OSS, Llama 4; its first
+  dimension the E experts) reads each expert's row with that probability:
+  the mean of 1 - (1 - p_e)^b over its rows, 1 - (1 - k/E)^b of its bytes
+  under uniform routing (gpt-oss-120b at batch 1: 4 of 128 rows, 1/32);
+- embedding: a 2-D tensor of an embedding module: b of its V rows per step
+  (unless the embedding is tied to the head, which reads it whole);
+- dense: everything else, read whole every step.
+Rules may override a role (`rules: [{match: [lm_head], role: dense}]`).
+Only what runs in every decode step counts (graph.py `Runs`): a vision tower
+runs only in the prefill of a prompt with images, an MTP layer never in plain
+decode, so wherever they live they cost a decode step nothing.
+
+Time per step: three resources work at once, and the slowest sets the pace.
+    cpu  = step overhead + stack layers x layer overhead   (launching kernels, eagerly;
+                                                            0 when steps replay a CUDA graph)
+    gpu  = step GPU time + stack layers x layer GPU time   (kernel latency: hardware.py)
+           + resident and prefetched bytes read / HBM + uva bytes read / UVA
+    link = uva bytes read / UVA + prefetched bytes / H2D copy
+    step = max(cpu, gpu, link)
+The CPU runs ahead of the GPU, so launch overhead overlaps kernels. A layer's
+GPU time is what its kernels take beyond reading weights, measured by `plan
+calibrate` (a decoder layer with routed experts launches more kernels than a
+dense one, so it has its own figure); without it a CUDA-graph step of small
+kernels is predicted several times too fast. UVA reads sit inside the
+kernels that need them, so they count as GPU time; prefetch copies run on
+their own stream ahead of use, so they do not. Both cross the same PCIe link,
+so the link term adds them. An experts forward that stages its touched
+experts (runtime/experts.py: any expert of the layer in pinned memory, or at
+most BATCHED_PAIRS (token, expert) pairs, where batched_mm's arithmetic runs)
+writes them to HBM and reads them back: twice their bytes more over HBM.
+
+Prefill (the time to first token) of `workload.prompt_tokens` = T tokens, one
+sequence, over the layers that run in every step. Copies run on their own
+stream ahead of compute (prefetch, and prefill staging: staging.py), so they
+overlap it; reads in place through UVA sit inside the kernels that need them
+(and a layer's touched experts are known only once its router has run), so
+they add:
+    compute  = 2 x T x (dense elements + each routed expert's elements x its share of the tokens)
+               / matmul_tflops  +  bytes read from GPU memory / HBM
+    copies   = (prefetched bytes + staged bytes) / H2D copy
+    in place = (uva bytes a GEMM reads in place x ceil(T / stage_above_tokens)
+                + touched uva experts' bytes and embedding rows) / UVA
+    layer    = max(compute, copies) + in place;  prefill = the sum over the layers
+(staged routed experts stream through a ring of at most 1 GiB, staging.py:
+assumed to hold enough to keep the copies going while a layer computes).
+A routed expert computes its share of the tokens: k/E under uniform routing,
+or its share of the routing profile's prefill tokens (its decode share when the
+profile has none), and is read at all with probability 1 - (1 - share)^T: a
+layer reads E x (1 - (1 - k/E)^T) of its experts. offplan's experts
+implementation gathers each touched expert once, wherever it lives. An
+embedding reads T rows and computes nothing. The uva tensors that prefill
+stages (staging.py: not embeddings; routed experts only when the touched share
+computed here reaches `stage_experts`'s) are copied once when T >
+stage_above_tokens; otherwise a GEMM reads them in place and re-reads them
+once per tile of output rows, which the model approximates as
+ceil(T / stage_above_tokens) reads: 1 up to the threshold, 3 at 512 tokens
+with the default 192 (measured on the H100: 2.1x a copy), 43 at 8192 (measured
+24x: long prompts read in place are predicted pessimistic).
+
+Limits: the GPU time per layer is measured at batch 1 on tiny Llama and
+Qwen3-MoE layers (runtime/calibrate.py): a layer that launches more kernels
+(shared experts, MLA) takes longer, and so do the larger kernels of larger
+batches (on the H100, an all-GPU Qwen3-MoE step at batch 8 is predicted 1.46x
+too fast, at batch 1 1.12x); without a routing profile, expert routing is assumed uniform (real
+routers are skewed, which touches fewer experts); with one, the tokens of a
+batch are assumed routed independently of each other, as the profile's prompts
+were; the overlap of prefetch is assumed perfect, so a plan whose offloaded
+layers sit together (nothing to overlap with) is predicted optimistic. The
+prefill ignores attention's T^2 FLOPs (scores and values), activations, norms
+and launch time, runs every GEMM at matmul_tflops whatever its shape (small
+GEMMs run well below it), counts the head's logits for all T tokens
+(generation needs the last one only), and leaves out what runs only with
+images (vision towers: a text prompt).
+"""
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from ..inputs.checkpoint import TensorInfo
+from ..inputs.hardware import Hardware
+from ..inputs.quantized import partners
+from ..inputs.routing import RoutingProfile
+from ..plan import LayerKind, Placement, Role, Runs
+from .graph import LayerGraph
+from .groups import BATCHED_PAIRS, FusedGroups
+from .staging import stage_experts, stageable
+
+GPU, UVA, PREFETCH = Placement.GPU, Placement.UVA, Placement.PREFETCH
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    name: str
+    h2d_bytes: int  # over the host link per step
+    gpu_us: int  # HBM and UVA reads
+    link_us: int
+    prefill_us: int = 0  # its share of the prefill
+
+
+@dataclass(frozen=True)
+class Prediction:
+    batch_size: int
+    h2d_bytes: int
+    cpu_us: int
+    gpu_us: int
+    link_us: int
+    layers: tuple[LayerCost, ...]
+    prompt_tokens: int = 0
+    prefill_us: int = 0  # the time to first token for prompt_tokens
+
+    @property
+    def step_us(self) -> int:
+        return max(self.cpu_us, self.gpu_us, self.link_us)
+
+    def request_us(self, new_tokens: int) -> int:
+        """One request: its prefill, then `new_tokens` decode steps (what `backend: mixed` minimises)."""
+        return self.prefill_us + new_tokens * self.step_us
+
+
+def _read(share: float, tokens: int) -> float:
+    """The chance that `tokens` tokens, each routed to an expert with chance `share`, touch it."""
+    return 1 - (1 - share) ** tokens
+
+
+class CostModel:
+    """Predicts a placement's per-step traffic and time, and its prefill; built once per plan, asked many times."""
+
+    def __init__(self, graph: LayerGraph, tensors: Mapping[str, TensorInfo], hw: Hardware, batch: int,
+                 groups: FusedGroups, top_k: int | None, roles: Mapping[str, Role] | None = None,
+                 routing: RoutingProfile | None = None, graphs: bool = False, *, prompt_tokens: int = 512,
+                 stage: bool = True):
+        """`routing`: a profile that counts every group that runs in decode (routing.mismatches
+        checks it); None: uniform routing over `top_k` of each group's experts. `prompt_tokens`: the
+        prefill to predict; `stage`: the policy's `uva.stage_prefill`."""
+        self.graphs = graphs  # steps replayed from a CUDA graph: no CPU launch time
+        self.graph = graph
+        # batched_mm's arithmetic at this batch: every experts forward stages its touched experts
+        self.batched = top_k is not None and batch * top_k <= BATCHED_PAIRS
+        self.hw = hw
+        self.batch = batch
+        self.tokens = prompt_tokens
+        counts = {g: groups.experts(g) for g in groups.members}
+        group_of = groups.group_of
+        chance = {g: routing.probabilities(g) for g in groups.members if g in routing.layers} if routing else {}
+        phase = "prefill" if routing and routing.prefill_tokens else "decode"
+        pre_chance = {g: routing.probabilities(g, phase) for g in chance} if routing else {}
+        # A tied embedding is also the head, which reads all of it every step: dense, not sparse.
+        embed = set() if graph.tied_embeddings else {
+            n for l in graph.layers if l.kind is LayerKind.EMBED for n in l.params if len(tensors[n].shape) == 2}
+        self.role: dict[str, Role] = {}
+        self.frac: dict[str, float] = {}
+        self.flops: dict[str, float] = {}  # prefill: 2 x T x elements x the share of tokens it computes
+        self.pre_frac: dict[str, float] = {}  # prefill: the fraction of its bytes read
+        self.gathered: set[str] = set()  # read in place once per forward (experts, embedding rows), not per tile
+
+        read: dict[tuple, tuple[float, float, float]] = {}  # (group, expert or None) -> (frac, pre_frac, pre)
+
+        def expert_read(n: str) -> tuple[float, float, float]:
+            """A routed tensor's (frac, pre_frac, pre): over its rows (one for one expert's tensor, E for a
+            pre-fused one), the mean chance to be read in a step and in the prefill, and the mean share of
+            prefill tokens computed; all of it when routing is unknown."""
+            g, e = group_of[n], groups.index_of.get(n)
+            if (g, e) not in read:
+                if g in chance:
+                    decode, prefill = (chance[g], pre_chance[g]) if e is None else (
+                        (chance[g][e],), (pre_chance[g][e],))
+                elif top_k is not None:
+                    decode = prefill = (min(top_k, counts[g]) / counts[g],)
+                else:
+                    decode = prefill = (1.0,)
+                read[g, e] = (sum(_read(p, batch) for p in decode) / len(decode),
+                              sum(_read(p, prompt_tokens) for p in prefill) / len(prefill),
+                              sum(prefill) / len(prefill))
+            return read[g, e]
+
+        self.experts: dict[str, list[str]] = {}  # layer -> its routed tensors (staged by the experts forward)
+        for layer in graph.layers:
+            self.experts[layer.name] = [n for n in layer.params if groups.routed(n)]
+            for n in layer.params:
+                routed = n in self.experts[layer.name]
+                role = (roles or {}).get(n) or (
+                    Role.EXPERT if routed else Role.EMBEDDING if n in embed else Role.DENSE)
+                if role is Role.EMBEDDING:
+                    rows = max(1, tensors[n].shape[0])
+                    frac, pre_frac, pre = min(1.0, batch / rows), min(1.0, prompt_tokens / rows), 0.0
+                elif role is Role.EXPERT and routed:
+                    frac, pre_frac, pre = expert_read(n)
+                else:  # dense, or an override: all of it
+                    frac = pre_frac = pre = 1.0
+                if role is Role.EMBEDDING or routed:
+                    self.gathered.add(n)
+                if layer.runs is not Runs.STEP:
+                    frac = pre_frac = pre = 0.0  # neither in a decode step nor in a text prefill
+                self.role[n] = role
+                self.frac[n] = frac
+                self.pre_frac[n] = pre_frac
+                self.flops[n] = 2 * prompt_tokens * math.prod(tensors[n].shape) * pre
+        self.size = {n: t.nbytes for n, t in tensors.items()}
+        # prefill: staged tensors are copied once above the threshold; GEMMs re-read in-place ones per tile
+        quantized = partners(tensors)  # dequantized on access: read once, never staged (quantized.py)
+        self.gathered |= quantized.keys()
+        self.stages = stages = stage and prompt_tokens > hw.stage_above_tokens
+        staged_experts = stageable(graph.layers, quantized, True)
+        routed = [n for l in graph.layers if l.runs is Runs.STEP for n in self.experts[l.name] if n in staged_experts]
+        total = sum(self.size[n] for n in routed)
+        # the share of the routed bytes the prompt touches: whether prefill streams experts ahead (staging.py)
+        touched = sum(self.size[n] * self.pre_frac[n] for n in routed) / total if total else 0.0
+        self.favours_staged_experts = bool(stages and total and stage_experts(touched, hw))
+        self.staged_experts, self.unstaged_experts = staged_experts, stageable(graph.layers, quantized)
+        self.staged = frozenset() if not stages else (
+            staged_experts if self.favours_staged_experts else self.unstaged_experts)
+        self.reread = -(-prompt_tokens // hw.stage_above_tokens)
+
+    def staging_experts(self, on: bool) -> "CostModel":
+        """This model with prefill staging routed experts (`on`) or reading each touched one in place, whatever
+        `favours_staged_experts` says: the policy may force either (placement.py)."""
+        other = copy.copy(self)
+        other.staged = (self.staged_experts if on else self.unstaged_experts) if self.stages else frozenset()
+        return other
+
+    def predict(self, place: Mapping[str, Placement]) -> Prediction:
+        hw = self.hw
+        hbm, uva, h2d = hw.hbm_read_gbps * 1e3, hw.uva_read_gbps * 1e3, hw.h2d_copy_gbps * 1e3  # bytes/us
+        flops_us = hw.matmul_tflops * 1e6  # FLOPs per us
+        layers = []
+        total = [0, float(hw.step_gpu_us), 0.0, 0.0]
+        # a replayed CUDA graph launches nothing from the CPU
+        cpu, per_layer = (0.0, 0.0) if self.graphs else (hw.step_overhead_us, hw.layer_overhead_us)
+        for layer in self.graph.layers:
+            if layer.runs is not Runs.STEP:
+                layers.append(LayerCost(layer.name, 0, 0, 0))
+                continue
+            read_hbm = read_uva = copied = staged = 0.0
+            flops = pre_hbm = pre_copied = pre_uva = 0.0
+            experts = self.experts[layer.name]
+            stages = self.batched or any(place[n] is UVA for n in experts)
+            latency = 0.0
+            if layer.kind is LayerKind.LAYER:
+                latency = hw.moe_layer_gpu_us if experts else hw.layer_gpu_us
+            for n in layer.params:
+                p, size = place[n], self.size[n]
+                b, pre = size * self.frac[n], size * self.pre_frac[n]
+                flops += self.flops[n]
+                if stages and n in experts:
+                    staged += 2 * b  # written to HBM and read back by the GEMVs
+                if p is UVA:
+                    read_uva += b
+                    if n in self.staged:
+                        pre_copied += size
+                        pre_hbm += pre
+                    else:
+                        pre_uva += pre if n in self.gathered else pre * self.reread
+                else:
+                    read_hbm += b
+                    pre_hbm += pre
+                    if p is PREFETCH:
+                        copied += size
+                        pre_copied += size
+            gpu = latency + (read_hbm + staged) / hbm + read_uva / uva
+            link = read_uva / uva + copied / h2d
+            prefill = max(flops / flops_us + pre_hbm / hbm, pre_copied / h2d) + pre_uva / uva
+            cpu += per_layer if layer.kind is LayerKind.LAYER else 0
+            h2d_bytes = int(read_uva + copied)
+            layers.append(LayerCost(layer.name, h2d_bytes, round(gpu), round(link), round(prefill)))
+            total[0] += h2d_bytes
+            total[1] += gpu
+            total[2] += link
+            total[3] += prefill
+        return Prediction(self.batch, total[0], round(cpu), round(total[1]), round(total[2]), tuple(layers),
+                          self.tokens, round(total[3]))

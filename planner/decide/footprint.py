@@ -1,0 +1,169 @@
+"""The GPU memory a placement needs: resident tensors, the prefetch pool and the prefill staging pool.
+Computed here only.
+
+    total = resident bytes + slots x slot_bytes + stage slots x stage slot bytes
+    slots = min(prefetch step, layers with prefetched tensors)
+    slot_bytes = the largest such layer's slot image (slots.py)
+    stage slots = min(2, staged layers); stage slot bytes = the largest staged layer (staging.py)
+
+Routed experts staged at prefill stream through the expert ring, which each
+staged forward allocates and frees (staging.py): it is not counted here.
+
+The placement pipeline builds one `Footprint` over the live placement and
+moves tensors through it (`move`), so every step of a backend sees the
+current total at the cost of the tensors it moved; strategies that branch
+(mixed.py) `copy` it. `if_streamed` answers "what if these layers streamed
+too?" without moving anything, for the search over layer counts
+(schedule.fewest_layers).
+
+Both pools grow with the placement, so the total is not monotonic in what
+moves off the GPU: a tensor moved to uva frees its bytes but may enlarge
+every staging slot (a Llama layer's MLP on uva frees 336 MiB, and the first
+two such layers each add 336 MiB of slots). `fit`, the walk that budget-driven
+placement moves tensors with, therefore stops at the first total within the
+budget, and where none is, leaves the smallest total it passed: the smallest
+budget at which the walk would have stopped, which the budget error quotes.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+
+from ..inputs.checkpoint import TensorInfo
+from ..inputs.quantized import partners, with_partners
+from ..plan import Placement
+from .graph import Layer, LayerGraph
+from .slots import align, layout_bytes
+from .staging import STAGE_SLOTS, stageable, staged
+
+GPU, UVA, PREFETCH = Placement.GPU, Placement.UVA, Placement.PREFETCH
+
+
+class Footprint:
+    """Resident bytes and each streamed layer's slot image, kept current as tensors move.
+
+    `place` is the caller's placement dict: `move` updates it together with the bytes.
+    `stage`: the policy's `uva.stage_prefill` (False: no staging pool).
+    """
+
+    def __init__(self, graph: LayerGraph, tensors: Mapping[str, TensorInfo], place: dict[str, Placement],
+                 step: int, stage: bool = True):
+        self.tensors = tensors
+        self.place = place
+        self.step = max(1, step)
+        self.layer_of: dict[str, Layer] = {n: l for l in graph.layers for n in l.params}
+        self.resident = sum(tensors[n].nbytes for n, p in place.items() if p is GPU)
+        self.streamed: dict[str, int] = {}  # layer name -> its slot image's bytes
+        self.partner = partners(tensors)
+        self.stageable = stageable(graph.layers, self.partner) if stage else frozenset()  # routed experts: the ring
+        self.staged: dict[str, int] = {}  # layer name -> its staged bytes
+        self.on_uva: dict[str, list[int]] = {}  # layer -> [staged bytes, staged tensors] on uva, kept as tensors move
+        for layer in graph.layers:
+            self._restream(layer)
+            names, size = staged(layer, self.stageable, self.place, self.tensors)
+            self.on_uva[layer.name] = [size, len(names)]
+            self._stage_bytes(layer.name)
+        self.stage_pool = self._stage_pool()
+
+    def _restream(self, layer: Layer) -> None:
+        names = [n for n in layer.params if self.place[n] is PREFETCH]
+        if names:
+            self.streamed[layer.name] = layout_bytes(names, self.tensors)
+        else:
+            self.streamed.pop(layer.name, None)
+
+    def _stage_bytes(self, layer: str) -> None:
+        size, count = self.on_uva[layer]
+        if count:
+            self.staged[layer] = size
+        else:
+            self.staged.pop(layer, None)
+
+    def _count(self, n: str, sign: int) -> None:
+        """`n` (stageable) came to uva (sign 1) or left it (-1)."""
+        counts = self.on_uva[self.layer_of[n].name]
+        counts[0] += sign * align(self.tensors[n].nbytes)
+        counts[1] += sign
+
+    def _stage_pool(self) -> int:
+        return min(STAGE_SLOTS, len(self.staged)) * max(self.staged.values(), default=0)
+
+    def move(self, names: Iterable[str], to: Placement) -> None:
+        """Place `names` at `to`, each with its quantization scales (quantized.py), updating the placement
+        and the bytes."""
+        touched: dict[str, Layer] = {}
+        staged: dict[str, Layer] = {}
+        for n in with_partners(names, self.partner):
+            was = self.place[n]
+            if was is to:
+                continue
+            size = self.tensors[n].nbytes
+            self.resident += (size if to is GPU else 0) - (size if was is GPU else 0)
+            if PREFETCH in (was, to):
+                layer = self.layer_of[n]
+                touched[layer.name] = layer
+            if UVA in (was, to) and n in self.stageable:
+                layer = self.layer_of[n]
+                staged[layer.name] = layer
+                self._count(n, 1 if to is UVA else -1)
+            self.place[n] = to
+        for layer in touched.values():
+            self._restream(layer)
+        for name in staged:
+            self._stage_bytes(name)
+        if staged:
+            self.stage_pool = self._stage_pool()
+
+    def fit(self, units: Iterable[Sequence[str]], to: Placement, budget: int) -> bool:
+        """Move `units` to `to` in order, each whole, until the total is within `budget`; True if it is.
+
+        If it never is, the moves made after the smallest total seen are undone
+        (module doc), so the total left is the smallest that any prefix of the
+        walk reached (the first such prefix).
+        """
+        best, keep = self.total, 0
+        done: list[list[tuple[str, Placement]]] = []
+        for unit in units:
+            if self.total <= budget:
+                return True
+            done.append([(n, self.place[n]) for n in with_partners(unit, self.partner)])
+            self.move(unit, to)
+            if self.total < best:
+                best, keep = self.total, len(done)
+        if self.total <= budget:
+            return True
+        for before in reversed(done[keep:]):
+            for n, was in before:
+                self.move((n,), was)
+        return False
+
+    @property
+    def slots(self) -> int:
+        return min(self.step, len(self.streamed))
+
+    @property
+    def slot_bytes(self) -> int:
+        return max(self.streamed.values(), default=0)
+
+    @property
+    def pool(self) -> int:
+        return self.slots * self.slot_bytes
+
+    @property
+    def total(self) -> int:
+        return self.resident + self.pool + self.stage_pool
+
+    def if_streamed(self, layers: Iterable[tuple[str, int, int]]) -> int:
+        """The total if each (layer, bytes it moves off the GPU, its slot image then) streamed too."""
+        streamed = dict(self.streamed)
+        resident = self.resident
+        for name, moved, image in layers:
+            streamed[name] = image
+            resident -= moved
+        return resident + min(self.step, len(streamed)) * max(streamed.values(), default=0) + self.stage_pool
+
+    def copy(self) -> "Footprint":
+        """An independent footprint over a copy of the placement (for a strategy to try)."""
+        other = object.__new__(Footprint)
+        other.__dict__.update(self.__dict__, place=dict(self.place), streamed=dict(self.streamed),
+                              staged=dict(self.staged), on_uva={k: list(v) for k, v in self.on_uva.items()})
+        return other

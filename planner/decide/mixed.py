@@ -1,0 +1,163 @@
+"""`backend: mixed`: gpu, uva or prefetch per tensor, for the lowest predicted request time within the budget.
+
+Why per tensor: UVA moves only the bytes a decode step touches, so for sparse
+tensors (MoE experts at small batch, embedding rows) it is nearly free, while
+prefetch would copy them whole. Dense tensors are read whole every step; for
+them prefetch wins, because its copies overlap compute, until the link is
+saturated, and then UVA and prefetch cost the same link time.
+
+Algorithm. Candidates are the tensors of the layer stacks, of embedding
+modules, and of whatever runs in no decode step (vision towers, MTP layers),
+that no rule placed; a routed expert is a unit (below). What runs in no decode
+step reads nothing per step, so it counts as the sparsest and goes to uva first. Five strategies
+each build a placement that fits the budget:
+
+1. sparse -> uva, then dense -> prefetch: sparse units, least-touched first
+   (ties in execution order), move to UVA until the plan fits; if that is
+   not enough, the fewest stack layers, spread evenly, stream their dense tensors;
+2. the same with ties taken round the layers (below), where that places otherwise;
+3. sparse -> uva, then dense -> uva: as 1, then dense units in execution
+   order to UVA;
+4. prefetch only: the fewest stack layers, spread evenly, stream every candidate;
+5. uva only: units in execution order to UVA (vLLM's walk).
+
+The cost model (cost.py) predicts each; the fastest request wins: the lowest
+prefill of `workload.prompt_tokens` plus `workload.new_tokens` decode steps,
+ties going to fewer bytes over the link. So a placement that reads dense
+tensors in place, cheap per step, loses to one that streams them when its
+prefill costs more than the steps save (uva tensors are staged at prefill, but
+a routed expert on uva is read in place by every forward). The plan's notes
+give every strategy's step and prefill, and each offloaded layer says what it
+holds and why.
+
+Routed experts are units of one expert of one fused parameter (groups.py),
+or of one whole tensor where the checkpoint stores every expert in it
+(prefused.py: the plan places a tensor whole), ranked by the fraction a step
+reads: with a routing profile
+(`workload.routing`), the experts its decode tokens never or rarely took go
+to uva first and the most-hit ones stay on the GPU; without one, every
+expert reads alike. Ties are taken in execution order (strategy 1), or round
+the layers (2: each layer's first unit, then its second...). Round the
+layers, each layer's host experts are a share that prefill copies
+(staging.py) while other layers compute, where whole layers of them, the
+first ones first, wait on the link; but every layer with an expert in
+pinned memory gathers its touched experts into HBM in each decode step
+(runtime/experts.py), which at large batches costs more HBM traffic. The
+cost model weighs the two.
+
+Limits: each strategy is greedy (no search over arbitrary subsets), and the
+prediction is only as good as the hardware profile and the routing (a
+profile's prompts, or uniform: see cost.py).
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from ..inputs.policy import Policy
+from ..plan import LayerKind, Placement, Runs
+from .cost import CostModel, Prediction
+from .footprint import Footprint
+from .graph import Layer, LayerGraph
+from .groups import FusedGroups, whole_groups
+from .schedule import fewest_layers
+
+GPU, UVA, PREFETCH = Placement.GPU, Placement.UVA, Placement.PREFETCH
+
+
+@dataclass(frozen=True)
+class Unit:
+    names: tuple[str, ...]  # one tensor (a pre-fused one too), or one expert of one fused parameter (groups.py)
+    layer: Layer
+    frac: float  # of its bytes read per step
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class MixedChoice:
+    footprint: Footprint  # over the chosen placement
+    prediction: Prediction | None  # None when no strategy fits (the caller raises the budget error)
+    notes: tuple[str, ...]
+    why: dict[str, str]  # layer -> what it offloads and why
+
+
+def place_mixed(graph: LayerGraph, policy: Policy, fp: Footprint, fixed: set[str], groups: FusedGroups,
+                model: CostModel) -> MixedChoice:
+    """Try the five strategies of the module doc on copies of `fp`; keep the fastest request that fits."""
+    budget = policy.budget_bytes
+    units: list[Unit] = []
+    seen: set[str] = set()
+    for layer in graph.layers:
+        if layer.kind not in (LayerKind.LAYER, LayerKind.EMBED) and layer.runs is Runs.STEP:
+            continue
+        for n in layer.params:
+            if n in fixed or n in seen:
+                continue
+            members = groups.expert(n)
+            seen.update(members)
+            units.append(Unit(members, layer, model.frac[n], sum(fp.tensors[m].nbytes for m in members)))
+    sparse = sorted((u for u in units if u.frac < 1), key=lambda u: u.frac)
+    # ties (every expert under uniform routing) round the layers: each layer's n-th unit, then its n+1-th
+    rank, seen_in = {}, {}
+    for u in units:
+        rank[id(u)] = seen_in[u.layer.name] = seen_in.get(u.layer.name, -1) + 1
+    spread = sorted(sparse, key=lambda u: (u.frac, rank[id(u)]))
+    dense = [u for u in units if u.frac >= 1]
+
+    def to_uva(f: Footprint, seq) -> Footprint:
+        f.fit((u.names for u in seq), UVA, budget)
+        return f
+
+    def to_prefetch(f: Footprint, seq) -> Footprint:
+        by_layer: dict[str, list[str]] = {}
+        for u in seq:
+            if u.layer.kind is LayerKind.LAYER and u.layer.runs is Runs.STEP and f.place[u.names[0]] is GPU:
+                by_layer.setdefault(u.layer.name, []).extend(u.names)
+        eligible = [(l, names) for l in graph.stack_layers() if l.name in by_layer
+                    for names in [whole_groups(by_layer[l.name], groups)] if names]
+        for _, names in fewest_layers(eligible, f, budget):
+            f.move(names, PREFETCH)
+        return f
+
+    first, around = to_uva(fp.copy(), sparse), to_uva(fp.copy(), spread)
+    first = first if first.total <= budget else to_prefetch(first, dense)
+    around = around if around.total <= budget else to_prefetch(around, dense)
+    strategies = {
+        "sparse->uva, dense->prefetch": first,
+        "sparse round the layers->uva, dense->prefetch": around,
+        "sparse->uva, dense->uva": to_uva(fp.copy(), sparse + dense),
+        "prefetch only": to_prefetch(fp.copy(), units),
+        "uva only": to_uva(fp.copy(), units),
+    }
+    if around.place == first.place:  # no ties to take otherwise (a dense model's)
+        del strategies["sparse round the layers->uva, dense->prefetch"]
+    fitting = [k for k, f in strategies.items() if f.total <= budget]
+    if not fitting:  # decide() raises the budget error with the smallest footprint
+        return MixedChoice(min(strategies.values(), key=lambda f: f.total), None, (), {})
+    preds = {k: model.predict(strategies[k].place) for k in fitting}
+    new = policy.workload.new_tokens
+    best = min(fitting, key=lambda k: (preds[k].request_us(new), preds[k].h2d_bytes))
+
+    def said(k: str) -> str:
+        p = preds[k]
+        return f"step {p.step_us / 1e3:.3f} ms, prefill {p.prefill_us / 1e3:.3f} ms, request {p.request_us(new) / 1e3:.3f} ms"
+
+    others = "; ".join(f"{k}: {said(k)}" for k in fitting if k != best)
+    notes = (f"mixed chose {best!r}: predicted {said(best)} (prefill of {preds[best].prompt_tokens} tokens + "
+             f"{new} steps at batch {model.batch})" + (f"; others: {others}" if others else ""),)
+    return MixedChoice(strategies[best], preds[best], notes, explain(graph, strategies[best].place, model))
+
+
+def explain(graph: LayerGraph, place: Mapping[str, Placement], model: CostModel) -> dict[str, str]:
+    """Per offloaded layer: which roles went where, and the fraction a step reads."""
+    why = {}
+    for layer in graph.layers:
+        parts: dict[tuple[str, Placement], list[float]] = {}
+        for n in layer.params:
+            if place[n] is not GPU:
+                parts.setdefault((model.role[n], place[n]), []).append(model.frac[n])
+        if parts:
+            why[layer.name] = "; ".join(
+                f"{role.value} -> {p.value} ({max(fr):.1%} read per step)" if p is UVA else f"{role.value} -> {p.value}"
+                for (role, p), fr in sorted(parts.items(), key=lambda kv: (kv[0][0].value, kv[0][1].value)))
+    return why

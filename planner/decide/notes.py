@@ -1,0 +1,219 @@
+"""What a plan says it does: its notes, computed from the final placements.
+
+Reviewers read a plan's notes, so each one states a fact of the placements the
+plan holds, not of what the policy asked for:
+
+- what the backend offloaded (bytes and layers), or why it offloaded nothing;
+- what the rules placed off the GPU;
+- mixed's choice, the cost model's assumptions (routing: uniform, or the profile
+  and how skewed it is), tied embeddings;
+- warnings for plans that save little or no GPU memory (`saving_warnings`).
+
+A warning is a note that starts with `warning: `; `plan build` also prints it
+on stderr, and `plan show` prints it as a warning.
+
+Example: a policy whose only rule places the embedding on uva, with no amount
+or budget, gets
+    rules place 64.0 KiB on uva (1 tensor)
+    backend auto offloads nothing beyond the rules: no offload amount or budget is set
+"""
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from ..inputs.checkpoint import TensorInfo
+from ..inputs.policy import Policy
+from ..inputs.routing import RoutingProfile, skew
+from ..plan import Backend, Placement, PrefetchSchedule, PrefillStaging, Runs
+from ..units import human, percent, plural
+from .graph import LayerGraph
+
+GPU, UVA, PREFETCH = Placement.GPU, Placement.UVA, Placement.PREFETCH
+WARNING = "warning: "
+
+
+def is_warning(note: str) -> bool:
+    return note.startswith(WARNING)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What `placement.decide` did: everything the notes are computed from."""
+
+    policy: Policy
+    backend: Backend  # what ran: none, uva, prefetch or mixed
+    reason: str | None  # why `backend: auto` chose it; None when the policy names the backend
+    skipped: Backend | None  # the backend that did not run because the plan fits the budget without it
+    place: Mapping[str, Placement]  # final, every tensor
+    fixed: frozenset[str]  # the tensors that rules placed
+    tensors: Mapping[str, TensorInfo]
+    graph: LayerGraph
+    schedule: PrefetchSchedule | None
+    mixed: tuple[str, ...] = ()  # mixed's choice and the strategies' predictions
+    experts_without_top_k: bool = False
+    routing: RoutingProfile | None = None  # the policy's routing profile (`workload.routing`)
+    uniform_routing: bool = False  # MoE layers run in decode, top-k known, no profile: routing assumed uniform
+    checkpoint_fingerprint: str | None = None  # the plan's checkpoint, against the profile's
+    staging: PrefillStaging | None = None  # the prefill staging section (staging.py)
+    not_experts: Mapping[str, str] = field(default_factory=dict)  # tensor -> why its rows are not experts
+
+
+def notes(o: Outcome) -> tuple[str, ...]:
+    """The plan's notes, in order: rules, backend, mixed, cost-model caveats, warnings."""
+    size = {n: t.nbytes for n, t in o.tensors.items()}
+    by_rules = {UVA: 0, PREFETCH: 0}
+    by_backend = {UVA: 0, PREFETCH: 0}
+    ruled = 0
+    for n, p in o.place.items():
+        if p is not GPU:
+            if n in o.fixed:
+                by_rules[p] += size[n]
+                ruled += 1
+            else:
+                by_backend[p] += size[n]
+    out = []
+    if ruled:
+        out.append(f"rules place {_amounts(by_rules)} ({plural(ruled, 'tensor')})")
+    out.append(_backend_note(o, by_backend, any(by_rules.values()), sum(size.values())))
+    out += o.mixed
+    out += _rarely_run(o)
+    out += _routing(o)
+    out += _not_experts(o.not_experts)
+    if o.experts_without_top_k:
+        out.append("the checkpoint has MoE experts but no experts-per-token (config.json or "
+                   "workload.experts_per_token): the cost model assumes each step reads every expert")
+    if o.graph.tied_embeddings:
+        out.append("tied embeddings: the checkpoint has no lm_head tensor; the head reuses the embedding")
+    out += saving_warnings(o.place, o.tensors, o.schedule, o.staging)
+    return tuple(out)
+
+
+def _rarely_run(o: Outcome) -> list[str]:
+    """What the cost model leaves out of a decode step (graph.py `Runs`), and where it went."""
+    rare = o.graph.rarely_run()
+    if not rare:
+        return []
+    parts, moved = [], 0
+    for runs, what in ((Runs.IMAGES, "run only with images"), (Runs.MTP, "predict extra tokens (MTP)")):
+        layers = [l for l in rare if l.runs is runs]
+        if layers:
+            size = sum(o.tensors[n].nbytes for l in layers for n in l.params)
+            parts.append(f"{plural(len(layers), 'layer')} that {what} ({human(size)})")
+        moved += sum(o.tensors[n].nbytes for l in layers for n in l.params
+                     if o.place[n] is not GPU and n not in o.fixed)
+    where = f"; {human(moved)} of them offloaded, first" if moved and o.policy.budget_bytes is not None else ""
+    return [f"not in a decode step, so the cost model counts them in none: {' and '.join(parts)}{where}"]
+
+
+def _routing(o: Outcome) -> list[str]:
+    """Where the cost model's expert routing comes from: a profile (and how skewed it is), or uniform."""
+    p = o.routing
+    if p is None:
+        return ["routing assumed uniform: no workload.routing profile (record one with `plan profile`)"
+                ] if o.uniform_routing else []
+    name = o.policy.workload.routing_text or (p.path.name if p.path else "(not from a file)")
+    out = [f"routing from the profile {name} (workload.routing): {plural(p.decode_tokens, 'decode token')} of "
+           f"{plural(p.sequences, 'prompt')} ({p.prompts}); {skew(p).text()}"]
+    if o.checkpoint_fingerprint is not None and p.checkpoint_fingerprint != o.checkpoint_fingerprint:
+        out.append(f"{WARNING}the routing profile {name} was recorded on another checkpoint ({p.checkpoint_path}, "
+                   f"{p.checkpoint_fingerprint[:19]}...): its layers and experts match this one's, but it predicts "
+                   "this one's routing only if the two route alike (record one: `plan profile`)")
+    return out
+
+
+def _not_experts(why: Mapping[str, str]) -> list[str]:
+    """Tensors of experts modules, stored for every expert at once, that the cost model reads whole because
+    their first dimension does not count the experts (prefused.py); layer numbers folded to N."""
+    if not why:
+        return []
+    fold = re.compile(r"(?<=\.)\d+(?=\.)")
+    templates: dict[tuple[str, str], int] = {}
+    for n, reason in why.items():
+        key = (fold.sub("N", n), fold.sub("N", reason))
+        templates[key] = templates.get(key, 0) + 1
+    listed = "; ".join(f"{name} ({plural(count, 'tensor')}): {reason}" for (name, reason), count in
+                       list(templates.items())[:3])
+    more = f"; and {plural(len(templates) - 3, 'more name')}" if len(templates) > 3 else ""
+    return [f"read whole by the cost model, though in an experts module: tensors with no expert number whose "
+            f"rows are not the experts: {listed}{more}"]
+
+
+def _amounts(by: Mapping[Placement, int]) -> str:
+    parts = []
+    if by[UVA]:
+        parts.append(f"{human(by[UVA])} on uva")
+    if by[PREFETCH]:
+        parts.append(f"{human(by[PREFETCH])} on prefetch")
+    return " and ".join(parts)
+
+
+def _backend_note(o: Outcome, by_backend: Mapping[Placement, int], rules_offload: bool, total: int) -> str:
+    pol = o.policy
+    if o.skipped is not None:
+        if not rules_offload:
+            return (f"the whole checkpoint ({human(total)}) fits budget_gib {pol.budget_gib}: nothing is "
+                    "offloaded (offloading would only cost speed)")
+        return (f"the plan fits budget_gib {pol.budget_gib} with the rules' placements alone: backend "
+                f"{o.skipped.value} offloads nothing more (offloading would only cost speed)")
+    if o.backend is Backend.NONE:
+        hint = ""
+        if pol.uva.params:
+            hint = " (uva.params only narrows what uva.offload_gib or budget_gib offloads)"
+        if rules_offload:
+            return f"backend auto offloads nothing beyond the rules: no offload amount or budget is set{hint}"
+        return ("nothing is offloaded: backend auto has no offload amount or budget (set uva.offload_gib, "
+                f"prefetch.group_size or budget_gib){hint}")
+    origin = "named by the policy" if o.reason is None else f"auto: {o.reason}"
+    layers = sum(1 for l in o.graph.layers
+                 if any(o.place[n] is not GPU and n not in o.fixed for n in l.params))
+    return f"backend {o.backend.value} ({origin}): {_amounts(by_backend)} from {plural(layers, 'layer')}"
+
+
+def saving_warnings(place: Mapping[str, Placement], tensors: Mapping[str, TensorInfo],
+                    schedule: PrefetchSchedule | None, staging: PrefillStaging | None = None) -> list[str]:
+    """Warnings for a plan whose prefetch or prefill staging buffers eat what offloading saves.
+
+    Offloading saves `offloaded - pools` bytes of GPU memory (uva saves what it
+    moves less the staging slots; prefetch what it moves less its slots). Two warnings:
+    - the plan as a whole saves less than half of what it offloads, for
+      example because it has as many slots as prefetched layers, or streams a
+      single tensor (a prefetched `lm_head` alone: its slot is as large as it),
+      or stages one or two uva layers (each has a staging slot of its own);
+    - one prefetched layer alone sizes every slot, at more than 1.5x the next
+      largest (a prefetched `lm_head` among the decoder layers): each slot
+      grows by the difference, for one layer's sake.
+    """
+    if schedule is None and staging is None:
+        return []
+    offloaded = sum(tensors[n].nbytes for n, p in place.items() if p is not GPU)
+    saved = offloaded - (schedule.pool_bytes if schedule else 0) - (staging.pool_bytes if staging else 0)
+    out = []
+    if 2 * saved < offloaded:
+        amount = (f"{human(saved)} ({percent(saved, offloaded)} of the {human(offloaded)} offloaded)"
+                  if saved > 0 else f"nothing of the {human(offloaded)} offloaded")
+        why = []
+        if schedule is not None:
+            slots, layers = schedule.slots, len(schedule.schedule)
+            why.append(f"the prefetch buffers take {human(schedule.pool_bytes)} ({plural(slots, 'slot')} x "
+                       f"{human(schedule.slot_bytes)})")
+            if slots >= layers:
+                why[-1] += (f": there are as many slots as prefetched layers ({layers}), so each prefetched layer "
+                            "has a slot of its own; lower prefetch.step or prefetch more layers")
+        if staging is not None:
+            why.append(f"the prefill staging buffers take {human(staging.pool_bytes)} ({plural(staging.slots, 'slot')}"
+                       f" x {human(staging.slot_bytes)} for {plural(len(staging.layers), 'uva layer')}); offload "
+                       "more layers to uva, or set `uva: {stage_prefill: false}` to read them in place at prefill")
+        out.append(f"{WARNING}the plan saves little GPU memory: {amount}; {'; '.join(why)}")
+    if schedule is None:
+        return out
+    slots = schedule.slots
+    sizes = sorted(((schedule.layouts[t.layout].bytes, t.layer) for t in schedule.schedule), reverse=True)
+    if len(sizes) > slots and sizes[0][0] > 1.5 * sizes[1][0]:
+        (big, name), (next_big, _) = sizes[0], sizes[1]
+        slots_take = "the slot takes" if slots == 1 else f"the {slots} slots take"
+        out.append(f"{WARNING}prefetching {name} sizes every slot: it needs {human(big)} where the other "
+                   f"prefetched layers need at most {human(next_big)}, so {slots_take} "
+                   f"{human(slots * (big - next_big))} more for its sake; place it on uva or keep it on the GPU")
+    return out

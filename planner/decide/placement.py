@@ -1,0 +1,204 @@
+"""Deciding placements: a pure function from (layer graph, tensor sizes, policy) to placements.
+
+Order. Everything walks the layer graph's execution order, and within a layer
+the natural order of tensor names (`graph.natural_key`): that is the
+"stable order" in which vLLM's per-parameter UVA walk is reproduced.
+
+Steps:
+1. Rules, first match wins, fix a tensor's placement before anything else;
+   rules that part a quantized weight from its scales (quantized.py) are an error.
+2. Candidates for the backend are the remaining tensors of the layer stacks;
+   embeddings, final norms and the head stay on the GPU unless a rule moves them.
+   Fused expert groups (groups.py) move by prefetch whole, by vLLM's uva walk
+   one fused parameter (w13, w2) at a time, by a budget one expert of one
+   fused parameter at a time; a rule or pattern that splits an expert, or
+   prefetches part of a group, is an error. A tensor holding every expert at
+   once (prefused.py: GPT-OSS, Llama 4) is one unit for all three; a weight
+   and its scales always move together. Where a budget drives the placement
+   (not vLLM's own knobs, which keep vLLM's order), what runs in no decode
+   step (vision towers and their projectors, MTP layers) goes to uva first,
+   stacks or not: it costs a decode step nothing wherever it lives.
+3. The backend: `auto` is prefetch if `prefetch.group_size > 0`, else uva if
+   `uva.offload_gib > 0` or a budget is set, else nothing. `mixed` chooses per
+   tensor by predicted step time (mixed.py).
+4. If a budget is set and the plan fits it with the rules' placements alone
+   (the whole checkpoint, when no rule offloads), the backend offloads
+   nothing and the plan says so: offloading more would only cost speed.
+5. uva: walk the candidates (only those matching `uva.params`, if given) and
+   offload each one while the offloaded total is below `offload_gib` GiB (so
+   the last one may overshoot, as in vLLM); with no amount, offload until the
+   GPU footprint is within the budget, rarely-run layers first.
+6. prefetch: stack position i (counted over the stack layers that run in
+   every decode step, in order) is offloaded
+   iff `i % group_size >= group_size - num_in_group`; within it, the tensors
+   matching `prefetch.params` (all, if none given). With no group_size,
+   rarely-run layers go to uva first; then the fewest layers that run every
+   step, spread evenly over those that have candidates, stream such that GPU
+   bytes plus the buffer pool fit the budget; if no count fits, the count
+   with the smallest footprint, which the error quotes.
+   Only layers that run in every forward stream (the slots rotate in one
+   order, which a text prompt skipping a vision tower would break); a rule
+   that prefetches another is an error (placement_errors.check_streamed_runs).
+   A backend asked to offload that cannot is an error naming the key to set:
+   `backend: uva` or `prefetch` with no amount, group and budget; a group_size
+   larger than the stack; `params` or rules that leave the backend no tensor.
+7. The prefetch pool: the k-th prefetched layer uses slot k mod S, where
+   S = min(step, prefetched layers) (vLLM allocates `step` slots; extra ones
+   would never be used). A slot holds the largest prefetched layer, each
+   laid out in it as slots.py says. A layer's copy starts after the
+   forward of the previous user of its slot, cyclically; for step | layers
+   that is the layer `step` positions earlier, exactly vLLM's schedule.
+8. Prefill staging (staging.py): the layers holding uva tensors other than
+   embeddings copy them through 2 GPU slots at prefill, unless
+   `uva.stage_prefill: false`; routed experts only when the workload's prompt
+   is predicted to touch most of them (cost.py `favours_staged_experts`),
+   through the expert ring, which each staged forward allocates. The slots
+   count in the footprint like the prefetch pool, so every budget-driven walk
+   sees them grow as it moves tensors to uva (footprint.py `fit`).
+9. A budget that the result exceeds is an error quoting the smallest
+   budget_gib that this policy fits (exact to the byte: see
+   `smallest_budget_gib`), and what is pinned to the GPU outside the stacks.
+   It is the real minimum because whether a policy fits is monotonic in the
+   budget: the fixed amounts (offload_gib, group_size) do not depend on it,
+   and the budget-driven walks only decide where to stop. The footprint is not
+   monotonic in what they move (each prefetch slot adds a layer, each staging
+   slot grows with the largest staged layer), so a walk that never fits
+   leaves the smallest footprint it passed (`Footprint.fit`), the count
+   search the smallest of every count tried (schedule.fewest_layers), and
+   mixed quotes the smallest of its strategies.
+10. The cost model (cost.py) predicts every plan's bytes over the link, step
+   time and prefill, per layer and in total, whatever the backend: from the
+   routing profile (`workload.routing`, routing.py) where the policy names
+   one, which must count every MoE layer of the checkpoint, else assuming
+   uniform routing.
+11. The notes are computed from the final placements (notes.py).
+
+Example: group_size 8, num_in_group 2 over 61 layers offloads layers
+6, 7, 14, 15, 22, 23, 30, 31, 38, 39, 46, 47, 54, 55.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from ..errors import BudgetError, PolicyError
+from ..inputs.checkpoint import TensorInfo
+from ..inputs.hardware import H100, Hardware
+from ..inputs.patterns import Names
+from ..inputs.policy import Policy, resolve_backend
+from ..inputs.prefused import prefused_key
+from ..inputs.quantized import check_rules
+from ..inputs.routing import RoutingProfile, check_fits
+from ..plan import Backend, Cost, LayerBytes, Placement, PrefetchSchedule, PrefillStaging, Role, Runs, Summary
+from .backends import place_backend
+from .cost import CostModel
+from .graph import LayerGraph
+from .groups import FusedGroups, experts_map
+from .notes import Outcome, notes
+from .placement_errors import check_groups, check_roles, check_streamed_runs, over_budget
+from .schedule import make_schedule
+from .staging import make_staging, stageable
+
+GPU, UVA, PREFETCH = Placement.GPU, Placement.UVA, Placement.PREFETCH
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Everything a plan says about placements; `build` adds the file facts (paths, fingerprints)."""
+
+    backend: Backend  # what ran: none, uva, prefetch or mixed
+    params: dict[str, Placement]  # execution order
+    prefetch: PrefetchSchedule | None
+    layers: tuple[LayerBytes, ...]
+    notes: tuple[str, ...]
+    summary: Summary
+    cost: Cost
+    prefill: PrefillStaging | None = None
+
+
+def decide(graph: LayerGraph, tensors: Mapping[str, TensorInfo], policy: Policy,
+           hardware: Hardware = H100, top_k: int | None = None, routing: RoutingProfile | None = None,
+           checkpoint_fingerprint: str | None = None, num_experts: int | None = None) -> Decision:
+    """Placements for every tensor (see the module doc); `hardware`, `top_k` (experts per
+    token, from the workload or config.json) and `routing` (the policy's routing profile,
+    which must fit the checkpoint's MoE layers) feed the cost model that every plan reports
+    and that `backend: mixed` decides with. `checkpoint_fingerprint` tells the notes whether
+    the profile was recorded on this checkpoint; `num_experts` (config.json's) checks the
+    first dimension of experts stored already fused (prefused.py).
+
+    A pipeline over one state: the placement and its `Footprint`, which every step
+    moves tensors through, and the fused groups, found once.
+    """
+    place = {n: GPU for layer in graph.layers for n in layer.params}
+    names = Names(place)
+    fixed: set[str] = set()
+    won: list[set[str]] = []  # per rule, the tensors it places (first match wins)
+    as_experts: list[set[str]] = []  # per rule, the tensors it calls experts (`role: expert`)
+    roles = {}
+    for rule in policy.rules:
+        matched = names.select(rule.patterns)
+        as_experts.append(matched if rule.role is Role.EXPERT else set())
+        if rule.role is not None:
+            for n in matched:
+                roles.setdefault(n, rule.role)
+        mine = matched - fixed if rule.place is not None else set()
+        won.append(mine)
+        fixed |= mine
+        for n in mine:
+            place[n] = rule.place
+    check_rules(policy.path, place, fixed, tensors)
+    stack = graph.stack_layers()
+    stacked = [n for l in stack for n in l.params]
+    groups = FusedGroups.find(stacked, {n: tensors[n].shape for n in stacked if prefused_key(n)}, num_experts)
+    selected = {"uva": names.select(policy.uva.params) if policy.uva.params else None,
+                "prefetch": names.select(policy.prefetch.params) if policy.prefetch.params else None}
+    check_groups(groups, won, selected, policy)
+    check_roles(groups, as_experts, policy)
+    check_streamed_runs(graph, won, policy)
+    in_step = {n for l in graph.layers if l.runs is Runs.STEP for n in l.params}
+    moe = {g: count for g, members in groups.members.items()
+           if members[0] in in_step and (count := groups.experts(g))}
+    if routing is not None:
+        check_fits(routing, moe, top_k, policy.where("workload.routing"), policy.checkpoint)
+    work, stage = policy.workload, policy.uva.stage_prefill
+    model = CostModel(graph, tensors, hardware, work.batch_size, groups, top_k, roles, routing, work.cuda_graphs,
+                      prompt_tokens=work.prompt_tokens, stage=stage)
+    backend, reason = resolve_backend(policy)
+    budget = policy.budget_bytes
+    step = policy.prefetch.step
+    if (backend is Backend.PREFETCH or PREFETCH in place.values()) and step < 1:
+        raise PolicyError(f"{policy.path}: prefetch.step must be >= 1: rules place tensors on prefetch")
+    want = policy.uva.stage_experts  # None: the planner decides (policy.py UvaPolicy)
+    experts = model.favours_staged_experts if want is None else want  # their ring is no footprint: staging.py
+    chosen = place_backend(model.staging_experts(experts), graph, tensors, dict(place), stage, policy, backend,
+                           stack, fixed, groups, selected)
+    if budget is not None and chosen.fp.total > budget:
+        raise BudgetError(over_budget(policy, chosen.backend, chosen.fp.total, chosen.fp.place, tensors, graph,
+                                      chosen.fp.stage_pool))
+    fp, prediction, backend, skipped = chosen.fp, chosen.prediction, chosen.backend, chosen.skipped
+    mixed_notes, reasons = chosen.notes, chosen.reasons
+    place = fp.place
+    schedule = make_schedule(graph, place, tensors, step)
+    staging = make_staging(graph, place, tensors, hardware.stage_above_tokens,
+                           stageable(graph.layers, fp.partner, experts)) if stage else None
+    if (staging.pool_bytes if staging else 0) != fp.stage_pool:  # one rule, two sums: a bug, not an input error
+        raise AssertionError(f"staging pool {staging} against the footprint's {fp.stage_pool}")
+    by = {GPU: 0, UVA: 0, PREFETCH: 0}
+    layers = []
+    for l, c in zip(graph.layers, prediction.layers):
+        mine = {GPU: 0, UVA: 0, PREFETCH: 0}
+        for n in l.params:
+            mine[place[n]] += tensors[n].nbytes
+        for k in by:
+            by[k] += mine[k]
+        layers.append(LayerBytes(l.name, mine[GPU], mine[UVA], mine[PREFETCH], c.h2d_bytes, c.gpu_us,
+                                 reasons.get(l.name), l.runs, experts_map(l.params, place.__getitem__, l.name + ".")))
+    summary = Summary(by[GPU], by[UVA], by[PREFETCH], fp.pool, prediction.h2d_bytes, prediction.step_us,
+                      fp.stage_pool)
+    cost = Cost(hardware.name, prediction.batch_size, prediction.cpu_us, prediction.gpu_us, prediction.link_us,
+                work.cuda_graphs, prediction.prompt_tokens, prediction.prefill_us)
+    outcome = Outcome(policy, backend, reason, skipped, place, frozenset(fixed), tensors, graph, schedule,
+                      mixed_notes, bool(groups.members) and top_k is None and routing is None,
+                      routing, bool(moe) and top_k is not None and routing is None, checkpoint_fingerprint, staging,
+                      groups.not_experts)
+    return Decision(backend, place, schedule, tuple(layers), notes(outcome), summary, cost, staging)

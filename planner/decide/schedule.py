@@ -1,0 +1,89 @@
+"""The prefetch schedule: which layers to stream when a budget decides, slots, layouts and copy triggers.
+
+Shared by the vLLM-style prefetch backend (placement.py) and the mixed backend
+(mixed.py): both describe a placement; this module turns the prefetched part
+of it into the plan's schedule. The k-th streamed layer (in execution order)
+uses slot k mod S, S = min(step, streamed layers), is laid out in it as
+slots.py says, and its copy starts once the previous user of that slot has
+run (cyclically: the first layers of a forward wait for the last ones of the
+one before). The runtime hooks the module at the layer's path.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from ..inputs.checkpoint import TensorInfo
+from ..plan import Layout, Placement, PrefetchSchedule, Transfer
+from .footprint import Footprint
+from .graph import Layer, LayerGraph, schedule_problems
+from .slots import layout_bytes, layout_of
+
+GPU, PREFETCH = Placement.GPU, Placement.PREFETCH
+
+
+def previous_user(k: int, slots: int, count: int) -> int:
+    """Index of the layer that used slot k mod `slots` before layer k, cyclically over `count`.
+
+    For k >= slots it is k - slots; the first layers of a forward wait for the
+    last users of their slots in the previous forward.
+    """
+    return k - slots if k >= slots else k + slots * ((count - 1 - k) // slots)
+
+
+def fewest_layers(eligible: list[tuple[Layer, list[str]]], fp: Footprint, budget: int
+                  ) -> list[tuple[Layer, list[str]]]:
+    """The fewest of `eligible` (layer, tensors to stream) layers, spread evenly, whose
+    streaming brings the footprint within `budget`.
+
+    Tries 0, 1, 2, ... layers. The footprint is not monotonic in the count (a
+    new slot, or a larger layer, can add more pool than it moves), so when
+    nothing fits the choice with the smallest footprint is returned: the
+    caller's budget error then quotes the smallest budget that would fit.
+    """
+    if not eligible:
+        return []
+    # Per-layer facts, so trying every count costs O(layers), not O(tensors).
+    facts = []
+    for layer, names in eligible:
+        moved = sum(fp.tensors[n].nbytes for n in names if fp.place[n] is GPU)
+        streaming = set(names) | {n for n in layer.params if fp.place[n] is PREFETCH}
+        facts.append((layer.name, moved, layout_bytes([n for n in layer.params if n in streaming], fp.tensors)))
+    count = len(eligible)
+    smallest = None
+    for want in range(count + 1):
+        idx = spread(count, want)
+        total = fp.if_streamed(facts[i] for i in idx)
+        if smallest is None or total < smallest[0]:
+            smallest = (total, idx)
+        if total <= budget:
+            break
+    return [eligible[i] for i in smallest[1]]
+
+
+def spread(count: int, want: int) -> list[int]:
+    """`want` of `count` positions, evenly spaced, each the last of its share.
+
+    spread(32, 4) -> [7, 15, 23, 31], what group_size 8, num_in_group 1 gives.
+    """
+    return [(k + 1) * count // want - 1 for k in range(want)]
+
+
+def make_schedule(graph: LayerGraph, place: Mapping[str, Placement],
+                  tensors: Mapping[str, TensorInfo], step: int) -> PrefetchSchedule | None:
+    """Slots, layouts and copy triggers for the layers holding prefetched tensors (module doc)."""
+    get = place.__getitem__
+    streamed = [l for l in graph.layers if PREFETCH in map(get, l.params)]  # the scan runs in C
+    if not streamed:
+        return None
+    count = len(streamed)
+    slots = max(1, min(step, count))
+    layouts: dict[Layout, int] = {}
+    schedule = []
+    for k, l in enumerate(streamed):
+        layout = layout_of(l, [n for n in l.params if place[n] is PREFETCH], tensors)
+        index = layouts.setdefault(layout, len(layouts))
+        schedule.append(Transfer(l.name, l.module, index, k % slots, streamed[previous_user(k, slots, count)].name))
+    problems = schedule_problems(graph, schedule)
+    if problems:  # the rule above never makes such a schedule: a bug, not an input error
+        raise AssertionError("; ".join(problems))
+    return PrefetchSchedule(max(step, 1), slots, max(l.bytes for l in layouts), tuple(layouts), tuple(schedule))

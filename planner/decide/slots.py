@@ -1,0 +1,49 @@
+"""A prefetched layer's slot image: where each of its tensors sits in a GPU buffer slot.
+
+A slot is one flat GPU buffer. Each prefetched layer is laid out in it on its
+own: its tensors grouped as the runtime holds them (groups.units: a fused
+expert parameter is one unit, its pieces packed in memory order), each unit
+starting on an `ALIGN`-byte boundary, units in the layer's natural order. The
+host copy of the layer is laid out the same way, so a prefetch is one copy of
+`Layout.bytes`.
+
+A slot must hold the largest layer: pool = slots x the largest layout (vLLM
+sizes one buffer per distinct tensor name over all layers instead, which
+inflates every slot when layer types differ: DeepSeek-V3's dense first layers,
+Llama 4's alternating MoE layers).
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+from ..inputs.checkpoint import TensorInfo
+from ..plan import Buffer, Layout
+from .graph import Layer
+from .groups import units
+
+ALIGN = 256  # bytes: every unit starts on this boundary (kernels need 16; UVA reads run fastest from 256)
+
+
+def align(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def layout_of(layer: Layer, names: Iterable[str], tensors: Mapping[str, TensorInfo]) -> Layout:
+    """The slot image of `names`, `layer`'s prefetched tensors (in the layer's natural order)."""
+    cursor = 0
+    buffers = []
+    for unit in units(names):
+        cursor = align(cursor)
+        for n in unit:
+            t = tensors[n]
+            buffers.append(Buffer(layer.local(n), t.dtype, t.shape, cursor, t.nbytes))
+            cursor += t.nbytes
+    return Layout(align(cursor), tuple(buffers))
+
+
+def layout_bytes(names: Iterable[str], tensors: Mapping[str, TensorInfo]) -> int:
+    """`layout_of(...).bytes` without building the buffers: the footprint asks this often."""
+    cursor = 0
+    for unit in units(names):
+        cursor = align(cursor) + sum(tensors[n].nbytes for n in unit)
+    return align(cursor)

@@ -1,0 +1,127 @@
+"""Prefill staging: the layers whose uva tensors are copied to the GPU before a forward over many tokens.
+
+Why (issue 13): a GEMM that reads a weight in place through a zero-copy view
+re-reads it over the host link once per output tile, so at prefill reading in
+place costs a multiple of the weight's bytes (on the H100: 2.1x a copy at 512
+tokens, 24x at 8192). So when a forward carries more than `above_tokens`
+tokens (the hardware profile's `stage_above_tokens`), the runtime
+(runtime/prefill.py) copies each staged layer's uva tensors into one of
+`slots` GPU buffers before the layer runs, the next layer's copy overlapping
+this one's compute, as prefetch does. At or below it (decode) nothing changes:
+they are read in place.
+
+What is staged (`stageable`): the tensors of the layer graph's LAYER, MODULE
+and HEAD layers (graph.py), except:
+- never an embedding (EMBED): a lookup reads one row per token, and staging
+  would copy the whole table;
+- a routed expert (a member of a fused expert group, stored one expert a
+  tensor or already fused: groups.py `is_expert`, by name alone, as the
+  runtime tells them apart from a plan's names) only when the plan stages
+  experts (`experts`, below). Otherwise offplan's experts implementation
+  reads each touched expert once per forward, through a gather, after the
+  router has picked them: nothing overlaps that read;
+- never a quantized tensor or its scales (quantized.py): dequantizing reads
+  each byte once, whatever the number of tokens;
+- never a multi-token-prediction layer (graph.py `Runs.MTP`): it runs in no
+  forward of plain generation, so a slot for it would hold GPU memory for
+  nothing (DeepSeek-V3's layer 61 holds a 1.7 GiB head of its own, which
+  would size both slots). Vision towers run at prefill, over an image's many
+  tokens, and are staged.
+
+Experts (`stage_experts`): copying a layer's host experts ahead of it
+overlaps the copy with earlier layers' compute, but moves the experts no
+token is routed to as well; gathering the touched ones moves only those, on
+the critical path. Copying costs no more when the prompt touches at least
+UVA read / H2D copy bandwidth (0.92 on the H100) of the expert bytes,
+overlap aside, so the planner stages experts when the routing it assumes
+(the profile's prefill counts, or uniform: a layer reads E x (1 - (1 -
+k/E)^T) of its E experts) touches that share at the workload's prompt length
+T (cost.py). Under uniform routing that holds from a few dozen tokens for
+every MoE model known to us (Qwen3-30B-A3B: 128 experts, top 8, 99.8% at 100
+tokens): a long prompt touches every expert.
+
+Staged experts do not go through the slots. Offplan's experts implementation
+gathers a forward's expert rows into a tensor of its own (runtime/experts.py),
+so a host row is free again once gathered: the rows stream through a ring of
+`ring_bytes` (runtime/ring.py) that each staged forward allocates and frees,
+prefill working memory like the activations (and the gathered rows, which
+hold all of a layer's experts), so the footprint does not count it. It holds
+one layer's host experts (the largest staged layer's: the copies then run a
+whole layer ahead), up to RING_BYTES: 1 GiB streams 19.5 ms of the H100's
+link, more than twice what a layer of Qwen3-30B-A3B computes at 8192 tokens
+(58 ms for 8 layers, measured), so the link need not wait on compute for want
+of room. (512 MiB left the link idle for part of each layer at 8192 tokens:
+1.16x the floor where whole-layer slots reached 1.09x.)
+
+A staged layer holds at least one such tensor on uva. Its `bytes` are those
+tensors' bytes but the routed experts', each rounded up to ALIGN (256,
+slots.py) as they lie back to back in a slot; `slot_bytes` is the largest
+layer's, `slots` = min(2, staged layers with such bytes), and the pool (`slots x slot_bytes`)
+is GPU memory held from load on, which the plan's footprint counts
+(footprint.py), like the prefetch pool.
+
+Example: Llama-3.1-8B with the MLP of layers 0-17 on uva stages 18 layers of
+336 MiB (gate, up and down: 3 x 14336 x 4096 x 2 bytes) through 2 slots: 672 MiB.
+
+`uva.stage_prefill: false` plans no staging (`Plan.prefill` is None): the
+runtime then reads uva tensors in place at prefill too, and the pool costs nothing.
+"""
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable, Mapping
+
+from ..inputs.checkpoint import TensorInfo
+from ..inputs.hardware import Hardware
+from ..plan import LayerKind, Placement, PrefillStaging, Runs, StagedLayer
+from .graph import Layer, LayerGraph
+from .groups import is_expert
+from .slots import align
+
+STAGE_SLOTS = 2  # one slot runs while the next layer's copy fills the other
+RING_BYTES = 2**30  # the expert ring's most (module doc)
+
+
+def stageable(layers: Iterable[Layer], quantized: Collection[str] = (), experts: bool = False) -> frozenset[str]:
+    """The tensors of `layers` (a layer graph's) that prefill stages when they are on uva (module doc);
+    `quantized`: the quantized tensors and their scales (quantized.py `partners`), never staged;
+    `experts`: routed experts staged too, but not in a layer whose experts are quantized (their biases
+    alone would gain nothing)."""
+    return frozenset(n for l in layers if l.kind is not LayerKind.EMBED and l.runs is not Runs.MTP
+                     for whole in [experts and not any(is_expert(m) and m in quantized for m in l.params)]
+                     for n in l.params if (whole or not is_expert(n)) and n not in quantized)
+
+
+def stage_experts(touched: float, hw: Hardware) -> bool:
+    """Whether prefill stages routed experts, given the share of their bytes the prompt touches (module doc)."""
+    return touched >= hw.uva_read_gbps / hw.h2d_copy_gbps
+
+
+def staged(layer: Layer, names: Collection[str], place: Mapping[str, Placement],
+           tensors: Mapping[str, TensorInfo] | None) -> tuple[list[str], int | None]:
+    """`layer`'s staged tensors (those of `names`, stageable, on uva) and the bytes those other than routed
+    experts take in a slot, each rounded up to ALIGN (module doc); None without `tensors`."""
+    mine = [n for n in layer.params if n in names and place[n] is Placement.UVA]
+    if tensors is None:
+        return mine, None
+    return mine, sum(align(tensors[n].nbytes) for n in mine if not is_expert(n))
+
+
+def ring_bytes(host_experts: Iterable[int]) -> int:
+    """The expert ring for staged layers holding these bytes of routed experts on uva (module doc)."""
+    return min(RING_BYTES, max(host_experts, default=0))
+
+
+def make_staging(graph: LayerGraph, place: Mapping[str, Placement], tensors: Mapping[str, TensorInfo],
+                 above_tokens: int, names: frozenset[str]) -> PrefillStaging | None:
+    """The plan's `prefill:` section for `place`, or None when no layer holds a stageable uva tensor.
+    `names`: `stageable(graph.layers, partners(tensors), experts)`."""
+    layers, host = [], []
+    for l in graph.layers:
+        mine, size = staged(l, names, place, tensors)
+        if mine:
+            layers.append(StagedLayer(l.name, l.module, size))
+            host.append(sum(tensors[n].nbytes for n in mine if is_expert(n)))
+    if not layers:
+        return None
+    return PrefillStaging(above_tokens, min(STAGE_SLOTS, sum(1 for l in layers if l.bytes)),
+                          max(l.bytes for l in layers), tuple(layers), ring_bytes(host))

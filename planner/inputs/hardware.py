@@ -1,0 +1,84 @@
+"""Hardware profiles: the bandwidths and overheads the cost model predicts with.
+
+`plan calibrate` measures them on a GPU and writes a profile YAML; a policy
+names one with `hardware: h100.yaml`. Without one, the H100 figures below are
+used: the copy and UVA bandwidths given for this project's H100 (PCIe Gen5)
+machine, and its GEMM rate, staging threshold and GPU time per layer as `plan
+calibrate` measured them there (665 TFLOP/s at 4096 tokens; in-place GEMMs
+1.06x a copy up to 192 tokens, 2.1x at 256; replayed decode steps of tiny
+models: 76.4 us per dense layer, 120.9 us per MoE layer, 45.9 us per step);
+the HBM and CPU figures are estimates (`plan calibrate`
+there measured 2470-2750 GB/s HBM reads and 590-1520 us of CPU time per layer,
+run to run).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import HardwareProfileError
+from . import yamlio
+from .schema import validate
+
+
+@dataclass(frozen=True)
+class Hardware:
+    name: str
+    h2d_copy_gbps: float  # pinned host -> GPU copies (prefetch)
+    uva_read_gbps: float  # kernels reading pinned host memory in place (uva)
+    hbm_read_gbps: float  # kernels reading resident weights
+    layer_overhead_us: float  # CPU time (launches, framework) per decoder layer per step
+    step_overhead_us: float = 0.0  # CPU time per step outside the layers (sampling, cache bookkeeping)
+    matmul_tflops: float = 665.0  # bf16 GEMM rate at prefill (large M), for the prefill prediction
+    stage_above_tokens: int = 192  # GEMM tokens above which a GEMM re-reads an in-place uva weight per tile
+    # GPU time per decode step beyond reading weights (kernel launch latency, tiny grids), at batch 1:
+    layer_gpu_us: float = 0.0  # per dense decoder layer
+    moe_layer_gpu_us: float = 0.0  # per decoder layer with routed experts
+    step_gpu_us: float = 0.0  # per step, outside the layers
+    measured: str = ""
+
+
+H100 = Hardware(
+    name="NVIDIA H100 80GB HBM3 (PCIe Gen5 host link)",
+    h2d_copy_gbps=55.0,
+    uva_read_gbps=50.8,
+    hbm_read_gbps=2900.0,
+    layer_overhead_us=800.0,
+    step_overhead_us=0.0,
+    layer_gpu_us=76.4,
+    moe_layer_gpu_us=120.9,
+    step_gpu_us=45.9,
+    measured="built-in defaults: H2D copy, UVA GEMV and GPU time per layer measured on the project's H100; "
+             "HBM and CPU overheads are estimates until `plan calibrate` runs",
+)
+
+
+def load_hardware(path: str | Path) -> Hardware:
+    """Read and validate a profile written by `plan calibrate` (errors name file:line:column)."""
+    path = Path(path)
+    doc = yamlio.parse(path, yamlio.read(path, HardwareProfileError, "hardware profile"), HardwareProfileError)
+    wrong = yamlio.wrong_kind(path, doc.data, "hardware profile")
+    if wrong:
+        raise HardwareProfileError(wrong)
+    validate(doc, "hardware.schema.json", HardwareProfileError, f"{path}: the hardware profile is invalid")
+    d = doc.data
+    return Hardware(d["name"], float(d["h2d_copy_gbps"]), float(d["uva_read_gbps"]),
+                    float(d["hbm_read_gbps"]), float(d["layer_overhead_us"]),
+                    step_overhead_us=float(d.get("step_overhead_us", 0.0)),
+                    matmul_tflops=float(d.get("matmul_tflops", H100.matmul_tflops)),
+                    stage_above_tokens=int(d.get("stage_above_tokens", H100.stage_above_tokens)),
+                    layer_gpu_us=float(d.get("layer_gpu_us", H100.layer_gpu_us)),
+                    moe_layer_gpu_us=float(d.get("moe_layer_gpu_us", H100.moe_layer_gpu_us)),
+                    step_gpu_us=float(d.get("step_gpu_us", H100.step_gpu_us)),
+                    measured=d.get("measured", ""))
+
+
+def dumps_hardware(hw: Hardware) -> str:
+    return (f"# offplan hardware profile, written by `plan calibrate`\nformat_version: 1\n"
+            f"name: {yamlio.quote(hw.name)}\nh2d_copy_gbps: {hw.h2d_copy_gbps:.1f}\n"
+            f"uva_read_gbps: {hw.uva_read_gbps:.1f}\nhbm_read_gbps: {hw.hbm_read_gbps:.0f}\n"
+            f"layer_overhead_us: {hw.layer_overhead_us:.1f}\nstep_overhead_us: {hw.step_overhead_us:.1f}\n"
+            f"matmul_tflops: {hw.matmul_tflops:.1f}\nstage_above_tokens: {hw.stage_above_tokens}\n"
+            f"layer_gpu_us: {hw.layer_gpu_us:.1f}\nmoe_layer_gpu_us: {hw.moe_layer_gpu_us:.1f}\n"
+            f"step_gpu_us: {hw.step_gpu_us:.1f}\n"
+            f"measured: {yamlio.quote(hw.measured)}\n")

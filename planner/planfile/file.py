@@ -1,0 +1,230 @@
+"""The plan file: deterministic YAML on disk, typed (plan.py) in memory.
+
+`dumps(loads(text)) == text` byte for byte, and the same inputs give the same
+bytes (no timestamps, no dict-order surprises). Paths inside a plan are
+relative to the plan file's directory, so a plan committed next to its policy
+stays valid in any clone.
+
+Every reader goes through `read_plan` (or `loads`), which refuses a plan whose
+parts disagree (consistency.py): `plan show`, `validate`, `diff`, `check` and
+the runtime alike.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import InconsistentPlanError, OffplanError, PlanFileError
+from ..inputs import yamlio
+from ..inputs.checkpoint import Checkpoint, TensorInfo, open_checkpoint
+from ..inputs.schema import validate
+from ..plan import (Backend, Buffer, Cost, LayerBytes, Layout, Placement, Plan, PrefetchSchedule, PrefillStaging,
+                    RoutingRef, Runs, StagedLayer, Summary, Transfer)
+from .consistency import inconsistencies
+
+FORMAT_VERSION = 2  # 2: slot layouts with offsets, module paths, `runs`
+HEADER = (
+    "# offplan plan: written by `plan build`, applied exactly by the runtime. Do not edit by hand.\n"
+    "# Review: `plan show`; compare: `plan diff OLD NEW`; staleness: `plan check`.\n"
+)
+
+
+# ---------------------------------------------------------------- writing
+
+_s = yamlio.scalar
+
+
+def _v(value) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, str):
+        return _s(value)
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_v(v) for v in value) + "]"
+    raise TypeError(value)
+
+
+def _row(layer: LayerBytes) -> str:
+    runs = {} if layer.runs is Runs.STEP else {"runs": layer.runs.value}
+    why = {} if layer.why is None else {"why": layer.why}
+    experts = {} if layer.experts is None else {"experts": layer.experts}
+    return _flow(name=layer.name, **runs, gpu=layer.gpu, uva=layer.uva, prefetch=layer.prefetch, h2d=layer.h2d,
+                 us=layer.us, **experts, **why)
+
+
+def _flow(**items) -> str:
+    return "{" + ", ".join(f"{k}: {_v(v)}" for k, v in items.items()) + "}"
+
+
+def dumps(plan: Plan) -> str:
+    s = plan.summary
+    out = [HEADER, f"format_version: {FORMAT_VERSION}\n",
+           "checkpoint:\n",
+           f"  path: {_s(plan.checkpoint_path)}\n",
+           f"  fingerprint: {_s(plan.checkpoint_fingerprint)}\n",
+           f"  tensors: {plan.tensors}\n",
+           f"  bytes: {plan.total_bytes}\n",
+           "policy:\n",
+           f"  path: {_s(plan.policy_path)}\n",
+           f"  fingerprint: {_s(plan.policy_fingerprint)}\n",
+           *(["routing: null\n"] if plan.routing is None else
+             ["routing:\n", f"  path: {_s(plan.routing.path)}\n", f"  fingerprint: {_s(plan.routing.fingerprint)}\n"]),
+           f"backend: {plan.backend.value}\n",
+           f"budget_bytes: {_v(plan.budget_bytes)}\n",
+           f"stacks: {_v(list(plan.stacks))}\n",
+           f"tied_embeddings: {_v(plan.tied_embeddings)}\n",
+           "summary:\n",
+           f"  gpu_bytes: {s.gpu_bytes}\n",
+           f"  uva_bytes: {s.uva_bytes}\n",
+           f"  prefetch_bytes: {s.prefetch_bytes}\n",
+           f"  prefetch_buffer_bytes: {s.prefetch_buffer_bytes}\n",
+           # absent without staging, as in plans before it
+           *([f"  stage_buffer_bytes: {s.stage_buffer_bytes}\n"] if s.stage_buffer_bytes else []),
+           f"  gpu_footprint_bytes: {s.gpu_footprint_bytes}\n",
+           f"  predicted_h2d_bytes_per_step: {s.predicted_h2d_bytes_per_step}\n",
+           f"  predicted_step_us: {s.predicted_step_us}\n"]
+    c = plan.cost
+    if c is None:
+        out.append("cost: null\n")
+    else:
+        graphs = {"cuda_graphs": True} if c.cuda_graphs else {}  # absent for eager, as plans before it
+        prefill = {"prompt_tokens": c.prompt_tokens, "prefill_us": c.prefill_us} if c.prompt_tokens else {}
+        flow = _flow(hardware=c.hardware, batch_size=c.batch_size, cpu_us=c.cpu_us, gpu_us=c.gpu_us,
+                     link_us=c.link_us, **graphs, **prefill)
+        out.append(f"cost: {flow}\n")
+    out.append("notes:" + (" []\n" if not plan.notes else "\n"))
+    out += [f"  - {_s(n)}\n" for n in plan.notes]
+    out.append("layers:\n")
+    out += [f"  - {_row(l)}\n" for l in plan.layers]
+    p = plan.prefetch
+    if p is None:
+        out.append("prefetch: null\n")
+    else:
+        out += ["prefetch:\n", f"  step: {p.step}\n", f"  slots: {p.slots}\n",
+                f"  slot_bytes: {p.slot_bytes}\n", "  layouts:\n"]
+        for layout in p.layouts:
+            out += [f"    - bytes: {layout.bytes}\n", "      buffers:\n"]
+            out += [f"        - {_flow(name=b.name, dtype=b.dtype, shape=list(b.shape), offset=b.offset, bytes=b.bytes)}\n"
+                    for b in layout.buffers]
+        out.append("  schedule:\n")
+        out += [f"    - {_flow(layer=t.layer, module=t.module, layout=t.layout, slot=t.slot, after=t.after)}\n"
+                for t in p.schedule]
+    st = plan.prefill
+    if st is not None:  # absent when nothing is staged, as in plans before staging
+        out += ["prefill:\n", f"  above_tokens: {st.above_tokens}\n", f"  slots: {st.slots}\n",
+                f"  slot_bytes: {st.slot_bytes}\n", *([f"  ring_bytes: {st.ring_bytes}\n"] if st.experts else []), "  layers:\n"]
+        out += [f"    - {_flow(layer=l.layer, module=l.module, bytes=l.bytes)}\n" for l in st.layers]
+    out.append("params:\n")
+    out += [f"  {_s(name)}: {place.value}\n" for name, place in plan.params.items()]
+    return "".join(out)
+
+
+# ---------------------------------------------------------------- reading
+
+@dataclass(frozen=True)
+class LoadedPlan:
+    """A plan read from its file and checked, with its checkpoint's headers when they are at hand."""
+
+    plan: Plan
+    checkpoint: Checkpoint | None  # the plan's checkpoint, unchanged since the build; None: not at hand
+    unchecked: str | None  # why tensor sizes were not compared (None: they were)
+
+
+def loads(text: str, path: str | Path = "<plan>", tensors: Mapping[str, TensorInfo] | None = None) -> Plan:
+    """Parse, schema-check and consistency-check a plan (consistency.py; exact with `tensors`,
+    the checkpoint's headers). Raises PlanFileError with `file:line:column`s."""
+    plan, doc = _parse(text, Path(path))
+    _refuse_inconsistent(plan, doc, tensors, None if tensors is not None else "no checkpoint given")
+    return plan
+
+
+def read_plan(path: str | Path) -> LoadedPlan:
+    """Read a plan file and check it, against its checkpoint's headers when they are at hand
+    (the checkpoint exists and its fingerprint is the plan's): `plan show`, `plan validate`,
+    `plan diff`, `plan check` and the runtime all read plans through here."""
+    path = Path(path)
+    plan, doc = _parse(yamlio.read(path, PlanFileError, "plan"), path)
+    ckpt, unchecked = _checkpoint_at_hand(plan, path)
+    _refuse_inconsistent(plan, doc, ckpt.tensors if ckpt else None, unchecked)
+    return LoadedPlan(plan, ckpt, unchecked)
+
+
+def load_plan(path: str | Path) -> Plan:
+    return read_plan(path).plan
+
+
+def _checkpoint_at_hand(plan: Plan, path: Path) -> tuple[Checkpoint | None, str | None]:
+    where = plan.checkpoint_dir(path)
+    if not where.exists():
+        return None, f"its checkpoint {plan.checkpoint_path} is not at hand"
+    try:
+        ckpt = open_checkpoint(where)
+    except OffplanError:
+        return None, f"its checkpoint {plan.checkpoint_path} cannot be read"
+    if ckpt.fingerprint != plan.checkpoint_fingerprint:
+        return None, f"its checkpoint {plan.checkpoint_path} changed since the plan was built (see `plan check`)"
+    return ckpt, None
+
+
+def _refuse_inconsistent(plan: Plan, doc: yamlio.Located, tensors, unchecked: str | None) -> None:
+    problems = inconsistencies(plan, doc.where, tensors, doc.data["summary"]["gpu_footprint_bytes"])
+    if problems:
+        how = ("with the tensor sizes in its checkpoint's headers" if unchecked is None
+               else f"by tensor names only: {unchecked}")
+        policy = (doc.file.parent / plan.policy_path).as_posix()
+        raise InconsistentPlanError(
+            f"{doc.file}: the plan is inconsistent (edited by hand?): params: compared with layers:, "
+            f"summary:, prefetch: and prefill: {how}; rebuild it: plan build {policy} -o {doc.file}", problems)
+
+
+def _parse(text: str, path: Path) -> tuple[Plan, yamlio.Located]:
+    doc = yamlio.parse(path, text, PlanFileError)
+    wrong = yamlio.wrong_kind(path, doc.data, "plan")
+    if wrong:
+        raise PlanFileError(wrong)
+    if not isinstance(doc.data, dict) or "params" not in doc.data:
+        raise PlanFileError(f"{path}: not an offplan plan (no `params:` mapping); build one with "
+                            "`plan build POLICY`")
+    if isinstance(doc.data, dict) and doc.data.get("format_version") == 1:
+        raise PlanFileError(f"{path}: a format 1 plan, from an offplan without slot layouts in plans; "
+                            "rebuild it with `plan build POLICY`")
+    validate(doc, "plan.schema.json", PlanFileError, f"{path}: the plan is invalid")
+    d = doc.data
+    p = d["prefetch"]
+    prefetch = None if p is None else PrefetchSchedule(
+        p["step"], p["slots"], p["slot_bytes"],
+        tuple(Layout(l["bytes"], tuple(Buffer(b["name"], b["dtype"], tuple(b["shape"]), b["offset"], b["bytes"])
+                                       for b in l["buffers"])) for l in p["layouts"]),
+        tuple(Transfer(t["layer"], t["module"], t["layout"], t["slot"], t["after"]) for t in p["schedule"]))
+    s = d["summary"]
+    st = d.get("prefill")
+    prefill = None if st is None else PrefillStaging(
+        st["above_tokens"], st["slots"], st["slot_bytes"],
+        tuple(StagedLayer(l["layer"], l["module"], l["bytes"]) for l in st["layers"]), st.get("ring_bytes", 0))
+    plan = Plan(
+        checkpoint_path=d["checkpoint"]["path"],
+        checkpoint_fingerprint=d["checkpoint"]["fingerprint"],
+        tensors=d["checkpoint"]["tensors"],
+        total_bytes=d["checkpoint"]["bytes"],
+        policy_path=d["policy"]["path"],
+        policy_fingerprint=d["policy"]["fingerprint"],
+        backend=Backend(d["backend"]),
+        budget_bytes=d["budget_bytes"],
+        stacks=tuple(d["stacks"]),
+        tied_embeddings=d["tied_embeddings"],
+        summary=Summary(s["gpu_bytes"], s["uva_bytes"], s["prefetch_bytes"], s["prefetch_buffer_bytes"],
+                        s["predicted_h2d_bytes_per_step"], s["predicted_step_us"], s.get("stage_buffer_bytes", 0)),
+        layers=tuple(LayerBytes(**{**l, "runs": Runs(l.get("runs", "step"))}) for l in d["layers"]),
+        prefetch=prefetch,
+        params={k: Placement(v) for k, v in d["params"].items()},
+        notes=tuple(d["notes"]),
+        cost=None if d["cost"] is None else Cost(**d["cost"]),
+        routing=None if d.get("routing") is None else RoutingRef(d["routing"]["path"], d["routing"]["fingerprint"]),
+        prefill=prefill,
+    )
+    return plan, doc

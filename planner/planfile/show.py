@@ -1,0 +1,224 @@
+"""What `plan show` prints: rich tables for people, plain dicts for `--json`.
+
+Everything here returns data or rich renderables; `print_to` writes them: in
+colour at the terminal's width on a terminal, as plain text without wrapping
+or trailing spaces elsewhere (pipes, logs, tests), so lines can be grepped.
+Bytes are in binary units (`human`), times in milliseconds.
+"""
+from __future__ import annotations
+
+import io
+import sys
+from collections import Counter
+from collections.abc import Iterable, Mapping
+
+from rich import box
+from rich.console import Console, RenderableType
+from rich.table import Table
+from rich.text import Text
+
+from ..decide.graph import Layer, build_graph
+from ..decide.groups import FusedGroups, expert_number, ranges
+from ..decide.notes import WARNING, is_warning
+from ..inputs.checkpoint import TensorInfo
+from ..plan import Placement, Plan
+from ..units import human, ms, percent, plural
+
+KINDS = ("gpu", "uva", "prefetch")
+
+
+def print_to(file, renderables: Iterable[RenderableType | str]) -> None:
+    """Print strings (never read as markup) and rich renderables to `file` (default: stdout)."""
+    file = file or sys.stdout
+    probe = Console(file=file)
+    if probe.is_terminal:
+        for r in renderables:
+            probe.print(_styled(r) if isinstance(r, str) else r, highlight=False)
+        return
+    buf = io.StringIO()
+    plain = Console(file=buf, width=10_000, highlight=False, color_system=None)
+    for r in renderables:
+        plain.print(Text(r) if isinstance(r, str) else r)
+    file.write("".join(line.rstrip() + "\n" for line in buf.getvalue().splitlines()))
+
+
+def _styled(line: str) -> Text:
+    if line.startswith(WARNING):
+        return Text.assemble(("warning:", "bold yellow"), line[len("warning:"):])
+    if line.startswith("note: "):
+        return Text.assemble(("note:", "cyan"), line[len("note:"):])
+    return Text(line)
+
+
+def table(columns: list[str], rows: list[list], footer: list | None = None, align: str | None = None) -> Table:
+    """A plain table whose cells are text (never markup). `align`: one letter per column, `l` or `r`;
+    by default the first column left and the others (numbers) right."""
+    align = align or "l" + "r" * (len(columns) - 1)
+    t = Table(box=box.SIMPLE, show_edge=False, pad_edge=False, show_footer=footer is not None,
+              header_style="bold", footer_style="bold")
+    for i, c in enumerate(columns):
+        t.add_column(c, justify="left" if align[i] == "l" else "right",
+                     footer=Text(str(footer[i])) if footer is not None else "")
+    for r in rows:
+        t.add_row(*(Text(str(c)) for c in r))
+    return t
+
+
+# ---------------------------------------------------------------- plan show
+
+def show_data(plan: Plan) -> dict:
+    s = plan.summary
+    slot = {t.layer: t.slot for t in plan.prefetch.schedule} if plan.prefetch else {}
+    return {
+        "checkpoint": plan.checkpoint_path,
+        "routing": None if plan.routing is None else plan.routing.path,
+        "backend": plan.backend.value,
+        "tensors": plan.tensors,
+        "layers": [{"name": l.name, "gpu": l.gpu, "uva": l.uva, "prefetch": l.prefetch,
+                    "slot": slot.get(l.name), "h2d_bytes_per_step": l.h2d, "gpu_us": l.us,
+                    "why": l.why} for l in plan.layers],
+        "summary": {"gpu_bytes": s.gpu_bytes, "uva_bytes": s.uva_bytes, "prefetch_bytes": s.prefetch_bytes,
+                    "prefetch_buffer_bytes": s.prefetch_buffer_bytes, "stage_buffer_bytes": s.stage_buffer_bytes,
+                    "gpu_footprint_bytes": s.gpu_footprint_bytes, "budget_bytes": plan.budget_bytes,
+                    "predicted_h2d_bytes_per_step": s.predicted_h2d_bytes_per_step,
+                    "predicted_step_us": s.predicted_step_us},
+        "cost": None if plan.cost is None else {
+            "hardware": plan.cost.hardware, "batch_size": plan.cost.batch_size,
+            "cpu_us": plan.cost.cpu_us, "gpu_us": plan.cost.gpu_us, "link_us": plan.cost.link_us,
+            "cuda_graphs": plan.cost.cuda_graphs,
+            "prompt_tokens": plan.cost.prompt_tokens or None, "prefill_us": plan.cost.prefill_us or None},
+        "prefetch": None if plan.prefetch is None else {
+            "step": plan.prefetch.step, "slots": plan.prefetch.slots, "slot_bytes": plan.prefetch.slot_bytes,
+            "layers": len(plan.prefetch.schedule)},
+        "prefill": None if plan.prefill is None else {
+            "above_tokens": plan.prefill.above_tokens, "slots": plan.prefill.slots,
+            "slot_bytes": plan.prefill.slot_bytes, "ring_bytes": plan.prefill.ring_bytes or None,
+            "layers": [l.layer for l in plan.prefill.layers]},
+        "notes": list(plan.notes),
+    }
+
+
+def _bytes(n: int) -> str:
+    return human(n) if n else "-"
+
+
+def show(plan: Plan, unchecked: str | None = None) -> list[RenderableType | str]:
+    """The per-layer table and the totals; `unchecked` says why byte counts went unchecked."""
+    why = any(l.why for l in plan.layers)
+    slot = {t.layer: t.slot for t in plan.prefetch.schedule} if plan.prefetch else {}
+    rows = [[l.name, _bytes(l.gpu), _bytes(l.uva), _bytes(l.prefetch), slot.get(l.name, "-"), _bytes(l.h2d),
+             f"{l.us / 1e3:.3f}", *([l.why or ""] if why else [])] for l in plan.layers]
+    s = plan.summary
+    total = ["total", human(s.gpu_bytes), human(s.uva_bytes), human(s.prefetch_bytes), "",
+             human(s.predicted_h2d_bytes_per_step), f"{plan.cost.gpu_us / 1e3:.3f}" if plan.cost else "",
+             *([""] if why else [])]
+    out: list[RenderableType | str] = [
+        f"plan for {plan.checkpoint_path}: {plural(plan.tensors, 'tensor')}, {human(plan.total_bytes)}, "
+        f"backend {plan.backend.value}", "",
+        table(["layer", "gpu", "uva", "prefetch", "slot", "h2d/step", "gpu ms", *(["why"] if why else [])],
+              rows, total, "lrrrrrr" + ("l" if why else "")), ""]
+    if plan.prefetch:
+        p = plan.prefetch
+        out.append(f"prefetch: {plural(len(p.schedule), 'layer')}, step {p.step}, {plural(p.slots, 'slot')} x "
+                   f"{human(p.slot_bytes)} = {human(p.pool_bytes)} of GPU buffers")
+    if plan.prefill:
+        st = plan.prefill
+        slots = (f"copy their uva tensors through {plural(st.slots, 'slot')} x {human(st.slot_bytes)} = "
+                 f"{human(st.pool_bytes)} of GPU buffers" if st.slots else "hold only routed experts")
+        out.append(f"prefill staging: {plural(len(st.layers), 'layer')} {slots} when a forward carries more than "
+                   f"{plural(st.above_tokens, 'token')}"
+                   + (f"; routed experts stream through a ring of {human(st.ring_bytes)}, allocated by each such "
+                      "forward (working memory, like its activations)" if st.experts else ""))
+    out += _footprint(plan)
+    if plan.cost:
+        c = plan.cost
+        bound = max((c.cpu_us, "kernel launches (CPU)"), (c.gpu_us, "the GPU (its kernels and reads)"),
+                    (c.link_us, "the host link"))[1]
+        mode = "CUDA graph replay" if c.cuda_graphs else "eager"
+        ttft = (f"; time to first token (prefill of {plural(c.prompt_tokens, 'token')}) {ms(c.prefill_us)}"
+                if c.prompt_tokens else "")
+        out.append(f"predicted at batch {c.batch_size}, {mode}, on {c.hardware}: "
+                   f"{human(s.predicted_h2d_bytes_per_step)} over the link per step; step {ms(c.step_us)} = max(cpu {ms(c.cpu_us)}, gpu {ms(c.gpu_us)}, "
+                   f"link {ms(c.link_us)}), bound by {bound}{ttft}")
+    out += [n if is_warning(n) else f"note: {n}" for n in plan.notes]
+    if unchecked:
+        out.append(f"note: the layer table is the plan's own, not recomputed from tensor sizes: {unchecked}")
+    return out
+
+
+def _footprint(plan: Plan) -> list[str]:
+    s = plan.summary
+    budget = plan.budget_bytes
+    verdict = "no budget set" if budget is None else (
+        f"budget {human(budget)}: " + ("fits" if s.gpu_footprint_bytes <= budget else "OVER BUDGET")
+        + f", {human(abs(budget - s.gpu_footprint_bytes))} "
+        + ("to spare" if s.gpu_footprint_bytes <= budget else "too much"))
+    pools = [(s.prefetch_buffer_bytes, "prefetch buffers"), (s.stage_buffer_bytes, "prefill staging buffers")]
+    parts = "".join(f" + {human(b)} {what}" for b, what in pools if b)
+    parts = f"{human(s.gpu_bytes)} resident{parts} = " if parts else ""
+    out = [f"GPU footprint: {parts}{human(s.gpu_footprint_bytes)} ({verdict})"]
+    offloaded = s.uva_bytes + s.prefetch_bytes
+    if not offloaded:
+        out.append("host (pinned): nothing offloaded")
+        return out
+    host = " + ".join(f"{human(b)} {k}" for k, b in (("uva", s.uva_bytes), ("prefetch", s.prefetch_bytes)) if b)
+    saved = offloaded - s.prefetch_buffer_bytes - s.stage_buffer_bytes
+    out.append(f"host (pinned): {host}; offloading saves {human(max(saved, 0))} of GPU memory "
+               f"({percent(max(saved, 0), offloaded)} of the offloaded bytes)")
+    return out
+
+
+def units_of(layer: Layer, *plans: Mapping[str, Placement]) -> list[tuple[str, tuple[str, ...]]]:
+    """A layer's tensors as units, in order: each fused expert group once per combination of the
+    placements its tensors have in `plans` (named by the group, and where that splits it, by its
+    experts: `model.layers.3.mlp.experts [experts 0-5,7]`, or by the parameters of tensors that hold
+    every expert at once: `model.layers.3.mlp.experts [down_proj, down_proj_bias]`), every other
+    tensor alone."""
+    groups = FusedGroups.find(layer.params).group_of
+    members: dict[tuple, list[str]] = {}
+    for n in layer.params:
+        group = groups.get(n)
+        key = (n,) if group is None else (group, tuple(p.get(n) for p in plans))
+        members.setdefault(key, []).append(n)
+    parts = Counter(key[0] for key in members if len(key) == 2)
+    out = []
+    for key, names in members.items():
+        name = key[0]
+        if len(key) == 2 and parts[name] > 1:
+            numbers = {expert_number(n) for n in names} - {None}
+            stacked = [n[len(name) + 1:] for n in names if expert_number(n) is None]  # pre-fused parameters
+            name += f" [{', '.join(([f'experts {ranges(numbers)}'] if numbers else []) + stacked)}]"
+        out.append((name, tuple(names)))
+    return out
+
+
+def tensors_data(plan: Plan, sizes: Mapping[str, TensorInfo] | None) -> dict:
+    """`plan show --tensors --json`: every tensor, or fused unit, with its placement (and bytes)."""
+    rows = []
+    for layer in build_graph(plan.params, plan.stacks).layers:
+        for name, members in units_of(layer, plan.params):
+            rows.append({"layer": layer.name, "name": name, "tensors": len(members),
+                         "placement": plan.params[members[0]].value,
+                         "bytes": None if sizes is None else sum(sizes[m].nbytes for m in members)})
+    return {"checkpoint": plan.checkpoint_path, "units": rows}
+
+
+def show_tensors(plan: Plan, sizes: Mapping[str, TensorInfo] | None, unchecked: str | None) -> list:
+    d = tensors_data(plan, sizes)
+    rows, last = [], None
+    for u in d["units"]:
+        local = u["name"][len(u["layer"]) + 1:] or u["name"]
+        what = f"{local} (fused: {plural(u['tensors'], 'tensor')})" if u["tensors"] > 1 else local
+        rows.append([u["layer"] if u["layer"] != last else "", what, u["placement"],
+                     *([human(u["bytes"])] if sizes is not None else [])])
+        last = u["layer"]
+    units = len(d["units"])
+    grouped = (f" in {plural(units, 'unit')} (a fused expert group is one unit per placement)"
+               if units != plan.tensors else "")
+    out: list = [f"plan for {plan.checkpoint_path}: {plural(plan.tensors, 'tensor')}{grouped}, backend "
+                 f"{plan.backend.value}", "",
+                 table(["layer", "tensor", "placement", *(["bytes"] if sizes is not None else [])], rows,
+                       align="lllr")]
+    if sizes is None:
+        out += ["", f"note: no bytes per tensor: {unchecked}"]
+    return out

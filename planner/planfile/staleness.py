@@ -1,0 +1,76 @@
+"""Is a plan stale? The one answer behind `plan check` and the runtime's refusal to load.
+
+A plan records fingerprints of its inputs (checkpoint.py: the index and every
+shard header; policy.py: the policy file's bytes; routing.py: the routing
+profile's bytes, when the policy names one). It is stale when
+
+1. its checkpoint changed: the only reason the runtime refuses a plan
+   (`require_current`), since the weights it would load are not the ones the
+   plan was made for;
+2. its policy or its routing profile changed or is gone: the plan no longer
+   says what they ask (a profile decides which experts stay on the GPU);
+3. all are unchanged, but the plan is not what `plan build` makes of them
+   (edited by hand, or built by another offplan version or hardware profile).
+
+`plan check` reports all three (`stale_reasons`); the runtime checks only the
+first, through the same function (`checkpoint_change`), so the two say it alike.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..decide.build import build
+from ..errors import PolicyError, RoutingProfileError, StalePlanError
+from ..inputs import yamlio
+from ..inputs.checkpoint import Checkpoint
+from ..inputs.policy import load_policy, policy_fingerprint
+from ..inputs.routing import profile_fingerprint
+from ..plan import Plan
+from .file import dumps
+
+
+def checkpoint_change(plan: Plan, ckpt: Checkpoint, where: Path) -> str | None:
+    """Why `ckpt` (read from `where`) is not the checkpoint the plan was built for, or None."""
+    if ckpt.fingerprint == plan.checkpoint_fingerprint:
+        return None
+    return (f"the checkpoint {where} changed since the plan was built (fingerprint {ckpt.fingerprint[:19]}..., "
+            f"the plan has {plan.checkpoint_fingerprint[:19]}...)")
+
+
+def require_current(plan: Plan, ckpt: Checkpoint, where: Path) -> None:
+    """Raise StalePlanError if the checkpoint changed since the plan was built."""
+    change = checkpoint_change(plan, ckpt, where)
+    if change:
+        raise StalePlanError(f"the plan is stale: {change}; rebuild it with `plan build POLICY`")
+
+
+def stale_reasons(plan: Plan, plan_path: Path, ckpt: Checkpoint) -> list[str]:
+    """Every reason the plan at `plan_path` is stale (see the module doc); [] if it is current."""
+    problems = []
+    change = checkpoint_change(plan, ckpt, plan.checkpoint_dir(plan_path))
+    if change:
+        problems.append(change)
+    policy_path = plan_path.parent / plan.policy_path
+    if policy_path.is_file():
+        # Only the bytes matter: an edited policy is stale even if it no longer validates.
+        if policy_fingerprint(yamlio.read(policy_path, PolicyError, "policy")) != plan.policy_fingerprint:
+            problems.append(f"the policy {policy_path} changed since the plan was built")
+    else:
+        problems.append(f"the policy {policy_path} named by the plan is gone")
+    if plan.routing is not None:
+        routing_path = plan_path.parent / plan.routing.path
+        if not routing_path.is_file():
+            problems.append(f"the routing profile {routing_path} named by the plan is gone")
+        elif profile_fingerprint(yamlio.read(routing_path, RoutingProfileError, "routing profile")) \
+                != plan.routing.fingerprint:
+            problems.append(f"the routing profile {routing_path} changed since the plan was built")
+    if problems:
+        return problems
+    fresh = build(load_policy(policy_path), plan_path.parent, ckpt)
+    if dumps(fresh) != plan_path.read_text():
+        moved = [n for n, p in fresh.params.items() if plan.params.get(n) is not p]
+        where = (f" ({len(moved)} placements differ, e.g. {moved[0]}: the plan says {plan.params[moved[0]].value}, "
+                 f"the policy gives {fresh.params[moved[0]].value})" if moved and moved[0] in plan.params else "")
+        problems.append("the plan is not what `plan build` makes of its policy and checkpoint "
+                        f"(edited by hand, or built with another hardware profile or offplan version){where}")
+    return problems

@@ -1,0 +1,317 @@
+"""The `offplan` experts implementation: every routed expert read once per step, from HBM or pinned memory.
+
+transformers 5.x stacks a layer's experts into fused parameters
+(`gate_up_proj` [E, 2I, H], `down_proj` [E, H, I]) and dispatches the
+experts' forward through `ALL_EXPERTS_FUNCTIONS`. offplan registers its own
+entry, "offplan", and the runtime selects it (`set_experts_implementation`)
+for a model whose plan puts experts in pinned host memory. A fused parameter
+with experts there is one uva tensor (the whole parameter, pinned, read in
+place); those the plan keeps on the GPU are also held in HBM, their rows in a
+resident copy (`bind`). Per forward, for T tokens with top-k routing over E experts:
+
+1. the unique experts touched, in a list of static size U = min(E, T*k): the
+   hit experts first, by number, then padding. For one token (T = 1: decode
+   of one sequence) its k experts are distinct, so they are staged in the
+   order of its (token, expert) pairs instead, and step 3 reads them as they
+   lie (batched_mm copies each pair's weight first: at batch 1 that copy is
+   all of the staged bytes again, 60 us per projection at Qwen3-30B-A3B's shape). No host synchronization, so a
+   decode step is captured in a CUDA graph and replayed;
+2. each fused parameter's rows for those U slots, staged in HBM (`gather`):
+   copied from the resident rows for experts on the GPU, read once through the
+   zero-copy view for the others, and not read at all for padding, so padding
+   costs no link bytes. With T*k >= E every expert is staged: each host row
+   still crosses the link once. For one token, the rows of experts that the
+   module before guessed and read ahead come from the lookahead's buffer in
+   HBM instead (lookahead.py);
+3. the experts' arithmetic over the staged rows, every (token, k) pair routed
+   to its slot (`arithmetic` says which): for T*k <= `BATCHED_PAIRS` (one or
+   two tokens), transformers' `batched_mm` arithmetic exactly (a GEMV per
+   pair over a weight copy per pair: the same kernels on the same values, so
+   outputs are bitwise those of `batched_mm` on the whole parameter); above,
+   transformers' `grouped_mm` arithmetic over the U staged experts, bitwise
+   that of `grouped_mm`. Measured on the H100 (benchmarks/RESULTS.md), these
+   are the fastest all-GPU paths at batch 1 and from batch 8 on; batched_mm's
+   weight copy per pair costs 2.4 GB of HBM traffic per layer at batch 32.
+
+On CUDA the gather is a Triton kernel that reads a host row only when its slot
+needs it (the link is the bottleneck: a kernel reading through a zero-copy
+view moves about 50 GB/s on PCIe Gen5). On the CPU, and on CUDA without
+Triton, it is `index_select` (which on CUDA would read padding rows over the
+link too). The kernel is an opaque custom op (`offplan::gather_rows`), so
+torch.compile traces the rest without a graph break.
+
+At prefill of a layer that the plan stages (prefill.py), the unique list is
+every expert in expert order (U = E: a long prompt touches nearly all of
+them), step 2 gathers only the rows held in HBM, and the rows in pinned
+memory come from the expert ring (ring.py: copied ahead of the layer, over
+the link, while earlier layers computed), through `offplan::expert_fill`.
+
+A module whose fused parameters are all in HBM (on the GPU, or prefetched into
+a slot) has nothing to deduplicate: it runs transformers' own implementation
+whose arithmetic `arithmetic` picks for its pairs (`batched_mm` or
+`grouped_mm`), so a model's resident and offloaded layers compute alike.
+"""
+from __future__ import annotations
+
+import torch
+
+from planner.decide.groups import BATCHED_PAIRS  # pairs up to which batched_mm's arithmetic runs: decode of 1-2 tokens
+
+from ..place.dequant import dequantize, quantized, stored
+from . import ops
+
+_PREFIX = "offplan_"  # non-persistent buffers bound on an experts module: `offplan_slot_<param>`, `offplan_rows_<param>`
+
+
+def supports(module: torch.nn.Module) -> bool:
+    """Whether `module` dispatches through transformers' experts interface (`use_experts_implementation`)."""
+    return all(hasattr(module, a) for a in ("has_gate", "has_bias", "is_transposed", "num_experts"))
+
+
+def fused_params(module: torch.nn.Module) -> list[str]:
+    """The module's fused parameters, as transformers' experts functions read them."""
+    names = ["gate_up_proj"] if module.has_gate else ["up_proj"]
+    names.append("down_proj")
+    if module.has_bias:
+        names += [f"{n}_bias" for n in names]
+    return names
+
+
+def stored_params(module: torch.nn.Module) -> list[str]:
+    """The tensors the module stores for its fused parameters: a quantized one's data and scales
+    (dequant.py), the parameter itself otherwise."""
+    quants = quantized(module)
+    return [n for p in fused_params(module) for n in ((quants[p].data, quants[p].scale) if p in quants else (p,))]
+
+
+def bind(module: torch.nn.Module, param: str, resident: torch.Tensor, slot: torch.Tensor) -> None:
+    """Give the forward `param`'s resident rows and each expert's row in them (-1: read it in place).
+
+    Non-persistent buffers: part of the module for torch.compile and CUDA graphs,
+    never of its state_dict. `unbind` removes them.
+    """
+    module.register_buffer(f"{_PREFIX}rows_{param}", resident, persistent=False)
+    module.register_buffer(f"{_PREFIX}slot_{param}", slot, persistent=False)
+
+
+def bound(module: torch.nn.Module, param: str) -> bool:
+    """Whether `param` of `module` runs through offplan's experts implementation (`bind` gave it rows)."""
+    return getattr(module, f"{_PREFIX}slot_{param}", None) is not None
+
+
+def unbind(module: torch.nn.Module) -> None:
+    for name in [n for n, _ in module.named_buffers(recurse=False) if n.startswith(_PREFIX)]:
+        delattr(module, name)
+
+
+def arithmetic(pairs: int) -> str:
+    """Which transformers experts implementation's arithmetic a forward of `pairs` (token, expert) pairs
+    reproduces, bitwise: "batched_mm" or "grouped_mm" (module doc, step 3)."""
+    return "batched_mm" if pairs <= BATCHED_PAIRS else "grouped_mm"
+
+
+def _stage(module, param: str, order: torch.Tensor, valid: torch.Tensor, ahead: int = 0) -> torch.Tensor:
+    """`param`'s rows for the slots `order`, in HBM; a quantized parameter's gathered quantized, then
+    dequantized (only the touched experts: dequant.py). `ahead`: the key of the lookahead whose buffer
+    holds some of them (lookahead.py), 0 for none."""
+    q = quantized(module).get(param)
+    if q is not None:
+        return dequantize(q, _rows(module, q.data, stored(module, q.data), order, valid, ahead),
+                          _rows(module, q.scale, stored(module, q.scale), order, valid, ahead))
+    return _rows(module, param, getattr(module, param), order, valid, ahead)
+
+
+def _in_hbm(module, param: str) -> torch.Tensor:
+    """[E] int32: 1 for each expert of `param` with rows in HBM (`bind`), 0 for those in pinned memory."""
+    slot = getattr(module, f"{_PREFIX}slot_{param}", None)
+    if slot is None:  # all of it in HBM
+        return torch.ones(module.num_experts, dtype=torch.int32, device=getattr(module, param).device)
+    return (slot >= 0).to(torch.int32)
+
+
+def slot_of(module, name: str) -> torch.Tensor | None:
+    """[E] int32: each expert's row among the resident rows of stored tensor `name` (-1: in pinned memory);
+    None when `name` is not bound (all of it in HBM)."""
+    return getattr(module, f"{_PREFIX}slot_{name}", None)
+
+
+def _rows(module, name: str, full: torch.Tensor, order: torch.Tensor, valid: torch.Tensor,
+          ahead: int = 0) -> torch.Tensor:
+    slot = slot_of(module, name)
+    if slot is None:  # all of it in HBM
+        return full.index_select(0, order)
+    index = module._offplan_ahead.index if ahead else -1
+    return gather_rows(full, getattr(module, f"{_PREFIX}rows_{name}"), slot, order, valid, ahead, name, index)
+
+
+def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, transposed: bool) -> torch.Tensor:
+    """One GEMV per pair: x [S, in], w [S, out, in] ([S, in, out] transposed) -> [S, out], as batched_mm does."""
+    out = torch.bmm(x.unsqueeze(1), w).squeeze(1) if transposed else torch.bmm(w, x.unsqueeze(-1)).squeeze(-1)
+    return out if b is None else out.add_(b)
+
+
+def _grouped(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, b: torch.Tensor | None,
+             transposed: bool) -> torch.Tensor:
+    """x [S, in] sorted by slot, w [U, ...], offsets: cumulative rows per slot -> [S, out], as grouped_mm does."""
+    weight = w if transposed else w.transpose(-2, -1)
+    out = torch.nn.functional.grouped_mm(x.to(weight.dtype), weight, offs=offsets)
+    return out if b is None else out.add_(b)
+
+
+def _batched(self: torch.nn.Module, hidden_states: torch.Tensor, rows: dict[str, torch.Tensor],
+             weights: torch.Tensor, k: int, pos: torch.Tensor | None = None) -> torch.Tensor:
+    """batched_mm's arithmetic: one GEMV per (token, expert) pair. `pos` [T*k] picks each pair's staged row (a
+    copy per pair); None: the rows already lie in pair order."""
+    first = "gate_up_proj" if self.has_gate else "up_proj"
+
+    def pick(name: str) -> torch.Tensor | None:
+        t = rows.get(name)
+        return t if t is None or pos is None else t.index_select(0, pos)
+
+    up = _linear(hidden_states.repeat_interleave(k, dim=0), pick(first), pick(f"{first}_bias"), self.is_transposed)
+    up = self._apply_gate(up) if self.has_gate else self.act_fn(up)
+    out = _linear(up, pick("down_proj"), pick("down_proj_bias"), self.is_transposed)
+    return (out * weights.unsqueeze(-1)).view(-1, k, out.shape[-1]).sum(dim=1).to(hidden_states.dtype)
+
+
+def offplan_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                            top_k_weights: torch.Tensor) -> torch.Tensor:
+    """The "offplan" entry of ALL_EXPERTS_FUNCTIONS (module doc). hidden_states [T, H], top_k_* [T, k]."""
+    if not quantized(self) and not any(n.startswith(_PREFIX) for n, _ in self.named_buffers(recurse=False)):
+        from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+        implementation = arithmetic(top_k_index.numel())
+        return ALL_EXPERTS_FUNCTIONS[implementation](self, hidden_states, top_k_index, top_k_weights)
+    num_tokens, k = top_k_index.shape
+    experts, pairs = self.num_experts, top_k_index.numel()
+    ids = top_k_index.reshape(-1)
+    weights = top_k_weights.reshape(-1)
+    first = "gate_up_proj" if self.has_gate else "up_proj"
+    ring = getattr(self, "_offplan_ring", None)  # set by prefill.py on the experts modules it stages
+    if ring is not None and ring.state.staged:  # every expert, in order: HBM rows gathered, host rows from the ring
+        size, order, pos = experts, torch.arange(experts, device=ids.device), ids
+        rows = {p: _stage(self, p, order, _in_hbm(self, p)) for p in fused_params(self)}
+        ops.expert_fill(list(rows.values()), ring.key, ring.unit)
+    elif num_tokens == 1:  # one token's k experts are distinct: staged in pair order, no weight copy per pair
+        use = getattr(self, "_offplan_ahead", None)  # set by lookahead.py on modules with experts in pinned memory
+        if use is not None and (use.reads or use.guesses):  # this module's guessed experts joined, the next guessed
+            ids = ops.ahead_begin(ids, hidden_states, use.key, use.index)
+        ahead = use.key if use is not None and use.reads else 0
+        rows = {p: _stage(self, p, ids, torch.ones_like(ids, dtype=torch.int32), ahead) for p in fused_params(self)}
+        if use is not None:  # every gather enqueued before any GEMV; then the next module's guess read ahead
+            hidden_states = ops.ahead_read(hidden_states, list(rows.values()), use.key, use.index)
+        return _batched(self, hidden_states, rows, weights, k)
+    else:
+        size = min(experts, pairs)
+        hit = torch.zeros(experts, dtype=torch.int32, device=ids.device).index_fill_(0, ids, 1)
+        order = torch.sort(hit, descending=True, stable=True).indices[:size]  # hit experts first, by number
+        valid = hit.index_select(0, order)
+        slot_of = torch.zeros(experts, dtype=torch.long, device=ids.device).index_copy_(
+            0, order, torch.arange(size, device=ids.device))
+        pos = slot_of.index_select(0, ids)  # [T*k]: each pair's slot
+        rows = {p: _stage(self, p, order, valid) for p in fused_params(self)}
+    bias = (lambda p: rows[f"{p}_bias"]) if self.has_bias else (lambda p: None)
+    if arithmetic(pairs) == "batched_mm":  # one weight copy per pair, from HBM
+        return _batched(self, hidden_states, rows, weights, k, pos)
+    # grouped_mm's arithmetic over the staged experts, pairs sorted by slot
+    pos_sorted, perm = torch.sort(pos)
+    x = hidden_states[perm // k]
+    counts = torch.histc(pos_sorted.float() if x.device.type == "cpu" else pos_sorted.int(), bins=size, min=0,
+                         max=size - 1)
+    offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
+    up = _grouped(x, rows[first], offsets, None if bias(first) is None else bias(first)[pos_sorted],
+                  self.is_transposed)
+    up = self._apply_gate(up) if self.has_gate else self.act_fn(up)
+    down = bias("down_proj")
+    out = _grouped(up, rows["down_proj"], offsets, None if down is None else down[pos_sorted], self.is_transposed)
+    out = out * weights[perm].unsqueeze(-1)
+    inverse = torch.empty_like(perm)
+    inverse[perm] = torch.arange(perm.numel(), device=perm.device)
+    return out[inverse].view(num_tokens, k, -1).sum(dim=1).to(hidden_states.dtype)
+
+
+# ---------------------------------------------------------------- the gather
+
+def _gather_reference(full, resident, slot, order, valid, ahead=None) -> torch.Tensor:
+    """rows[u] = resident[slot[e]] if slot[e] >= 0, else ahead.rows[j] if ahead.ids[j] == e (the side read
+    completes every chunk without CUDA), else full[e], e = order[u]; rows not `valid`: zeros (the kernel
+    leaves them unwritten), so that a test on the CPU sees a row the forward should have read elsewhere."""
+    s = slot.index_select(0, order)
+    shape = (-1, *([1] * (full.dim() - 1)))
+    rows = full.index_select(0, order)
+    if ahead is not None:
+        hit = order.view(-1, 1) == ahead.ids.view(1, -1)  # [U, count]
+        from_ahead = ahead.rows.index_select(0, hit.to(torch.long).argmax(dim=1))
+        rows = torch.where(hit.any(dim=1).view(shape), from_ahead, rows)
+    if resident.shape[0]:
+        rows = torch.where((s >= 0).view(shape), resident.index_select(0, s.clamp(min=0)), rows)
+    return torch.where(valid.view(shape) != 0, rows, torch.zeros((), dtype=rows.dtype))
+
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the CPU build of torch: the reference gather serves
+    triton = None
+
+if triton is not None:
+    @triton.jit
+    def _gather_kernel(out, full, resident, slot, order, valid, ahead_ids, ahead_rows, done, row_numel, first, per,
+                       BLOCK: tl.constexpr, AHEAD: tl.constexpr, PROGRAMS: tl.constexpr, RATIO: tl.constexpr):
+        u = tl.program_id(0)
+        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < row_numel
+        if tl.load(valid + u) != 0:
+            e = tl.load(order + u).to(tl.int64)
+            s = tl.load(slot + e).to(tl.int64)
+            if s >= 0:
+                src = resident + s * row_numel
+            else:
+                src = full + e * row_numel
+                j = -1
+                for i in tl.static_range(AHEAD):  # the experts guessed for this module (AHEAD 0: none)
+                    j = tl.where(tl.load(ahead_ids + i) == e, i, j)
+                if j >= 0:  # read ahead, if the side read completed this block's chunk (lookahead.Source)
+                    c = j * per + first + tl.program_id(1) // RATIO
+                    if c // PROGRAMS < tl.load(done + c % PROGRAMS):
+                        src = ahead_rows + j.to(tl.int64) * row_numel
+            x = tl.load(src + offs, mask=mask)
+            tl.store(out + u.to(tl.int64) * row_numel + offs, x, mask=mask)
+
+
+def as_words(t: torch.Tensor) -> torch.Tensor:
+    """Quantized bytes viewed 4 at a time (the kernels move int32 words), other dtypes as they are."""
+    return t.view(torch.int32) if t.element_size() == 1 and t.shape[-1] % 4 == 0 else t
+
+
+@torch.library.custom_op("offplan::gather_rows", mutates_args=())
+def gather_rows(full: torch.Tensor, resident: torch.Tensor, slot: torch.Tensor, order: torch.Tensor,
+                valid: torch.Tensor, ahead: int = 0, name: str = "", index: int = -1) -> torch.Tensor:
+    """Rows of `full` [E, ...] for the slots `order` [U]: each expert's from `resident` where `slot` has it,
+    else from the lookahead's buffer where the lookahead keyed `ahead` read it for module `index`'s stored
+    tensor `name` (lookahead.py), else from `full` in place (through the zero-copy view: over the link);
+    padding slots (`valid` 0) read nothing and hold garbage, which no pair reads."""
+    source = ops.engine(ahead).source(index, name, full) if ahead else None
+    if not full.is_cuda or triton is None:
+        return _gather_reference(full, resident, slot, order, valid, source)
+    words = as_words(full)
+    row_numel = words[0].numel()
+    out = torch.empty((order.numel(), *full.shape[1:]), dtype=full.dtype, device=order.device)
+    block = 4096
+    _gather_kernel[(order.numel(), triton.cdiv(row_numel, block))](
+        as_words(out), words, as_words(resident), slot, order, valid,
+        order if source is None else source.ids, words if source is None else as_words(source.rows),
+        slot if source is None else source.done, row_numel, 0 if source is None else source.first,
+        1 if source is None else source.per, BLOCK=block, AHEAD=0 if source is None else source.ids.numel(),
+        PROGRAMS=1 if source is None else source.programs, RATIO=1 if source is None else source.block // block)
+    return out
+
+
+@gather_rows.register_fake
+def _(full, resident, slot, order, valid, ahead=0, name="", index=-1):
+    return full.new_empty((order.shape[0], *full.shape[1:]))
+
+
+def register() -> None:
+    """Add "offplan" to transformers' experts implementations (idempotent)."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+    ALL_EXPERTS_FUNCTIONS.register("offplan", offplan_experts_forward)
