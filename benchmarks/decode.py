@@ -54,8 +54,8 @@ from planner.decide.build import build
 from planner.inputs.checkpoint import Checkpoint, open_checkpoint
 from planner.inputs.config import read_config
 from planner.decide.cost import CostModel
-from planner.decide.graph import build_graph
-from planner.decide.groups import FusedGroups
+from planner.layers.graph import build_graph
+from planner.layers.groups import FusedGroups
 from planner.inputs.hardware import H100, Hardware, dumps_hardware, load_hardware
 from planner.files import write_atomic
 from planner.planfile import dumps, load_plan

@@ -71,8 +71,8 @@ from pathlib import Path
 import torch
 
 from planner.decide.build import build
-from planner.decide.groups import expert_number
-from planner.decide.graph import build_graph
+from planner.layers.groups import expert_number
+from planner.layers.graph import build_graph
 from planner.plan import LayerKind, Placement, Plan
 from planner.planfile import load_plan
 from planner.inputs.policy import load_policy

@@ -31,9 +31,9 @@ from pathlib import Path
 
 import torch
 
-from planner.decide.groups import FusedGroups
 from planner.errors import ModelMismatchError, OffplanError, PlanFileError
 from planner.inputs.checkpoint import Checkpoint, open_checkpoint
+from planner.layers.groups import FusedGroups
 from planner.plan import Placement, Plan, Runs
 from planner.planfile import load_plan
 from planner.planfile.staleness import require_current

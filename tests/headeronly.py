@@ -10,7 +10,7 @@ from pathlib import Path
 
 from planner.inputs.checkpoint import TensorInfo
 from planner.inputs.dtypes import nbytes
-from planner.decide.graph import build_graph
+from planner.layers.graph import build_graph
 from planner.inputs.patterns import compile_pattern
 from planner.decide.placement import decide
 from planner.plan import Backend, Placement

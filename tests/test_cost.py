@@ -10,8 +10,8 @@ from headeronly import GPU, PREFETCH, UVA, infos, policy
 from planner.inputs.config import ModelFacts, read_config
 from planner.decide.cost import CostModel
 from planner.errors import PolicyError
-from planner.decide.graph import build_graph
-from planner.decide.groups import FusedGroups
+from planner.layers.graph import build_graph
+from planner.layers.groups import FusedGroups
 from planner.inputs.hardware import Hardware, dumps_hardware, load_hardware
 from planner.decide.placement import decide
 from planner.plan import PrefillStaging, Role, StagedLayer

@@ -7,7 +7,7 @@ import pytest
 from headeronly import toy, write_policy
 from planner.decide.build import build
 from planner.errors import PolicyError
-from planner.decide.graph import build_graph, execution_order, natural_key
+from planner.layers.graph import build_graph, execution_order, natural_key
 from planner.inputs.policy import load_policy
 from synthetic import llama, write_header_only
 

@@ -14,7 +14,7 @@ import pytest
 from headeronly import (GPU, PREFETCH, UVA, MiB, infos, mib, offloaded_layers, placed, plan_of,
                         policy, toy)
 from planner.errors import BudgetError, PolicyError
-from planner.decide.graph import build_graph
+from planner.layers.graph import build_graph
 from planner.inputs.hardware import H100
 from planner.decide.placement import resolve_backend
 from planner.decide.placement_errors import smallest_budget_gib

@@ -14,8 +14,8 @@ from planner.decide.build import build_file
 from planner.inputs.config import read_config
 from planner.decide.cost import CostModel
 from planner.errors import PolicyError
-from planner.decide.graph import build_graph
-from planner.decide.groups import FusedGroups, is_expert, units
+from planner.layers.graph import build_graph
+from planner.layers.groups import FusedGroups, is_expert, units
 from planner.inputs.hardware import H100
 from planner.inputs.patterns import compile_pattern
 from planner.decide.placement import decide

@@ -12,8 +12,8 @@ from planner.decide.build import build_file
 from planner.inputs.checkpoint import open_checkpoint
 from planner.decide.cost import CostModel
 from planner.errors import PolicyError, RoutingProfileError
-from planner.decide.graph import build_graph
-from planner.decide.groups import FusedGroups
+from planner.layers.graph import build_graph
+from planner.layers.groups import FusedGroups
 from planner.inputs.hardware import Hardware
 from planner.planfile import dumps, load_plan
 from planner.inputs.policy import Workload, load_policy

@@ -10,7 +10,7 @@ import pytest
 from headeronly import write_policy
 from planner.decide.build import build
 from planner.inputs.config import ModelFacts
-from planner.decide.graph import build_graph, schedule_problems
+from planner.layers.graph import build_graph, schedule_problems
 from planner.errors import InconsistentPlanError, PolicyError
 from planner.plan import Placement, Runs, Transfer
 from planner.planfile import dumps, loads

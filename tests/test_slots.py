@@ -2,10 +2,10 @@
 from __future__ import annotations
 
 from planner.inputs.checkpoint import TensorInfo
-from planner.decide.graph import build_graph
-from planner.decide.groups import units
+from planner.layers.graph import build_graph
+from planner.layers.groups import units
 from planner.plan import Buffer, Layout
-from planner.decide.slots import layout_bytes, layout_of
+from planner.layers.slots import layout_bytes, layout_of
 
 
 def info(name, shape, dtype="BF16"):

@@ -14,7 +14,7 @@ from offplan.cli import main
 from planner.decide.build import build
 from planner.inputs.checkpoint import open_checkpoint
 from planner.errors import PlanFileError
-from planner.decide.graph import build_graph
+from planner.layers.graph import build_graph
 from planner.inputs.hardware import H100
 from planner.decide.placement import decide
 from planner.plan import PrefillStaging, StagedLayer

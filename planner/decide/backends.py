@@ -14,12 +14,12 @@ from itertools import chain
 from ..errors import PolicyError
 from ..inputs.checkpoint import TensorInfo
 from ..inputs.policy import Policy
+from ..layers.graph import Layer, LayerGraph
+from ..layers.groups import FusedGroups, whole_groups
 from ..plan import Backend, Placement, Runs
 from ..units import GIB, plural
 from .cost import CostModel, Prediction
 from .footprint import Footprint
-from .graph import Layer, LayerGraph
-from .groups import FusedGroups, whole_groups
 from .mixed import place_mixed
 from .placement_errors import layer_list, nothing_left
 from .schedule import fewest_layers

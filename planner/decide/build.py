@@ -14,9 +14,9 @@ from ..inputs.policy import Policy, load_policy
 from ..inputs.prefused import prefused_key
 from ..inputs.quantized import unreadable
 from ..inputs.routing import load_profile
+from ..layers.graph import build_graph
 from ..nogc import no_gc
 from ..plan import Plan, RoutingRef
-from .graph import build_graph
 from .placement import decide
 
 

@@ -93,9 +93,9 @@ from ..inputs.checkpoint import TensorInfo
 from ..inputs.hardware import Hardware
 from ..inputs.quantized import partners
 from ..inputs.routing import RoutingProfile
+from ..layers.graph import LayerGraph
+from ..layers.groups import BATCHED_PAIRS, FusedGroups
 from ..plan import LayerKind, Placement, Role, Runs
-from .graph import LayerGraph
-from .groups import BATCHED_PAIRS, FusedGroups
 from .staging import stage_experts, stageable
 
 GPU, UVA, PREFETCH = Placement.GPU, Placement.UVA, Placement.PREFETCH

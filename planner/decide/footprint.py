@@ -30,9 +30,9 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from ..inputs.checkpoint import TensorInfo
 from ..inputs.quantized import partners, with_partners
+from ..layers.graph import Layer, LayerGraph
+from ..layers.slots import align, layout_bytes
 from ..plan import Placement
-from .graph import Layer, LayerGraph
-from .slots import align, layout_bytes
 from .staging import STAGE_SLOTS, stageable, staged
 
 GPU, UVA, PREFETCH = Placement.GPU, Placement.UVA, Placement.PREFETCH

@@ -55,11 +55,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from ..inputs.policy import Policy
+from ..layers.graph import Layer, LayerGraph
+from ..layers.groups import FusedGroups, whole_groups
 from ..plan import LayerKind, Placement, Runs
 from .cost import CostModel, Prediction
 from .footprint import Footprint
-from .graph import Layer, LayerGraph
-from .groups import FusedGroups, whole_groups
 from .schedule import fewest_layers
 
 GPU, UVA, PREFETCH = Placement.GPU, Placement.UVA, Placement.PREFETCH

@@ -26,9 +26,9 @@ from dataclasses import dataclass, field
 from ..inputs.checkpoint import TensorInfo
 from ..inputs.policy import Policy
 from ..inputs.routing import RoutingProfile, skew
+from ..layers.graph import LayerGraph
 from ..plan import Backend, Placement, PrefetchSchedule, PrefillStaging, Runs
 from ..units import human, percent, plural
-from .graph import LayerGraph
 
 GPU, UVA, PREFETCH = Placement.GPU, Placement.UVA, Placement.PREFETCH
 WARNING = "warning: "

@@ -89,11 +89,11 @@ from ..inputs.policy import Policy, resolve_backend
 from ..inputs.prefused import prefused_key
 from ..inputs.quantized import check_rules
 from ..inputs.routing import RoutingProfile, check_fits
+from ..layers.graph import LayerGraph
+from ..layers.groups import FusedGroups, experts_map
 from ..plan import Backend, Cost, LayerBytes, Placement, PrefetchSchedule, PrefillStaging, Role, Runs, Summary
 from .backends import place_backend
 from .cost import CostModel
-from .graph import LayerGraph
-from .groups import FusedGroups, experts_map
 from .notes import Outcome, notes
 from .placement_errors import check_groups, check_roles, check_streamed_runs, over_budget
 from .schedule import make_schedule

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from ..errors import PolicyError
 from ..inputs.policy import Policy
+from ..layers.graph import LayerGraph
+from ..layers.groups import FusedGroups, split_units
 from ..plan import Backend, Placement, Runs
 from ..units import GIB, human
-from .graph import LayerGraph
-from .groups import FusedGroups, split_units
 
 GPU, PREFETCH = Placement.GPU, Placement.PREFETCH
 

@@ -13,10 +13,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from ..inputs.checkpoint import TensorInfo
+from ..layers.graph import Layer, LayerGraph, schedule_problems
+from ..layers.slots import layout_bytes, layout_of
 from ..plan import Layout, Placement, PrefetchSchedule, Transfer
 from .footprint import Footprint
-from .graph import Layer, LayerGraph, schedule_problems
-from .slots import layout_bytes, layout_of
 
 GPU, PREFETCH = Placement.GPU, Placement.PREFETCH
 

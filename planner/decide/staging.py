@@ -72,10 +72,10 @@ from collections.abc import Collection, Iterable, Mapping
 
 from ..inputs.checkpoint import TensorInfo
 from ..inputs.hardware import Hardware
+from ..layers.graph import Layer, LayerGraph
+from ..layers.groups import is_expert
+from ..layers.slots import align
 from ..plan import LayerKind, Placement, PrefillStaging, Runs, StagedLayer
-from .graph import Layer, LayerGraph
-from .groups import is_expert
-from .slots import align
 
 STAGE_SLOTS = 2  # one slot runs while the next layer's copy fills the other
 RING_BYTES = 2**30  # the expert ring's most (module doc)

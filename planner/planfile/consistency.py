@@ -37,16 +37,16 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Mapping
 
-from ..decide.graph import Layer, LayerGraph, build_graph
-from ..decide.groups import FusedGroups, experts_map, is_expert
 from ..decide.schedule import make_schedule, previous_user
-from ..decide.slots import ALIGN
 from ..decide.staging import RING_BYTES, STAGE_SLOTS, ring_bytes, stageable
 from ..decide.staging import staged as staged_in
 from ..errors import PolicyError
 from ..inputs.checkpoint import TensorInfo
 from ..inputs.quantized import apart, partners
 from ..inputs.yamlio import dotted
+from ..layers.graph import Layer, LayerGraph, build_graph
+from ..layers.groups import FusedGroups, experts_map, is_expert
+from ..layers.slots import ALIGN
 from ..plan import Placement, Plan, Runs
 from ..units import human
 

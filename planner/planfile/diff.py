@@ -21,7 +21,7 @@ import dataclasses
 from collections.abc import Mapping
 from pathlib import Path
 
-from ..decide.graph import build_graph
+from ..layers.graph import build_graph
 from ..plan import Plan
 from ..units import human, ms, plural, signed
 from .diff_buffers import change, schedule, schedule_lines, some, staging, staging_lines

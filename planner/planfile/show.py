@@ -17,10 +17,10 @@ from rich.console import Console, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from ..decide.graph import Layer, build_graph
-from ..decide.groups import FusedGroups, expert_number, ranges
 from ..decide.notes import WARNING, is_warning
 from ..inputs.checkpoint import TensorInfo
+from ..layers.graph import Layer, build_graph
+from ..layers.groups import FusedGroups, expert_number, ranges
 from ..plan import Placement, Plan
 from ..units import human, ms, percent, plural
 

@@ -33,10 +33,10 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
-from planner.decide.groups import FusedGroups
 from planner.errors import OffplanError
 from planner.inputs.checkpoint import Checkpoint
 from planner.inputs.routing import PHASES, LayerHits, RoutingProfile, inconsistencies
+from planner.layers.groups import FusedGroups
 from planner.plan import Placement
 
 from ..execute.experts import fused_params, supports
