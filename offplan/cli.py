@@ -19,6 +19,7 @@ away (`plan show PLAN | head`), with nothing said.
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 from importlib import metadata
@@ -27,8 +28,7 @@ from pathlib import Path
 from planner.errors import OffplanError
 
 from . import planning
-
-RANDOM_PROMPTS, PROMPT_LEN, SEED = 8, 32, 0  # `plan profile`'s random prompts, without --prompts
+from .defaults import PROMPT_LEN, RANDOM_PROMPTS, SEED
 
 EXAMPLES = """examples:
   plan build plans/examples/tiny-moe.policy.yaml        # writes tiny-moe.plan.yaml beside it
@@ -174,19 +174,20 @@ def _drop_stdout() -> None:
         pass
 
 
-def _needs_runtime(name: str):
-    """A command of offplan/running.py, imported when it runs: planning needs no torch."""
+def _needs_runtime(module: str, name: str):
+    """A command of offplan/running.py or profiling.py, imported when it runs: planning needs no torch."""
     def command(args) -> int:
         try:
-            from . import running
+            commands = importlib.import_module(f"{__package__}.{module}")
         except ImportError as e:
             raise OffplanError(f"plan {args.command} needs the runtime's dependencies ({e.name}); "
                                "install them: pip install 'offplan[runtime]'") from None
-        return getattr(running, name)(args)
+        return getattr(commands, name)(args)
     return command
 
 
 _COMMANDS = {"build": planning.build_command, "show": planning.show_command, "diff": planning.diff_command,
              "validate": planning.validate_command, "check": planning.check_command,
-             "apply": _needs_runtime("apply_command"), "calibrate": _needs_runtime("calibrate_command"),
-             "profile": _needs_runtime("profile_command")}
+             "apply": _needs_runtime("running", "apply_command"),
+             "calibrate": _needs_runtime("running", "calibrate_command"),
+             "profile": _needs_runtime("profiling", "profile_command")}
