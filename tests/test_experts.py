@@ -7,7 +7,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from runtime.execute import experts  # noqa: E402
+from runtime.execute import experts, gather  # noqa: E402
 from runtime.hf import from_pretrained  # noqa: E402
 from tiny_models import make_plan, qwen3_moe_config, reference, save_model  # noqa: E402
 
@@ -100,7 +100,7 @@ def test_gather_rows_takes_resident_rows_from_hbm_and_the_rest_in_place():
     slot = torch.tensor([-1, 0, -1, 1, -1], dtype=torch.int32)
     order = torch.tensor([3, 0, 1, 4])
     valid = torch.tensor([1, 1, 1, 0], dtype=torch.int32)
-    rows = experts.gather_rows(full, resident, slot, order, valid)
+    rows = gather.gather_rows(full, resident, slot, order, valid)
     assert torch.equal(rows[:3], torch.stack([resident[1], full[0], resident[0]]))  # padding (rows[3]): anything
 
 
@@ -161,5 +161,5 @@ def test_gather_rows_takes_guessed_experts_from_the_lookahead_buffer():
     resident = torch.full((1, 3), -1.0)
     slot = torch.tensor([-1, 0, -1, -1, -1], dtype=torch.int32)  # expert 1 resident: HBM before the buffer
     order = torch.tensor([4, 1, 0])
-    rows = experts.gather_rows(full, resident, slot, order, torch.ones(3, dtype=torch.int32), key, "down_proj", 2)
+    rows = gather.gather_rows(full, resident, slot, order, torch.ones(3, dtype=torch.int32), key, "down_proj", 2)
     assert torch.equal(rows, torch.stack([torch.full((3,), -5.0), resident[0], full[0]]))

@@ -7,7 +7,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from runtime.execute import experts  # noqa: E402
+from runtime.execute import experts, gather  # noqa: E402
 from runtime.place.arena import PinnedArena, typed  # noqa: E402
 from runtime.hf import from_pretrained  # noqa: E402
 from test_experts import RESIDENT_LAYER_0, SPLIT, configs  # noqa: E402
@@ -23,7 +23,7 @@ def models(tmp_path_factory):
 
 
 def test_gather_rows_reads_pinned_rows_in_place_and_resident_rows_from_hbm():
-    assert experts.triton is not None  # the kernel path, not the reference, runs here
+    assert gather.triton is not None  # the kernel path, not the reference, runs here
     e, shape = 16, (96, 128)
     arena = PinnedArena(e * 96 * 128 * 2, cuda=True)
     host = typed(arena.host_view(0, arena.nbytes), torch.bfloat16, (e, *shape))
@@ -35,7 +35,7 @@ def test_gather_rows_reads_pinned_rows_in_place_and_resident_rows_from_hbm():
     slot[resident_ids] = torch.arange(3, dtype=torch.int32)
     order = torch.tensor([5, 0, 9, 1, 3, 2], device="cuda")
     valid = torch.tensor([1, 1, 1, 1, 1, 0], dtype=torch.int32, device="cuda")
-    rows = experts.gather_rows(full, resident, slot.cuda(), order, valid)
+    rows = gather.gather_rows(full, resident, slot.cuda(), order, valid)
     want = torch.stack([resident[1], host[0].cuda(), host[9].cuda(), resident[0], host[3].cuda()])
     assert torch.equal(rows[:5], want)
     del full, rows
@@ -163,7 +163,7 @@ def test_lookahead_stopped_part_way_gathers_exact_rows():
         torch.cuda.current_stream().wait_stream(side)
         for full, rows, first in ((fa, oa, 0), (fb, ob, ca)):
             out = torch.empty(order.numel(), full.shape[1], dtype=full.dtype, device="cuda")
-            experts._gather_kernel[(order.numel(), -(-full.shape[1] // 4096))](
+            gather._gather_kernel[(order.numel(), -(-full.shape[1] // 4096))](
                 out, full, full[:0], slot, order, torch.ones_like(order, dtype=torch.int32), ids, rows, done,
                 full.shape[1], first, ca + cb, BLOCK=4096, AHEAD=count, PROGRAMS=PROGRAMS,
                 RATIO=BLOCK // 4096)

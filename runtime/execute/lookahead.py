@@ -76,7 +76,8 @@ import torch
 
 from ..place.dequant import stored
 from . import ops
-from .experts import as_words, slot_of
+from .experts import slot_of
+from .gather import as_words
 
 PROGRAMS = 8  # programs of the side read: eight read 51 GB/s on the H100 (the link's rate), the SMs stay free
 BLOCK = 8192  # elements (int32 words for quantized bytes) a program reads at a time, between looks at `stop`

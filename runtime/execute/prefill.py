@@ -29,16 +29,8 @@ Per forward:
   once the layer that used it last has run. The copy of layer i+1 overlaps the
   compute of layer i, as prefetch does;
 - while the layer runs, each staged parameter reads its slot view instead of
-  the pinned tensor: the owning module's class is swapped for a subclass whose
-  class property for that name returns the slot view while its layer's forward
-  is staged, the registered parameter otherwise (the forward hook clears the
-  flag). That is how `torch.nn.utils.parametrize` computes a parameter on
-  access, without its machinery (a parametrize access costs about 10 us of
-  CPU, 9 per decoder layer per decode step: a tax on eager decode); Dynamo
-  inlines class properties of modules. The parameter stays registered under
-  its own name (`named_parameters()` and `state_dict()` unchanged; a persistent
-  buffer held with the weights, the same way) and
-  `param.data` is never touched. `remove()` restores each module's class.
+  the pinned tensor, through a class property (slot_params.py); `remove()` restores
+  each module's class.
 
 The wait and the copies run in `offplan::prefetch_wait` (ops.py), threaded
 through the layer's input as prefetch does, so torch.compile keeps them in
@@ -63,7 +55,6 @@ Lifecycle: `PrefillStager(...)` (slots, ring, module classes swapped, hooks) -> 
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -77,41 +68,16 @@ from ..place.names import Target
 from . import experts as experts_impl
 from . import ops
 from .ring import ExpertRing
-
-
-class _LayerState:
-    """Whether the layer's forward now running is staged: the staged properties read it, the hooks set it."""
-
-    def __init__(self):
-        self.staged = False
+from .slot_params import LayerState, staged_class
 
 
 @dataclass(frozen=True)
 class RingUse:
     """What a staged experts module's forward needs of the ring: its layer's state, the stager, its unit."""
 
-    state: _LayerState
+    state: LayerState
     key: int
     unit: int
-
-
-def _staged_property(name: str, buffer: bool) -> property:
-    if buffer:  # a persistent buffer held with the weights (DeepSeek-V3's router `e_score_correction_bias`)
-        def get(self):
-            state, view = self._offplan_staged[name]
-            return view if state.staged else self._buffers[name]
-    else:
-        def get(self):
-            state, view = self._offplan_staged[name]
-            return view if state.staged else self._parameters[name]
-    return property(get)
-
-
-@functools.cache
-def _staged_class(cls: type, names: frozenset[tuple[str, bool]]) -> type:
-    """`cls` with a property per staged (parameter or buffer name, is a buffer) (module doc); one class per
-    (class, names)."""
-    return type(f"Staged{cls.__name__}", (cls,), {n: _staged_property(n, b) for n, b in sorted(names)})
 
 
 def _tokens(x: torch.Tensor) -> int:
@@ -152,11 +118,11 @@ class PrefillStager:
             if layer is not None:
                 mine[layer].append(t)
         paths, problems = module_paths(model, targets, {l.module for l in staging.layers})
-        views: dict[torch.nn.Module, dict[str, tuple[_LayerState, torch.Tensor]]] = {}
+        views: dict[torch.nn.Module, dict[str, tuple[LayerState, torch.Tensor]]] = {}
         units: list[list[tuple[int, torch.Tensor, list[int]]]] = []
         for index, layer in enumerate(staging.layers):
             slot = self.slots[index % staging.slots] if self.slots else None  # none: it stages experts only
-            state = _LayerState()
+            state = LayerState()
             cursor, copies, rows, in_place = 0, [], {}, len(self.in_place)
             for t in mine[layer.layer]:
                 host = arena.host_view(host_offset[t.name], t.nbytes)
@@ -207,7 +173,7 @@ class PrefillStager:
                 continue
             self.swapped[owner] = type(owner)
             owner._offplan_staged = staged
-            owner.__class__ = _staged_class(type(owner), frozenset(kinds.items()))
+            owner.__class__ = staged_class(type(owner), frozenset(kinds.items()))
         if problems:
             self.remove()
             raise PlanFileError("the plan's prefill staging does not match the model; rebuild the plan", problems)
@@ -216,7 +182,7 @@ class PrefillStager:
     def pool_bytes(self) -> int:
         return sum(s.numel() for s in self.slots)
 
-    def _pre_hook(self, index: int, state: _LayerState):
+    def _pre_hook(self, index: int, state: LayerState):
         def hook(module, args, kwargs):
             if args and isinstance(args[0], torch.Tensor):
                 x, put = args[0], lambda y: ((y, *args[1:]), kwargs)
@@ -253,7 +219,7 @@ class PrefillStager:
         self.ring.fill(unit, rows)
 
     @staticmethod
-    def _post_hook(state: _LayerState):
+    def _post_hook(state: LayerState):
         def hook(module, args, output):
             state.staged = False
         return hook

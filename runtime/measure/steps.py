@@ -1,0 +1,118 @@
+"""Time per decode step by layer count, for `plan calibrate` (calibrate.py says why): eager `generate` of tiny
+transformers Llamas (the CPU's launch cost) and graph-replayed steps of tiny Llamas and Qwen3-MoE models (the
+GPU's time per kernel beyond reading weights), and the least-squares line through them.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from .bandwidth import median_ms
+
+LAYER_COUNTS = (2, 4, 8, 16, 32)
+
+
+class _StepClock:
+    """A stopping criterion that never stops: it notes the wall time of every decode step."""
+
+    def __init__(self):
+        self.times: list[float] = []
+
+    def __call__(self, input_ids, scores, **kwargs):
+        self.times.append(time.perf_counter())
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
+def tiny_llama(layers: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    return LlamaForCausalLM(config).to("cuda", torch.bfloat16).eval()
+
+
+def tiny_moe(layers: int):
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                            num_experts=8, num_experts_per_tok=2, num_hidden_layers=layers, num_attention_heads=4,
+                            num_key_value_heads=2, head_dim=16, max_position_embeddings=512, decoder_sparse_step=1,
+                            mlp_only_layers=[])
+    model = Qwen3MoeForCausalLM(config).to("cuda", torch.bfloat16).eval()
+    model.set_experts_implementation("batched_mm")
+    return model
+
+
+def _replayed_step_us(model, repeat: int = 20) -> float:
+    """A batch-1 decode step with a static cache captured in a CUDA graph: the median replay, µs."""
+    from transformers import StaticCache
+
+    cache = StaticCache(config=model.config, max_cache_len=256)  # each call writes a position: room for all
+    token = torch.ones(1, 1, dtype=torch.long, device="cuda")
+    pos = torch.tensor([4], device="cuda")
+
+    def step():
+        return model(token, past_key_values=cache, cache_position=pos).logits
+    with torch.no_grad():
+        model(torch.ones(1, 4, dtype=torch.long, device="cuda"), past_key_values=cache,
+              cache_position=torch.arange(4, device="cuda"))
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up off the capturing stream, as CUDA graphs require
+            step()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+
+        def replays():
+            for _ in range(5):
+                graph.replay()
+        return median_ms(replays, repeat=repeat) * 1e3 / 5
+
+
+def replay_us_by_layers(make, counts=LAYER_COUNTS) -> dict[int, float]:
+    """Median graph-replayed decode step (µs) of the tiny models `make(layers)` builds, per layer count."""
+    return {n: _replayed_step_us(make(n)) for n in counts}
+
+
+def _median_step_us(model, steps: int) -> float:
+    """One greedy `generate` of `steps` tokens at batch 1: the median wall time between decode steps."""
+    from transformers import StoppingCriteriaList
+
+    clock = _StepClock()
+    ids = torch.ones(1, 4, dtype=torch.long, device="cuda")
+    with torch.no_grad():
+        model.generate(ids, max_new_tokens=steps, min_new_tokens=steps, do_sample=False, pad_token_id=0,
+                       stopping_criteria=StoppingCriteriaList([clock]))
+    return statistics.median(b - a for a, b in zip(clock.times, clock.times[1:])) * 1e6
+
+
+def step_us_by_layers(counts=LAYER_COUNTS, rounds: int = 7, steps: int = 32) -> dict[int, float]:
+    """Median eager decode step (µs) of tiny transformers Llamas with `counts` layers.
+
+    The models take turns, round after round, and each count's figure is the
+    median over rounds: a busy spell of the machine then touches every count a
+    little rather than one count a lot (which would bend the line).
+    """
+    models = {n: tiny_llama(n) for n in counts}
+    for model in models.values():
+        _median_step_us(model, 4)  # warm-up
+    per_round: dict[int, list[float]] = {n: [] for n in counts}
+    for _ in range(rounds):
+        for n, model in models.items():
+            per_round[n].append(_median_step_us(model, steps))
+    return {n: statistics.median(v) for n, v in per_round.items()}
+
+
+def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float, float]:
+    """Least squares y = a + b x: (a, b, R^2)."""
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
+    a = my - b * mx
+    total = sum((y - my) ** 2 for y in ys)
+    residual = sum((y - a - b * x) ** 2 for x, y in zip(xs, ys))
+    return a, b, 1 - residual / total if total else 1.0
