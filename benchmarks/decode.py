@@ -8,7 +8,7 @@ For one model (random bf16 weights, real config shapes, saved as a sharded
 safetensors checkpoint on local disk so the real load path is measured):
 
 1. calibrate: pinned H2D copy, UVA GEMV and HBM GEMV bandwidths and the
-   per-layer overhead, measured now, on this GPU (`runtime.calibrate`); the
+   per-layer overhead, measured now, on this GPU (`runtime.measure.calibrate`); the
    profile feeds the mixed plans and the predictions;
 2. all on GPU (a), then for each offloaded fraction f (25/50/75% of the
    decoder layers: layer i is offloaded iff i % g >= g - n, with g/n = 4/1,
@@ -17,7 +17,7 @@ safetensors checkpoint on local disk so the real load path is measured):
        layers on "cpu" (accelerate's dispatch hooks move them per forward);
    (c) offplan uva: a rule puts those layers on uva; `uva-64b` loads the same
        plan into an arena whose base sits 64 bytes past a page boundary, where
-       the arena started before it was page-aligned (runtime/arena.py), so that
+       the arena started before it was page-aligned (runtime/place/arena.py), so that
        one run measures what the alignment buys;
    (d) offplan prefetch: group_size g, num_in_group n, step 2;
    (e) offplan mixed: `backend: mixed` with the prefetch plan's GPU footprint
@@ -39,260 +39,21 @@ turns them into RESULTS.md tables and the plot.
 from __future__ import annotations
 
 import argparse
-import functools
 import gc
 import json
-import os
-import shutil
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-from planner.decide.build import build
-from planner.inputs.checkpoint import Checkpoint, open_checkpoint
+from harness.checkpoints import checkpoint_and_hardware, config_for
+from harness.loops import decode, decode_static, prompts
+from harness.plans import make_plan, offloaded_layers, policy_text, predicted_us
 from planner.inputs.config import read_config
-from planner.decide.cost import CostModel
 from planner.layers.graph import build_graph
-from planner.layers.groups import FusedGroups
-from planner.inputs.hardware import H100, Hardware, dumps_hardware, load_hardware
-from planner.files import write_atomic
-from planner.planfile import dumps, load_plan
-from planner.inputs.policy import load_policy
+from planner.planfile import load_plan
 from planner.units import GIB
-
-FRACTIONS = {0.25: (4, 1), 0.5: (2, 1), 0.75: (4, 3)}
-PROMPT_LEN = 16
-
-
-def config_for(model: str, layers: int | None):
-    from transformers import LlamaConfig, Qwen3MoeConfig
-    if model == "llama-8b":  # Llama-3.1-8B
-        return LlamaConfig(hidden_size=4096, num_hidden_layers=layers or 32, intermediate_size=14336,
-                           num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
-                           max_position_embeddings=4096, rope_theta=500000.0, tie_word_embeddings=False)
-    if model == "qwen3-30b-a3b":  # Qwen3-30B-A3B
-        return Qwen3MoeConfig(hidden_size=2048, num_hidden_layers=layers or 48, num_experts=128,
-                              num_experts_per_tok=8, moe_intermediate_size=768, intermediate_size=6144,
-                              num_attention_heads=32, num_key_value_heads=4, head_dim=128,
-                              vocab_size=151936, max_position_embeddings=4096, decoder_sparse_step=1,
-                              mlp_only_layers=[], tie_word_embeddings=False)
-    if model == "tiny":
-        return Qwen3MoeConfig(hidden_size=64, num_hidden_layers=layers or 8, num_experts=8, num_experts_per_tok=2,
-                              moe_intermediate_size=32, intermediate_size=128, num_attention_heads=4,
-                              num_key_value_heads=2, head_dim=16, vocab_size=512, max_position_embeddings=256,
-                              decoder_sparse_step=1, mlp_only_layers=[], tie_word_embeddings=False)
-    raise SystemExit(f"unknown model {model!r}")
-
-
-def make_checkpoint(model: str, layers: int | None, directory: Path, device: str) -> Path:
-    """Random bf16 weights in the real shapes, saved as sharded safetensors (reused if present).
-
-    One decoder layer at a time, so that the checkpoint may be as large as the
-    disk allows, beyond the GPU's memory and half the host's (transformers'
-    `save_pretrained` converts a whole model's fused experts back to
-    per-expert tensors at once): transformers builds and saves a model of one
-    layer (its checkpoint names, its initialisation); every layer is then drawn
-    afresh under layer 0's names and shapes, a tensor that layer 0 holds
-    constant (a norm's ones) copied, any other normal around 0 with layer 0's
-    standard deviation. The embedding, final norm and head are the one-layer
-    model's. One shard per layer.
-    """
-    from safetensors.torch import load_file, save_file
-    from transformers import AutoModelForCausalLM
-    if (directory / "model.safetensors.index.json").is_file():
-        return directory
-    shutil.rmtree(directory, ignore_errors=True)
-    config = config_for(model, layers)
-    one = config_for(model, 1)
-    torch.manual_seed(0)
-    with torch.device(device):
-        m = AutoModelForCausalLM.from_config(one, dtype=torch.bfloat16)
-    one_layer = directory.with_name(directory.name + ".one-layer")
-    shutil.rmtree(one_layer, ignore_errors=True)
-    m.save_pretrained(one_layer)
-    del m
-    saved: dict[str, torch.Tensor] = {}
-    for f in sorted(one_layer.glob("*.safetensors")):
-        saved.update(load_file(f))
-    prefix = "model.layers.0."
-    layer0 = {k[len(prefix):]: v for k, v in saved.items() if k.startswith(prefix)}
-    # per name: layer 0's tensor where it is constant (copied), else the standard deviation to draw with
-    draw = {name: v if bool((v.view(-1) == v.view(-1)[0]).all()) else float(v.float().std())
-            for name, v in layer0.items()}
-    count = config.num_hidden_layers
-    files = [f"model-{i + 1:05d}-of-{count + 1:05d}.safetensors" for i in range(count + 1)]
-    directory.mkdir(parents=True)
-    weight_map, total = {}, 0
-    for i in range(count + 1):
-        if i < count:
-            shard = {}
-            for name, v in layer0.items():
-                t = torch.empty(v.shape, dtype=v.dtype, device=device)
-                how = draw[name]
-                shard[f"model.layers.{i}.{name}"] = (t.copy_(how) if isinstance(how, torch.Tensor)
-                                                     else t.normal_(0.0, how)).cpu()
-        else:
-            shard = {k: v for k, v in saved.items() if not k.startswith("model.layers.")}
-        save_file(shard, directory / files[i], metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(shard, files[i]))
-        total += sum(t.nbytes for t in shard.values())
-    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-    (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-    shown = json.loads((one_layer / "config.json").read_text())
-    full = config.to_dict()
-    full.update({k: shown[k] for k in ("architectures", "dtype", "torch_dtype") if k in shown})
-    (directory / "config.json").write_text(json.dumps(full, indent=2) + "\n")
-    if (one_layer / "generation_config.json").is_file():
-        shutil.copy(one_layer / "generation_config.json", directory / "generation_config.json")
-    shutil.rmtree(one_layer)
-    os.sync()  # no writeback of 16+ GB competing with the first measurements
-    gc.collect()
-    if device == "cuda":
-        torch.cuda.empty_cache()
-    return directory
-
-
-def offloaded_layers(count: int, fraction: float) -> list[int]:
-    g, n = FRACTIONS[fraction]
-    return [i for i in range(count) if i % g >= g - n]
-
-
-def policy_text(strategy: str, fraction: float, layers: list[int], hw: Path | None, budget_gib: float | None) -> str:
-    head = "format_version: 1\ncheckpoint: ckpt\n" + (f"hardware: {hw.name}\n" if hw else "")
-    if strategy == "gpu":
-        return head
-    if strategy in ("uva", "uva-64b"):
-        alternation = "|".join(map(str, layers))
-        return head + f"rules:\n  - match: ['re:^model\\.layers\\.({alternation})\\.']\n    place: uva\n"
-    if strategy == "prefetch":
-        g, n = FRACTIONS[fraction]
-        return head + f"prefetch: {{group_size: {g}, num_in_group: {n}, step: 2}}\n"
-    if strategy in ("mixed", "mixed-experts-host"):  # the latter's budget: everything but the experts
-        return head + f"backend: mixed\nbudget_gib: {budget_gib!r}\nprefetch: {{step: 2}}\n"
-    raise ValueError(strategy)
-
-
-def checkpoint_and_hardware(args: argparse.Namespace, work: Path, record) -> tuple[Path, Checkpoint, Hardware]:
-    """The run's checkpoint in WORK/ckpt (made if absent, `make_checkpoint`) and its hardware profile (--hardware's
-    file, else calibrated now on CUDA, else the built-in H100, written to WORK/hw.yaml), each passed to `record`."""
-    t = time.perf_counter()
-    ckpt = make_checkpoint(args.model, args.layers, work / "ckpt", args.device)
-    info = open_checkpoint(ckpt)
-    cuda = args.device == "cuda"
-    record(kind="checkpoint", model=args.model, tensors=len(info.tensors), bytes=info.total_bytes,
-           seconds=round(time.perf_counter() - t, 1), device=torch.cuda.get_device_name() if cuda else "cpu",
-           torch=torch.__version__)
-    if args.hardware:
-        hw = load_hardware(args.hardware)
-    elif cuda:
-        from runtime.measure.calibrate import calibrate
-        hw = calibrate().hardware
-    else:
-        hw = H100
-    (work / "hw.yaml").write_text(dumps_hardware(hw))
-    record(kind="hardware", **hw.__dict__)
-    return ckpt, info, hw
-
-
-def make_plan(work: Path, name: str, text: str) -> Path:
-    policy = work / f"{name}.policy.yaml"
-    policy.write_text(text)
-    out = work / f"{name}.plan.yaml"
-    write_atomic(out, dumps(build(load_policy(policy), work)))
-    return out
-
-
-def prompts(vocab: int, device) -> torch.Tensor:
-    g = torch.Generator().manual_seed(1234)
-    return torch.randint(3, vocab, (32, PROMPT_LEN), generator=g).to(device)
-
-
-def sync(device):
-    if str(device).startswith("cuda"):
-        torch.cuda.synchronize()
-
-
-def decode(model, ids: torch.Tensor, batch: int, new: int, device) -> tuple[float, list]:
-    """(decode steps per second, greedy tokens) for `new` tokens at `batch`."""
-    x = ids[:batch]
-    mask = torch.ones_like(x)
-    kw = dict(attention_mask=mask, do_sample=False, pad_token_id=0)
-
-    def gen(n):
-        sync(device)
-        t = time.perf_counter()
-        with torch.no_grad():
-            out = model.generate(x, max_new_tokens=n, min_new_tokens=n, **kw)
-        sync(device)
-        return time.perf_counter() - t, out
-
-    gen(3)  # warm-up
-    t1, _ = gen(1)
-    tn, out = gen(new + 1)
-    return new / max(tn - t1, 1e-9), out[:, PROMPT_LEN:].tolist()
-
-
-def decode_static(model, handle, ids: torch.Tensor, new: int, mode: str, batch: int = 1) -> tuple[float, list]:
-    """Greedy decode of `batch` sequences with a static KV cache: `compiled` runs a torch.compile'd forward,
-    `graph` replays one captured decode step (CUDA graph), `compiled-graph` one captured step of the
-    torch.compile'd forward (Inductor's fused kernels, replayed). Returns (steps per second, tokens)."""
-    from transformers import StaticCache
-    prompt = ids[:batch]
-    pos = torch.arange(PROMPT_LEN, device=prompt.device)
-    cache = StaticCache(config=model.config, max_cache_len=PROMPT_LEN + new + 8)
-    static_ids = torch.zeros(batch, 1, dtype=torch.long, device=prompt.device)
-    static_pos = torch.tensor([PROMPT_LEN], device=prompt.device)
-    step = torch.compile(model) if mode in ("compiled", "compiled-graph") else model
-    replayed = mode in ("graph", "compiled-graph")
-    with torch.no_grad():
-        def prefill():
-            cache.reset()
-            out = model(prompt, past_key_values=cache, cache_position=pos).logits
-            handle.join()
-            return out[:, -1:].argmax(-1)
-        prefill()
-        if replayed:
-            graph, static_logits = handle.capture(
-                lambda: step(static_ids, past_key_values=cache, cache_position=static_pos).logits, warmup=3)
-        else:
-            for _ in range(3):  # warm-up and compilation
-                step(static_ids, past_key_values=cache, cache_position=static_pos)
-                handle.join()
-        token = prefill()
-        tokens = [token]
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        for i in range(new):
-            static_ids.copy_(token)
-            static_pos.fill_(PROMPT_LEN + i)
-            if replayed:
-                graph.replay()
-                logits = static_logits
-            else:
-                logits = step(static_ids, past_key_values=cache, cache_position=static_pos).logits
-                handle.join()
-            token = logits[:, -1:].argmax(-1)
-            tokens.append(token)
-        torch.cuda.synchronize()
-        seconds = time.perf_counter() - t
-    return new / seconds, torch.cat(tokens, 1)[:, :new].tolist()
-
-
-@functools.lru_cache(maxsize=None)
-def _plan_facts(plan_path: Path):
-    """The plan, its checkpoint's layer graph, tensors, expert groups and top-k: read once per plan."""
-    plan = load_plan(plan_path)
-    ckpt = open_checkpoint(plan.checkpoint_dir(plan_path))
-    graph = build_graph(list(ckpt.tensors), facts=read_config(ckpt.root))
-    groups = FusedGroups.find(n for l in graph.stack_layers() for n in l.params)
-    return plan, graph, ckpt.tensors, groups, read_config(ckpt.root).top_k
-
-
-def predicted_us(plan_path: Path, hw: Hardware, batch: int) -> int:
-    plan, graph, tensors, groups, top_k = _plan_facts(plan_path)
-    return CostModel(graph, tensors, hw, batch, groups, top_k).predict(plan.params).step_us
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -8,7 +8,7 @@ r"""MoE decode with experts in pinned host memory, against honest all-GPU baseli
 Qwen3-30B-A3B's shape (128 experts, top-8; `--layers` of its 48 layers, all of
 them by default: 61 GB of disk, which the H100 machine holds; every per-layer
 figure is the real one), random bf16 weights saved as a sharded safetensors
-checkpoint (decode.make_checkpoint, a layer at a time). One run measures:
+checkpoint (harness/checkpoints.py `make_checkpoint`, a layer at a time). One run measures:
 
 1. the hardware (`runtime.calibrate`): the UVA read bandwidth sets the floor;
 2. all on the GPU, per transformers experts implementation (`--baselines`:
@@ -59,39 +59,21 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import statistics
 import sys
 from pathlib import Path
 
 import torch
 
-import decode  # the sibling benchmark: checkpoints, prompts, plans, decode loops
+from harness import loops
+from harness.budgets import budget_table, measure_budgets, record_profile
+from harness.checkpoints import checkpoint_and_hardware, config_for
+from harness.loops import Plain, prompts
+from harness.plans import make_plan
+from harness.routers import RouterSkew, RouterSpread, touched_experts
 from runtime.execute.experts import arithmetic
 
 EXPERTS_HOST = "rules:\n  - {match: [experts], place: uva}\n"
 REPLAYED = ("graph", "compiled-graph")  # modes that replay a captured decode step
-
-
-class Plain:
-    """decode.decode_static's handle for a model that transformers loaded alone: nothing to join or remove."""
-
-    def join(self) -> None:
-        pass
-
-    def capture(self, step, warmup: int = 2):
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up off the capturing stream, as CUDA graphs require
-            for _ in range(warmup):
-                step()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = step()
-        return graph, out
-
-    def remove(self, restore: bool = True) -> None:
-        pass
 
 
 def model_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -132,114 +114,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-class RouterSkew:
-    """Skewed routing for a random-weight checkpoint, fixed per layer and the same in every run.
-
-    Each MoE layer's router sees its input plus a vector v with W v = b (W: the router's
-    [experts, hidden] weight, v = W^T (W W^T)^-1 b), so expert e's logit moves by
-    b_e = -strength x sigma x ln(rank_e): rank 1..E in a random order per layer, sigma the
-    layer's logit scale (the mean norm of W's rows: the router's input is RMS-normalised).
-    Simulated over Gaussian logits at 128 experts, top-8, strength 0.7 gives 90% of the hits
-    to 56 experts (44%), about what published counts for Qwen3-30B-A3B show (58 of 128 on a
-    narrow workload). Only the router sees v: the experts get the layer's own input.
-    """
-
-    def __init__(self, ckpt: Path, info, layers: int, strength: float, device: str):
-        from safetensors import safe_open
-        g = torch.Generator().manual_seed(7)
-        self.vectors: dict[int, torch.Tensor] = {}
-        for i in range(layers):
-            name = f"model.layers.{i}.mlp.gate.weight"
-            with safe_open(ckpt / info.tensors[name].shard, "pt") as f:
-                w = f.get_tensor(name).double()
-            rank = torch.empty(w.shape[0], dtype=torch.float64)
-            rank[torch.randperm(w.shape[0], generator=g)] = torch.arange(1, w.shape[0] + 1, dtype=torch.float64)
-            b = -strength * w.norm(dim=1).mean() * rank.log()
-            v = w.T @ torch.linalg.solve(w @ w.T, b)
-            self.vectors[i] = v.to(device, torch.bfloat16)
-
-    def install(self, model) -> None:
-        for i, layer in enumerate(model.model.layers):
-            layer.mlp.gate.register_forward_pre_hook(lambda module, args, v=self.vectors[i]: (args[0] + v,))
-
-
-class RouterSpread:
-    """Token-dependent routing for a random-weight checkpoint, the same in every run (prefill.py and moe.py
-    --spread).
-
-    A random-weight model's hidden states collapse with depth: one prompt's tokens, and one sequence's decode
-    steps, reach the routers as nearly the same vector, so each routes to a few experts of its own, where a
-    trained model's tokens spread over many. So each MoE layer's router sees its input plus one row of a fixed
-    random matrix [rows, hidden] (Gaussian, `strength` times the RMS of the router's RMS-normalised input, 1),
-    picked by the input row's content (its sum, scaled and taken modulo `rows`): a different row for each token
-    and decode step, the same for the same hidden state in every plan (their logits are bitwise equal), and no
-    host synchronisation, so a decode step replays from a CUDA graph. Only the router sees it: the experts get
-    the layer's own input.
-    """
-
-    SEED = 11
-
-    def __init__(self, layers: int, hidden: int, rows: int, strength: float, device: str):
-        g = torch.Generator().manual_seed(self.SEED)
-        self.noise = [(strength * torch.randn(rows, hidden, generator=g)).to(device, torch.bfloat16)
-                      for _ in range(layers)]
-
-    @staticmethod
-    def _hook(noise: torch.Tensor):
-        def add(module, args):
-            x = args[0]
-            row = torch.remainder((x.float().sum(-1) * 4099).long(), noise.shape[0])
-            return (x + noise[row],)
-        return add
-
-    def install(self, model) -> None:
-        for i, layer in enumerate(model.model.layers):
-            layer.mlp.gate.register_forward_pre_hook(self._hook(self.noise[i]))
-
-
-def hit_shares(counts: list[int]) -> dict:
-    """How skewed one layer's decode hits are: experts for 90% of them, share of the top quarter and half."""
-    ranked = sorted(counts, reverse=True)
-    total, run, need = sum(ranked), 0, None
-    for n, c in enumerate(ranked, 1):
-        run += c
-        if need is None and run >= 0.9 * total:
-            need = n
-    quarter, half = round(len(ranked) / 4), round(len(ranked) / 2)
-    return {"experts_for_90pct": need, "top_quarter_share": sum(ranked[:quarter]) / total,
-            "top_half_share": sum(ranked[:half]) / total}
-
-
-def touched_experts(model, ids: torch.Tensor, batch: int, new: int) -> tuple[float, float]:
-    """(unique experts per MoE layer per decode step, bytes of them read from pinned memory per decode step),
-    counted in one untimed greedy `generate` of `new` tokens after the first `batch` prompts."""
-    from runtime.execute.experts import fused_params, supports
-    unique: list[int] = []
-    host = [0]
-
-    def count(module, args):
-        if args[1].shape[0] != batch:  # one token per sequence: a decode step, not a prefill
-            return
-        hit = args[1].unique()
-        unique.append(hit.numel())
-        for p in fused_params(module):
-            slot = getattr(module, f"offplan_slot_{p}", None)  # bound by the runtime: -1 for a host expert
-            if slot is not None:
-                row = getattr(module, p)[0]
-                host[0] += int((slot[hit] < 0).sum()) * row.numel() * row.element_size()
-    modules = [m for m in model.modules() if supports(m)]
-    hooks = [m.register_forward_pre_hook(count) for m in modules]
-    x = ids[:batch]
-    try:
-        with torch.no_grad():
-            model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=new + 1, min_new_tokens=new + 1,
-                           do_sample=False, pad_token_id=0)
-    finally:
-        for h in hooks:
-            h.remove()
-    return statistics.fmean(unique), host[0] * len(modules) / len(unique)
-
-
 class Run:
     """One run: the checkpoint, the hardware measured now, the references and the records."""
 
@@ -252,11 +126,11 @@ class Run:
         self.log.write_text("")
         self.work = args.dir / f"moe-{args.model}"
         self.work.mkdir(parents=True, exist_ok=True)
-        self.ckpt, self.info, self.hw = decode.checkpoint_and_hardware(args, self.work, self.record)
-        config = decode.config_for(args.model, args.layers)
+        self.ckpt, self.info, self.hw = checkpoint_and_hardware(args, self.work, self.record)
+        config = config_for(args.model, args.layers)
         self.layers = config.num_hidden_layers
         self.expert_bytes = 3 * config.moe_intermediate_size * config.hidden_size * 2  # gate, up, down in bf16
-        self.ids = decode.prompts(config.vocab_size, args.device)
+        self.ids = prompts(config.vocab_size, args.device)
         self.top_k = config.num_experts_per_tok
         self.experts = config.num_experts
         self.vocab = config.vocab_size
@@ -280,7 +154,7 @@ class Run:
 
     def plan(self, name: str, body: str) -> Path:
         text = f"format_version: 1\ncheckpoint: ckpt\nhardware: hw.yaml\n{body}"
-        return decode.make_plan(self.work, name, text)
+        return make_plan(self.work, name, text)
 
     def load(self, plan: Path | None, implementation: str | None, lookahead: bool = True):
         """`plan` applied by offplan's runtime; None: the checkpoint loaded by transformers alone. `lookahead`
@@ -311,8 +185,8 @@ class Run:
 
     def decode(self, model, handle, mode: str, batch: int) -> tuple[float, list]:
         if mode in REPLAYED:
-            return decode.decode_static(model, handle, self.ids, self.args.new_tokens, mode, batch)
-        return decode.decode(model, self.ids, batch, self.args.new_tokens, self.args.device)
+            return loops.decode_static(model, handle, self.ids, self.args.new_tokens, mode, batch)
+        return loops.decode(model, self.ids, batch, self.args.new_tokens, self.args.device)
 
     def measure(self, name: str, plan: Path | None, implementation: str | None, modes: list[str], offloaded: bool,
                 batches: list[int] | None = None, predicted: dict[int, float] | None = None,
@@ -371,90 +245,6 @@ class Run:
         finally:
             handle.remove(restore=False)
 
-    def record_profile(self, plan: Path) -> Path:
-        """Record a routing profile with the all-GPU model on `--profile-prompts` prompts other than the timed
-        ones, `--new-tokens` each."""
-        from planner.inputs.routing import write_profile
-        from runtime.measure.routing import checkpoint_groups, record_routing
-        model, handle = self.load(plan, None)
-        seed = 99
-        ids = torch.randint(3, self.vocab, (self.args.profile_prompts, decode.PROMPT_LEN),
-                            generator=torch.Generator().manual_seed(seed))
-        try:
-            profile = record_routing(model, list(ids), self.args.new_tokens,
-                                     checkpoint_fingerprint=self.info.fingerprint, checkpoint_path="ckpt",
-                                     source=f"random token ids, seed {seed}",
-                                     keys=checkpoint_groups(model, self.info))
-        finally:
-            handle.remove(restore=False)
-            del model, handle
-        path = self.work / "routing.yaml"
-        write_profile(path, profile)
-        layers = [hit_shares(list(h.decode)) for h in profile.layers.values()]
-        self.record(kind="profile", path=str(path), layers=len(layers), decode_tokens=profile.decode_tokens,
-                    **{k: statistics.fmean(l[k] for l in layers) for k in layers[0]})
-        return path
-
-    def measure_budgets(self, profile: Path) -> None:
-        """Per `--resident` fraction: per-expert placement under a budget (the profile ranks the experts)
-        against whole layers' experts on uva, with the same bytes resident."""
-        from planner.planfile import load_plan
-        layer_experts = self.experts * self.expert_bytes
-        dense = self.info.total_bytes - self.layers * layer_experts
-        workload = f"workload: {{{{batch_size: {{batch}}, routing: {profile.name}, cuda_graphs: true}}}}\n"
-        mode = ["graph"] if self.cuda else ["eager"]
-        for b in self.args.budget_batches:  # what the cost model makes of the all-GPU plan, beside its measurement
-            p = load_plan(self.plan(f"gpu-b{b}", workload.format(batch=b)))
-            best = self.best_gpu.get((mode[0], b), (None, None))
-            self.record(kind="prediction", name="gpu", batch=b,
-                        predicted_steps_per_s=1e6 / max(1, p.summary.predicted_step_us),
-                        best_gpu_steps_per_s=best[0], best_gpu_implementation=best[1])
-        for fraction in self.args.resident:
-            host = round((1 - fraction) * self.layers)  # layers whose experts whole layers put on uva
-            resident = dense + (self.layers - host) * layer_experts
-            whole = "|".join(map(str, range(host)))
-            plans = {
-                f"budget-per-expert-{fraction:g}":
-                    f"backend: mixed\nbudget_gib: {resident / 2**30!r}\n{workload}",
-                f"whole-layers-uva-{fraction:g}":
-                    f"rules:\n  - match: ['re:^model\\.layers\\.({whole})\\.mlp\\.experts\\.']\n"
-                    f"    place: uva\n{workload}"}
-            for name, body in plans.items():
-                path = self.plan(name, body.format(batch=1))
-                plan = load_plan(path)
-                predicted, h2d = {}, {}
-                for b in self.args.budget_batches:  # the same placement's prediction at each batch
-                    p = plan if b == 1 else load_plan(self.plan(f"{name}-b{b}", body.format(batch=b)))
-                    if p.params == plan.params:
-                        h2d[b] = p.summary.predicted_h2d_bytes_per_step
-                        if p.summary.predicted_step_us:
-                            predicted[b] = 1e6 / p.summary.predicted_step_us
-                self.measure(name, path, None, mode, offloaded=True, batches=self.args.budget_batches,
-                             predicted=predicted, floor=False, resident_fraction=fraction,
-                             gpu_bytes=plan.summary.gpu_bytes, uva_bytes=plan.summary.uva_bytes,
-                             prefetch_bytes=plan.summary.prefetch_bytes, predicted_h2d_bytes_per_step=h2d)
-
-
-def budget_table(rows: list[dict]) -> None:
-    """Per-expert placement against whole layers, per resident fraction and batch (with --skew)."""
-    got = {(r["name"].rsplit("-", 1)[0], r["resident_fraction"], r["batch"]): r
-           for r in rows if r["kind"] == "decode" and "resident_fraction" in r}
-    if not got:
-        return
-
-    def f(x, spec=".1f"):
-        return "-" if x is None else format(x, spec)
-    print("\n| experts resident | batch | placement | steps/s | predicted | link MB/step: observed | predicted "
-          "| x whole layers |")
-    print("|---|---|---|---|---|---|---|---|")
-    for (name, fraction, b), r in got.items():
-        whole = got.get(("whole-layers-uva", fraction, b))
-        mb = r["predicted_h2d_bytes_per_step"].get(str(b), r["predicted_h2d_bytes_per_step"].get(b))
-        print(f"| {fraction:.0%} | {b} | {name} | {r['steps_per_s']:.1f} | {f(r['predicted_steps_per_s'])} | "
-              f"{f(r.get('observed_h2d_bytes_per_step', 0) / 1e6)} | {f(mb and mb / 1e6)} | "
-              f"{f(whole and r['steps_per_s'] / whole['steps_per_s'], '.2f')} |")
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
     run = Run(args)
@@ -473,7 +263,7 @@ def main(argv=None) -> int:
         run.measure("experts-host-offplan-no-lookahead", host, None, args.modes, offloaded=True, lookahead=False,
                     batches=[1])
     if run.skew is not None:
-        run.measure_budgets(run.record_profile(gpu))
+        measure_budgets(run, record_profile(run, gpu))
     rows = [json.loads(line) for line in run.log.read_text().splitlines()]
     print("\n| run | implementation | mode | batch | steps/s | x floor | x best all-GPU | tokens equal |")
     print("|---|---|---|---|---|---|---|---|")

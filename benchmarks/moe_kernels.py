@@ -29,8 +29,9 @@ from pathlib import Path
 
 import torch
 
-import decode
 import moe
+from harness.loops import PROMPT_LEN
+from harness.routers import touched_experts
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -60,17 +61,17 @@ def profile_step(run, plan: Path, implementation: str | None, compiled: bool, st
     from transformers import StaticCache
     model, handle = run.load(plan, implementation)
     try:
-        host_bytes = moe.touched_experts(model, run.ids, 1, 16)[1]
+        host_bytes = touched_experts(model, run.ids, 1, 16)[1]
         prompt = run.ids[:1]
         # every call writes the cache one position on (replays included): room for all of them
-        cache = StaticCache(config=model.config, max_cache_len=decode.PROMPT_LEN + 2 * steps + 16)
+        cache = StaticCache(config=model.config, max_cache_len=PROMPT_LEN + 2 * steps + 16)
         ids = torch.zeros(1, 1, dtype=torch.long, device="cuda")
-        pos = torch.tensor([decode.PROMPT_LEN], device="cuda")
+        pos = torch.tensor([PROMPT_LEN], device="cuda")
         step = torch.compile(model) if compiled else model
 
         def prefill():
             cache.reset()
-            model(prompt, past_key_values=cache, cache_position=torch.arange(decode.PROMPT_LEN, device="cuda"))
+            model(prompt, past_key_values=cache, cache_position=torch.arange(PROMPT_LEN, device="cuda"))
             handle.join()
         with torch.no_grad():
             prefill()

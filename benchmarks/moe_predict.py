@@ -26,8 +26,10 @@ import sys
 
 import torch
 
-import decode
 import moe
+from harness.checkpoints import config_for, make_checkpoint
+from harness.loops import prompts
+from harness.routers import RouterSkew
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -44,14 +46,14 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     from transformers import AutoModelForCausalLM
     work = args.dir / f"moe-{args.model}"
-    ckpt = decode.make_checkpoint(args.model, args.layers, work / "ckpt", args.device)
+    ckpt = make_checkpoint(args.model, args.layers, work / "ckpt", args.device)
     from planner.inputs.checkpoint import open_checkpoint
     info = open_checkpoint(ckpt)
-    config = decode.config_for(args.model, args.layers)
+    config = config_for(args.model, args.layers)
     model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16).to(args.device).eval()
     model.set_experts_implementation("batched_mm")
     layers = config.num_hidden_layers
-    skew = None if args.skew is None else moe.RouterSkew(ckpt, info, layers, args.skew, args.device)
+    skew = None if args.skew is None else RouterSkew(ckpt, info, layers, args.skew, args.device)
     if skew is not None:
         skew.install(model)
     k = config.num_experts_per_tok
@@ -78,7 +80,7 @@ def main(argv=None) -> int:
     steps = 0
     out_path = args.out / f"moe-predict-{args.model}{'' if args.skew is None else f'-skew{args.skew:g}'}.jsonl"
     args.out.mkdir(parents=True, exist_ok=True)
-    ids = decode.prompts(config.vocab_size, args.device)[:args.prompts]
+    ids = prompts(config.vocab_size, args.device)[:args.prompts]
     with torch.no_grad():
         for p in range(ids.shape[0]):
             x = ids[p:p + 1]

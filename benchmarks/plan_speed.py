@@ -140,7 +140,7 @@ def _child(mode: str, policy: Path) -> tuple[float, float]:
 
 
 def _child_main(mode: str, policy: str) -> int:
-    import planner.decide.build, planner.inputs.checkpoint, planner.plan, planner.inputs.policy  # noqa: F401, E401
+    import planner.decide.build, planner.inputs.checkpoint, planner.inputs.policy, planner.plan  # noqa: F401, E401
     t = time.perf_counter()
     if mode == "plan":
         plan(Path(policy))

@@ -5,11 +5,11 @@
     python benchmarks/prefill.py --model qwen3-30b-a3b --layers 8 --spread 2 --out results/
     python benchmarks/prefill.py --model tiny --device cpu --out /tmp/r          # smoke test, any machine
 
-For one model (random bf16 weights, real config shapes; decode.py's
-checkpoint, and its calibration measured now on this GPU):
+For one model (random bf16 weights, real config shapes; the
+harness's checkpoint, and its calibration measured now on this GPU):
 
 1. plans with the same decoder layers offloaded (fraction f: layer i iff
-   i % g >= g - n, decode.py's FRACTIONS):
+   i % g >= g - n, harness/plans.py's FRACTIONS):
    - gpu: nothing offloaded;
    - uva: a rule puts those layers on uva; the plan stages them for prefill
      (runtime/prefill.py: copied to the GPU before a forward over more than
@@ -50,7 +50,7 @@ A random-weight MoE routes unlike a trained one: its hidden states collapse
 with depth, so past the first layer a long prompt reaches only a third of
 the experts (30-40 of 128 per layer at 1024 tokens, measured on a small
 Qwen3-MoE config), where uniform routing, and a trained model's long
-prompts, reach nearly all. `--spread S` (moe.py `RouterSpread`) adds to each
+prompts, reach nearly all. `--spread S` (harness/routers.py `RouterSpread`) adds to each
 router's input a fixed random vector per token, picked by the token's hidden
 state, S times its RMS. Synthetic: it stands for a trained router, and only
 the routers see it.
@@ -70,17 +70,13 @@ from pathlib import Path
 
 import torch
 
-from planner.decide.build import build
-from planner.layers.groups import expert_number
-from planner.layers.graph import build_graph
-from planner.plan import LayerKind, Placement, Plan
 from planner.planfile import load_plan
-from planner.inputs.policy import load_policy
 from planner.units import GIB
 
 sys.path.insert(0, str(Path(__file__).parent))
-from decode import (FRACTIONS, checkpoint_and_hardware, config_for, decode, decode_static,  # noqa: E402
-                    make_plan, offloaded_layers, prompts, sync)
+from harness.checkpoints import checkpoint_and_hardware, config_for  # noqa: E402
+from harness.loops import decode, decode_static, prompts, sync  # noqa: E402
+from harness.plans import FRACTIONS, link_bytes, make_plan, offloaded_layers, predicted_prefill  # noqa: E402
 
 REPEAT = 3
 STRATEGIES = ["uva", "uva-gathered", "uva-in-place", "prefetch", "mixed", "experts-host", "experts-host-gathered"]
@@ -125,18 +121,6 @@ def policy(strategy: str, layers: list[int], fraction: float, hw: Path, budget_g
     raise ValueError(strategy)
 
 
-def predicted_prefill(work: Path, name: str, text: str, plan: Plan, tokens: list[int]) -> dict[int, float | None]:
-    """T -> the planner's predicted prefill (ms) of `plan`'s placement at prompt_tokens T; None where the
-    policy at T places differently (mixed weighs the prefill of T)."""
-    out = {}
-    for t in tokens:
-        path = work / f"{name}-{t}.policy.yaml"
-        path.write_text(text + f"workload: {{prompt_tokens: {t}}}\n")
-        d = build(load_policy(path), work)
-        out[t] = d.cost.prefill_us / 1e3 if d.params == plan.params else None
-    return out
-
-
 def touched_experts(model, ids: torch.Tensor, device) -> dict[str, set[int]]:
     """Experts module path -> the experts that the prefill forward over `ids` routes at least one token to."""
     from runtime.execute.experts import supports
@@ -155,28 +139,6 @@ def touched_experts(model, ids: torch.Tensor, device) -> dict[str, set[int]]:
         for h in hooks:
             h.remove()
     return touched
-
-
-def link_bytes(plan: Plan, tensors: dict, touched: dict[str, set[int]], ids: torch.Tensor) -> int:
-    """The offloaded bytes a prefill over `ids` must move: every prefetched and uva tensor, but a uva routed expert
-    only if `touched`, and of an embedding on uva the rows of the prompt's tokens (module doc)."""
-    embeddings = {n for l in build_graph(plan.params, plan.stacks).layers if l.kind is LayerKind.EMBED
-                  for n in l.params}
-    total = 0
-    for name, place in plan.params.items():
-        if place is Placement.GPU:
-            continue
-        if place is Placement.UVA and name in embeddings:  # a lookup: one row per distinct token
-            info = tensors[name]
-            total += info.nbytes // info.shape[0] * min(info.shape[0], ids.unique().numel())
-            continue
-        expert = expert_number(name)
-        if place is Placement.UVA and expert is not None:
-            group = name[:name.index(".experts.") + len(".experts")]
-            if expert not in touched.get(group, ()):
-                continue
-        total += tensors[name].nbytes
-    return total
 
 
 def first_token(model, ids: torch.Tensor, device) -> tuple[float, torch.Tensor]:

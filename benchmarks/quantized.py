@@ -6,7 +6,7 @@ r"""FP8 experts in pinned host memory against the same model in bf16: quantized 
 Qwen3-30B-A3B's shape (128 experts, top-8; `--layers` of its 48 layers), random
 weights. One run:
 
-1. writes a random bf16 checkpoint (decode.py), quantizes it to block-scaled
+1. writes a random bf16 checkpoint (harness/checkpoints.py), quantizes it to block-scaled
    FP8 as DeepSeek-V3 and Qwen3-FP8 ship it (tests/quantized_models.py: every
    `*_proj.weight` F8_E4M3 with 128 x 128 `weight_scale_inv`), and writes the
    reference: the FP8 checkpoint dequantized on the host with the same formula,
@@ -15,7 +15,7 @@ weights. One run:
 3. for both checkpoints, plans every routed expert on uva (the rest on the
    GPU) and all on the GPU, loads each (FP8 stays FP8 in host memory and in
    HBM; runtime/quant.py), and decodes greedily at batch 1: eager `generate`
-   and CUDA-graph replay of a static-cache step (decode.py `decode_static`);
+   and CUDA-graph replay of a static-cache step (harness/loops.py `decode_static`);
 4. the floor of each experts-on-host run: the bytes of the 8 experts a token
    touches per layer (their quantized bytes and scales for FP8) over the
    measured UVA bandwidth.
@@ -36,7 +36,9 @@ from pathlib import Path
 
 import torch
 
-import decode  # the sibling benchmark: checkpoints, prompts, plans, decode loops
+from harness.checkpoints import config_for, make_checkpoint
+from harness.loops import decode, decode_static, prompts
+from harness.plans import make_plan
 from planner.inputs.checkpoint import open_checkpoint
 from runtime.hf import from_pretrained
 
@@ -58,8 +60,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def tiny_config(layers: int):
-    """decode.py's tiny model with FP8-sized experts: gate and up must each fill whole 128-row scale blocks."""
-    config = decode.config_for("tiny", layers)
+    """The tiny model of harness/checkpoints.py with FP8-sized experts: gate and up must each fill whole 128-row scale blocks."""
+    config = config_for("tiny", layers)
     config.hidden_size, config.moe_intermediate_size, config.head_dim = 128, 128, 32
     return config
 
@@ -78,7 +80,7 @@ def make_checkpoints(args, work: Path, record) -> tuple[Path, Path]:
                 work / "ckpt", max_shard_size="1MB")
             src = work / "ckpt"
         else:
-            src = decode.make_checkpoint(args.model, args.layers, work / "ckpt", args.device)
+            src = make_checkpoint(args.model, args.layers, work / "ckpt", args.device)
         write_fp8(src, fp8, device=args.device)
         shutil.rmtree(src)  # the reference is the bf16 model now; the disk holds two copies, not three
         reference_dir(fp8, ref)
@@ -123,23 +125,23 @@ def main(argv=None) -> int:
         record(kind="hardware", **hw.__dict__)
     top_k = 2 if args.model == "tiny" else 8
     uva_gbps = hw.uva_read_gbps if cuda else None
-    ids = decode.prompts(json.loads((ref / "config.json").read_text())["vocab_size"], args.device)
+    ids = prompts(json.loads((ref / "config.json").read_text())["vocab_size"], args.device)
     modes = ["eager", "graph"] if cuda else ["eager"]
     tokens: dict[tuple[str, str], list] = {}
     speed: dict[tuple[str, str, str], float] = {}
     failures = []
     for strategy, body in (("experts-host", EXPERTS_HOST), ("gpu", "")):
         for name, path in (("bf16", ref), ("fp8", fp8)):
-            plan = decode.make_plan(work, f"{name}-{strategy}", f"format_version: 1\ncheckpoint: {path.name}\n{body}")
+            plan = make_plan(work, f"{name}-{strategy}", f"format_version: 1\ncheckpoint: {path.name}\n{body}")
             model, handle = from_pretrained(plan, device=args.device, progress=False)
             floor = None
             if strategy == "experts-host" and uva_gbps:
                 floor = 1e9 * uva_gbps / expert_bytes_per_step(path, top_k)  # steps/s
             for mode in modes:
                 if mode == "graph":
-                    steps, out = decode.decode_static(model, handle, ids, args.new_tokens, "graph")
+                    steps, out = decode_static(model, handle, ids, args.new_tokens, "graph")
                 else:
-                    steps, out = decode.decode(model, ids, 1, args.new_tokens, args.device)
+                    steps, out = decode(model, ids, 1, args.new_tokens, args.device)
                 speed[(strategy, name, mode)] = steps
                 same = None
                 if name == "fp8":

@@ -29,8 +29,8 @@ from pathlib import Path
 
 import torch
 
-from runtime.place.arena import HUGE_PAGE, PAGE, PinnedArena, _CudaArrayInterface
 from runtime.measure.bandwidth import gemv_gbps, mlp_weights, random_bytes, warm_up
+from runtime.place.arena import HUGE_PAGE, PAGE, PinnedArena, _CudaArrayInterface
 
 NBYTES = 8 * 14336 * 4096 * 2
 BATCHES = (1, 8, 64)

@@ -10,17 +10,15 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def run_decode(tmp_path: Path, *argv: str) -> tuple[int, list[dict]]:
     """(exit code, decode records) of `decode.py --model tiny ...` writing under tmp_path."""
-    spec = importlib.util.spec_from_file_location("decode_bench_main", ROOT / "benchmarks" / "decode.py")
-    decode = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(decode)
-    code = decode.main(["--model", "tiny", "--layers", "4", "--dir", str(tmp_path / "work"),
-                        "--out", str(tmp_path / "out"), "--new-tokens", "3", "--fractions", "0.5", *argv])
+    code = load_benchmark("decode").main(["--model", "tiny", "--layers", "4", "--dir", str(tmp_path / "work"),
+                                          "--out", str(tmp_path / "out"), "--new-tokens", "3", "--fractions", "0.5",
+                                          *argv])
     lines = (tmp_path / "out" / "decode-tiny.jsonl").read_text().splitlines()
     return code, [r for r in map(json.loads, lines) if r["kind"] == "decode"]
 
 
 def load_benchmark(name: str):
-    """benchmarks/NAME.py as a module, with benchmarks/ on sys.path for its sibling imports (decode.py)."""
+    """benchmarks/NAME.py as a module, with benchmarks/ on sys.path for its imports of the harness and its siblings."""
     import sys
     if str(ROOT / "benchmarks") not in sys.path:
         sys.path.insert(0, str(ROOT / "benchmarks"))

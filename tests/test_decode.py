@@ -20,7 +20,7 @@ def test_decode_benchmark_runs_on_the_cpu(tmp_path):
 
 def test_moe_benchmark_runs_on_the_cpu(tmp_path):
     import json
-    moe = load_benchmark("moe")  # with benchmarks/ on sys.path: moe.py imports its sibling decode.py
+    moe = load_benchmark("moe")  # with benchmarks/ on sys.path: moe.py imports benchmarks/harness/
     code = moe.main(["--model", "tiny", "--layers", "2", "--device", "cpu", "--batches", "1", "2",
                      "--new-tokens", "2", "--modes", "eager", "--dir", str(tmp_path / "work"),
                      "--out", str(tmp_path / "out"), "--skew", "0.7", "--resident", "0.5", "--budget-batches", "1",
