@@ -38,8 +38,7 @@ import dataclasses
 from collections.abc import Callable, Mapping
 
 from ..decide.schedule import make_schedule, previous_user
-from ..decide.staging import RING_BYTES, STAGE_SLOTS, ring_bytes, stageable
-from ..decide.staging import staged as staged_in
+from ..decide.staging import RING_BYTES, STAGE_SLOTS, ring_bytes, stageable, staged as staged_in
 from ..errors import PolicyError
 from ..inputs.checkpoint import TensorInfo
 from ..inputs.quantized import apart, partners

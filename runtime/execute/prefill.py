@@ -65,8 +65,7 @@ from planner.plan import PrefillStaging
 from ..place.arena import PinnedArena, align, typed
 from ..place.modules import module_paths
 from ..place.names import Target
-from . import experts as experts_impl
-from . import ops
+from . import experts as experts_impl, ops
 from .ring import ExpertRing
 from .slot_params import LayerState, staged_class
 

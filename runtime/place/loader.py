@@ -20,9 +20,8 @@ from pathlib import Path
 
 import torch
 from rich.console import Console
-from rich.progress import BarColumn, DownloadColumn
-from rich.progress import Progress as RichProgress
-from rich.progress import ProgressColumn, TextColumn, TimeRemainingColumn
+from rich.progress import (BarColumn, DownloadColumn, Progress as RichProgress, ProgressColumn, TextColumn,
+                           TimeRemainingColumn)
 from rich.text import Text
 
 from planner.errors import CheckpointError

@@ -54,8 +54,7 @@ import torch
 
 from planner.errors import ModelMismatchError
 from planner.inputs.checkpoint import Checkpoint
-from planner.inputs.quantized import FP8 as FP8_DTYPES
-from planner.inputs.quantized import FP8_SCALE, MX_BLOCKS, MX_SCALES, unreadable
+from planner.inputs.quantized import FP8 as FP8_DTYPES, FP8_SCALE, MX_BLOCKS, MX_SCALES, unreadable
 
 from .names import Piece, Target, map_tensors
 

@@ -29,7 +29,7 @@ def layer_params(*layers: int, of=(DOWN, O)) -> list[str]:
 
 
 def bytes_only(layers) -> tuple:
-    """The layers with the cost model's predictions zeroed (tests/test_cost.py checks those)."""
+    """The layers with the cost model's predictions zeroed (tests/decide/test_cost.py checks those)."""
     return tuple(dataclasses.replace(l, h2d=0, us=0, why=None) for l in layers)
 
 

@@ -14,7 +14,7 @@ from planner.inputs.patterns import compile_pattern
 from planner.plan import Backend, Placement
 from planner.inputs.policy import Policy, PrefetchPolicy, Rule, UvaPolicy, Workload, load_policy
 
-SCHEMAS = Path(__file__).resolve().parent.parent / "schemas"
+SCHEMAS = Path(__file__).resolve().parents[2] / "schemas"
 
 
 def policy_error(path) -> PolicyError:

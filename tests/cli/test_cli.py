@@ -206,7 +206,7 @@ def test_build_warns_on_stderr_when_a_plan_saves_little(work, capsys):
 
 def test_the_tiny_example_is_told_its_real_smallest_budget(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
-    examples = Path(__file__).resolve().parent.parent / "plans" / "examples"
+    examples = Path(__file__).resolve().parents[2] / "plans" / "examples"
     head = f"format_version: 1\ncheckpoint: {examples / 'tiny-moe'}\n"
     rules = "rules:\n  - match: [embed_tokens]\n    place: uva\n"
     write_policy(tmp_path, "budget_gib: 0.00001\n" + rules, name="small.policy.yaml", head=head)

@@ -21,7 +21,7 @@ import pytest
 from offplan.cli import main
 from planner.inputs.policy import load_policy
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 HEAD = "format_version: 1\ncheckpoint: ./ckpt\n"
 POLICY = HEAD + "budget_gib: 0.015\n"  # offloads every layer of the toy checkpoint through uva, staged at prefill
 HARDWARE = ("format_version: 1\nname: test GPU\nh2d_copy_gbps: 55.0\nuva_read_gbps: 50.0\nhbm_read_gbps: 2900\n"
