@@ -24,7 +24,6 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def toy_ckpt(tmp_path):
     """A 4-layer header-only checkpoint at tmp_path/ckpt, in two shards (see headeronly.toy)."""
-    from synthetic import write_header_only
-
     from headeronly import toy
+    from synthetic import write_header_only
     return write_header_only(tmp_path / "ckpt", toy(4), shard_bytes=16 * 2**20)

@@ -8,13 +8,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from planner.decide.placement import decide
 from planner.inputs.checkpoint import TensorInfo
 from planner.inputs.dtypes import nbytes
-from planner.layers.graph import build_graph
 from planner.inputs.patterns import compile_pattern
-from planner.decide.placement import decide
-from planner.plan import Backend, Placement
 from planner.inputs.policy import Policy, PrefetchPolicy, Rule, UvaPolicy
+from planner.layers.graph import build_graph
+from planner.plan import Backend, Placement
 
 MiB = 2**20
 GPU, UVA, PREFETCH = Placement.GPU, Placement.UVA, Placement.PREFETCH

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from planner.decide.build import build
 from offplan.cli import main
-from planner.planfile import dumps
+from planner.decide.build import build
 from planner.inputs.policy import load_policy
+from planner.planfile import dumps
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "plans" / "examples"
 POLICIES = sorted(EXAMPLES.glob("*.policy.yaml"))

@@ -19,8 +19,8 @@ from packaging.specifiers import SpecifierSet
 
 from offplan import cli
 from planner.decide.build import build
-from planner.planfile import dumps
 from planner.inputs.policy import load_policy
+from planner.planfile import dumps
 
 ROOT = Path(__file__).resolve().parent.parent
 VERSION = re.search(r'^version = "(.+)"$', (ROOT / "pyproject.toml").read_text(), re.M).group(1)

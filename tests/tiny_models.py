@@ -7,8 +7,8 @@ import torch
 
 from planner.decide.build import build
 from planner.files import write_atomic
-from planner.planfile import dumps
 from planner.inputs.policy import load_policy
+from planner.planfile import dumps
 
 
 def llama_config(**overrides):

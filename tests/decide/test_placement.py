@@ -11,14 +11,13 @@ import re
 
 import pytest
 
-from headeronly import (GPU, PREFETCH, UVA, MiB, infos, mib, offloaded_layers, placed, plan_of,
-                        policy, toy)
-from planner.errors import BudgetError, PolicyError
-from planner.layers.graph import build_graph
-from planner.inputs.hardware import H100
+from headeronly import GPU, PREFETCH, UVA, MiB, infos, mib, offloaded_layers, placed, plan_of, policy, toy
 from planner.decide.placement import resolve_backend
 from planner.decide.placement_errors import smallest_budget_gib
 from planner.decide.schedule import make_schedule, spread
+from planner.errors import BudgetError, PolicyError
+from planner.inputs.hardware import H100
+from planner.layers.graph import build_graph
 from planner.plan import Buffer, LayerBytes, Layout, PrefillStaging, StagedLayer, Transfer
 
 DOWN, O = "mlp.down_proj.weight", "self_attn.o_proj.weight"

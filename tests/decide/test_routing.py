@@ -9,16 +9,16 @@ import pytest
 from headeronly import infos
 from offplan.cli import main
 from planner.decide.build import build_file
-from planner.inputs.checkpoint import open_checkpoint
 from planner.decide.cost import CostModel
 from planner.errors import PolicyError, RoutingProfileError
-from planner.layers.graph import build_graph
-from planner.layers.groups import FusedGroups
+from planner.inputs.checkpoint import open_checkpoint
 from planner.inputs.hardware import Hardware
-from planner.planfile import dumps, load_plan
 from planner.inputs.policy import Workload, load_policy
 from planner.inputs.routing import (HEADER, LayerHits, RoutingProfile, dumps_profile, load_profile, mismatches,
                                     profile_fingerprint, skew)
+from planner.layers.graph import build_graph
+from planner.layers.groups import FusedGroups
+from planner.planfile import dumps, load_plan
 from synthetic import qwen3_moe, write_header_only
 
 HW = Hardware("test", h2d_copy_gbps=1.0, uva_read_gbps=0.5, hbm_read_gbps=10.0, layer_overhead_us=100.0)

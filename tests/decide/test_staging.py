@@ -12,15 +12,15 @@ import yaml
 from headeronly import infos, plan_of, policy, write_policy
 from offplan.cli import main
 from planner.decide.build import build
-from planner.inputs.checkpoint import open_checkpoint
-from planner.errors import PlanFileError
-from planner.layers.graph import build_graph
-from planner.inputs.hardware import H100
 from planner.decide.placement import decide
-from planner.plan import PrefillStaging, StagedLayer
-from planner.planfile import dumps, loads
+from planner.errors import PlanFileError
+from planner.inputs.checkpoint import open_checkpoint
+from planner.inputs.hardware import H100
 from planner.inputs.policy import Workload, load_policy
 from planner.inputs.schema import schema
+from planner.layers.graph import build_graph
+from planner.plan import PrefillStaging, StagedLayer
+from planner.planfile import dumps, loads
 from synthetic import deepseek_v3, llama, qwen3_moe, write_header_only
 
 

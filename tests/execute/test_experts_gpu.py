@@ -8,8 +8,8 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from runtime.execute import experts, gather  # noqa: E402
-from runtime.place.arena import PinnedArena, typed  # noqa: E402
 from runtime.hf import from_pretrained  # noqa: E402
+from runtime.place.arena import PinnedArena, typed  # noqa: E402
 from test_experts import RESIDENT_LAYER_0, SPLIT, configs  # noqa: E402
 from tiny_models import make_plan, reference, save_model  # noqa: E402
 

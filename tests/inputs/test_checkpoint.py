@@ -10,9 +10,9 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from headeronly import MiB, entries, toy, write_index, write_raw_shard
+from planner.errors import CheckpointError
 from planner.inputs.checkpoint import TensorInfo, open_checkpoint, resolve
 from planner.inputs.dtypes import BITS, nbytes
-from planner.errors import CheckpointError
 from synthetic import deepseek_v3, write_header_only
 
 

@@ -11,8 +11,8 @@ import pytest
 from headeronly import write_policy
 from planner.errors import PolicyError
 from planner.inputs.patterns import compile_pattern
-from planner.plan import Backend, Placement
 from planner.inputs.policy import Policy, PrefetchPolicy, Rule, UvaPolicy, Workload, load_policy
+from planner.plan import Backend, Placement
 
 SCHEMAS = Path(__file__).resolve().parents[2] / "schemas"
 

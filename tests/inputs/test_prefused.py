@@ -11,19 +11,19 @@ import pytest
 from headeronly import GPU, UVA, infos, policy
 from offplan.cli import main
 from planner.decide.build import build_file
-from planner.inputs.config import read_config
 from planner.decide.cost import CostModel
+from planner.decide.placement import decide
+from planner.decide.staging import stageable
 from planner.errors import PolicyError
-from planner.layers.graph import build_graph
-from planner.layers.groups import FusedGroups, is_expert, units
+from planner.inputs.config import read_config
 from planner.inputs.hardware import H100
 from planner.inputs.patterns import compile_pattern
-from planner.decide.placement import decide
-from planner.plan import LayerBytes, Role, Runs
 from planner.inputs.policy import Rule, Workload
 from planner.inputs.prefused import prefused_key
 from planner.inputs.routing import LayerHits, RoutingProfile
-from planner.decide.staging import stageable
+from planner.layers.graph import build_graph
+from planner.layers.groups import FusedGroups, is_expert, units
+from planner.plan import LayerBytes, Role, Runs
 from synthetic import gpt_oss, llama4_text, write_header_only
 
 GPT_OSS_120B = {"num_hidden_layers": 36, "num_local_experts": 128, "num_experts_per_tok": 4}

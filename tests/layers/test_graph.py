@@ -7,8 +7,8 @@ import pytest
 from headeronly import toy, write_policy
 from planner.decide.build import build
 from planner.errors import PolicyError
-from planner.layers.graph import build_graph, execution_order, natural_key
 from planner.inputs.policy import load_policy
+from planner.layers.graph import build_graph, execution_order, natural_key
 from synthetic import llama, write_header_only
 
 

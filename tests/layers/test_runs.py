@@ -9,12 +9,12 @@ import pytest
 
 from headeronly import write_policy
 from planner.decide.build import build
-from planner.inputs.config import ModelFacts
-from planner.layers.graph import build_graph, schedule_problems
 from planner.errors import InconsistentPlanError, PolicyError
+from planner.inputs.config import ModelFacts
+from planner.inputs.policy import load_policy
+from planner.layers.graph import build_graph, schedule_problems
 from planner.plan import Placement, Runs, Transfer
 from planner.planfile import dumps, loads
-from planner.inputs.policy import load_policy
 from synthetic import deepseek_v3, qwen2_vl, write_header_only
 
 GPU, UVA = Placement.GPU, Placement.UVA

@@ -4,8 +4,8 @@ from __future__ import annotations
 from planner.inputs.checkpoint import TensorInfo
 from planner.layers.graph import build_graph
 from planner.layers.groups import units
-from planner.plan import Buffer, Layout
 from planner.layers.slots import layout_bytes, layout_of
+from planner.plan import Buffer, Layout
 
 
 def info(name, shape, dtype="BF16"):

@@ -12,8 +12,8 @@ pytest.importorskip("transformers")
 
 from offplan.cli import main  # noqa: E402
 from planner.decide.build import build_file  # noqa: E402
-from planner.inputs.checkpoint import open_checkpoint  # noqa: E402
 from planner.errors import OffplanError  # noqa: E402
+from planner.inputs.checkpoint import open_checkpoint  # noqa: E402
 from planner.inputs.routing import load_profile  # noqa: E402
 from runtime.measure.routing import RoutingRecorder, checkpoint_groups, record_routing  # noqa: E402
 from tiny_models import make_plan, qwen3_moe_config, reference, save_model  # noqa: E402

@@ -9,8 +9,8 @@ transformers = pytest.importorskip("transformers")
 
 from planner.errors import ModelMismatchError  # noqa: E402
 from runtime.place.buffers import materialize_buffers  # noqa: E402
-from runtime.place.names import Piece, Target  # noqa: E402
 from runtime.place.modules import module_paths  # noqa: E402
+from runtime.place.names import Piece, Target  # noqa: E402
 from tiny_models import gemma2_config, llava_config  # noqa: E402
 
 

@@ -22,8 +22,8 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from planner.inputs.checkpoint import open_checkpoint  # noqa: E402
 from planner.errors import OffplanError  # noqa: E402
+from planner.inputs.checkpoint import open_checkpoint  # noqa: E402
 from planner.plan import Placement  # noqa: E402
 from planner.planfile import load_plan  # noqa: E402
 from runtime.hf import build_meta_model, from_pretrained  # noqa: E402

@@ -15,9 +15,9 @@ torch = pytest.importorskip("torch")
 
 import runtime  # noqa: E402
 from headeronly import MiB, entries, write_index, write_raw_shard  # noqa: E402
-from planner.inputs.checkpoint import open_checkpoint  # noqa: E402
 from offplan.cli import main  # noqa: E402
 from planner.errors import CheckpointError  # noqa: E402
+from planner.inputs.checkpoint import open_checkpoint  # noqa: E402
 from planner.units import human  # noqa: E402
 from runtime.place.loader import check_holds_weights  # noqa: E402
 

@@ -9,10 +9,10 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from planner.errors import ModelMismatchError, OffplanError, PolicyError  # noqa: E402
+from planner.inputs.checkpoint import open_checkpoint  # noqa: E402
+from planner.inputs.quantized import partners  # noqa: E402
 from planner.plan import Placement  # noqa: E402
 from planner.planfile import load_plan  # noqa: E402
-from planner.inputs.quantized import partners  # noqa: E402
-from planner.inputs.checkpoint import open_checkpoint  # noqa: E402
 from quantized_models import fp8_dequantize, fp8_quantize, reference_dir, write_fp8, write_mxfp4  # noqa: E402
 from runtime.hf import build_meta_model, from_pretrained  # noqa: E402
 from tiny_models import llama_config, logits, make_plan, qwen3_moe_config, reference, save_model  # noqa: E402

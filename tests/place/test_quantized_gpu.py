@@ -10,12 +10,12 @@ pytest.importorskip("transformers")
 
 import torch._inductor.config as inductor_config  # noqa: E402
 
-from runtime.place import dequant
-from runtime.execute import experts  # noqa: E402
-from runtime.place.arena import PinnedArena, typed  # noqa: E402
-from runtime.hf import from_pretrained  # noqa: E402
-from test_quantized import POLICIES, gpt_oss_config  # noqa: E402
 from quantized_models import reference_dir, write_fp8, write_mxfp4  # noqa: E402
+from runtime.execute import experts  # noqa: E402
+from runtime.hf import from_pretrained  # noqa: E402
+from runtime.place import dequant
+from runtime.place.arena import PinnedArena, typed  # noqa: E402
+from test_quantized import POLICIES, gpt_oss_config  # noqa: E402
 from tiny_models import make_plan, qwen3_moe_config, reference, save_model  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -102,6 +102,7 @@ def test_compiled_and_graph_replay_equal_eager(tmp_path, checkpoints, name):
 def test_quantized_benchmark_runs_on_cuda(tmp_path):
     """benchmarks/quantized.py on its tiny model on CUDA, eager and graph replay: FP8 tokens equal bf16's."""
     import json
+
     from decode_bench import load_benchmark
     code = load_benchmark("quantized").main(["--model", "tiny", "--layers", "2", "--new-tokens", "4", "--device",
                                              "cuda", "--dir", str(tmp_path / "work"), "--out", str(tmp_path / "out")])

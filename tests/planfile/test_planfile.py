@@ -10,14 +10,14 @@ import yaml
 
 from headeronly import MiB, toy, write_policy
 from planner.decide.build import build, build_file
-from planner.inputs.checkpoint import open_checkpoint
 from planner.errors import OffplanError, PlanFileError
 from planner.files import write_atomic
+from planner.inputs.checkpoint import open_checkpoint
+from planner.inputs.policy import load_policy
+from planner.inputs.schema import schema
 from planner.plan import Placement
 from planner.planfile import dumps, load_plan, loads
-from planner.inputs.policy import load_policy
 from synthetic import write_header_only
-from planner.inputs.schema import schema
 
 POLICIES = {
     "none": "",
