@@ -13,6 +13,7 @@ from planner.inputs.checkpoint import TensorInfo
 from planner.inputs.dtypes import nbytes
 from planner.inputs.patterns import compile_pattern
 from planner.inputs.policy import Policy, PrefetchPolicy, Rule, UvaPolicy
+from planner.inputs.routing import HEADER
 from planner.layers.graph import build_graph
 from planner.plan import Backend, Placement
 
@@ -115,4 +116,38 @@ def write_policy(directory: Path, body: str = "", name: str = "model.policy.yaml
                  head: str = POLICY_HEAD) -> Path:
     path = directory / name
     path.write_text(head + body)
+    return path
+
+
+# A routing profile of a two-layer, 8-expert model (format 1), skewed per layer.
+FP = "sha256:" + "ab" * 32
+
+PROFILE = """\
+format_version: 1
+checkpoint:
+  path: ckpt
+  fingerprint: "{fp}"
+recorded:
+  prompts: prompts.txt
+  sequences: 4
+  new_tokens: 26
+  top_k: 2
+tokens:
+  prefill: 40
+  decode: 100
+layers:
+  model.layers.0.mlp.experts:
+    experts: 8
+    decode: [60, 0, 50, 0, 0, 45, 0, 45]
+    prefill: [10, 10, 10, 10, 10, 10, 10, 10]
+  model.layers.1.mlp.experts:
+    experts: 8
+    decode: [0, 70, 0, 50, 40, 0, 40, 0]
+    prefill: [20, 0, 20, 0, 20, 0, 20, 0]
+"""
+
+
+def profile_file(tmp_path, text=None, fp=FP, name="r.routing.yaml"):
+    path = tmp_path / name
+    path.write_text(HEADER + (text or PROFILE).format(fp=fp))
     return path

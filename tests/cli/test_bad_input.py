@@ -3,29 +3,19 @@
 The corpus runs each bad input through `main(argv)` and asserts: exit code 1,
 one `error:` message on stderr that names the file (with `file:line:column` for
 YAML) or key and the fix, no traceback, nothing on stdout, and every file in
-the working directory as it was (names, sizes, mtimes). The tests below the
-corpus cover what it cannot: symlinks and hard links to inputs, `~`, closed
-pipes, and the speed of the duplicate-key check.
+the working directory as it was (names, sizes, mtimes). test_bad_input_beyond.py
+covers what it cannot.
 """
 from __future__ import annotations
 
 import importlib.util
-import os
-import socket
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
+from bad_inputs import (HARDWARE, HEAD, POLICY, case, edited_plan, hardware, nothing, policy, routing_profile, snapshot,
+                        socket_file, write)
 from offplan.cli import main
-from planner.inputs.policy import load_policy
 
-ROOT = Path(__file__).resolve().parents[2]
-HEAD = "format_version: 1\ncheckpoint: ./ckpt\n"
-POLICY = HEAD + "budget_gib: 0.015\n"  # offloads every layer of the toy checkpoint through uva, staged at prefill
-HARDWARE = ("format_version: 1\nname: test GPU\nh2d_copy_gbps: 55.0\nuva_read_gbps: 50.0\nhbm_read_gbps: 2900\n"
-            "layer_overhead_us: 800.0\n")
 needs_torch = pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="plan apply needs torch")
 
 
@@ -37,86 +27,6 @@ def work(tmp_path, toy_ckpt, monkeypatch):
     (tmp_path / "hw.yaml").write_text(HARDWARE)
     assert main(["build", "p.policy.yaml"]) == 0
     return tmp_path
-
-
-def snapshot(directory: Path) -> dict[str, tuple[int, int, int]]:
-    """Every entry under `directory` (links not followed): (mode, size, mtime in ns)."""
-    out = {}
-    for dirpath, dirnames, filenames in os.walk(directory):
-        for name in dirnames + filenames:
-            path = Path(dirpath) / name
-            st = path.lstat()
-            out[str(path.relative_to(directory))] = (st.st_mode, st.st_size, st.st_mtime_ns)
-    return out
-
-
-def plan_text(work: Path, old: str, new: str) -> str:
-    text = (work / "p.plan.yaml").read_text()
-    assert old in text, old
-    return text.replace(old, new, 1)
-
-
-def edited_plan(old: str, new: str, **spots: str):
-    """Write bad.plan.yaml, the plan with `old` replaced by `new`. The plan's layout belongs to
-    `plan build`, so messages name places by text: `{at}` in a message is `line:column` of the
-    string spots["at"] in the edited file (`{first}` likewise)."""
-    def setup(w):
-        text = plan_text(w, old, new)
-        (w / "bad.plan.yaml").write_text(text)
-        return {name: where(text, s) for name, s in spots.items()}
-    return setup
-
-
-def where(text: str, s: str) -> str:
-    assert text.count(s) == 1, s
-    before = text[: text.index(s)]
-    return f"{before.count(chr(10)) + 1}:{len(before) - before.rfind(chr(10))}"
-
-
-def policy(body: str, head: str = HEAD, name: str = "bad.policy.yaml"):
-    def setup(w):
-        (w / name).write_text(head + body)
-    return setup
-
-
-def hardware(old: str, new: str):
-    def setup(w):
-        assert old in HARDWARE
-        (w / "bad-hw.yaml").write_text(HARDWARE.replace(old, new))
-        (w / "bad.policy.yaml").write_text(HEAD + "budget_gib: 0.018\nhardware: bad-hw.yaml\n")
-    return setup
-
-
-def socket_file(w):
-    s = socket.socket(socket.AF_UNIX)
-    s.bind(str(w / "sock.yaml"))
-    s.close()
-
-
-def routing_profile(body: str):
-    """bad.policy.yaml naming r.yaml: a valid routing profile, of a model with one MoE layer of 2 experts."""
-    def setup(w):
-        (w / "r.yaml").write_text(
-            "format_version: 1\ncheckpoint: {path: other, fingerprint: \"sha256:" + "0" * 64 + "\"}\n"
-            "recorded: {prompts: x, sequences: 1, new_tokens: 2, top_k: 1}\ntokens: {prefill: 2, decode: 1}\n"
-            "layers:\n  model.layers.0.mlp.experts: {experts: 2, decode: [1, 0], prefill: [1, 1]}\n")
-        (w / "bad.policy.yaml").write_text(HEAD + body)
-    return setup
-
-
-def write(name: str, data: bytes):
-    def setup(w):
-        (w / name).write_bytes(data)
-    return setup
-
-
-def nothing(w):
-    pass
-
-
-def case(name: str, setup, argv: list[str], message: str, marks=()):
-    """One bad input: setup(work) writes it, `plan *argv` reads it, stderr holds `message`."""
-    return pytest.param(setup, argv, message, id=name, marks=marks)
 
 
 CORPUS = [
@@ -366,53 +276,3 @@ def test_the_corpus_covers_every_command_that_reads_a_file():
 
 
 # ---------------------------------------------------------------- beyond the corpus
-
-def test_an_output_linked_to_an_input_is_refused(work, capsys):
-    (work / "link.yaml").symlink_to("p.policy.yaml")
-    os.link(work / "hw.yaml", work / "hard.yaml")
-    (work / "h.policy.yaml").write_text(POLICY + "hardware: hw.yaml\n")
-    before = snapshot(work)
-    assert main(["build", "p.policy.yaml", "-o", "link.yaml"]) == 1
-    assert capsys.readouterr().err == (
-        "error: link.yaml: this is the policy (p.policy.yaml), an input of the plan: writing the plan there "
-        "would destroy it. Nothing was written; choose another -o (default: p.plan.yaml)\n")
-    assert main(["build", "h.policy.yaml", "-o", "hard.yaml"]) == 1
-    assert "error: hard.yaml: this is the hardware profile (hw.yaml), an input" in capsys.readouterr().err
-    assert snapshot(work) == before
-
-
-def test_rebuilding_over_the_previous_plan_is_allowed(work, capsys):
-    before = (work / "p.plan.yaml").read_bytes()
-    assert main(["build", "p.policy.yaml", "-o", "./p.plan.yaml"]) == 0
-    assert (work / "p.plan.yaml").read_bytes() == before
-
-
-def test_tilde_expands_to_the_home_directory(work, monkeypatch):
-    monkeypatch.setenv("HOME", str(work))
-    (work / "t.policy.yaml").write_text("format_version: 1\ncheckpoint: ~/ckpt\nhardware: ~/hw.yaml\n")
-    got = load_policy(work / "t.policy.yaml")
-    assert (got.checkpoint, got.hardware, got.checkpoint_text) == (work / "ckpt", work / "hw.yaml", "~/ckpt")
-    assert main(["build", "t.policy.yaml"]) == 0
-
-
-def test_a_key_a_merge_brings_in_may_be_overridden(work, capsys):
-    """`<<: *base` then `step: 2` is YAML's way to override, not a duplicate; two `step:` are."""
-    (work / "m.policy.yaml").write_text(HEAD + "prefetch:\n  <<: {group_size: 2, step: 1}\n  step: 2\n")
-    assert main(["validate", "m.policy.yaml"]) == 0
-    assert load_policy(work / "m.policy.yaml").prefetch.step == 2
-    capsys.readouterr()
-    (work / "m.policy.yaml").write_text(HEAD + "prefetch:\n  <<: {group_size: 2, step: 1}\n  step: 2\n  step: 3\n")
-    assert main(["validate", "m.policy.yaml"]) == 1
-    assert capsys.readouterr().err.endswith("m.policy.yaml:6:3: 'step' again (first at 5:3)\n")
-
-
-@pytest.mark.parametrize("argv", [["show", "p.plan.yaml"], ["build", "p.policy.yaml", "-o", "-"]])
-def test_a_closed_stdout_ends_quietly(work, argv):
-    """The reader is gone before the command writes (as `| head` does once it has its lines)."""
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env["PYTHONPATH"] = str(ROOT)
-    proc = subprocess.Popen([sys.executable, "-m", "offplan", *argv], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, env=env)
-    proc.stdout.close()
-    err = proc.stderr.read().decode()
-    assert (proc.wait(), err) == (141, "")

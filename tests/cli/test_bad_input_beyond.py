@@ -1,0 +1,68 @@
+"""Bad input the corpus (test_bad_input.py) cannot cover: symlinks and hard links to inputs, `~`, merge keys,
+closed pipes, and the speed of the duplicate-key check."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bad_inputs import HEAD, POLICY, snapshot
+from offplan.cli import main
+from planner.inputs.policy import load_policy
+from test_bad_input import work  # noqa: F401 (work: the fixture)
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_an_output_linked_to_an_input_is_refused(work, capsys):
+    (work / "link.yaml").symlink_to("p.policy.yaml")
+    os.link(work / "hw.yaml", work / "hard.yaml")
+    (work / "h.policy.yaml").write_text(POLICY + "hardware: hw.yaml\n")
+    before = snapshot(work)
+    assert main(["build", "p.policy.yaml", "-o", "link.yaml"]) == 1
+    assert capsys.readouterr().err == (
+        "error: link.yaml: this is the policy (p.policy.yaml), an input of the plan: writing the plan there "
+        "would destroy it. Nothing was written; choose another -o (default: p.plan.yaml)\n")
+    assert main(["build", "h.policy.yaml", "-o", "hard.yaml"]) == 1
+    assert "error: hard.yaml: this is the hardware profile (hw.yaml), an input" in capsys.readouterr().err
+    assert snapshot(work) == before
+
+
+def test_rebuilding_over_the_previous_plan_is_allowed(work, capsys):
+    before = (work / "p.plan.yaml").read_bytes()
+    assert main(["build", "p.policy.yaml", "-o", "./p.plan.yaml"]) == 0
+    assert (work / "p.plan.yaml").read_bytes() == before
+
+
+def test_tilde_expands_to_the_home_directory(work, monkeypatch):
+    monkeypatch.setenv("HOME", str(work))
+    (work / "t.policy.yaml").write_text("format_version: 1\ncheckpoint: ~/ckpt\nhardware: ~/hw.yaml\n")
+    got = load_policy(work / "t.policy.yaml")
+    assert (got.checkpoint, got.hardware, got.checkpoint_text) == (work / "ckpt", work / "hw.yaml", "~/ckpt")
+    assert main(["build", "t.policy.yaml"]) == 0
+
+
+def test_a_key_a_merge_brings_in_may_be_overridden(work, capsys):
+    """`<<: *base` then `step: 2` is YAML's way to override, not a duplicate; two `step:` are."""
+    (work / "m.policy.yaml").write_text(HEAD + "prefetch:\n  <<: {group_size: 2, step: 1}\n  step: 2\n")
+    assert main(["validate", "m.policy.yaml"]) == 0
+    assert load_policy(work / "m.policy.yaml").prefetch.step == 2
+    capsys.readouterr()
+    (work / "m.policy.yaml").write_text(HEAD + "prefetch:\n  <<: {group_size: 2, step: 1}\n  step: 2\n  step: 3\n")
+    assert main(["validate", "m.policy.yaml"]) == 1
+    assert capsys.readouterr().err.endswith("m.policy.yaml:6:3: 'step' again (first at 5:3)\n")
+
+
+@pytest.mark.parametrize("argv", [["show", "p.plan.yaml"], ["build", "p.policy.yaml", "-o", "-"]])
+def test_a_closed_stdout_ends_quietly(work, argv):
+    """The reader is gone before the command writes (as `| head` does once it has its lines)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["PYTHONPATH"] = str(ROOT)
+    proc = subprocess.Popen([sys.executable, "-m", "offplan", *argv], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env=env)
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert (proc.wait(), err) == (141, "")

@@ -1,0 +1,176 @@
+"""`plan validate` and `plan check` through `main(argv)`, bad input as one clean error, and hand edits that
+every reader of a plan catches."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from headeronly import write_policy
+from test_cli import UVA_POLICY, assert_one_error, run, work  # noqa: F401 (work: the fixture)
+
+
+def test_validate_policy_and_plan(work, capsys):
+    assert run(capsys, "validate", "uva.policy.yaml") == (
+        0, "uva.policy.yaml: valid policy (checkpoint ckpt, 11 tensors; it plans backend uva)\n", "")
+    run(capsys, "build", "uva.policy.yaml")
+    assert run(capsys, "validate", "uva.plan.yaml") == (0, "uva.plan.yaml: valid plan (11 tensors, backend uva)\n", "")
+    code, out, _ = run(capsys, "validate", "uva.plan.yaml", "--json")
+    assert json.loads(out) == {"file": "uva.plan.yaml", "kind": "plan", "valid": True, "tensors": 11}
+    code, out, _ = run(capsys, "validate", "uva.policy.yaml", "--json")
+    assert json.loads(out) == {"file": "uva.policy.yaml", "kind": "policy", "valid": True, "backend": "uva"}
+
+
+def test_validate_rejects_a_policy_whose_pattern_matches_nothing(work, capsys):
+    write_policy(work, "uva:\n  params: [mlp.dwon_proj]\n", name="typo.policy.yaml")
+    code, out, err = run(capsys, "validate", "typo.policy.yaml")
+    assert_one_error(code, out, err, "typo.policy.yaml:4:12: uva.params[0]: 'mlp.dwon_proj' matches no "
+                     "tensor of the checkpoint; did you mean 'mlp.down_proj'?")
+
+
+def test_check_fresh_then_stale(work, capsys):
+    run(capsys, "build", "uva.policy.yaml")
+    assert run(capsys, "check", "uva.plan.yaml") == (0, "uva.plan.yaml: up to date with ckpt and uva.policy.yaml\n", "")
+    code, out, _ = run(capsys, "check", "uva.plan.yaml", "--json")
+    assert (code, json.loads(out)) == (0, {"plan": "uva.plan.yaml", "stale": False, "problems": []})
+
+    # The policy changes (a comment is enough: the plan records the bytes it was built from).
+    policy = work / "uva.policy.yaml"
+    policy.write_text(policy.read_text() + "# tweak\n")
+    code, out, err = run(capsys, "check", "uva.plan.yaml")
+    assert code == 2 and out == ""
+    assert err == ("uva.plan.yaml: STALE\n  - the policy uva.policy.yaml changed since the plan was built\n"
+                   "  rebuild it: plan build uva.policy.yaml -o uva.plan.yaml\n")
+    policy.write_text("not: [valid\n")  # stale even when it no longer parses
+    assert run(capsys, "check", "uva.plan.yaml")[0] == 2
+    policy.write_text("format_version: 1\ncheckpoint: ./ckpt\n" + UVA_POLICY)
+    assert run(capsys, "check", "uva.plan.yaml")[0] == 0
+
+
+def test_check_stale_after_a_shard_header_changes(work, capsys):
+    run(capsys, "build", "uva.policy.yaml")
+    shard = work / "ckpt" / "model-00001-of-00002.safetensors"
+    with open(shard, "r+b") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = f.read(n)
+        assert b'"format":"pt"' in header
+        f.seek(8)
+        f.write(header.replace(b'"format":"pt"', b'"format":"PT"'))
+    code, out, _ = run(capsys, "check", "uva.plan.yaml", "--json")
+    data = json.loads(out)
+    assert code == 2 and data["stale"] is True
+    assert data["problems"][0].startswith("the checkpoint ckpt changed since the plan was built")
+
+
+def test_check_with_the_policy_gone(work, capsys):
+    run(capsys, "build", "uva.policy.yaml")
+    os.remove(work / "uva.policy.yaml")
+    code, _, err = run(capsys, "check", "uva.plan.yaml")
+    assert code == 2 and "the policy uva.policy.yaml named by the plan is gone" in err
+
+
+def write_toy_plan(work, capsys):
+    run(capsys, "build", "uva.policy.yaml")
+    return (work / "uva.plan.yaml").read_text()
+
+
+BAD_INPUTS = [
+    (["build", "missing.policy.yaml"], "missing.policy.yaml: no such policy file"),
+    (["build", "bad.policy.yaml"], "bad.policy.yaml:4:1: invalid YAML: did not find expected ',' or ']'"),
+    (["build", "schema.policy.yaml"], "schema.policy.yaml:3:1: budget_gb: unknown key; did you mean 'budget_gib'?"),
+    (["build", "nockpt.policy.yaml"], "nowhere: no such file or directory"),
+    (["build", "budget.policy.yaml"], "the smallest budget that fits this policy is budget_gib: 0.014648438 (15.0 MiB)"),
+    (["build", "uva.policy.yaml", "-o", "no/such/dir/p.yaml"], "no/such/dir/p.yaml: cannot write the plan"),
+    (["show", "missing.plan.yaml"], "missing.plan.yaml: no such plan file"),
+    (["show", "uva.policy.yaml"], "uva.policy.yaml: this is a policy, not a plan"),
+    (["show", "edited.plan.yaml"], "edited.plan.yaml: the plan is inconsistent"),
+    (["validate", "schema.policy.yaml"], "budget_gb: unknown key"),
+    (["validate", "edited.plan.yaml"], "checkpoint.tensors is 3 but params lists 11"),
+    (["check", "missing.plan.yaml"], "missing.plan.yaml: no such plan file"),
+    (["diff", "only-one.plan.yaml"], "the following arguments are required: NEW (see `plan diff --help`)"),
+    (["frobnicate"], "invalid choice: 'frobnicate'"),
+    ([], "the following arguments are required: COMMAND"),
+    (["build", "uva.policy.yaml", "--bogus"], "unrecognized arguments: --bogus"),
+]
+
+
+@pytest.mark.parametrize("argv, message", BAD_INPUTS, ids=lambda v: " ".join(v) if isinstance(v, list) else None)
+def test_bad_input_is_one_error_exit_1_and_writes_nothing(work, capsys, argv, message):
+    write_policy(work, "uva: {offload_gib: [1\n", name="bad.policy.yaml")
+    write_policy(work, "budget_gb: 4\n", name="schema.policy.yaml")
+    write_policy(work, "budget_gib: 0.001\n", name="budget.policy.yaml")
+    write_policy(work, "", name="nockpt.policy.yaml", head="format_version: 1\ncheckpoint: nowhere\n")
+    (work / "edited.plan.yaml").write_text(write_toy_plan(work, capsys).replace("tensors: 11", "tensors: 3"))
+    before = sorted(p.name for p in work.iterdir())
+    code, out, err = run(capsys, *argv)
+    assert_one_error(code, out, err, message)
+    assert sorted(p.name for p in work.iterdir()) == before  # nothing written, no temp file
+
+
+def test_a_checkpoint_error_lists_every_problem_in_one_message(work, capsys):
+    shard = work / "ckpt" / "model-00002-of-00002.safetensors"
+    with open(shard, "r+b") as f:
+        f.truncate(100)
+    code, out, err = run(capsys, "build", "uva.policy.yaml")
+    assert_one_error(code, out, err, "the checkpoint is invalid (1 problems)\n  - model-00002-of-00002.safetensors: "
+                     "header length")
+    assert not (work / "uva.plan.yaml").exists()
+
+
+def hand_edit(work, name="uva.plan.yaml"):
+    """One placement flipped, the layer table left as it was: (line of the layer's row, of the edit)."""
+    plan = work / name
+    text = plan.read_text()
+    name = "  model.layers.0.self_attn.o_proj.weight: "
+    edited = text.replace(name + "uva", name + "gpu")
+    assert edited != text
+    plan.write_text(edited)
+    return (edited[:edited.index("{name: model.layers.0,")].count("\n") + 1,
+            edited[:edited.index("model.layers.0.self_attn.o_proj.weight: gpu")].count("\n") + 1)
+
+
+def test_show_validate_and_check_catch_one_flipped_placement(work, capsys):
+    run(capsys, "build", "uva.policy.yaml")
+    row, param = hand_edit(work)
+    error = ("error: uva.plan.yaml: the plan is inconsistent (edited by hand?): params: compared with layers:, "
+             "summary:, prefetch: and prefill: with the tensor sizes in its checkpoint's headers; rebuild it: plan build "
+             "uva.policy.yaml -o uva.plan.yaml\n"
+             f"  - uva.plan.yaml:{row}:5: layers[1]: model.layers.0 has gpu 0, uva 3,145,728, prefetch 0; its "
+             "tensors in params: have gpu 1,048,576, uva 2,097,152, prefetch 0 "
+             f"(uva.plan.yaml:{param}:43: params.model.layers.0.self_attn.o_proj.weight: gpu)\n")
+    assert run(capsys, "show", "uva.plan.yaml") == (1, "", error)
+    assert run(capsys, "show", "uva.plan.yaml", "--tensors") == (1, "", error)
+    assert run(capsys, "validate", "uva.plan.yaml") == (1, "", error)
+    code, out, err = run(capsys, "check", "uva.plan.yaml")
+    assert (code, out) == (2, "")
+    assert err == "uva.plan.yaml: STALE\n" + "".join(f"  - {line.strip().removeprefix('- ')}\n"
+                                                    for line in error[7:].splitlines())
+    run(capsys, "build", "uva.policy.yaml", "-o", "fresh.plan.yaml")
+    assert run(capsys, "diff", "fresh.plan.yaml", "uva.plan.yaml")[:2] == (1, "")
+
+
+def test_check_catches_a_hand_edit_the_parts_agree_on(work, capsys):
+    run(capsys, "build", "uva.policy.yaml")
+    plan = work / "uva.plan.yaml"
+    # A note rewritten: every part of the plan still agrees, but a rebuild differs.
+    plan.write_text(plan.read_text().replace("3.0 MiB on uva from 1 layer", "nothing much"))
+    code, out, err = run(capsys, "check", "uva.plan.yaml")
+    assert code == 2
+    assert "the plan is not what `plan build` makes of its policy and checkpoint" in err
+
+
+def test_diff_notices_a_changed_checkpoint_alone(work, capsys):
+    run(capsys, "build", "uva.policy.yaml")
+    text = (work / "uva.plan.yaml").read_text()
+    fp = text.split("fingerprint: ")[1].split("\n")[0]
+    (work / "other.plan.yaml").write_text(text.replace(fp, '"sha256:' + "0" * 64 + '"', 1))
+    code, out, _ = run(capsys, "diff", "uva.plan.yaml", "other.plan.yaml", "--detailed-exitcode")
+    assert code == 2 and out.splitlines()[0] == "checkpoint: its headers differ (another fingerprint)"
+
+
+def test_validate_tells_policy_from_plan_by_content_not_comments(work, capsys):
+    text = (work / "uva.policy.yaml").read_text()
+    (work / "commented.policy.yaml").write_text("# compare with the offplan plan of last week\n" + text)
+    code, out, _ = run(capsys, "validate", "commented.policy.yaml")
+    assert code == 0 and "valid policy" in out

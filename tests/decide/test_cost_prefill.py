@@ -1,0 +1,106 @@
+"""The cost model's prefill (time to first token) on plain data with round-number hardware, and mixed weighing
+the whole request: prefill and decode steps."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from headeronly import GPU, PREFETCH, UVA, infos, policy
+from planner.decide.cost import CostModel
+from planner.decide.placement import decide
+from planner.inputs.hardware import Hardware
+from planner.inputs.policy import Workload
+from planner.layers.graph import build_graph
+from planner.layers.groups import FusedGroups
+from test_cost import HW, moe
+
+# 1 MB/us copy, 0.5 MB/us UVA, 10 MB/us HBM, 10^6 FLOP/us (1 TFLOP/s); staging above 64 tokens
+HW_PREFILL = dataclasses.replace(HW, matmul_tflops=1.0, stage_above_tokens=64)
+
+
+def prefill_placement(t):
+    """Layer 0: attention and every expert on uva; layer 1: attention prefetched, experts resident; the
+    embedding on uva (it reads rows), the head resident."""
+    place = {n: GPU for n in t}
+    for n in t:
+        if n.startswith("model.layers.0.") or n == "model.embed_tokens.weight":
+            place[n] = UVA
+    place["model.layers.1.self_attn.o_proj.weight"] = PREFETCH
+    return place
+
+
+@pytest.mark.parametrize("tokens, stage, want", [
+    # T = 100 > 64: layer 0's attention is staged (a 1 MB copy), and its experts too: 100 tokens touch
+    # 1 - (3/4)^100 = all of them, over the 0.5 UVA / 1 copy bandwidths it takes to favour copying them whole
+    # (12 MB more). Copies overlap compute, reads in place add to it. T x 2 FLOP per element:
+    #   embedding: 100 of 1000 rows through UVA, in place                          0.1 MB / 0.5    =   200
+    #   layer 0: 2e8 FLOP (attention) + 12 x 2e8 x 1/4 (each expert computes a quarter of the tokens):
+    #            max(800 + 13 MB staged / HBM 1300, 13 MB copied 13000)                             = 13000
+    #   layer 1: max(800 + 13 MB / HBM 1300, 1 MB prefetched 1000)                                  =  2100
+    #   head:    max(200 + 1 MB / HBM 100, 0)                                                       =   300
+    (100, True, (200, 13000, 2100, 300)),
+    # not staged: a GEMM reads the attention in place ceil(100 / 64) = 2 times, the experts gather the 12 MB
+    # touched once: 800 + 14 MB / 0.5 28000
+    (100, False, (200, 28800, 2100, 300)),
+    # T = 64 is not above the threshold: 64 of 1000 rows; 2 x 64 FLOP per element; layer 0: 128 + 384 of
+    # GEMMs + the attention read in place once (2000) and the touched experts (24000)
+    (64, True, (128, 26512, 1812, 228)),
+])
+def test_prefill_prediction_by_hand(tokens, stage, want):
+    t = infos(moe(layers=2, experts=4))
+    g = build_graph(t)
+    groups = FusedGroups.find(n for l in g.stack_layers() for n in l.params)
+    m = CostModel(g, t, HW_PREFILL, 1, groups, 1, prompt_tokens=tokens, stage=stage)
+    p = m.predict(prefill_placement(t))
+    assert tuple(l.prefill_us for l in p.layers) == want
+    assert (p.prompt_tokens, p.prefill_us) == (tokens, sum(want))
+    assert p.request_us(10) == sum(want) + 10 * p.step_us
+
+
+def test_prefill_of_a_layer_at_rest_is_its_compute():
+    """Everything resident: each layer's GEMMs and HBM reads; more tokens, more FLOPs (the link is idle)."""
+    t = infos(moe(layers=2, experts=4))
+    g = build_graph(t)
+    groups = FusedGroups.find(n for l in g.stack_layers() for n in l.params)
+    place = {n: GPU for n in t}
+    # per layer at T=100: 800 us of GEMMs + 13 MB from HBM 1300 us; the head 300 us; the embedding 100 rows 10 us
+    for tokens, want in ((100, 10 + 2 * 2100 + 300), (1000, 100 + 2 * (8000 + 1300) + 2100)):
+        m = CostModel(g, t, HW_PREFILL, 1, groups, 1, prompt_tokens=tokens)
+        assert m.predict(place).prefill_us == want
+
+
+def dense(layers=8):
+    """A 1 MB embedding (1000 rows), `layers` dense layers of 1 MB, a 1 MB head: 10 MB in all."""
+    return ([("model.embed_tokens.weight", "U8", (1000, 1000))]
+            + [(f"model.layers.{i}.mlp.w", "U8", (10**6,)) for i in range(layers)] + [("lm_head.weight", "U8", (10**6,))])
+
+
+def test_mixed_minimises_the_request_not_the_step():
+    """With staging off, reading a dense layer in place costs a decode step what copying it does, but a
+    prefill of 1024 tokens reads it ceil(1024 / 256) = 4 times. UVA, which moves just the 3 MB to shed,
+    has the fastest step; streaming must move 4 layers (and pay 2 slots), but its prefill copies each
+    once. Few new tokens: the prefill decides; more: the step."""
+    hw = Hardware("test", h2d_copy_gbps=1.0, uva_read_gbps=1.0, hbm_read_gbps=10.0, layer_overhead_us=0.0,
+                  matmul_tflops=10.0, stage_above_tokens=256)
+    t = infos(dense())  # 10 MB; the budget, 7.1 MB
+    # per layer at rest: 2 x 1024 x 10^6 FLOP at 10^7 FLOP/us = 204.8 us, + 1 MB from HBM 100 us
+    # uva (the embedding, layers 0 and 1): step = gpu: 7 MB from HBM 700 + 2.001 MB through UVA 2001 = 2701;
+    #   prefill: the embedding's 1000 rows 1000 + 2 x (4 reads of 1 MB 4000 in place, after 204.8 of GEMMs)
+    #   + 6 x 304.8 + the head 304.8
+    # sparse->uva, dense->prefetch (the embedding; layers 1, 3, 5, 7 through 2 slots of 1,000,192 bytes):
+    #   step = link: 4 MB copied + 1 embedding row = 4001; prefill 1000 + 4 x 1000 (copies) + 4 x 304.8 + 304.8
+    # prefetch only (5 layers: the embedding stays): step = link 5000; prefill 100 + 5 x 1000 + 3 x 304.8 + 304.8
+    want = {"sparse->uva, dense->prefetch": (4001, 6524), "sparse->uva, dense->uva": (2701, 11543),
+            "prefetch only": (5000, 6319), "uva only": (2701, 11543)}
+    # request: 1 new token: 10525 (streaming) < 11319 (prefetch only) < 14244 (uva);
+    #          4 new tokens: 22347 (uva) < 22528 (streaming)
+    for new_tokens, best in ((1, "sparse->uva, dense->prefetch"), (4, "sparse->uva, dense->uva")):
+        pol = dataclasses.replace(policy("mixed", budget_gib=7.1e6 / 2**30, step=2, stage_prefill=False),
+                                  workload=Workload(1, prompt_tokens=1024, new_tokens=new_tokens))
+        d = decide(build_graph(t), t, pol, hw, None)
+        said = {k: f"step {step / 1e3:.3f} ms, prefill {pre / 1e3:.3f} ms, request "
+                   f"{(pre + new_tokens * step) / 1e3:.3f} ms" for k, (step, pre) in want.items()}
+        assert d.notes[1] == (f"mixed chose {best!r}: predicted {said[best]} (prefill of 1024 tokens + {new_tokens} "
+                              "steps at batch 1); others: " + "; ".join(f"{k}: {v}" for k, v in said.items() if k != best))
+        assert (d.cost.step_us, d.cost.prefill_us, d.cost.prompt_tokens) == (*want[best], 1024)

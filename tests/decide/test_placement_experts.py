@@ -1,0 +1,136 @@
+"""Placement of fused expert groups, on plain data; and a backend asked to offload what it cannot: one error
+naming the key."""
+from __future__ import annotations
+
+import pytest
+
+from headeronly import GPU, UVA, mib, placed, plan_of, policy, toy
+from planner.errors import PolicyError
+from test_placement_prefetch import dense_then_moe
+
+
+def moe_toy(layers: int = 3, experts: int = 2) -> list:
+    """Per layer: attention 1 MiB, then experts e: down/gate/up 1 MiB each (a fused group)."""
+    out = [("model.embed_tokens.weight", "BF16", (512, 1024))]
+    for i in range(layers):
+        out.append((f"model.layers.{i}.self_attn.o_proj.weight", "BF16", (512, 1024)))
+        for e in range(experts):
+            for proj in ("down_proj", "gate_proj", "up_proj"):
+                out.append((f"model.layers.{i}.mlp.experts.{e}.{proj}.weight", "BF16", (512, 1024)))
+    out.append(("lm_head.weight", "BF16", (512, 1024)))
+    return out
+
+
+def experts_of(*layers: int, experts: int = 2) -> list[str]:
+    return [f"model.layers.{i}.mlp.experts.{e}.{p}.weight" for i in layers for e in range(experts)
+            for p in ("down_proj", "gate_proj", "up_proj")]
+
+
+def test_uva_walk_offloads_a_fused_parameter_whole_as_vllm():
+    t = moe_toy()
+    # Natural order puts mlp.experts.0.down_proj first; vLLM's unit is the fused parameter: the layer's
+    # down_proj over both experts (w2, 2 MiB). 1.5 MiB stops the walk after it.
+    d, _ = plan_of(t, policy(offload_gib=mib(1.5)))
+    assert placed(d, UVA) == [f"model.layers.0.mlp.experts.{e}.down_proj.weight" for e in (0, 1)]
+
+
+def test_uva_budget_walk_moves_one_expert_of_one_parameter_at_a_time():
+    t = moe_toy()  # 2 + 3 * 7 = 23 MiB
+    d, _ = plan_of(t, policy(budget_gib=mib(20)))  # 3 MiB to shed: expert 0's down (1), then its gate+up (2)
+    assert placed(d, UVA) == [f"model.layers.0.mlp.experts.0.{p}.weight" for p in ("down_proj", "gate_proj", "up_proj")]
+    assert d.layers[1].experts == "mlp.experts: gpu 1, uva 0"  # the layer row says which experts are where
+
+
+@pytest.mark.parametrize("pol, where", [
+    (dict(rules=[(["re:experts\\.1\\.gate_proj"], "uva")]),
+     "rules[0] (place: uva) selects model.layers.0.mlp.experts.1.gate_proj.weight but not "
+     "model.layers.0.mlp.experts.1.up_proj.weight: they are one row of a fused parameter at run time"),
+    (dict(offload_gib=1, uva_params=["up_proj"]),
+     "uva.params selects model.layers.0.mlp.experts.0.up_proj.weight but not "
+     "model.layers.0.mlp.experts.0.gate_proj.weight"),
+    (dict(backend="prefetch", group_size=1, prefetch_params=["gate_proj"]),
+     "prefetch.params selects 2 of the 6 tensors of fused group model.layers.0.mlp.experts (e.g. "
+     "model.layers.0.mlp.experts.0.gate_proj.weight); prefetch streams a group whole"),
+])
+def test_splitting_a_fused_expert_or_prefetching_part_of_a_group_is_an_error(pol, where):
+    with pytest.raises(PolicyError) as err:
+        plan_of(moe_toy(), policy(**pol))
+    text = str(err.value)
+    assert "splits fused experts" in text
+    assert where in text
+
+
+@pytest.mark.parametrize("pol, want", [
+    # a rule keeps expert 1 of layer 0 on the GPU: vLLM's walk moves the rest of each fused parameter it reaches
+    (dict(offload_gib=mib(1.5), rules=[(["re:layers\\.0\\.mlp\\.experts\\.1\\."], "gpu")]),
+     ["model.layers.0.mlp.experts.0.down_proj.weight", "model.layers.0.mlp.experts.0.gate_proj.weight",
+      "model.layers.0.mlp.experts.0.up_proj.weight"]),
+    # uva.params selects expert 0 only: the walk moves nothing else of the parameters it reaches
+    (dict(offload_gib=mib(100), uva_params=["re:experts\\.0\\."]), experts_of(0, 1, 2, experts=2)[:3]
+     + experts_of(1, experts=2)[:3] + experts_of(2, experts=2)[:3]),
+])
+def test_uva_walk_moves_nothing_a_rule_fixed_or_params_left_out(pol, want):
+    d, _ = plan_of(moe_toy(), policy(**pol))
+    assert placed(d, UVA) == want
+
+
+def test_whole_experts_may_be_placed_apart():
+    d, _ = plan_of(moe_toy(), policy(rules=[(["re:experts\\.1\\."], "uva")]))
+    assert placed(d, UVA) == [f"model.layers.{i}.mlp.experts.1.{p}.weight" for i in range(3)
+                              for p in ("down_proj", "gate_proj", "up_proj")]
+
+
+# ---------------------------------------------------------------- a backend asked to offload must offload
+
+@pytest.mark.parametrize("tensors, pol, message", [
+    (toy(4), dict(backend="prefetch"),
+     "test.policy.yaml: backend: prefetch offloads nothing: set prefetch.group_size (with num_in_group: stream "
+     "the last num_in_group layers of every group, as vLLM's offload_group_size) or budget_gib (stream the "
+     "fewest layers that fit)"),
+    (toy(4), dict(backend="prefetch", prefetch_params=["mlp"]),
+     "test.policy.yaml: backend: prefetch offloads nothing: set prefetch.group_size"),
+    (toy(4), dict(backend="uva", uva_params=["mlp"]),
+     "test.policy.yaml: backend: uva offloads nothing: set uva.offload_gib (GiB to offload, as vLLM's "
+     "cpu_offload_gb) or budget_gib (offload until the GPU footprint fits); uva.params only narrows which "
+     "tensors those offload"),
+    (toy(5), dict(group_size=10, num_in_group=2),
+     "test.policy.yaml: prefetch.group_size 10 is larger than the 5 layers of the layer stacks "
+     "(model.layers): layer i streams iff i % 10 >= 8, so the groups never repeat; set "
+     "prefetch.group_size to at most 5 (or use budget_gib and let the planner choose the layers)"),
+    (toy(5), dict(group_size=6, num_in_group=3),  # it would stream layers 3 and 4: still a mistake
+     "test.policy.yaml: prefetch.group_size 6 is larger than the 5 layers"),
+    (dense_then_moe(), dict(group_size=4, num_in_group=1, prefetch_params=["down_proj"]),
+     "test.policy.yaml: backend prefetch has nothing to offload: prefetch.group_size 4 / num_in_group 1 "
+     "streams layers model.layers.3, model.layers.7, but prefetch.params selects none of their tensors (it "
+     "selects e.g. model.layers.0.mlp.down_proj.weight); change prefetch.params"),
+    (toy(4), dict(group_size=2, rules=[(["layers.1", "layers.3"], "gpu")]),
+     "test.policy.yaml: backend prefetch has nothing to offload: prefetch.group_size 2 / num_in_group 1 "
+     "streams layers model.layers.1, model.layers.3, but rules place every tensor of those layers (e.g. "
+     "model.layers.1.mlp.down_proj.weight); change the rules"),
+    (toy(4), dict(offload_gib=1, uva_params=["mlp"], rules=[(["mlp"], "gpu")]),
+     "test.policy.yaml: backend uva has nothing to offload: uva.params selects only tensors that rules "
+     "already place (e.g. model.layers.0.mlp.down_proj.weight); change uva.params or the rules"),
+    (toy(4), dict(budget_gib=mib(12), uva_params=["lm_head"]),
+     "test.policy.yaml: backend uva has nothing to offload: uva.params selects only tensors outside the "
+     "layer stacks (e.g. lm_head.weight), which the backend never moves; place those with a rule "
+     "(`{match: [...], place: uva}`)"),
+    (toy(4), dict(backend="prefetch", budget_gib=mib(12), prefetch_params=["o_proj"],
+                  rules=[(["o_proj"], "uva")]),
+     "test.policy.yaml: backend prefetch has nothing to offload: prefetch.params selects only tensors that "
+     "rules already place (e.g. model.layers.0.self_attn.o_proj.weight); change prefetch.params or the rules"),
+])
+def test_a_backend_that_would_offload_nothing_is_an_error_naming_the_key(tensors, pol, message):
+    with pytest.raises(PolicyError) as e:
+        plan_of(tensors, policy(**pol))
+    assert str(e.value).startswith(message)
+
+
+def test_an_empty_auto_policy_offloads_nothing_and_says_why():
+    d, _ = plan_of(toy(2), policy(uva_params=["mlp"]))
+    assert d.backend.value == "none" and set(d.params.values()) == {GPU}
+    assert d.notes == ("nothing is offloaded: backend auto has no offload amount or budget (set "
+                       "uva.offload_gib, prefetch.group_size or budget_gib) (uva.params only narrows what "
+                       "uva.offload_gib or budget_gib offloads)",)
+
+
+# ---------------------------------------------------------------- notes tell the final placements
