@@ -1,8 +1,9 @@
 """The record of the last full GPU run, and the CI guard that keeps untested GPU code off main.
 
 CI has no GPU. Code that runs on the GPU (GPU_PATHS: the runtime, the GPU
-tests, the decode, MoE, MoE-kernel, prefill and quantized benchmarks, and the quantized
-checkpoint writer the last one uses) therefore lands only with a record, committed in
+tests, the decode, MoE, MoE-kernel, prefill and quantized benchmarks with the harness they
+share, and the quantized checkpoint writer the last one uses) therefore lands only with a
+record, committed in
 RECORD, of a full GPU test run on exactly that code: the git object id of each
 path (as `git rev-parse HEAD:runtime` prints it), the device, and pytest's
 summary line.
@@ -35,8 +36,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 RECORD = ".ci/gpu-run.json"  # relative to the root
-GPU_PATHS = ("runtime", "benchmarks/decode.py", "benchmarks/moe.py", "benchmarks/moe_kernels.py", "benchmarks/prefill.py",
-             "benchmarks/quantized.py", "tests/quantized_models.py", "tests/*_gpu.py")  # globs relative to the root
+GPU_PATHS = ("runtime", "benchmarks/harness", "benchmarks/decode.py", "benchmarks/moe.py", "benchmarks/moe_kernels.py",
+             "benchmarks/prefill.py", "benchmarks/quantized.py", "tests/quantized_models.py",
+             "tests/**/*_gpu.py")  # globs relative to the root; `**/`: any folders, none included
 SUITE = ["-m", "pytest", "-m", "gpu", "-v", "-s", "-p", "no:cacheprovider", "tests"]
 SUMMARY = re.compile(r"^=+ (.* in [\d.]+s.*?) =+$")
 
@@ -94,6 +96,12 @@ def _tree(root: Path, rel: str, rules) -> str | None:
     return _object("tree", body)
 
 
+def _glob(pattern: str) -> re.Pattern:
+    """A GPU_PATHS glob as `Path.glob` reads it: `*` within a name, `**/` any folders (none too)."""
+    parts = re.split(r"(\*\*/|\*|\?)", pattern)
+    return re.compile("".join({"**/": "(?:[^/]+/)*", "*": "[^/]*", "?": "[^/]"}.get(p, re.escape(p)) for p in parts))
+
+
 def gpu_paths(root: Path = ROOT) -> list[str]:
     out = []
     for pattern in GPU_PATHS:
@@ -120,7 +128,7 @@ def ids_at_head(root: Path = ROOT) -> dict[str, str]:
     committed = _git("ls-tree", "-r", "--name-only", "HEAD", root=root).splitlines()
     out = {}
     for pattern in GPU_PATHS:
-        for rel in sorted(p for p in committed if fnmatch.fnmatchcase(p, pattern)) if "*" in pattern else [pattern]:
+        for rel in sorted(p for p in committed if _glob(pattern).fullmatch(p)) if "*" in pattern else [pattern]:
             try:
                 out[rel] = _git("rev-parse", f"HEAD:{rel}", root=root)
             except subprocess.CalledProcessError:

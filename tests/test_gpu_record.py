@@ -43,11 +43,13 @@ def scratch_repo(tmp_path: Path) -> Path:
     """A repository with GPU paths whose names exercise git's tree order, modes and ignore rules."""
     root = tmp_path / "repo"
     for rel, text in {"runtime/a.py": "a", "runtime/a-b.py": "ab", "runtime/a/inner.py": "inner",
-                      "runtime/a.b/x.py": "x", "runtime/z.py": "z", "benchmarks/decode.py": "decode",
+                      "runtime/a.b/x.py": "x", "runtime/z.py": "z", "benchmarks/harness/loops.py": "loops",
+                      "benchmarks/decode.py": "decode",
                       "benchmarks/moe.py": "moe", "benchmarks/moe_kernels.py": "kernels",
                       "benchmarks/prefill.py": "prefill",
                       "benchmarks/quantized.py": "quantized", "tests/quantized_models.py": "writer",
-                      "tests/test_x_gpu.py": "gpu test", "tests/test_cpu.py": "cpu test",
+                      "tests/test_x_gpu.py": "gpu test", "tests/a/b/test_y_gpu.py": "deeper gpu test",
+                      "tests/test_cpu.py": "cpu test", "tests/a/test_cpu.py": "deeper cpu test",
                       ".gitignore": "__pycache__/\n*.egg-info/\n/.device/\n"}.items():
         (root / rel).parent.mkdir(parents=True, exist_ok=True)
         (root / rel).write_text(text)
@@ -82,9 +84,9 @@ def test_ids_from_files_equal_gits_own_on_this_repository(tmp_path):
 def test_ids_from_files_follow_gits_order_modes_and_ignores(tmp_path):
     root = scratch_repo(tmp_path)
     ids = gpu_record.ids_from_files(root)
-    assert list(ids) == ["runtime", "benchmarks/decode.py", "benchmarks/moe.py", "benchmarks/moe_kernels.py",
-                         "benchmarks/prefill.py",
-                         "benchmarks/quantized.py", "tests/quantized_models.py", "tests/test_x_gpu.py"]
+    assert list(ids) == ["runtime", "benchmarks/harness", "benchmarks/decode.py", "benchmarks/moe.py",
+                         "benchmarks/moe_kernels.py", "benchmarks/prefill.py", "benchmarks/quantized.py",
+                         "tests/quantized_models.py", "tests/a/b/test_y_gpu.py", "tests/test_x_gpu.py"]
     assert ids == gpu_record.ids_at_head(root) == {rel: git(root, "rev-parse", f"HEAD:{rel}") for rel in ids}
 
 
