@@ -10,7 +10,7 @@ them by default: 61 GB of disk, which the H100 machine holds; every per-layer
 figure is the real one), random bf16 weights saved as a sharded safetensors
 checkpoint (harness/checkpoints.py `make_checkpoint`, a layer at a time). One run measures:
 
-1. the hardware (`runtime.calibrate`): the UVA read bandwidth sets the floor;
+1. the hardware (`runtime.measure.calibrate`): the UVA read bandwidth sets the floor;
 2. all on the GPU, per transformers experts implementation (`--baselines`:
    `batched_mm`, `grouped_mm`, and `eager`, transformers' default loop over
    experts), loaded by transformers alone (`--transformers-baselines`,
@@ -21,7 +21,7 @@ checkpoint (harness/checkpoints.py `make_checkpoint`, a layer at a time). One ru
    kernels, as vLLM's default compiled CUDA graphs do). The eager loop syncs
    on the host and cannot be captured;
 3. every expert in pinned host memory (a rule puts `experts` on uva), read
-   through offplan's experts implementation (runtime/experts.py), and, for
+   through offplan's experts implementation (runtime/execute/experts.py), and, for
    comparison, the same placement read by transformers' `batched_mm`;
 4. the floor per batch: the bytes of the unique experts that routing touches
    in a decode step (counted in an untimed pass over the same prompts, all on
@@ -50,7 +50,7 @@ and the run goes on to placements under a GPU budget:
 Every decode is greedy over the same prompts; its tokens are compared with the
 all-GPU model's (transformers alone) under the same arithmetic, in the same mode: offplan's experts
 implementation reproduces batched_mm at batch 1 and grouped_mm from batch 2 on
-(runtime/experts.py `arithmetic`). Records go to OUT/moe-MODEL.jsonl
+(runtime/execute/experts.py `arithmetic`). Records go to OUT/moe-MODEL.jsonl
 (OUT/moe-MODEL-skewS.jsonl with `--skew`) as they are measured; the tables
 are printed last.
 """
@@ -108,7 +108,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="with --skew: fractions of the expert bytes a budget keeps on the GPU")
     ap.add_argument("--profile-prompts", type=int, default=64, help="with --skew: prompts to record routing on")
     ap.add_argument("--lookahead-ab", action="store_true", help="also every expert in pinned memory at batch 1 "
-                    "without the experts lookahead (runtime/lookahead.py), in the same run")
+                    "without the experts lookahead (runtime/execute/lookahead.py), in the same run")
     ap.add_argument("--budget-batches", type=int, nargs="+", default=[1, 8],
                     help="with --skew: batches the budget placements decode at (and are predicted at)")
     return ap.parse_args(argv)
@@ -158,7 +158,7 @@ class Run:
 
     def load(self, plan: Path | None, implementation: str | None, lookahead: bool = True):
         """`plan` applied by offplan's runtime; None: the checkpoint loaded by transformers alone. `lookahead`
-        False: without the runtime's experts lookahead (runtime/lookahead.py), to measure what it gains."""
+        False: without the runtime's experts lookahead (runtime/execute/lookahead.py), to measure what it gains."""
         import runtime
         from runtime.hf import build_meta_model
         gc.collect()

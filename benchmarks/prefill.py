@@ -12,7 +12,7 @@ harness's checkpoint, and its calibration measured now on this GPU):
    i % g >= g - n, harness/plans.py's FRACTIONS):
    - gpu: nothing offloaded;
    - uva: a rule puts those layers on uva; the plan stages them for prefill
-     (runtime/prefill.py: copied to the GPU before a forward over more than
+     (runtime/execute/prefill.py: copied to the GPU before a forward over more than
      the profile's `stage_above_tokens` tokens), routed experts too, through
      the expert ring (`uva: {stage_experts: true}`);
    - uva-gathered (MoE models): the same, but `stage_experts: false`: each

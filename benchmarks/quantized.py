@@ -11,17 +11,17 @@ weights. One run:
    `*_proj.weight` F8_E4M3 with 128 x 128 `weight_scale_inv`), and writes the
    reference: the FP8 checkpoint dequantized on the host with the same formula,
    as bf16. The reference is "the same model in bf16";
-2. measures the UVA read bandwidth (`runtime.calibrate`);
+2. measures the UVA read bandwidth (`runtime.measure.calibrate`);
 3. for both checkpoints, plans every routed expert on uva (the rest on the
    GPU) and all on the GPU, loads each (FP8 stays FP8 in host memory and in
-   HBM; runtime/quant.py), and decodes greedily at batch 1: eager `generate`
+   HBM; runtime/place/quant.py), and decodes greedily at batch 1: eager `generate`
    and CUDA-graph replay of a static-cache step (harness/loops.py `decode_static`);
 4. the floor of each experts-on-host run: the bytes of the 8 experts a token
    touches per layer (their quantized bytes and scales for FP8) over the
    measured UVA bandwidth.
 
 Tokens of the FP8 runs must equal the reference's in the same placement and
-mode (outputs are bitwise those of the dequantized model: runtime/dequant.py).
+mode (outputs are bitwise those of the dequantized model: runtime/place/dequant.py).
 Records go to OUT/quantized-MODEL.jsonl; a table is printed last.
 """
 from __future__ import annotations
@@ -60,7 +60,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def tiny_config(layers: int):
-    """The tiny model of harness/checkpoints.py with FP8-sized experts: gate and up must each fill whole 128-row scale blocks."""
+    """The tiny model of harness/checkpoints.py with FP8-sized experts: gate and up must each fill whole 128-row
+    scale blocks."""
     config = config_for("tiny", layers)
     config.hidden_size, config.moe_intermediate_size, config.head_dim = 128, 128, 32
     return config

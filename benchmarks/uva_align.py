@@ -17,7 +17,7 @@ CUDA view at batch 1, 8 and 64, and copied to the GPU in one piece:
 Every variant is measured in each of `--rounds` rounds, in turn, and the median
 over rounds is reported, so that drift over the run (clocks, other tenants)
 spreads over all of them. Each figure within a round is itself the median of 20
-timed repeats (runtime.calibrate). Records go to OUT/uva-align.jsonl; the table
+timed repeats (runtime.measure.calibrate). Records go to OUT/uva-align.jsonl; the table
 is printed last.
 """
 from __future__ import annotations

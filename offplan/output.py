@@ -1,4 +1,4 @@
-"""How `plan` commands print: JSON with `--json`, else text and rich tables (planner.report.print_to)."""
+"""How `plan` commands print: JSON with `--json`, else text and rich tables (planner.planfile.show.print_to)."""
 from __future__ import annotations
 
 import json

@@ -145,7 +145,7 @@ class StagedLayer:
 
 @dataclass(frozen=True)
 class PrefillStaging:
-    """uva tensors staged for prefill (runtime/prefill.py).
+    """uva tensors staged for prefill (runtime/execute/prefill.py).
 
     A GEMM reading a weight in place through a UVA view re-reads it over the
     host link once per output tile: past a few hundred tokens that is many
@@ -157,7 +157,7 @@ class PrefillStaging:
     it (decode) they are read in place. Routed experts on uva are staged only
     where `ring_bytes` is set (staging.py says when the planner sets it), and
     not through the slots: their rows stream through a ring of `ring_bytes`
-    that each staged forward allocates and frees (runtime/ring.py), prefill
+    that each staged forward allocates and frees (runtime/execute/ring.py), prefill
     working memory like the activations. Otherwise offplan's experts
     implementation reads each touched expert once per forward, after the router.
     """
@@ -195,7 +195,7 @@ class Summary:
 
 @dataclass(frozen=True)
 class Cost:
-    """What the cost model assumed and predicted (see planner/cost.py)."""
+    """What the cost model assumed and predicted (see planner/decide/cost.py)."""
 
     hardware: str  # the profile's device name
     batch_size: int
@@ -213,7 +213,7 @@ class Cost:
 
 @dataclass(frozen=True)
 class RoutingRef:
-    """The routing profile a plan was built with (planner/routing.py): path relative to the plan
+    """The routing profile a plan was built with (planner/inputs/routing.py): path relative to the plan
     file's directory, and the fingerprint of its bytes, which staleness compares."""
 
     path: str

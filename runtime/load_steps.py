@@ -4,7 +4,7 @@ The runtime never decides a placement: every tensor goes where the plan says,
 or the call fails. The steps:
 
 1. open: the plan (parsed once) and its checkpoint's headers; refuse a stale
-   plan (planner/staleness.py), and a header-only checkpoint when loading;
+   plan (planner/planfile/staleness.py), and a header-only checkpoint when loading;
 2. map names: checkpoint tensors to model tensors (checkpoint_names.py), one
    error listing everything that does not match; for a quantized checkpoint
    the meta model first made to hold FP8/MXFP4 tensors as stored (quant.py);

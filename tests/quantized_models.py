@@ -1,6 +1,6 @@
 """Tiny quantized checkpoints for the runtime tests, written from the formats' published layouts.
 
-Independent of runtime/quant.py on purpose: the runtime must read what other
+Independent of runtime/place/quant.py on purpose: the runtime must read what other
 tools write, not what it writes itself.
 
 - FP8 block-scaled, as DeepSeek-V3 and Qwen3-FP8 ship (config.json

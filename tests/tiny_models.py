@@ -80,7 +80,7 @@ def logits(model, device="cpu", seed: int = 1):
         return model(ids).logits
 
 
-# Tiny configs of the families offplan is tested on (tests/test_families.py): a few layers of 64 wide, each
+# Tiny configs of the families offplan is tested on (tests/place/test_families.py): a few layers of 64 wide, each
 # family's own structure kept (what offloading meets: fused experts, dense first layers, shared experts, tied
 # embeddings, buffers computed at load, a vision tower). Token ids >= 250 are the VLMs' special tokens.
 
@@ -213,8 +213,8 @@ def reference_family(directory: Path):
 
 
 def check_ring(handle) -> list[int]:
-    """Wrap the prefill stager's expert fill (runtime/ring.py) so that after each fill the experts forward's rows
-    are compared with the module's own fused parameters, every row: those gathered from HBM and those the ring
+    """Wrap the prefill stager's expert fill (runtime/execute/ring.py) so that after each fill the experts forward's
+    rows are compared with the module's own fused parameters, every row: those gathered from HBM and those the ring
     delivered (on CUDA a row the ring missed would hold whatever memory the allocator handed back, possibly the
     right values from a previous forward). Returns the units filled, in order."""
     from runtime.execute.experts import fused_params

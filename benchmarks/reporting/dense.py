@@ -155,7 +155,7 @@ def align_table() -> list[str]:
             f"{statistics.median(r[k] for r in rs):.1f}" for k in keys) + " |")
     out += ["", "A tensor that starts 64 bytes past a 256-byte boundary is read about 16% slower in place; any "
             "256-byte-aligned start reads as fast as `cudaHostAlloc` memory. The arena now starts on a page and "
-            "keeps tensors 256 bytes apart (runtime/arena.py); the `uva-64b` rows of the decode tables load the "
+            "keeps tensors 256 bytes apart (runtime/place/arena.py); the `uva-64b` rows of the decode tables load the "
             "same plan into an arena started 64 bytes past a page, as before, in the same run.", ""]
     return out
 

@@ -48,7 +48,8 @@ def moe_tables() -> list[str]:
         out.append(f"| {where} | {label} | {mode} | " + " | ".join(cells) + " |")
     same = all(r["same_tokens"] for r in decoded if r["implementation"] != "eager")
     out += ["", "Offplan's experts implementation reproduces `batched_mm`'s arithmetic up to 16 (token, expert) "
-            "pairs and `grouped_mm`'s above (runtime/experts.py); its tokens are compared with that all-GPU model's "
+            "pairs and `grouped_mm`'s above (runtime/execute/experts.py); "
+            "its tokens are compared with that all-GPU model's "
             f"in the same mode. Tokens equal in every run: **{'yes' if same else 'NO'}**."]
     repeat_path = RESULTS / "moe-qwen3-30b-a3b-repeat.jsonl"
     repeat = [r for r in read_rows(repeat_path) if r["kind"] == "decode" and r["name"] == "experts-host-offplan"]
@@ -98,7 +99,7 @@ B1_RUNS = {  # the batch-1 tables: their runs, each a moe.py run of its own (flo
         ["moe-qwen3-30b-a3b-b1-48layers-graph.jsonl", "moe-qwen3-30b-a3b-b1-48layers-compiled-graph.jsonl"],
         "The real layer count, which the H100 machine's disk holds (61 GB). The time between steps, from the last "
         "layer's gathers through the head to the first layer's router, when no expert can be read yet "
-        "(runtime/lookahead.py, Limits), is the same at any layer count: 3-4% of an 8-layer step, under 1% of "
+        "(runtime/execute/lookahead.py, Limits), is the same at any layer count: 3-4% of an 8-layer step, under 1% of "
         "this one."),
 }
 
@@ -113,7 +114,8 @@ def b1_tables() -> list[str]:
            "applied`: offplan's runtime applying a plan that offloads nothing. Each cell: steps/s (x transformers "
            "alone with the same implementation, for the plan applied; x floor, for experts in pinned memory); "
            "x the fastest all-GPU path in the same mode. Each ratio is against the floor and the baselines of its "
-           "own run. Experts in pinned memory are read with the runtime's experts lookahead (runtime/lookahead.py: "
+           "own run. Experts in pinned memory are read with the runtime's experts lookahead "
+           "(runtime/execute/lookahead.py: "
            "the next layer's 2 guessed experts read ahead while the GPU computes), and with it switched off in the "
            "same run (`lookahead off`, `--lookahead-ab`). Older runs on this page predate the lookahead.", ""]
     shown = False

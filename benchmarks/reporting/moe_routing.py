@@ -19,7 +19,7 @@ def kernel_tables() -> list[str]:
     out = ["### Where a batch-1 step's time goes", "",
            f"`{path.name}` (`python benchmarks/moe_kernels.py --layers 8 --skew 0.7 --resident 0.25 0.5 "
            "--compiled`): one decode step replayed 50 times under `torch.profiler`; every kernel's GPU time summed. "
-           "The gather is offplan's experts gather (runtime/experts.py), which reads host experts through the "
+           "The gather is offplan's experts gather (runtime/execute/gather.py), which reads host experts through the "
            "zero-copy view; gaps: the step's time less its kernels' (the GPU idle between a graph's kernels). The "
            "replayed step repeats one token, so the budget plans' bytes are those of that token's experts.", "",
            "| placement | step us | kernels | kernel us | gather us | other kernels us | gaps us | pinned MB per step "
@@ -38,7 +38,8 @@ def kernel_tables() -> list[str]:
                 "routing, the experts' GEMVs over the staged rows and the head, and it cannot overlap the gather: "
                 "a layer's experts are known only after its router runs, and the next layer needs their output. "
                 "That is what kept batch 1 under 0.95x the floor (the floor counts only the link). This profile "
-                "was taken before the runtime read guessed experts ahead in that time (runtime/lookahead.py; its "
+                "was taken before the runtime read guessed experts ahead in that time "
+                "(runtime/execute/lookahead.py; its "
                 "gain: the batch-1 table above)."]
     return out + [""]
 
@@ -63,7 +64,7 @@ def predict_tables() -> list[str]:
         out.append(f"| {label} | " + " | ".join(f"{r['precision']:.1%}" for r in rows) + " |")
     out += ["", "At batch 1 the link idles for about 250 us a layer (\"Where a batch-1 step's time goes\"), time "
             "enough for one or two experts of this shape (9.4 MB each). The runtime reads the top 2 guessed "
-            "experts of the next layer ahead in that time (runtime/lookahead.py): on a side stream, once the "
+            "experts of the next layer ahead in that time (runtime/execute/lookahead.py): on a side stream, once the "
             "layer's gather is done, by one kernel of 8 programs (51 GB/s, the SMs left to the compute stream), "
             "rank by rank until the next layer's gather needs the link, which then takes the guessed experts' "
             "completed blocks from HBM. An earlier trial with a gather of a full grid on the side stream held the "
@@ -112,7 +113,7 @@ def _skew_table(path: Path) -> list[str]:
            "copying the layer). Both plans predict graph replay (`workload.cuda_graphs: true`); graph replay "
            "measured; link MB/step observed = the bytes of host experts routing touched per step on the timed "
            "prompts.", "",
-           "Predicted: the plan's own prediction (planner/cost.py, with the hardware calibrated in the run, GPU "
+           "Predicted: the plan's own prediction (planner/decide/cost.py, with the hardware calibrated in the run, GPU "
            "time per layer included); predicted / measured: 1.00 is exact, above 1 optimistic. At observed bytes: "
            "the same prediction with the link bytes the timed prompts actually read (the observed bytes over the "
            "run's UVA rate in place of the predicted ones): what is left of the miss is the model's arithmetic, "

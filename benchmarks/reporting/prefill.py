@@ -38,7 +38,8 @@ def prefill_tables() -> list[str]:
                 "offloaded ones, a routed expert on uva only if the prompt routes a token to it"
                 + (", an embedding on uva by the rows of the prompt's tokens. Each cell: ms, x floor, x the prefetch "
                    "plan. `=`: logits bitwise equal to all-GPU's. `staged`: routed experts on uva streamed through "
-                   "the expert ring ahead of their layer at prefill (`uva: {stage_experts: true}`; runtime/ring.py, "
+                   "the expert ring ahead of their layer at prefill (`uva: {stage_experts: true}`; "
+                   "runtime/execute/ring.py, "
                    "at most 1 GiB allocated per prefill, not in the footprint)" if ring else
                    ". Measured before 2026-11-23, with the code of then: an embedding on uva counted whole in the "
                    "floor, and `staged` routed experts lay whole in 2 slots of a layer each, in the footprint. Each "

@@ -35,7 +35,7 @@ kernels is predicted several times too fast. UVA reads sit inside the
 kernels that need them, so they count as GPU time; prefetch copies run on
 their own stream ahead of use, so they do not. Both cross the same PCIe link,
 so the link term adds them. An experts forward that stages its touched
-experts (runtime/experts.py: any expert of the layer in pinned memory, or at
+experts (runtime/execute/experts.py: any expert of the layer in pinned memory, or at
 most BATCHED_PAIRS (token, expert) pairs, where batched_mm's arithmetic runs)
 writes them to HBM and reads them back: twice their bytes more over HBM.
 
@@ -68,7 +68,7 @@ with the default 192 (measured on the H100: 2.1x a copy), 43 at 8192 (measured
 24x: long prompts read in place are predicted pessimistic).
 
 Limits: the GPU time per layer is measured at batch 1 on tiny Llama and
-Qwen3-MoE layers (runtime/calibrate.py): a layer that launches more kernels
+Qwen3-MoE layers (runtime/measure/calibrate.py): a layer that launches more kernels
 (shared experts, MLA) takes longer, and so do the larger kernels of larger
 batches (on the H100, an all-GPU Qwen3-MoE step at batch 8 is predicted 1.46x
 too fast, at batch 1 1.12x); without a routing profile, expert routing is assumed uniform (real

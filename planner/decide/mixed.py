@@ -42,7 +42,7 @@ layers, each layer's host experts are a share that prefill copies
 (staging.py) while other layers compute, where whole layers of them, the
 first ones first, wait on the link; but every layer with an expert in
 pinned memory gathers its touched experts into HBM in each decode step
-(runtime/experts.py), which at large batches costs more HBM traffic. The
+(runtime/execute/experts.py), which at large batches costs more HBM traffic. The
 cost model weighs the two.
 
 Limits: each strategy is greedy (no search over arbitrary subsets), and the

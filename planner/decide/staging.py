@@ -5,7 +5,7 @@ re-reads it over the host link once per output tile, so at prefill reading in
 place costs a multiple of the weight's bytes (on the H100: 2.1x a copy at 512
 tokens, 24x at 8192). So when a forward carries more than `above_tokens`
 tokens (the hardware profile's `stage_above_tokens`), the runtime
-(runtime/prefill.py) copies each staged layer's uva tensors into one of
+(runtime/execute/prefill.py) copies each staged layer's uva tensors into one of
 `slots` GPU buffers before the layer runs, the next layer's copy overlapping
 this one's compute, as prefetch does. At or below it (decode) nothing changes:
 they are read in place.
@@ -41,9 +41,9 @@ every MoE model known to us (Qwen3-30B-A3B: 128 experts, top 8, 99.8% at 100
 tokens): a long prompt touches every expert.
 
 Staged experts do not go through the slots. Offplan's experts implementation
-gathers a forward's expert rows into a tensor of its own (runtime/experts.py),
+gathers a forward's expert rows into a tensor of its own (runtime/execute/experts.py),
 so a host row is free again once gathered: the rows stream through a ring of
-`ring_bytes` (runtime/ring.py) that each staged forward allocates and frees,
+`ring_bytes` (runtime/execute/ring.py) that each staged forward allocates and frees,
 prefill working memory like the activations (and the gathered rows, which
 hold all of a layer's experts), so the footprint does not count it. It holds
 one layer's host experts (the largest staged layer's: the copies then run a

@@ -46,7 +46,7 @@ class Workload:
 
     Without `routing`, the cost model assumes every expert of a layer is equally likely
     to be picked, and the plan says so; with it, each expert's share of decode tokens
-    comes from the profile (planner/routing.py), and `backend: mixed` keeps the most-hit
+    comes from the profile (planner/inputs/routing.py), and `backend: mixed` keeps the most-hit
     experts on the GPU. A request is a prefill of `prompt_tokens` and `new_tokens` decode
     steps; `backend: mixed` minimises its predicted time, not the step's alone.
     """
@@ -65,7 +65,7 @@ class UvaPolicy:
     """`uva:` vLLM's zero-copy knobs, and prefill staging. Example: `{offload_gib: 8, params: [mlp]}`,
     or `{stage_prefill: false}` to read uva tensors in place at prefill too (no staging buffers).
 
-    Staging (planner/staging.py): a forward over more than the hardware profile's
+    Staging (planner/decide/staging.py): a forward over more than the hardware profile's
     `stage_above_tokens` tokens copies each layer's uva tensors (embeddings aside) into one
     of 2 GPU slots before the layer runs, since a GEMM reading them in place re-reads them
     per tile. The slots count in the GPU footprint. Routed experts stream through a ring

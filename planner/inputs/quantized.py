@@ -1,7 +1,7 @@
 """Quantized tensors and their scales: one unit of placement.
 
 A quantized checkpoint stores a weight as low-precision data plus scales
-(runtime/quant.py reads them):
+(runtime/place/quant.py reads them):
 - FP8, block-scaled: `X.weight` F8_E4M3 (or F8_E5M2) with `X.weight_scale_inv`;
 - MXFP4: `P_blocks` U8 with `P_scales` U8.
 

@@ -3,7 +3,7 @@
 Why: a router is not uniform. Some experts take a large share of the tokens,
 others almost none, so which experts stay on the GPU decides how many bytes
 cross the host link per decode step. `plan profile` (offplan/running.py, with
-runtime/routing.py) runs prompts through the model and counts, per MoE layer
+runtime/measure/routing.py) runs prompts through the model and counts, per MoE layer
 and per expert, the tokens routed to it, decode steps and prefill apart; a
 policy names the file (`workload.routing: FILE`), and the cost model reads
 each expert's share of decode tokens from it (cost.py), which `backend: mixed`
@@ -69,7 +69,7 @@ class LayerHits:
 
 @dataclass(frozen=True)
 class RoutingProfile:
-    """A routing profile, parsed and checked (`load_profile`), or recorded (runtime/routing.py)."""
+    """A routing profile, parsed and checked (`load_profile`), or recorded (runtime/measure/routing.py)."""
 
     checkpoint_path: str  # as recorded, relative to the profile file, e.g. "Qwen3-30B-A3B"
     checkpoint_fingerprint: str  # "sha256:..." of the checkpoint it was recorded on
@@ -148,7 +148,7 @@ def inconsistencies(profile: RoutingProfile, where=lambda key_path: "") -> list[
     """What a profile's counts say against each other, one line per problem (module doc).
 
     `where(key_path)` locates a key (`file:line:column`) for the message; recording
-    (runtime/routing.py) checks its own result through here too.
+    (runtime/measure/routing.py) checks its own result through here too.
     """
     problems = []
 

@@ -18,7 +18,7 @@ Three units follow, coarse to fine:
 - the expert: one expert's pieces of one parameter (`gate_e` and `up_e`, or
   `down_e`): the unit of per-expert placement. A group's experts may be split
   between the GPU and uva, one expert of one parameter at a time; the runtime
-  reads the resident ones from HBM and the others in place (runtime/experts.py).
+  reads the resident ones from HBM and the others in place (runtime/execute/experts.py).
 A rule or `params` pattern that splits an expert, or prefetches part of a
 group, is an error.
 
@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 
 from ..inputs.prefused import expert_rows, prefused_key
 
-# (token, expert) pairs up to which an experts forward runs batched_mm's arithmetic (runtime/experts.py):
+# (token, expert) pairs up to which an experts forward runs batched_mm's arithmetic (runtime/execute/experts.py):
 # a copy of each pair's expert weights in HBM, then one GEMV per pair; above, grouped_mm reads them in place
 BATCHED_PAIRS = 16
 _MEMBER = re.compile(r"^(.*\.experts)\.(\d+)\.([^.]+)(.*)$")

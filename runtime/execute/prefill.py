@@ -7,7 +7,7 @@ The plan's `prefill:` section (planner/plan.py `PrefillStaging`) names the
 layers whose uva tensors are staged, and `above_tokens`, the crossover `plan
 calibrate` measured. Routed experts are staged only where it says so
 (`ring_bytes`: when the prompt is predicted to touch most of them,
-planner/staging.py), and not through the slots: their rows in pinned memory
+planner/decide/staging.py), and not through the slots: their rows in pinned memory
 stream through the expert ring (ring.py), from which offplan's experts
 implementation (experts.py) takes them after its gather of the rows in HBM.
 Otherwise the experts implementation reads each touched expert once per

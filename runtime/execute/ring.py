@@ -1,6 +1,6 @@
 """The expert ring: at prefill, the host experts of staged layers streamed through a few GPU buffers.
 
-A long prompt touches nearly every routed expert of a layer (planner/staging.py),
+A long prompt touches nearly every routed expert of a layer (planner/decide/staging.py),
 so prefill copies a staged layer's experts in pinned memory to the GPU ahead
 of the layer instead of reading them through the zero-copy view once its
 router has picked them. They do not need a slot holding the layer's experts

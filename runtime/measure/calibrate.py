@@ -19,7 +19,7 @@ What is measured, and how:
   on the H100: 1.06x the copy up to 192 tokens, 2.1x at 256, 5.2x at 1024).
   `stage_above_tokens` is the largest count before that jump (in place still
   within 10% of its time at the fewest tokens); plans stage uva layers for
-  forwards above it (runtime/prefill.py), and below it decode keeps its
+  forwards above it (runtime/execute/prefill.py), and below it decode keeps its
   zero-copy reads;
 - CPU overhead: eager HF `generate` of tiny transformers Llamas (tensors so
   small that the GPU always waits for the CPU) with 2, 4, 8, 16 and 32 layers.

@@ -7,7 +7,7 @@ mechanism, and changes nothing the model computes:
   a prefill when its input has more than one token per sequence, a decode
   step otherwise, and counts its tokens;
 - one on every experts module that dispatches through transformers' experts
-  interface (`runtime.experts.supports`), whose forward gets
+  interface (`runtime.execute.experts.supports`), whose forward gets
   `(hidden_states [T, H], top_k_index [T, k], top_k_weights [T, k])`: the
   hook adds one to each routed expert's count for the phase
   (`index_add_`, a bincount that stays on the device: no host synchronization
@@ -17,7 +17,7 @@ mechanism, and changes nothing the model computes:
 
 `record_routing(model, prompts, new_tokens, ...)` runs greedy `generate`
 over the prompts one at a time (batch 1: no padding token is routed and
-counted) and returns the profile (planner/routing.py), checked like a file
+counted) and returns the profile (planner/inputs/routing.py), checked like a file
 read from disk. Layers are keyed by the experts module's path, or by the
 checkpoint's expert group when the two differ (Mixtral's `block_sparse_moe`
 is transformers' `mlp`): `checkpoint_groups` maps them, so that the planner,
@@ -97,7 +97,7 @@ class RoutingRecorder:
     def profile(self, *, checkpoint_fingerprint: str, checkpoint_path: str = "", prompts: str, sequences: int,
                 new_tokens: int) -> RoutingProfile:
         """The counts so far as a profile; raises OffplanError if they break a profile's rules
-        (planner/routing.py `inconsistencies`: e.g. a model that routes some tokens to fewer experts)."""
+        (planner/inputs/routing.py `inconsistencies`: e.g. a model that routes some tokens to fewer experts)."""
         if len(self.top_k) > 1:
             raise OffplanError(f"the experts modules route to different numbers of experts ({sorted(self.top_k)}); "
                                "a routing profile holds one top_k")
@@ -129,7 +129,7 @@ def record_routing(model: torch.nn.Module, prompts: Iterable[torch.Tensor], new_
                    keys: Mapping[str, str] | None = None) -> RoutingProfile:
     """Greedy `generate` of `new_tokens` tokens after each prompt (1-D token ids, two or more), one
     prompt at a time, with a RoutingRecorder on; returns the profile (`source` says where the prompts
-    came from, e.g. "prompts.txt"). Write it with `planner.routing.write_profile(path, profile)`."""
+    came from, e.g. "prompts.txt"). Write it with `planner.inputs.routing.write_profile(path, profile)`."""
     prompts = list(prompts)
     if not prompts:
         raise OffplanError("no prompts to record routing with")
@@ -152,7 +152,7 @@ def record_routing(model: torch.nn.Module, prompts: Iterable[torch.Tensor], new_
 
 
 def checkpoint_groups(model: torch.nn.Module, checkpoint: Checkpoint) -> dict[str, str]:
-    """Experts module path -> its checkpoint expert group (planner/groups.py), for modules whose
+    """Experts module path -> its checkpoint expert group (planner/layers/groups.py), for modules whose
     checkpoint tensors are stored one expert each; found through transformers' own conversion
     (checkpoint_names.py), which says which checkpoint tensors fill each fused parameter."""
     modules = {path for path, m in model.named_modules() if supports(m)}

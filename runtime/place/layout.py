@@ -1,6 +1,6 @@
 """Where each offloaded tensor lives in pinned host memory and in the prefetch slots, as the plan says.
 
-The plan carries the prefetch layout (planner/slots.py): each streamed layer's
+The plan carries the prefetch layout (planner/layers/slots.py): each streamed layer's
 module path, its slot, and each of its checkpoint tensors' offset in a slot
 image. The runtime does not lay anything out itself; it reads that and checks
 it against the model:

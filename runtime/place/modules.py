@@ -1,6 +1,6 @@
 """The model's module for each module path a plan names: checkpoint names, mapped as the tensors are.
 
-A plan names modules as the checkpoint names its tensors (planner/graph.py: a
+A plan names modules as the checkpoint names its tensors (planner/layers/graph.py: a
 layer is the module that owns its tensors), and the runtime hooks their
 forwards (a prefetch schedule's `Transfer.module`, a prefill staging's
 `StagedLayer.module`). transformers 5.x often names the model's modules

@@ -43,8 +43,8 @@ class Target:
     dtype: torch.dtype
     pieces: list[Piece] = field(default_factory=list)
     placement: Placement | None = None
-    # A fused expert parameter split between the GPU and uva (planner/groups.py): placement is UVA (the whole
-    # parameter in pinned memory), and these experts are also resident in HBM (runtime/experts.py).
+    # A fused expert parameter split between the GPU and uva (planner/layers/groups.py): placement is UVA (the whole
+    # parameter in pinned memory), and these experts are also resident in HBM (runtime/execute/experts.py).
     resident: tuple[int, ...] = ()
 
     @property

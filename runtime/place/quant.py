@@ -82,7 +82,7 @@ def scan(ckpt: Checkpoint) -> tuple[dict[str, str], dict[str, str]]:
     """(quantized data tensor -> its format, scale tensor -> its data tensor) of the checkpoint.
 
     Raises ModelMismatchError for quantized tensors offplan cannot read (FP8 without block scales)."""
-    problems = unreadable(ckpt.tensors)  # planner/quantized.py: `plan build` refuses them too
+    problems = unreadable(ckpt.tensors)  # planner/inputs/quantized.py: `plan build` refuses them too
     if problems:
         raise ModelMismatchError(f"{ckpt.root}: quantized tensors offplan cannot load", problems)
     fmt, scales = {}, {}

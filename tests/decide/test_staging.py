@@ -1,4 +1,4 @@
-"""Prefill staging (planner/staging.py): which layers the plan stages, the pool in the footprint, the plan
+"""Prefill staging (planner/decide/staging.py): which layers the plan stages, the pool in the footprint, the plan
 file's `prefill:` section, and the checks a hand edit of it meets."""
 from __future__ import annotations
 

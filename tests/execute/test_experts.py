@@ -1,5 +1,5 @@
-"""offplan's experts implementation (runtime/experts.py) on the CPU: experts split per expert between the GPU and
-pinned memory, outputs bitwise those of transformers' batched_mm (decode) and grouped_mm (large batches)."""
+"""offplan's experts implementation (runtime/execute/experts.py) on the CPU: experts split per expert between the
+GPU and pinned memory, outputs bitwise those of transformers' batched_mm (decode) and grouped_mm (large batches)."""
 from __future__ import annotations
 
 import pytest
@@ -124,7 +124,7 @@ def _decode_logits(model, steps: int = 6, seed: int = 4) -> list[torch.Tensor]:
 @pytest.mark.parametrize("body", [EVERY_EXPERT, SPLIT])
 def test_lookahead_decode_equals_transformers_and_reads_its_buffer(tmp_path, models, body, monkeypatch):
     """With experts in pinned memory in every layer, one-token forwards guess the next layer's experts and read
-    them ahead (runtime/lookahead.py): outputs stay bitwise batched_mm's, and the gathers do take rows from the
+    them ahead (runtime/execute/lookahead.py): outputs stay bitwise batched_mm's, and the gathers do take rows from the
     buffer (spoiling it changes the outputs)."""
     from runtime.execute import lookahead
     model, handle = from_pretrained(make_plan(tmp_path, models["qwen3-moe"], body), progress=False)

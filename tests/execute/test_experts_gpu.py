@@ -127,7 +127,7 @@ def test_no_graph_break_under_torch_compile_on_cuda(tmp_path, models):
 
 
 def test_lookahead_stopped_part_way_gathers_exact_rows():
-    """The side read stops when the next gather needs the link (runtime/lookahead.py), at any chunk: the gather
+    """The side read stops when the next gather needs the link (runtime/execute/lookahead.py), at any chunk: the gather
     then takes each guessed block from the buffer only where the read completed it. Stops at 40 moments, from
     before the read to after it; every gathered row must equal the pinned one (a chunk stored by only some of a
     program's threads showed here as a few thousand wrong values)."""

@@ -1,4 +1,4 @@
-"""Prefill staging (runtime/prefill.py) on the CPU: a forward over many tokens reads each staged layer's uva
+"""Prefill staging (runtime/execute/prefill.py) on the CPU: a forward over many tokens reads each staged layer's uva
 tensors from a slot, one over few reads them in place, and both give the plain model's outputs exactly."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Experts stored already fused (planner/prefused.py): GPT-OSS and Llama 4 shapes, on plain data and header-only
+"""Experts stored already fused (planner/inputs/prefused.py): GPT-OSS and Llama 4 shapes, on plain data and header-only
 checkpoints. One tensor holds a parameter of every expert along its first dimension; a decode step reads the
 rows of the experts routing picks, and the tensor is placed whole."""
 from __future__ import annotations

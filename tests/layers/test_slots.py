@@ -1,4 +1,5 @@
-"""Slot images (planner/slots.py, planner/groups.units): fused expert parameters in the runtime's memory order."""
+"""Slot images (planner/layers/slots.py, planner.layers.groups.units): fused expert parameters in the runtime's
+memory order."""
 from __future__ import annotations
 
 from planner.inputs.checkpoint import TensorInfo

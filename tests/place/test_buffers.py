@@ -1,5 +1,5 @@
-"""Buffers no checkpoint holds, computed at load (runtime/buffers.py), and the model's module for a plan's path
-(runtime/modules.py): on tiny meta models, without a checkpoint."""
+"""Buffers no checkpoint holds, computed at load (runtime/place/buffers.py), and the model's module for a plan's path
+(runtime/place/modules.py): on tiny meta models, without a checkpoint."""
 from __future__ import annotations
 
 import pytest
