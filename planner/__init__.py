@@ -1,6 +1,9 @@
 """offplan's planner: safetensors headers + a YAML policy -> an explicit per-parameter plan.
 
-Pure Python: it never imports torch and never reads weight data.
+Pure Python: it never imports torch and never reads weight data. Its stages, each importing only those before it:
+inputs/ (read and validate what was asked) -> layers/ (what the names form) -> decide/ (placements, the plan) ->
+planfile/ (the plan as a file, checked, shown and diffed). errors, files, plan (the plan's types) and units are
+shared by all of them. The names below are the planner's public API.
 """
 from .decide.build import build, build_file
 from .errors import (BudgetError, CheckpointError, InconsistentPlanError, InputError, ModelMismatchError, OffplanError,

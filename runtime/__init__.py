@@ -10,7 +10,9 @@
 checkpoint's config.json on the meta device and loads it per the plan.
 `runtime.routing.record_routing(model, prompts, new_tokens, ...)` records a
 routing profile (which experts the prompts route to) for `workload.routing`.
-This package is the only part of offplan that imports torch.
+This package is the only part of offplan that imports torch. Its stages, each importing only those before it:
+place/ (tensors into their place) -> execute/ (what runs while the model computes) -> measure/ (calibration,
+routing); load_steps.py carries out the steps in order.
 """
 from . import hf
 from .execute.handle import LoadStats, OffloadHandle
