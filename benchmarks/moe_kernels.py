@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 import moe
+from harness.budgets import record_profile
 from harness.loops import PROMPT_LEN
 from harness.routers import touched_experts
 
@@ -122,7 +123,7 @@ def main(argv=None) -> int:
              moe.EXPERTS_HOST), None, False)]
     if args.resident:
         from planner.planfile import load_plan
-        profile = run.record_profile(gpu)
+        profile = record_profile(run, gpu)
         layer_experts = run.experts * run.expert_bytes
         dense = run.info.total_bytes - run.layers * layer_experts
         for f in args.resident:

@@ -91,7 +91,7 @@ def _skew_table(path: Path) -> list[str]:
     title = "" if spread is None else f", each token routed apart (`--spread {spread['strength']:g}`)"
     out = [f"## Qwen3-30B-A3B (MoE), skewed routing{title}: per-expert placement under a GPU budget", "",
            f"Random weights route almost uniformly; real routers do not. Here every router sees a fixed bias "
-           f"(benchmarks/moe.py `RouterSkew`, strength {skew['strength']}): expert logits move by "
+           f"(benchmarks/harness/routers.py `RouterSkew`, strength {skew['strength']}): expert logits move by "
            f"-{skew['strength']} sigma ln(rank), ranks in a random order per layer. It is synthetic. Strength 0.7 "
            "was picked in a simulation over Gaussian logits (44% of the experts take 90% of the hits) to match "
            "published counts for Qwen3-30B-A3B (llama.cpp imatrix counts: 58 of 128 experts, 45%, on a narrow "
@@ -100,7 +100,8 @@ def _skew_table(path: Path) -> list[str]:
            f"the decode hits to {prof['experts_for_90pct']:.0f} of 128 experts (the simulation: 56), "
            f"{prof['top_quarter_share']:.0%} to the top quarter, {prof['top_half_share']:.0%} to the top half."
            + ("" if spread is None else
-              " The routers also see moe.py's `RouterSpread`: a random model's hidden states collapse with depth, "
+              " The routers also see harness/routers.py's `RouterSpread`: a random model's hidden states collapse "
+              "with depth, "
               "so each of its sequences routes to a few experts of its own; spread, each token is routed apart, "
               "as a trained router does, and the timed prompts route as the profile's did. The spread widens the "
               "logits about 2.2x (noise of twice the input's RMS), so the bias needs about that much more "
