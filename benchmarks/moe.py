@@ -168,7 +168,7 @@ class Run:
             from transformers import AutoModelForCausalLM
             model = AutoModelForCausalLM.from_pretrained(self.ckpt, dtype=torch.bfloat16,
                                                          device_map=self.args.device).eval()
-            handle = Plain()
+            handle = Plain(model)
         else:
             model = build_meta_model(self.ckpt)
             handle = runtime.load(model, plan, device=self.args.device, progress=False)

@@ -106,8 +106,14 @@ def _parser() -> argparse.ArgumentParser:
                         "policy as `hardware: PROFILE`")
     p = cmd("apply", "load the plan's checkpoint with transformers, per the plan, and generate")
     p.add_argument("plan", metavar="PLAN")
-    p.add_argument("--prompt", default="The capital of France is", help="prompt for a greedy generation")
+    p.add_argument("--prompt", action="append", metavar="TEXT",
+                   help="a prompt; give several for a batch of them (default: 'The capital of France is')")
+    p.add_argument("--batch", type=_positive, metavar="B",
+                   help="generate for B sequences, the prompts taken in turn (default: one per prompt)")
     p.add_argument("--max-new-tokens", type=_positive, default=16, metavar="N")
+    p.add_argument("--eager", action="store_true",
+                   help="run each decode step eagerly (default on a GPU: capture one step in a CUDA graph and "
+                        "replay it)")
     p.add_argument("--device", default=None, choices=["cuda", "cpu"], help="default: cuda if available")
     p = cmd("profile", "run prompts through the model and record which experts each MoE layer routes them to, "
                        "decode and prefill apart; write a routing profile for a policy's workload.routing")

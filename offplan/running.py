@@ -1,6 +1,8 @@
 """`plan apply` and `plan calibrate`, two of the commands that need torch (the third, `plan profile`, is profiling.py).
 
-`plan apply PLAN`: load the plan's checkpoint with transformers per the plan, report, generate.
+`plan apply PLAN`: load the plan's checkpoint with transformers per the plan, report, and generate through
+the runtime's generation (runtime/execute/generation.py: on a GPU each decode step replayed from a CUDA graph,
+unless --eager), for one sequence per prompt or `--batch` of them.
 
 What the report says about the checkpoint, and how it knows:
 - no tokenizer: none of the files transformers reads one from (`TOKENIZER_FILES`)
@@ -11,14 +13,15 @@ What the report says about the checkpoint, and how it knows:
   config.json, which `plans/examples/make_tiny.py` writes for the bundled
   example. Without it the report says nothing either way.
 The predicted decode step comes from the plan (its cost model and hardware
-profile), the measured one from this run's greedy generation.
+profile: for one batch size and one mode, eager or CUDA graph replay, as
+`workload` says), the measured one from this run's decode steps, the time to
+first token apart; the report says when the two do not compare.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -26,7 +29,7 @@ import torch
 from planner.errors import OffplanError
 from planner.files import write_atomic
 from planner.inputs.hardware import dumps_hardware
-from planner.units import human, ms
+from planner.units import human, ms, plural
 from runtime.execute.handle import LoadStats
 from runtime.hf import from_pretrained
 from runtime.measure.calibrate import calibrate
@@ -34,6 +37,7 @@ from runtime.measure.calibrate import calibrate
 from .output import emit
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+DEFAULT_PROMPT = "The capital of France is"
 RANDOM_WEIGHTS_KEY = "offplan_random_weights"
 
 
@@ -44,23 +48,28 @@ def check_device(args) -> None:
 
 def apply_command(args) -> int:
     check_device(args)
+    texts = args.prompt or [DEFAULT_PROMPT]
+    if "" in texts:
+        raise OffplanError("--prompt: an empty prompt; give each prompt one or more characters")
+    if args.batch is not None and args.batch < len(texts):
+        raise OffplanError(f"--batch {args.batch}: fewer sequences than the {len(texts)} prompts given; give "
+                           f"--batch {len(texts)} or more, or fewer prompts")
     # The bar on a terminal; elsewhere nothing from the loader, since the report below says it all.
     model, handle = from_pretrained(args.plan, device=args.device, progress=None if sys.stderr.isatty() else False)
     try:
         stats = handle.stats()
         root = Path(handle.checkpoint.root)
         facts = {"tokenizer": has_tokenizer(root), "random_weights": declares_random_weights(root)}
-        gen = _generate(model, handle, args.prompt, args.max_new_tokens, facts["tokenizer"])
+        gen = _generate(model, handle, texts, args.batch or len(texts), args.max_new_tokens, args.eager,
+                        facts["tokenizer"])
         plan = handle.plan
-        predicted = plan.summary.predicted_step_us if plan.cost else None
-        measured_us = gen["seconds"] / gen["new_tokens"] * 1e6
         if args.json:
             print(json.dumps({"stats": {**dataclasses.asdict(stats), "pinned_ratio": stats.pinned_ratio,
                                         "load_bytes_per_s": stats.load_bytes_per_s},
-                              **facts, "predicted_step_us": predicted,
-                              "measured_us_per_token": round(measured_us), **gen}, indent=2))
+                              **facts, "predicted_step_us": plan.summary.predicted_step_us if plan.cost else None,
+                              "predicted_mode": _predicted_mode(plan), **gen}, indent=2))
             return 0
-        for line in report(args.plan, stats, facts, gen, plan, root, measured_us):
+        for line in report(args.plan, stats, facts, gen, plan, root):
             print(line)
         return 0
     finally:
@@ -79,7 +88,7 @@ def declares_random_weights(root: Path) -> bool:
         return False
 
 
-def report(plan_path, s: LoadStats, facts: dict, gen: dict, plan, root: Path, measured_us: float) -> list[str]:
+def report(plan_path, s: LoadStats, facts: dict, gen: dict, plan, root: Path) -> list[str]:
     """The lines `plan apply` prints (bytes in binary units, times in milliseconds)."""
     total = s.gpu_bytes + s.uva_bytes + s.prefetch_bytes
     rate = f", {human(total / s.load_seconds)}/s" if s.load_seconds else ""
@@ -100,45 +109,61 @@ def report(plan_path, s: LoadStats, facts: dict, gen: dict, plan, root: Path, me
     if not facts["tokenizer"]:
         out.append(f"note: no tokenizer beside the weights ({', '.join(TOKENIZER_FILES)} are missing from "
                    f"{root}): the prompt's UTF-8 bytes are the input ids, and the output is token ids")
-    out.append(f"generated {gen['new_tokens']} tokens in {gen['seconds']:.2f} s ({gen['tokens_per_s']:.1f} tok/s)")
-    out.append(f"  measured {ms(measured_us)} per token here ({s.device}, greedy generation, prefill of the "
-               "prompt included)")
+    sequences = len(gen["sequences"])
+    how = "each decode step replayed from a CUDA graph" if "graph" in gen["mode"] else "each decode step eager"
+    out.append(f"generated {plural(sequences, 'sequence')} of up to {gen['max_new_tokens']} tokens, greedily, "
+               f"{how} ({s.device})")
+    out.append(f"  time to first token {ms(gen['ttft_s'] * 1e6)} (prefill of {gen['prompt_tokens']} prompt tokens)")
+    if gen["decode_steps"]:
+        out.append(f"  decode {gen['decode_tokens_per_s']:.1f} tokens/s per sequence: {ms(gen['step_us'])} per "
+                   f"step over {plural(gen['decode_steps'], 'step')} at batch {sequences}")
     if plan.cost is not None:
         c = plan.cost
-        mode = "CUDA graph replay" if c.cuda_graphs else "eager"
+        predicted = _predicted_mode(plan)
         unlike = ("this run is on the CPU" if not cuda else
-                  "this run is eager at batch 1" if c.cuda_graphs or c.batch_size != 1 else "")
+                  f"this run is at batch {sequences}" if c.batch_size != sequences else
+                  "this run replays a CUDA graph" if predicted == "eager" and "graph" in gen["mode"] else
+                  "this run is eager" if predicted == "graph" and "graph" not in gen["mode"] else "")
         out.append(f"  predicted {ms(plan.summary.predicted_step_us)} per decode step by the plan, for batch "
-                   f"{c.batch_size}, {mode}, on {c.hardware}" + (f"; {unlike}: they do not compare" if unlike else ""))
-    out.append(f"  {gen['text']!r}" if gen["text"] is not None else f"  token ids {gen['token_ids']}")
+                   f"{c.batch_size}, {'CUDA graph replay' if predicted == 'graph' else 'eager'}, on {c.hardware}"
+                   + (f"; {unlike}: they do not compare" if unlike else ""))
+    for seq in gen["sequences"]:
+        out.append(f"  {seq['text']!r}" if seq["text"] is not None else f"  token ids {seq['token_ids']}")
     return out
 
 
-def _generate(model, handle, prompt: str, max_new_tokens: int, tokenizer_files: bool) -> dict:
-    """Greedy decode; uses the checkpoint's tokenizer when it has one, else the prompt's bytes as ids."""
+def _predicted_mode(plan) -> str | None:
+    return None if plan.cost is None else "graph" if plan.cost.cuda_graphs else "eager"
+
+
+def _generate(model, handle, texts: list[str], batch: int, max_new_tokens: int, eager: bool,
+              tokenizer_files: bool) -> dict:
+    """The runtime's generation (runtime/execute/generation.py) of `batch` sequences, the prompts taken in turn;
+    the checkpoint's tokenizer when it has one (stopping at its end-of-sequence token), else each prompt's bytes
+    as ids. The first call captures the decode step and warms up; the second is timed."""
     tokenizer = None
     if tokenizer_files:
         from transformers import AutoTokenizer
         tokenizer = AutoTokenizer.from_pretrained(handle.checkpoint.root)
     vocab = model.get_input_embeddings().num_embeddings
+    texts = [texts[i % len(texts)] for i in range(batch)]
     if tokenizer is not None:
-        ids = tokenizer(prompt, return_tensors="pt").input_ids
+        prompts = [tokenizer(text).input_ids for text in texts]
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id or 0
+        stop = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     else:
-        ids = torch.tensor([[b % vocab for b in prompt.encode()]])
-    ids = ids.to(handle.device)
-    with torch.no_grad():
-        model.generate(ids, max_new_tokens=2, do_sample=False)  # warm-up
-        if handle.cuda:
-            torch.cuda.synchronize(handle.device)
-        start = time.perf_counter()
-        out = model.generate(ids, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
-                             do_sample=False)
-        if handle.cuda:
-            torch.cuda.synchronize(handle.device)
-        seconds = time.perf_counter() - start
-    new = out[0, ids.shape[1]:].tolist()
-    return {"new_tokens": len(new), "seconds": seconds, "tokens_per_s": len(new) / seconds,
-            "token_ids": new, "text": tokenizer.decode(new) if tokenizer is not None else None}
+        prompts, pad, stop = [[b % vocab for b in text.encode()] for text in texts], 0, []
+    if not all(prompts):  # a tokenizer that makes nothing of a prompt
+        empty = texts[[bool(p) for p in prompts].index(False)]
+        raise OffplanError(f"--prompt: the tokenizer makes no tokens of {empty!r}")
+    for _ in range(2):
+        got = handle.generate(prompts, max_new_tokens, eager=eager, pad_id=pad, stop=stop)
+    return {"mode": got.mode, "max_new_tokens": max_new_tokens, "prompt_tokens": got.prompt_tokens,
+            "ttft_s": got.ttft_s, "decode_steps": got.decode_steps, "decode_s": got.decode_s,
+            "decode_tokens_per_s": got.decode_tokens_per_s,
+            "step_us": got.decode_s / got.decode_steps * 1e6 if got.decode_steps else None,
+            "sequences": [{"prompt": text, "token_ids": ids, "text": tokenizer.decode(ids) if tokenizer else None}
+                          for text, ids in zip(texts, got.tokens)]}
 
 
 def calibrate_command(args) -> int:

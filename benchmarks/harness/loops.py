@@ -1,10 +1,13 @@
 """The decode loops the benchmarks time: the same prompts for every plan, transformers' `generate` (eager), and
-a static-cache loop that replays a captured decode step (CUDA graph) or runs a torch.compile'd one."""
+the runtime's generation (static cache; a captured decode step replayed, or a torch.compile'd one), which is what
+`plan apply` and `handle.generate` run."""
 from __future__ import annotations
 
 import time
 
 import torch
+
+from runtime.execute.generation import Generator
 
 PROMPT_LEN = 16
 
@@ -40,68 +43,30 @@ def decode(model, ids: torch.Tensor, batch: int, new: int, device) -> tuple[floa
 
 
 def decode_static(model, handle, ids: torch.Tensor, new: int, mode: str, batch: int = 1) -> tuple[float, list]:
-    """Greedy decode of `batch` sequences with a static KV cache: `compiled` runs a torch.compile'd forward,
-    `graph` replays one captured decode step (CUDA graph), `compiled-graph` one captured step of the
-    torch.compile'd forward (Inductor's fused kernels, replayed). Returns (steps per second, tokens)."""
-    from transformers import StaticCache
-    prompt = ids[:batch]
-    pos = torch.arange(PROMPT_LEN, device=prompt.device)
-    cache = StaticCache(config=model.config, max_cache_len=PROMPT_LEN + new + 8)
-    static_ids = torch.zeros(batch, 1, dtype=torch.long, device=prompt.device)
-    static_pos = torch.tensor([PROMPT_LEN], device=prompt.device)
-    step = torch.compile(model) if mode in ("compiled", "compiled-graph") else model
-    replayed = mode in ("graph", "compiled-graph")
-    with torch.no_grad():
-        def prefill():
-            cache.reset()
-            out = model(prompt, past_key_values=cache, cache_position=pos).logits
-            handle.join()
-            return out[:, -1:].argmax(-1)
-        prefill()
-        if replayed:
-            graph, static_logits = handle.capture(
-                lambda: step(static_ids, past_key_values=cache, cache_position=static_pos).logits, warmup=3)
-        else:
-            for _ in range(3):  # warm-up and compilation
-                step(static_ids, past_key_values=cache, cache_position=static_pos)
-                handle.join()
-        token = prefill()
-        tokens = [token]
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        for i in range(new):
-            static_ids.copy_(token)
-            static_pos.fill_(PROMPT_LEN + i)
-            if replayed:
-                graph.replay()
-                logits = static_logits
-            else:
-                logits = step(static_ids, past_key_values=cache, cache_position=static_pos).logits
-                handle.join()
-            token = logits[:, -1:].argmax(-1)
-            tokens.append(token)
-        torch.cuda.synchronize()
-        seconds = time.perf_counter() - t
-    return new / seconds, torch.cat(tokens, 1)[:, :new].tolist()
+    """Greedy decode of `batch` sequences through the runtime's generation (runtime/execute/generation.py: static
+    KV cache, the loop `plan apply` runs): `graph` replays one captured decode step (CUDA graph), `compiled` runs a
+    torch.compile'd step, `compiled-graph` replays one captured step of it (Inductor's fused kernels). The first
+    call captures; the second is timed. Returns (decode steps per second, the first `new` tokens)."""
+    kw = dict(eager=mode == "compiled", compile=mode in ("compiled", "compiled-graph"))
+    handle.generate(ids[:batch], new + 1, **kw)  # capture (and compile), warm-up
+    got = handle.generate(ids[:batch], new + 1, **kw)
+    return got.decode_tokens_per_s, [t[:new] for t in got.tokens]
 
 
 class Plain:
-    """decode_static's handle for a model that transformers loaded alone: nothing to join or remove."""
+    """decode_static's handle for a model that transformers loaded alone: the same generation, no plan."""
+
+    def __init__(self, model):
+        self.model = model
+        self.generators: dict[tuple[bool, bool], Generator] = {}
+
+    def generate(self, prompts, max_new_tokens: int, *, eager: bool = False, compile: bool = False, **kw):
+        if (eager, compile) not in self.generators:
+            self.generators[eager, compile] = Generator(self.model, None, eager=eager, compile=compile)
+        return self.generators[eager, compile](prompts, max_new_tokens, **kw)
 
     def join(self) -> None:
         pass
 
-    def capture(self, step, warmup: int = 2):
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up off the capturing stream, as CUDA graphs require
-            for _ in range(warmup):
-                step()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = step()
-        return graph, out
-
     def remove(self, restore: bool = True) -> None:
-        pass
+        self.generators = {}

@@ -1,9 +1,10 @@
 """The handle `load` and `apply` return: it owns what they allocated, and undoes it.
 
-Lifecycle: created by `load`/`apply` (load_steps.py) -> use the model -> `remove()`.
+Lifecycle: created by `load`/`apply` (load_steps.py) -> use the model (`generate`) -> `remove()`.
 It owns the pinned arena, the prefetch engine (slots, copy stream, hooks), the
-prefill stager (its slots and staged module classes) and the uva staging buffer;
-nothing else in the runtime keeps GPU state.
+prefill stager (its slots and staged module classes), the uva staging buffer and
+the generators' static caches and captured decode steps (generation.py); nothing
+else in the runtime keeps GPU state.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from ..place.layout import HostLayout
 from ..place.names import Target
 from ..place.quant import Quant
 from . import experts
+from .generation import Generation, Generator, capture_graph
 from .lookahead import Lookahead
 from .prefetch import PrefetchEngine
 from .prefill import PrefillStager
@@ -81,6 +83,7 @@ class OffloadHandle:
         self.bound_experts: list[torch.nn.Module] = []  # experts modules given resident rows (experts.py)
         self.lookahead: Lookahead | None = None  # their next experts read ahead at decode (lookahead.py)
         self.experts_before: str | None = None  # the experts implementation before "offplan"
+        self.generators: dict[tuple[bool, bool], Generator] = {}  # (eager, compile) -> its caches and graphs
         self.load_seconds = 0.0
         self.start_alloc = 0
         self.peak_gpu_bytes = 0
@@ -120,6 +123,16 @@ class OffloadHandle:
         if self.lookahead is not None:
             self.lookahead.join()
 
+    def generate(self, prompts, max_new_tokens: int, *, eager: bool = False, compile: bool = False,
+                 **kw) -> Generation:
+        """Generate after `prompts` (token ids: a [B, T] tensor, or lists) with the model this handle loaded: each
+        decode step replayed from a CUDA graph on a GPU, unless `eager` (generation.py; `kw`: sampling, stop
+        tokens, a callback). Graphs are captured at first use and kept for later calls."""
+        key = (eager, compile)
+        if key not in self.generators:
+            self.generators[key] = Generator(self.model, self, eager=eager, compile=compile)
+        return self.generators[key](prompts, max_new_tokens, **kw)
+
     def capture(self, step: Callable[[], object], warmup: int = 2) -> tuple[torch.cuda.CUDAGraph, object]:
         """Capture one call of `step` (a decode step over static inputs) in a CUDA graph.
 
@@ -133,21 +146,7 @@ class OffloadHandle:
                 lambda: model(ids, past_key_values=cache, cache_position=pos).logits)
             ids.copy_(next_token); pos.fill_(n); graph.replay()   # logits now holds the step's output
         """
-        current = torch.cuda.current_stream(self.device)
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(current)
-        with torch.cuda.stream(side):
-            for _ in range(warmup):
-                step()
-                self.join()
-        current.wait_stream(side)
-        self.synchronize()  # the capture must not wait on events recorded before it
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = step()
-            self.join()
-        self.synchronize()
-        return graph, out
+        return capture_graph(step, self.device, warmup, self.join, self.synchronize)
 
     def remove(self, restore: bool = True) -> None:
         """Remove hooks, streams, slots and pinned memory; the model is back to plain tensors.
@@ -160,6 +159,9 @@ class OffloadHandle:
 
     def release(self, restore: bool, failed: bool = False) -> None:
         """Free everything the handle owns; `failed`: a load that stopped part-way gives back its GPU tensors too."""
+        for generator in self.generators.values():
+            generator.release()  # first: a captured graph holds the slots and buffers below
+        self.generators = {}
         if self.prefill is not None:
             self.prefill.remove()  # first: the parameters are plain again before anything is restored
             self.prefill = None

@@ -166,6 +166,12 @@ CORPUS = [
      "argument --max-new-tokens: must be a whole number, not 'abc' (see `plan apply --help`)"),
     case("--max-new-tokens 0", nothing, ["apply", "p.plan.yaml", "--max-new-tokens", "0"],
      "argument --max-new-tokens: must be at least 1, not 0"),
+    case("--batch under the prompts", nothing, ["apply", "p.plan.yaml", "--prompt", "a", "--prompt", "b", "--batch", "1"],
+         "--batch 1: fewer sequences than the 2 prompts given; give --batch 2 or more, or fewer prompts",
+         marks=needs_torch),
+    case("empty prompt", nothing, ["apply", "p.plan.yaml", "--prompt", ""],
+         "--prompt: an empty prompt; give each prompt one or more characters", marks=needs_torch),
+    case("--batch 0", nothing, ["apply", "p.plan.yaml", "--batch", "0"], "argument --batch: must be at least 1, not 0"),
     # Invented in the same spirit.
     case("empty policy", write("empty.yaml", b""), ["build", "empty.yaml"],
      "empty.yaml: a policy is a YAML mapping but the file is empty; start with `format_version: 1` and "

@@ -189,7 +189,24 @@ def test_cli_apply_generates(tmp_path, checkpoints, capsys):
     plan = make_plan(tmp_path, checkpoints["moe"], POLICIES["prefetch-s2"])
     assert main(["apply", str(plan), "--max-new-tokens", "3", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["new_tokens"] == 3 and out["stats"]["prefetch_bytes"] > 0
+    assert [len(s["token_ids"]) for s in out["sequences"]] == [3] and out["stats"]["prefetch_bytes"] > 0
+    assert (out["mode"], out["decode_steps"], out["predicted_mode"]) == ("eager", 2, "eager")
+
+
+def test_cli_apply_generates_for_a_batch_of_prompts(tmp_path, checkpoints, capsys):
+    """Several prompts, taken in turn up to --batch sequences: each sequence's tokens are those it would get
+    alone (one prompt length: no padding, the same arithmetic; an MoE model: offplan's experts implementation
+    gives each pair its own GEMV, as batched_mm does)."""
+    plan = make_plan(tmp_path, checkpoints["moe"], POLICIES["prefetch-s2"])
+    assert main(["apply", str(plan), "--max-new-tokens", "4", "--json", "--prompt", "abcd", "--prompt", "wxyz",
+                 "--batch", "3"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [s["prompt"] for s in out["sequences"]] == ["abcd", "wxyz", "abcd"]
+    alone = []
+    for prompt in ("abcd", "wxyz"):
+        assert main(["apply", str(plan), "--max-new-tokens", "4", "--json", "--prompt", prompt]) == 0
+        alone.append(json.loads(capsys.readouterr().out)["sequences"][0]["token_ids"])
+    assert [s["token_ids"] for s in out["sequences"]] == [alone[0], alone[1], alone[0]]
 
 
 def test_cli_apply_reports_the_bundled_example(capsys):
@@ -208,12 +225,12 @@ def test_cli_apply_reports_the_bundled_example(capsys):
         "mean nothing; the run shows that the plan loads and runs",
         "note: no tokenizer beside the weights (tokenizer.json, tokenizer_config.json, tokenizer.model are missing "
         "from plans/examples/tiny-moe): the prompt's UTF-8 bytes are the input ids, and the output is token ids"]
-    assert re.fullmatch(r"generated 2 tokens in [\d.]+ s \([\d.]+ tok/s\)", lines[4])
-    assert re.fullmatch(r"  measured [\d.]+ ms per token here \(cpu, greedy generation, prefill of the prompt "
-                        r"included\)", lines[5])
-    assert lines[6] == ("  predicted 4.80 ms per decode step by the plan, for batch 1, eager, on NVIDIA H100 80GB HBM3 (PCIe "
+    assert lines[4] == "generated 1 sequence of up to 2 tokens, greedily, each decode step eager (cpu)"
+    assert re.fullmatch(r"  time to first token [\d.]+ ms \(prefill of 24 prompt tokens\)", lines[5])
+    assert re.fullmatch(r"  decode [\d.]+ tokens/s per sequence: [\d.]+ ms per step over 1 step at batch 1", lines[6])
+    assert lines[7] == ("  predicted 4.80 ms per decode step by the plan, for batch 1, eager, on NVIDIA H100 80GB HBM3 (PCIe "
                         "Gen5 host link); this run is on the CPU: they do not compare")
-    assert re.fullmatch(r"  token ids \[\d+, \d+\]", lines[7]) and len(lines) == 8
+    assert re.fullmatch(r"  token ids \[\d+, \d+\]", lines[8]) and len(lines) == 9
 
 
 def test_random_weights_need_a_declaration(tmp_path):

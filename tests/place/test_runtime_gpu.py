@@ -169,8 +169,13 @@ def test_bundled_example_applies_on_cuda(capsys):
     print(f"\n{out}")
     assert "on cuda" in out and "pinned host memory" in out
     assert "note: the weights are random" in out and "note: no tokenizer beside the weights" in out
+    assert "generated 1 sequence of up to 8 tokens, greedily, each decode step replayed from a CUDA graph" in out
     assert ("  predicted 4.80 ms per decode step by the plan, for batch 1, eager, on NVIDIA H100 80GB HBM3 (PCIe Gen5 "
-            "host link)\n") in out
+            "host link); this run replays a CUDA graph: they do not compare\n") in out
+    assert main(["apply", "plans/examples/tiny-moe.plan.yaml", "--max-new-tokens", "8", "--eager"]) == 0
+    eager = capsys.readouterr().out
+    assert "each decode step eager (cuda" in eager and "they do not compare" not in eager
+    assert eager.splitlines()[-1] == out.splitlines()[-1]  # the same tokens
 
 
 def test_a_dropped_handle_leaves_no_registered_memory(tmp_path, checkpoints):

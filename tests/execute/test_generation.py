@@ -1,0 +1,102 @@
+"""The runtime's generation (runtime/execute/generation.py) on the CPU: greedy tokens equal transformers' own
+`generate` on the same model and prompts, for uva, prefetch and mixed plans, one prompt length or several;
+stop tokens, the token callback and seeded sampling; the decode step kept and reused across calls."""
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from transformers import StaticCache  # noqa: E402
+
+from runtime.execute.generation import CACHE_QUANTUM  # noqa: E402
+from runtime.hf import from_pretrained  # noqa: E402
+from tiny_models import make_plan, reference, save_models  # noqa: E402
+
+PLANS = {"uva": "budget_gib: 0.0005\n", "prefetch": "prefetch: {group_size: 2, step: 1}\n",
+         "mixed": "backend: mixed\nbudget_gib: 0.0005\n"}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    return save_models(tmp_path_factory.mktemp("gen"), "llama", "moe")
+
+
+def transformers_greedy(directory, prompts: list[list[int]], new: int, like, pad: int = 0,
+                        device: str = "cpu") -> list[list[int]]:
+    """transformers' `generate` on the plain model: left-padded prompts, their attention mask, a static cache of
+    the generator's length (attention over another length rounds otherwise, and a router's top-k can flip). An MoE model
+    runs the experts implementation of `like` (offplan's, where it holds experts in pinned memory: transformers'
+    `batched_mm` and `grouped_mm` arithmetic by the pairs of each forward, runtime/execute/experts.py)."""
+    model = reference(directory, device)
+    if hasattr(like.config, "num_experts"):
+        model.set_experts_implementation(like.config._experts_implementation)
+    length = max(map(len, prompts))
+    ids = torch.tensor([[pad] * (length - len(p)) + p for p in prompts], device=device)
+    mask = torch.tensor([[0] * (length - len(p)) + [1] * len(p) for p in prompts], device=device)
+    cache = StaticCache(config=model.config, max_cache_len=CACHE_QUANTUM)
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                             pad_token_id=pad, past_key_values=cache)
+    return out[:, length:].tolist()
+
+
+@pytest.mark.parametrize("kind", ["llama", "moe"])
+@pytest.mark.parametrize("strategy", sorted(PLANS))
+def test_greedy_tokens_equal_transformers_generate(tmp_path, checkpoints, kind, strategy):
+    plan = make_plan(tmp_path, checkpoints[kind], PLANS[strategy])
+    model, handle = from_pretrained(plan, progress=False)
+    try:
+        same = [[5, 17, 99, 3, 41, 7], [8, 8, 200, 31, 2, 6]]
+        got = handle.generate(torch.tensor(same), 12)
+        assert got.tokens == transformers_greedy(checkpoints[kind], same, 12, model)
+        assert (got.mode, got.prompt_tokens, got.decode_steps, len(got.tokens[0])) == ("eager", 6, 11, 12)
+        assert got.ttft_s > 0 and got.decode_tokens_per_s > 0
+        ragged = [[5, 17, 99, 3, 41, 7], [9, 250, 4]]  # left-padded, the pads masked
+        assert handle.generate(ragged, 10).tokens == transformers_greedy(checkpoints[kind], ragged, 10, model)
+    finally:
+        handle.remove()
+
+
+def test_stop_tokens_the_callback_and_reuse(tmp_path, checkpoints):
+    model, handle = from_pretrained(make_plan(tmp_path, checkpoints["moe"], PLANS["uva"]), progress=False)
+    try:
+        prompts = [[5, 17, 99, 3], [8, 8, 200, 31]]
+        full = handle.generate(prompts, 16).tokens
+        stop = full[0][4]  # the fifth token of the first sequence
+        seen = []
+        got = handle.generate(prompts, 16, stop=[stop], on_token=lambda i, tokens: seen.append((i, tokens)))
+        first = full[0].index(stop) + 1
+        second = full[1].index(stop) + 1 if stop in full[1] else 16
+        assert got.tokens == [full[0][:first], full[1][:second]]
+        steps = max(first, second)  # the loop ends when every sequence has stopped
+        assert seen == [(i, [full[0][i], full[1][i]]) for i in range(steps)]
+        assert list(handle.generators[(False, False)].steps) == [(2, CACHE_QUANTUM, False)]  # one step, reused
+    finally:
+        handle.remove()
+    assert handle.generators == {}
+
+
+def test_sampling_is_seeded_and_follows_top_k(tmp_path, checkpoints):
+    model, handle = from_pretrained(make_plan(tmp_path, checkpoints["llama"], PLANS["prefetch"]), progress=False)
+    try:
+        prompts = torch.tensor([[5, 17, 99, 3]])
+        a = handle.generate(prompts, 8, do_sample=True, temperature=0.7, seed=3).tokens
+        assert handle.generate(prompts, 8, do_sample=True, temperature=0.7, seed=3).tokens == a
+        assert handle.generate(prompts, 8, do_sample=True, top_k=1).tokens == handle.generate(prompts, 8).tokens
+    finally:
+        handle.remove()
+
+
+def test_bad_calls_are_refused(tmp_path, checkpoints):
+    model, handle = from_pretrained(make_plan(tmp_path, checkpoints["llama"], PLANS["uva"]), progress=False)
+    try:
+        for call, message in [(lambda: handle.generate([[1, 2]], 0), "max_new_tokens must be at least 1"),
+                              (lambda: handle.generate([], 4), "one or more prompts"),
+                              (lambda: handle.generate(torch.tensor([1, 2]), 4), r"a \[batch, tokens\] tensor"),
+                              (lambda: handle.generate([[1]], 4, do_sample=True, temperature=0), "above 0")]:
+            with pytest.raises(ValueError, match=message):
+                call()
+    finally:
+        handle.remove()
