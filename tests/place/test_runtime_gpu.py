@@ -166,7 +166,8 @@ def test_bundled_example_applies_on_cuda(capsys):
     from offplan.cli import main
     assert main(["apply", "plans/examples/tiny-moe.plan.yaml", "--max-new-tokens", "8"]) == 0
     out = capsys.readouterr().out
-    print(f"\n{out}")
+    with capsys.disabled():
+        print(f"\n{out}")
     assert "on cuda" in out and "pinned host memory" in out
     assert "note: the weights are random" in out and "note: no tokenizer beside the weights" in out
     assert "generated 1 sequence of up to 8 tokens, greedily, each decode step replayed from a CUDA graph" in out
