@@ -29,7 +29,10 @@ tokens): otherwise the CPU queues every replay ahead of the GPU and reads the
 tokens once, at the end.
 
 Greedy tokens are those of transformers' `generate` on the same model and
-prompts (tests/execute/test_generation.py), eager or replayed (on CUDA).
+prompts with a static cache of the same length, eager on the CPU
+(tests/execute/test_generation.py) and replayed on CUDA (test_generation_gpu.py).
+With a cache of another length, attention rounds otherwise, and an MoE router's
+top-k can then pick another expert some tokens later.
 
 Limits: one prompt length per batch is fastest (no mask, the kernels the
 benchmarks time); decoder-only text models; the cache's dtype is the model's.
