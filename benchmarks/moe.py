@@ -67,10 +67,11 @@ import torch
 from harness import loops
 from harness.budgets import budget_table, measure_budgets, record_profile
 from harness.checkpoints import checkpoint_and_hardware, config_for
-from harness.loops import Plain, prompts
+from harness.loops import prompts
 from harness.plans import make_plan
 from harness.routers import RouterSkew, RouterSpread, touched_experts
 from runtime.execute.experts import arithmetic
+from runtime.execute.generation import PlainHandle
 
 EXPERTS_HOST = "rules:\n  - {match: [experts], place: uva}\n"
 REPLAYED = ("graph", "compiled-graph")  # modes that replay a captured decode step
@@ -168,7 +169,7 @@ class Run:
             from transformers import AutoModelForCausalLM
             model = AutoModelForCausalLM.from_pretrained(self.ckpt, dtype=torch.bfloat16,
                                                          device_map=self.args.device).eval()
-            handle = Plain(model)
+            handle = PlainHandle(model)
         else:
             model = build_meta_model(self.ckpt)
             handle = runtime.load(model, plan, device=self.args.device, progress=False)

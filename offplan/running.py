@@ -140,7 +140,7 @@ def _generate(model, handle, texts: list[str], batch: int, max_new_tokens: int, 
               tokenizer_files: bool) -> dict:
     """The runtime's generation (runtime/execute/generation.py) of `batch` sequences, the prompts taken in turn;
     the checkpoint's tokenizer when it has one (stopping at its end-of-sequence token), else each prompt's bytes
-    as ids. The first call captures the decode step and warms up; the second is timed."""
+    as ids. `prepare` captures the decode step and warms up; the generation is timed."""
     tokenizer = None
     if tokenizer_files:
         from transformers import AutoTokenizer
@@ -156,8 +156,9 @@ def _generate(model, handle, texts: list[str], batch: int, max_new_tokens: int, 
     if not all(prompts):  # a tokenizer that makes nothing of a prompt
         empty = texts[[bool(p) for p in prompts].index(False)]
         raise OffplanError(f"--prompt: the tokenizer makes no tokens of {empty!r}")
-    for _ in range(2):
-        got = handle.generate(prompts, max_new_tokens, eager=eager, pad_id=pad, stop=stop)
+    generator = handle.generator(eager=eager)
+    generator.prepare(prompts, max_new_tokens, pad_id=pad)  # capture the decode step, warm up the prefill
+    got = generator(prompts, max_new_tokens, pad_id=pad, stop=stop)
     return {"mode": got.mode, "max_new_tokens": max_new_tokens, "prompt_tokens": got.prompt_tokens,
             "ttft_s": got.ttft_s, "decode_steps": got.decode_steps, "decode_s": got.decode_s,
             "decode_tokens_per_s": got.decode_tokens_per_s,

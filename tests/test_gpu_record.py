@@ -44,7 +44,7 @@ def scratch_repo(tmp_path: Path) -> Path:
     root = tmp_path / "repo"
     for rel, text in {"runtime/a.py": "a", "runtime/a-b.py": "ab", "runtime/a/inner.py": "inner",
                       "runtime/a.b/x.py": "x", "runtime/z.py": "z", "benchmarks/harness/loops.py": "loops",
-                      "benchmarks/decode.py": "decode",
+                      "benchmarks/decode.py": "decode", "benchmarks/front_door.py": "front door",
                       "benchmarks/moe.py": "moe", "benchmarks/moe_kernels.py": "kernels",
                       "benchmarks/prefill.py": "prefill",
                       "benchmarks/quantized.py": "quantized", "tests/quantized_models.py": "writer",
@@ -84,8 +84,8 @@ def test_ids_from_files_equal_gits_own_on_this_repository(tmp_path):
 def test_ids_from_files_follow_gits_order_modes_and_ignores(tmp_path):
     root = scratch_repo(tmp_path)
     ids = gpu_record.ids_from_files(root)
-    assert list(ids) == ["runtime", "benchmarks/harness", "benchmarks/decode.py", "benchmarks/moe.py",
-                         "benchmarks/moe_kernels.py", "benchmarks/prefill.py", "benchmarks/quantized.py",
+    assert list(ids) == ["runtime", "benchmarks/harness", "benchmarks/decode.py", "benchmarks/front_door.py",
+                         "benchmarks/moe.py", "benchmarks/moe_kernels.py", "benchmarks/prefill.py", "benchmarks/quantized.py",
                          "tests/quantized_models.py", "tests/a/b/test_y_gpu.py", "tests/test_x_gpu.py"]
     assert ids == gpu_record.ids_at_head(root) == {rel: git(root, "rev-parse", f"HEAD:{rel}") for rel in ids}
 

@@ -7,7 +7,6 @@ import time
 
 import torch
 
-from runtime.execute.generation import Generator
 
 PROMPT_LEN = 16
 
@@ -45,28 +44,9 @@ def decode(model, ids: torch.Tensor, batch: int, new: int, device) -> tuple[floa
 def decode_static(model, handle, ids: torch.Tensor, new: int, mode: str, batch: int = 1) -> tuple[float, list]:
     """Greedy decode of `batch` sequences through the runtime's generation (runtime/execute/generation.py: static
     KV cache, the loop `plan apply` runs): `graph` replays one captured decode step (CUDA graph), `compiled` runs a
-    torch.compile'd step, `compiled-graph` replays one captured step of it (Inductor's fused kernels). The first
-    call captures; the second is timed. Returns (decode steps per second, the first `new` tokens)."""
-    kw = dict(eager=mode == "compiled", compile=mode in ("compiled", "compiled-graph"))
-    handle.generate(ids[:batch], new + 1, **kw)  # capture (and compile), warm-up
-    got = handle.generate(ids[:batch], new + 1, **kw)
+    torch.compile'd step, `compiled-graph` replays one captured step of it (Inductor's fused kernels). `prepare`
+    captures and warms up; the call is timed. Returns (decode steps per second, the first `new` tokens)."""
+    generator = handle.generator(eager=mode == "compiled", compile=mode in ("compiled", "compiled-graph"))
+    generator.prepare(ids[:batch], new + 1)  # capture (and compile), warm-up
+    got = generator(ids[:batch], new + 1)
     return got.decode_tokens_per_s, [t[:new] for t in got.tokens]
-
-
-class Plain:
-    """decode_static's handle for a model that transformers loaded alone: the same generation, no plan."""
-
-    def __init__(self, model):
-        self.model = model
-        self.generators: dict[tuple[bool, bool], Generator] = {}
-
-    def generate(self, prompts, max_new_tokens: int, *, eager: bool = False, compile: bool = False, **kw):
-        if (eager, compile) not in self.generators:
-            self.generators[eager, compile] = Generator(self.model, None, eager=eager, compile=compile)
-        return self.generators[eager, compile](prompts, max_new_tokens, **kw)
-
-    def join(self) -> None:
-        pass
-
-    def remove(self, restore: bool = True) -> None:
-        self.generators = {}

@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import torch
 
-from planner.layers.groups import BATCHED_PAIRS  # pairs up to which batched_mm's arithmetic runs: decode of 1-2 tokens
+from planner.layers.groups import BATCHED_PAIRS  # pairs up to which batched_mm's arithmetic runs (1-2 tokens)
 
 from ..place.dequant import dequantize, quantized, stored
 from . import ops

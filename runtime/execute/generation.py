@@ -45,6 +45,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .tokens import batch_prompts, hit_stop, sampler, until_stop
+
 CACHE_QUANTUM = 128  # cache lengths are rounded up to a multiple of this, so nearby calls share a captured step
 WARMUP = 3  # eager steps before a capture (allocator, lazy kernels, compilation)
 
@@ -100,12 +102,33 @@ def capture_graph(step: Callable[[], object], device: torch.device, warmup: int 
     return graph, out
 
 
-class _Plain:
-    """The handle of a model that transformers loaded alone (nothing of offplan's to join)."""
+class Generating:
+    """What owns generators (an `OffloadHandle`, a `PlainHandle`): one per (eager, compile), made at first use, its
+    caches and captured steps kept for later calls. The owner has `model`, `device`, `cuda`, `join`, `capture`."""
+
+    generators: dict[tuple[bool, bool], "Generator"]
+
+    def generator(self, eager: bool = False, compile: bool = False) -> "Generator":
+        if (eager, compile) not in self.generators:
+            self.generators[eager, compile] = Generator(self.model, self, eager=eager, compile=compile)
+        return self.generators[eager, compile]
+
+    def generate(self, prompts, max_new_tokens: int, *, eager: bool = False, compile: bool = False,
+                 **kw) -> "Generation":
+        """Generate after `prompts` (token ids: a [B, T] tensor, or lists): each decode step replayed from a CUDA
+        graph on a GPU, unless `eager` (module doc; `kw`: sampling, stop tokens, a callback)."""
+        return self.generator(eager, compile)(prompts, max_new_tokens, **kw)
+
+
+class PlainHandle(Generating):
+    """The handle of a model that transformers loaded alone: the same generation, nothing of offplan's to join
+    (the benchmarks' all-GPU baselines)."""
 
     def __init__(self, model: torch.nn.Module):
+        self.model = model
         self.device = next(model.parameters()).device
         self.cuda = self.device.type == "cuda"
+        self.generators = {}
 
     def join(self) -> None:
         pass
@@ -113,22 +136,34 @@ class _Plain:
     def capture(self, step, warmup: int = 2):
         return capture_graph(step, self.device, warmup)
 
+    def remove(self, restore: bool = True) -> None:
+        self.generators = {}
+
 
 class Generator:
-    """Generation for one model (module doc): loaded by offplan (`handle`, its `OffloadHandle`; most simply
-    `handle.generate(...)`) or by transformers alone (`handle` None: the same loop, for comparison). Lifecycle:
-    made -> calls -> `release()` (an offplan handle's `remove()` does it)."""
+    """Generation for one model and its handle (module doc): an `OffloadHandle` (most simply
+    `handle.generate(...)`) or a `PlainHandle`. Lifecycle: made -> `prepare` (optional) and calls -> `release()`
+    (the handle's `remove()` does it)."""
 
-    def __init__(self, model: torch.nn.Module, handle=None, *, eager: bool = False, compile: bool = False):
+    def __init__(self, model: torch.nn.Module, handle, *, eager: bool = False, compile: bool = False):
         self.model = model
-        self.handle = handle if handle is not None else _Plain(model)
-        self.device = self.handle.device
-        self.replay = self.handle.cuda and not eager
-        self.mode = ("compiled-" if compile else "") + ("graph" if self.replay else "eager")
-        if self.mode == "compiled-eager":
-            self.mode = "compiled"
+        self.handle = handle
+        self.device = handle.device
+        self.replay = handle.cuda and not eager
+        if self.replay:
+            self.mode = "compiled-graph" if compile else "graph"
+        else:
+            self.mode = "compiled" if compile else "eager"
         self.forward = torch.compile(model) if compile else model
         self.steps: dict[tuple[int, int, bool], _Step] = {}
+
+    def prepare(self, prompts, max_new_tokens: int, *, pad_id: int = 0) -> None:
+        """Pay a call's one-time costs without generating: make (and capture) the decode step of its shape and
+        run its prefill once."""
+        ids, _, step = self._shape(prompts, max_new_tokens, pad_id)
+        with torch.no_grad():
+            self._prefill(step, ids)
+        self._sync()
 
     def __call__(self, prompts: torch.Tensor | Sequence[Sequence[int]], max_new_tokens: int, *,
                  pad_id: int = 0, stop: Sequence[int] = (), do_sample: bool = False, temperature: float = 1.0,
@@ -136,29 +171,17 @@ class Generator:
                  on_token: Callable[[int, list[int]], None] | None = None) -> Generation:
         """Generate `max_new_tokens` tokens after each prompt (fewer after a stop token). `on_token(i, tokens)`
         is called with each step's new token of every sequence, as it comes."""
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be at least 1, not {max_new_tokens}")
-        ids, mask = _batch(prompts, pad_id, self.device)
+        ids, _, step = self._shape(prompts, max_new_tokens, pad_id)
         batch, length = ids.shape
-        total = length + max_new_tokens
-        cache_len = -(-total // CACHE_QUANTUM) * CACHE_QUANTUM
-        step = self._step(batch, cache_len, mask is not None)
-        if step.mask is not None:
-            step.mask.fill_(1)
-            step.mask[:, :length].copy_(mask)
-        sample = _sampler(do_sample, temperature, top_k, seed, self.device)
+        sample = sampler(do_sample, temperature, top_k, seed, self.device)
         stops = torch.tensor(list(stop), dtype=torch.long, device=self.device) if stop else None
         eager_host = on_token is not None or stops is not None  # the host reads every step's tokens
         with torch.no_grad():
             self._sync()
             start = time.perf_counter()
-            step.cache.reset()
-            logits = self.model(ids, past_key_values=step.cache, attention_mask=step.mask,
-                                cache_position=torch.arange(length, device=self.device)).logits
-            self.handle.join()
-            token = sample(logits[:, -1])  # [B]
+            token = sample(self._prefill(step, ids)[:, -1])  # [B]
             out = [token]
-            done = _done(token, stops, None)
+            done = hit_stop(token, stops, None)
             if eager_host:
                 self._emit(on_token, 0, token)
             self._sync()
@@ -177,14 +200,35 @@ class Generator:
                 token = sample(logits[:, -1])
                 out.append(token)
                 steps += 1
-                done = _done(token, stops, done)
+                done = hit_stop(token, stops, done)
                 if eager_host:
                     self._emit(on_token, i, token)
             self._sync()
             end = time.perf_counter()
         tokens = torch.stack(out, dim=1).tolist()
-        return Generation([_until_stop(t, stop) for t in tokens], length, self.mode, first - start, end - first,
+        return Generation([until_stop(t, stop) for t in tokens], length, self.mode, first - start, end - first,
                           steps)
+
+    def _shape(self, prompts, max_new_tokens: int, pad_id: int) -> tuple[torch.Tensor, torch.Tensor | None, _Step]:
+        """(ids [B, T], their mask or None, the decode step of this shape with its mask set)."""
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be at least 1, not {max_new_tokens}")
+        ids, mask = batch_prompts(prompts, pad_id, self.device)
+        length = ids.shape[1]
+        cache_len = -(-(length + max_new_tokens) // CACHE_QUANTUM) * CACHE_QUANTUM
+        step = self._step(ids.shape[0], cache_len, mask is not None)
+        if step.mask is not None:
+            step.mask.fill_(1)
+            step.mask[:, :length].copy_(mask)
+        return ids, mask, step
+
+    def _prefill(self, step: _Step, ids: torch.Tensor) -> torch.Tensor:
+        """The prompts' forward over the emptied cache (the plan's prefill staging runs): logits [B, T, V]."""
+        step.cache.reset()
+        logits = self.model(ids, past_key_values=step.cache, attention_mask=step.mask,
+                            cache_position=torch.arange(ids.shape[1], device=self.device)).logits
+        self.handle.join()
+        return logits
 
     def _step(self, batch: int, cache_len: int, masked: bool) -> _Step:
         """The static cache and decode step for this shape, made (and captured) at its first use."""
@@ -227,49 +271,3 @@ class Generator:
     def release(self) -> None:
         """Drop the caches and captured graphs (their GPU memory goes back to the allocator)."""
         self.steps = {}
-
-
-def _batch(prompts, pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """([B, T] ids, left-padded to the longest prompt; [B, T] mask of the real tokens, None without pads)."""
-    if isinstance(prompts, torch.Tensor):
-        if prompts.dim() != 2 or prompts.shape[1] < 1:
-            raise ValueError(f"prompts: a [batch, tokens] tensor of token ids, not shape {tuple(prompts.shape)}")
-        return prompts.to(device=device, dtype=torch.long), None
-    rows = [list(p) for p in prompts]
-    if not rows or not all(rows):
-        raise ValueError("prompts: one or more prompts of one or more token ids each")
-    length = max(map(len, rows))
-    ids = torch.tensor([[pad_id] * (length - len(r)) + r for r in rows], dtype=torch.long, device=device)
-    if all(len(r) == length for r in rows):
-        return ids, None
-    mask = torch.tensor([[0] * (length - len(r)) + [1] * len(r) for r in rows], dtype=torch.long, device=device)
-    return ids, mask
-
-
-def _sampler(do_sample: bool, temperature: float, top_k: int | None, seed: int, device):
-    """logits [B, V] -> tokens [B]: argmax, or a sample at `temperature` among the `top_k` likeliest."""
-    if not do_sample:
-        return lambda logits: logits.argmax(dim=-1)
-    if temperature <= 0:
-        raise ValueError(f"temperature must be above 0, not {temperature}")
-    generator = torch.Generator(device=device).manual_seed(seed)
-
-    def sample(logits: torch.Tensor) -> torch.Tensor:
-        scores = logits.float() / temperature
-        if top_k is not None:
-            kth = scores.topk(min(top_k, scores.shape[-1]), dim=-1).values[:, -1:]
-            scores = scores.masked_fill(scores < kth, float("-inf"))
-        return torch.multinomial(scores.softmax(dim=-1), 1, generator=generator).view(-1)
-    return sample
-
-
-def _done(token: torch.Tensor, stops: torch.Tensor | None, done: torch.Tensor | None) -> torch.Tensor:
-    hit = torch.isin(token, stops) if stops is not None else torch.zeros_like(token, dtype=torch.bool)
-    return hit if done is None else done | hit
-
-
-def _until_stop(tokens: list[int], stop: Sequence[int]) -> list[int]:
-    for i, t in enumerate(tokens):
-        if t in stop:
-            return tokens[:i + 1]
-    return tokens

@@ -22,7 +22,7 @@ from ..place.layout import HostLayout
 from ..place.names import Target
 from ..place.quant import Quant
 from . import experts
-from .generation import Generation, Generator, capture_graph
+from .generation import Generating, Generator, capture_graph
 from .lookahead import Lookahead
 from .prefetch import PrefetchEngine
 from .prefill import PrefillStager
@@ -61,7 +61,7 @@ class LoadStats:
         return total / self.load_seconds if self.load_seconds else None
 
 
-class OffloadHandle:
+class OffloadHandle(Generating):
     """What `load`/`apply` did to a model, and what it holds. See the module doc for the lifecycle."""
 
     def __init__(self, model: torch.nn.Module, plan: Plan, checkpoint: Checkpoint, device: torch.device,
@@ -83,7 +83,7 @@ class OffloadHandle:
         self.bound_experts: list[torch.nn.Module] = []  # experts modules given resident rows (experts.py)
         self.lookahead: Lookahead | None = None  # their next experts read ahead at decode (lookahead.py)
         self.experts_before: str | None = None  # the experts implementation before "offplan"
-        self.generators: dict[tuple[bool, bool], Generator] = {}  # (eager, compile) -> its caches and graphs
+        self.generators: dict[tuple[bool, bool], Generator] = {}  # `generate`'s, by (eager, compile)
         self.load_seconds = 0.0
         self.start_alloc = 0
         self.peak_gpu_bytes = 0
@@ -122,16 +122,6 @@ class OffloadHandle:
             self.engine.join()
         if self.lookahead is not None:
             self.lookahead.join()
-
-    def generate(self, prompts, max_new_tokens: int, *, eager: bool = False, compile: bool = False,
-                 **kw) -> Generation:
-        """Generate after `prompts` (token ids: a [B, T] tensor, or lists) with the model this handle loaded: each
-        decode step replayed from a CUDA graph on a GPU, unless `eager` (generation.py; `kw`: sampling, stop
-        tokens, a callback). Graphs are captured at first use and kept for later calls."""
-        key = (eager, compile)
-        if key not in self.generators:
-            self.generators[key] = Generator(self.model, self, eager=eager, compile=compile)
-        return self.generators[key](prompts, max_new_tokens, **kw)
 
     def capture(self, step: Callable[[], object], warmup: int = 2) -> tuple[torch.cuda.CUDAGraph, object]:
         """Capture one call of `step` (a decode step over static inputs) in a CUDA graph.

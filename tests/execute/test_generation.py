@@ -63,6 +63,7 @@ def test_stop_tokens_the_callback_and_reuse(tmp_path, checkpoints):
     model, handle = from_pretrained(make_plan(tmp_path, checkpoints["moe"], PLANS["uva"]), progress=False)
     try:
         prompts = [[5, 17, 99, 3], [8, 8, 200, 31]]
+        handle.generator().prepare(prompts, 16)  # the step of this shape made ahead: the calls below reuse it
         full = handle.generate(prompts, 16).tokens
         stop = full[0][4]  # the fifth token of the first sequence
         seen = []
