@@ -37,7 +37,8 @@ module's gather reads it before the side stream writes it again (the read
 waits for that gather). The side stream is joined at the next module, and at
 the end of a forward (`OffloadHandle.join`), so a captured decode step holds
 it whole and replays it. Forwards of more tokens (prefill, batches) neither
-guess nor read: their gathers keep the link busy.
+guess nor read: their gathers keep the link busy; nor do eager forwards on
+CUDA, where the CPU's launches set the pace (experts.py says why).
 
 Measured on the H100 (`benchmarks/moe.py --lookahead-ab`: Qwen3-30B-A3B's
 shape, every expert in pinned memory, batch 1, count 2, off and on in the same
