@@ -32,8 +32,21 @@ resident copy (`bind`). Per forward, for T tokens with top-k routing over E expe
    that of `grouped_mm`. Measured on the H100 (benchmarks/RESULTS.md), these
    are the fastest all-GPU paths at batch 1 and from batch 8 on; batched_mm's
    weight copy per pair costs 2.4 GB of HBM traffic per layer at batch 32.
+   An FP8 parameter at one token is the exception: fp8_gemv.py's kernel
+   multiplies each pair by its expert's FP8 rows where they lie (gathered,
+   or in place when the whole parameter is in HBM), dequantizing in
+   registers, so its outputs equal batched_mm's on the dequantized experts
+   within one rounding (the kernel sums in another order), not bitwise.
 
 The gather is gather.py's custom op, `offplan::gather_rows`.
+
+The lookahead (step 2) runs where a decode step's kernels are launched ahead
+of the GPU: in a step captured in a CUDA graph or traced by torch.compile.
+An eager step on CUDA skips it: there the CPU's launches set the pace, and
+its two ops and side-stream launches cost more CPU time than the link time
+it saves (measured on the H100 at 8 layers of Qwen3-30B-A3B's shape, every
+expert on uva: 46 eager steps/s with it, 63 without). On the CPU it runs as
+it does under a graph, so that CI exercises its buffer.
 
 At prefill of a layer that the plan stages (prefill.py), the unique list is
 every expert in expert order (U = E: a long prompt touches nearly all of
@@ -48,13 +61,16 @@ whose arithmetic `arithmetic` picks for its pairs (`batched_mm` or
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from planner.layers.groups import BATCHED_PAIRS  # pairs up to which batched_mm's arithmetic runs (1-2 tokens)
 
+from ..place import fp8_gemv
 from ..place.dequant import dequantize, quantized, stored
 from . import ops
-from .gather import gather_rows
+from .gather import gather
 
 _PREFIX = "offplan_"  # non-persistent buffers bound on an experts module: `offplan_slot_<param>`, `offplan_rows_<param>`
 
@@ -106,14 +122,34 @@ def arithmetic(pairs: int) -> str:
     return "batched_mm" if pairs <= BATCHED_PAIRS else "grouped_mm"
 
 
-def _stage(module, param: str, order: torch.Tensor, valid: torch.Tensor, ahead: int = 0) -> torch.Tensor:
+@dataclass(frozen=True)
+class Fp8Rows:
+    """An FP8 parameter's experts for the pairs of one token, read by fp8_gemv.py's kernel as they lie: expert
+    `ids[p]` of `data` and `scale` for pair p (None: expert p, the rows gathered in pair order)."""
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    ids: torch.Tensor | None
+    block: tuple[int, int]
+
+
+def _stage(module, param: str, order: torch.Tensor, valid: torch.Tensor, ahead: int = 0,
+           x: torch.Tensor | None = None) -> torch.Tensor | Fp8Rows:
     """`param`'s rows for the slots `order`, in HBM; a quantized parameter's gathered quantized, then
     dequantized (only the touched experts: dequant.py). `ahead`: the key of the lookahead whose buffer
-    holds some of them (lookahead.py), 0 for none."""
+    holds some of them (lookahead.py), 0 for none. `x`: the pairs' activations when `order` is one token's
+    pairs: an FP8 parameter that fp8_gemv.py multiplies is then not dequantized (`Fp8Rows`), and one held
+    whole in HBM is not gathered either."""
     q = quantized(module).get(param)
     if q is not None:
-        return dequantize(q, _rows(module, q.data, stored(module, q.data), order, valid, ahead),
-                          _rows(module, q.scale, stored(module, q.scale), order, valid, ahead))
+        data, scale = stored(module, q.data), stored(module, q.scale)
+        fused = (x is not None and q.format == "fp8" and not module.is_transposed
+                 and fp8_gemv.applies(x, data, q.block, 1))
+        if fused and slot_of(module, q.data) is None:  # all in HBM: read in place
+            return Fp8Rows(data, scale, order, q.block)
+        data = _rows(module, q.data, data, order, valid, ahead)
+        scale = _rows(module, q.scale, scale, order, valid, ahead)
+        return Fp8Rows(data, scale, None, q.block) if fused else dequantize(q, data, scale)
     return _rows(module, param, getattr(module, param), order, valid, ahead)
 
 
@@ -137,12 +173,23 @@ def _rows(module, name: str, full: torch.Tensor, order: torch.Tensor, valid: tor
     if slot is None:  # all of it in HBM
         return full.index_select(0, order)
     index = module._offplan_ahead.index if ahead else -1
-    return gather_rows(full, getattr(module, f"{_PREFIX}rows_{name}"), slot, order, valid, ahead, name, index)
+    return gather(full, getattr(module, f"{_PREFIX}rows_{name}"), slot, order, valid, ahead, name, index)
 
 
-def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, transposed: bool) -> torch.Tensor:
-    """One GEMV per pair: x [S, in], w [S, out, in] ([S, in, out] transposed) -> [S, out], as batched_mm does."""
-    out = torch.bmm(x.unsqueeze(1), w).squeeze(1) if transposed else torch.bmm(w, x.unsqueeze(-1)).squeeze(-1)
+def _ahead_pays(ids: torch.Tensor) -> bool:
+    """Whether this forward runs the lookahead (module doc): not in an eager step on CUDA."""
+    return not ids.is_cuda or torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing()
+
+
+def _linear(x: torch.Tensor, w: torch.Tensor | Fp8Rows, b: torch.Tensor | None, transposed: bool) -> torch.Tensor:
+    """One GEMV per pair: x [S, in], w [S, out, in] ([S, in, out] transposed) -> [S, out], as batched_mm does;
+    FP8 rows in one kernel (fp8_gemv.py)."""
+    if isinstance(w, Fp8Rows):
+        out = fp8_gemv.fp8_pairs(x, w.data, w.scale, w.ids, w.block)
+    elif transposed:
+        out = torch.bmm(x.unsqueeze(1), w).squeeze(1)
+    else:
+        out = torch.bmm(w, x.unsqueeze(-1)).squeeze(-1)
     return out if b is None else out.add_(b)
 
 
@@ -173,7 +220,7 @@ def _batched(self: torch.nn.Module, hidden_states: torch.Tensor, rows: dict[str,
 def offplan_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                             top_k_weights: torch.Tensor) -> torch.Tensor:
     """The "offplan" entry of ALL_EXPERTS_FUNCTIONS (module doc). hidden_states [T, H], top_k_* [T, k]."""
-    if not quantized(self) and not any(n.startswith(_PREFIX) for n, _ in self.named_buffers(recurse=False)):
+    if not quantized(self) and not any(bound(self, p) for p in fused_params(self)):
         from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
         implementation = arithmetic(top_k_index.numel())
         return ALL_EXPERTS_FUNCTIONS[implementation](self, hidden_states, top_k_index, top_k_weights)
@@ -188,13 +235,15 @@ def offplan_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, 
         rows = {p: _stage(self, p, order, _in_hbm(self, p)) for p in fused_params(self)}
         ops.expert_fill(list(rows.values()), ring.key, ring.unit)
     elif num_tokens == 1:  # one token's k experts are distinct: staged in pair order, no weight copy per pair
-        use = getattr(self, "_offplan_ahead", None)  # set by lookahead.py on modules with experts in pinned memory
+        use = getattr(self, "_offplan_ahead", None) if _ahead_pays(ids) else None  # set by lookahead.py
         if use is not None and (use.reads or use.guesses):  # this module's guessed experts joined, the next guessed
             ids = ops.ahead_begin(ids, hidden_states, use.key, use.index)
         ahead = use.key if use is not None and use.reads else 0
-        rows = {p: _stage(self, p, ids, torch.ones_like(ids, dtype=torch.int32), ahead) for p in fused_params(self)}
+        valid = torch.ones_like(ids, dtype=torch.int32)
+        rows = {p: _stage(self, p, ids, valid, ahead, hidden_states) for p in fused_params(self)}
         if use is not None:  # every gather enqueued before any GEMV; then the next module's guess read ahead
-            hidden_states = ops.ahead_read(hidden_states, list(rows.values()), use.key, use.index)
+            gathered = [r.data if isinstance(r, Fp8Rows) else r for r in rows.values()]
+            hidden_states = ops.ahead_read(hidden_states, gathered, use.key, use.index)
         return _batched(self, hidden_states, rows, weights, k)
     else:
         size = min(experts, pairs)

@@ -14,7 +14,11 @@ The formats and why they stay quantized: quant.py. Here:
   per dequantized name (the module's class swapped for a cached subclass, as
   prefill.py does), so `linear.weight` is computed on access and the stored
   tensors stay registered under their own names. `unbind` restores the class
-  and puts a plain tensor back under the name.
+  and puts a plain tensor back under the name. A Linear with an FP8 weight
+  also gets the subclass's `forward`: at decode (a few rows, on CUDA) one
+  kernel reads the FP8 weight and computes the product (fp8_gemv.py: 1 byte per
+  element read, where dequantizing first moves 5); otherwise the Linear's own
+  forward, over the dequantized weight.
 """
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ import functools
 
 import torch
 
+from . import fp8_gemv
 from .quant import Quant
 
 
@@ -76,10 +81,7 @@ def _power_of_two(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
-@torch.library.custom_op("offplan::dequant_fp8", mutates_args=())
-def dequant_fp8(data: torch.Tensor, scale: torch.Tensor, b0: int, b1: int, dtype: torch.dtype) -> torch.Tensor:
-    """FP8 `data` [..., R, C] times its block's `scale` [..., ceil(R/b0), ceil(C/b1)], in `dtype` (module doc).
-    On CUDA with power-of-two blocks, tiles of 32 x 128 (at most a block) each read one scale."""
+def _dequant_fp8(data: torch.Tensor, scale: torch.Tensor, b0: int, b1: int, dtype: torch.dtype) -> torch.Tensor:
     if not data.is_cuda or triton is None or not (_power_of_two(b0) and _power_of_two(b1)):
         return _fp8_reference(data, scale, b0, b1, dtype)
     rows, cols = data.shape[-2:]
@@ -91,7 +93,18 @@ def dequant_fp8(data: torch.Tensor, scale: torch.Tensor, b0: int, b1: int, dtype
     return out
 
 
-@dequant_fp8.register_fake
+dequant_fp8_op = torch.library.custom_op("offplan::dequant_fp8", _dequant_fp8, mutates_args=())
+
+
+def dequant_fp8(data: torch.Tensor, scale: torch.Tensor, b0: int, b1: int, dtype: torch.dtype) -> torch.Tensor:
+    """FP8 `data` [..., R, C] times its block's `scale` [..., ceil(R/b0), ceil(C/b1)], in `dtype` (module doc).
+    On CUDA with power-of-two blocks, tiles of 32 x 128 (at most a block) each read one scale. An opaque custom
+    op where torch.compile traces the call, the function itself elsewhere (the dispatcher's CPU time)."""
+    run = dequant_fp8_op if torch.compiler.is_compiling() else _dequant_fp8
+    return run(data, scale, b0, b1, dtype)
+
+
+@dequant_fp8_op.register_fake
 def _(data, scale, b0, b1, dtype):
     return torch.empty(data.shape, dtype=dtype, device=scale.device)
 
@@ -111,9 +124,26 @@ def _dequantized_property(attr: str) -> property:
     return property(get)
 
 
+def _fp8_linear_forward(base: type):
+    """The forward of a `base` Linear over an FP8 weight: fused at decode (fp8_gemv.py), `base`'s otherwise."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q = self._offplan_quant["weight"]
+        data = stored(self, q.data)
+        rows = x.numel() // x.shape[-1]
+        if q.format != "fp8" or not fp8_gemv.applies(x, data, q.block, rows):
+            return base.forward(self, x)
+        out = fp8_gemv.fp8_linear(x.reshape(rows, x.shape[-1]), data, stored(self, q.scale), q.block)
+        out = out.view(*x.shape[:-1], out.shape[-1])
+        return out if self.bias is None else out + self.bias
+    return forward
+
+
 @functools.cache
 def _quantized_class(cls: type, attrs: frozenset[str]) -> type:
-    return type(f"Dequantized{cls.__name__}", (cls,), {a: _dequantized_property(a) for a in sorted(attrs)})
+    body = {a: _dequantized_property(a) for a in sorted(attrs)}
+    if issubclass(cls, torch.nn.Linear) and "weight" in attrs:
+        body["forward"] = _fp8_linear_forward(cls)
+    return type(f"Dequantized{cls.__name__}", (cls,), body)
 
 
 def bind(found: dict[torch.nn.Module, dict[str, Quant]]) -> None:
