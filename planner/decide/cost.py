@@ -22,7 +22,8 @@ decode, so wherever they live they cost a decode step nothing.
 
 Time per step: three resources work at once, and the slowest sets the pace.
     cpu  = step overhead + stack layers x layer overhead   (launching kernels, eagerly;
-                                                            0 when steps replay a CUDA graph)
+                                                            0 when steps replay a CUDA graph;
+                                                            a layer with routed experts: its own figure)
     gpu  = step GPU time + stack layers x layer GPU time   (kernel latency: hardware.py)
            + resident and prefetched bytes read / HBM + uva bytes read / UVA
     link = uva bytes read / UVA + prefetched bytes / H2D copy
@@ -239,6 +240,7 @@ class CostModel:
         total = [0, float(hw.step_gpu_us), 0.0, 0.0]
         # a replayed CUDA graph launches nothing from the CPU
         cpu, per_layer = (0.0, 0.0) if self.graphs else (hw.step_overhead_us, hw.layer_overhead_us)
+        per_moe_layer = 0.0 if self.graphs else hw.moe_layer_overhead_us or hw.layer_overhead_us
         for layer in self.graph.layers:
             if layer.runs is not Runs.STEP:
                 layers.append(LayerCost(layer.name, 0, 0, 0))
@@ -272,7 +274,8 @@ class CostModel:
             gpu = latency + (read_hbm + staged) / hbm + read_uva / uva
             link = read_uva / uva + copied / h2d
             prefill = max(flops / flops_us + pre_hbm / hbm, pre_copied / h2d) + pre_uva / uva
-            cpu += per_layer if layer.kind is LayerKind.LAYER else 0
+            if layer.kind is LayerKind.LAYER:
+                cpu += per_moe_layer if experts else per_layer
             h2d_bytes = int(read_uva + copied)
             layers.append(LayerCost(layer.name, h2d_bytes, round(gpu), round(link), round(prefill)))
             total[0] += h2d_bytes

@@ -35,6 +35,9 @@ class Hardware:
     layer_gpu_us: float = 0.0  # per dense decoder layer
     moe_layer_gpu_us: float = 0.0  # per decoder layer with routed experts
     step_gpu_us: float = 0.0  # per step, outside the layers
+    # CPU time per decoder layer with routed experts in an eager step of the runtime's generation (0: a dense
+    # layer's): a router, top-k and the experts' forward launch two to three times a dense layer's kernels
+    moe_layer_overhead_us: float = 0.0
     measured: str = ""
 
 
@@ -48,8 +51,9 @@ H100 = Hardware(
     layer_gpu_us=76.4,
     moe_layer_gpu_us=120.9,
     step_gpu_us=45.9,
-    measured="built-in defaults: H2D copy, UVA GEMV and GPU time per layer measured on the project's H100; "
-             "HBM and CPU overheads are estimates until `plan calibrate` runs",
+    moe_layer_overhead_us=1900.0,
+    measured="built-in defaults: H2D copy, UVA GEMV, GPU time per layer and CPU time per MoE layer measured on "
+             "the project's H100; HBM and the other CPU overheads are estimates until `plan calibrate` runs",
 )
 
 
@@ -70,6 +74,7 @@ def load_hardware(path: str | Path) -> Hardware:
                     layer_gpu_us=float(d.get("layer_gpu_us", H100.layer_gpu_us)),
                     moe_layer_gpu_us=float(d.get("moe_layer_gpu_us", H100.moe_layer_gpu_us)),
                     step_gpu_us=float(d.get("step_gpu_us", H100.step_gpu_us)),
+                    moe_layer_overhead_us=float(d.get("moe_layer_overhead_us", 0.0)),
                     measured=d.get("measured", ""))
 
 
@@ -80,5 +85,5 @@ def dumps_hardware(hw: Hardware) -> str:
             f"layer_overhead_us: {hw.layer_overhead_us:.1f}\nstep_overhead_us: {hw.step_overhead_us:.1f}\n"
             f"matmul_tflops: {hw.matmul_tflops:.1f}\nstage_above_tokens: {hw.stage_above_tokens}\n"
             f"layer_gpu_us: {hw.layer_gpu_us:.1f}\nmoe_layer_gpu_us: {hw.moe_layer_gpu_us:.1f}\n"
-            f"step_gpu_us: {hw.step_gpu_us:.1f}\n"
+            f"step_gpu_us: {hw.step_gpu_us:.1f}\nmoe_layer_overhead_us: {hw.moe_layer_overhead_us:.1f}\n"
             f"measured: {yamlio.quote(hw.measured)}\n")

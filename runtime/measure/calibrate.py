@@ -31,6 +31,12 @@ What is measured, and how:
   through the framework; `per_step` is what a step costs outside the layers
   (embedding, head, sampling, cache bookkeeping). The line must explain the medians (R^2 >= 0.95),
   or calibration fails: the CPU was busy with something else;
+- CPU overhead of a layer with routed experts (`moe_layer_overhead_us`): eager
+  steps of the runtime's own generation (what `plan apply --eager` runs) over
+  tiny Qwen3-MoE models with 2 to 16 layers whose experts run offplan's
+  experts implementation as for experts in pinned memory, fitted the same way
+  (the slope). Such a layer launches a router, top-k and the gathers besides
+  attention: about twice a dense layer's CPU time on the H100 machine;
 - GPU time per layer: the same tiny Llamas, and tiny Qwen3-MoE models (8
   experts, top-2, transformers' `batched_mm`), with 2 to 32 layers, each
   decode step (batch 1, static cache) captured in a CUDA graph and replayed:
@@ -58,7 +64,8 @@ from planner.errors import OffplanError
 from planner.inputs.hardware import Hardware
 
 from .bandwidth import h2d_copy_gbps, hbm_gbps, matmul_tflops, stage_above, stage_crossover, uva_gbps, warm_up
-from .steps import fit_line, replay_us_by_layers, step_us_by_layers, tiny_llama, tiny_moe
+from .steps import (fit_line, generator_step_us_by_layers, replay_us_by_layers, step_us_by_layers, tiny_llama,
+                    tiny_moe, tiny_moe_offloaded)
 
 MIN_R2 = 0.95
 
@@ -70,6 +77,7 @@ class Calibration:
     r2: float  # of the per-layer line through them
     stage_ms: dict[int, tuple[float, float]]  # tokens -> (uva GEMMs in place, copied first), ms (stage_crossover)
     replay_us_by_layers: dict[str, dict[int, float]]  # "dense" / "moe" -> layers -> replayed decode step, us
+    moe_step_us_by_layers: dict[int, float]  # eager step of the runtime's generation over the tiny MoE models
 
 
 def calibrate() -> Calibration:
@@ -84,10 +92,13 @@ def calibrate() -> Calibration:
     crossover = stage_crossover()
     steps = step_us_by_layers()
     per_step, per_layer, r2 = fit_line(list(steps), list(steps.values()))
+    moe_steps = generator_step_us_by_layers(tiny_moe_offloaded)
+    _, moe_per_layer, r2_moe_cpu = fit_line(list(moe_steps), list(moe_steps.values()))
     replayed = {"dense": replay_us_by_layers(tiny_llama), "moe": replay_us_by_layers(tiny_moe)}
     gpu_step, gpu_layer, r2_dense = fit_line(list(replayed["dense"]), list(replayed["dense"].values()))
     _, gpu_moe_layer, r2_moe = fit_line(list(replayed["moe"]), list(replayed["moe"].values()))
     for what, times, fit, slope in (("eager decode step", steps, r2, per_layer),
+                                    ("eager MoE decode step", moe_steps, r2_moe_cpu, moe_per_layer),
                                     ("replayed dense decode step", replayed["dense"], r2_dense, gpu_layer),
                                     ("replayed MoE decode step", replayed["moe"], r2_moe, gpu_moe_layer)):
         if fit < MIN_R2 or slope <= 0:
@@ -99,9 +110,9 @@ def calibrate() -> Calibration:
     hw = Hardware(name, round(h2d, 1), round(uva, 1), round(hbm), round(per_layer, 1), round(max(per_step, 0.0), 1),
                   matmul_tflops=round(tflops, 1), stage_above_tokens=stage_above(crossover),
                   layer_gpu_us=round(gpu_layer, 1), moe_layer_gpu_us=round(gpu_moe_layer, 1),
-                  step_gpu_us=round(max(gpu_step, 0.0), 1),
+                  step_gpu_us=round(max(gpu_step, 0.0), 1), moe_layer_overhead_us=round(moe_per_layer, 1),
                   measured=f"plan calibrate, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}; "
-                           f"CPU line R^2 {r2:.4f} over {len(steps)} layer counts, replayed GPU lines R^2 "
+                           f"CPU lines R^2 {r2:.4f} (dense) and {r2_moe_cpu:.4f} (MoE), replayed GPU lines R^2 "
                            f"{r2_dense:.4f} (dense), {r2_moe:.4f} (MoE); uva GEMM in place / copied "
                            f"first, by tokens: {in_place}")
-    return Calibration(hw, steps, r2, crossover, replayed)
+    return Calibration(hw, steps, r2, crossover, replayed, moe_steps)

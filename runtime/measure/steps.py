@@ -1,6 +1,7 @@
 """Time per decode step by layer count, for `plan calibrate` (calibrate.py says why): eager `generate` of tiny
-transformers Llamas (the CPU's launch cost) and graph-replayed steps of tiny Llamas and Qwen3-MoE models (the
-GPU's time per kernel beyond reading weights), and the least-squares line through them.
+transformers Llamas and eager steps of the runtime's generation over tiny Qwen3-MoE models whose experts run
+offplan's experts implementation (the CPU's launch cost), graph-replayed steps of tiny Llamas and Qwen3-MoE
+models (the GPU's time per kernel beyond reading weights), and the least-squares line through them.
 """
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import time
 
 import torch
 
+from ..execute import experts
+from ..execute.generation import PlainHandle
 from .bandwidth import median_ms
 
 LAYER_COUNTS = (2, 4, 8, 16, 32)
@@ -43,6 +46,39 @@ def tiny_moe(layers: int):
     model = Qwen3MoeForCausalLM(config).to("cuda", torch.bfloat16).eval()
     model.set_experts_implementation("batched_mm")
     return model
+
+
+def tiny_moe_offloaded(layers: int):
+    """`tiny_moe` whose experts run offplan's experts implementation as they do for experts in pinned memory:
+    each bound with no resident rows, so every forward gathers its experts' rows (experts.py), here from HBM
+    (the same kernels and CPU time; the rows are so small that the link would not matter)."""
+    model = tiny_moe(layers)
+    experts.register()
+    for module in model.modules():
+        if experts.supports(module):
+            for name in experts.fused_params(module):
+                full = getattr(module, name)
+                experts.bind(module, name, full[:0], torch.full((module.num_experts,), -1, dtype=torch.int32,
+                                                                  device=full.device))
+    model.set_experts_implementation("offplan")
+    return model
+
+
+def generator_step_us_by_layers(make, counts=LAYER_COUNTS[:4], rounds: int = 5, steps: int = 24
+                                ) -> dict[int, float]:
+    """Eager decode step (µs) of the runtime's generation (what `plan apply --eager` runs) over the tiny
+    models `make(layers)`, by layer count: each call's mean step, the median over rounds that the models take
+    in turn (as `step_us_by_layers`)."""
+    generators = {n: PlainHandle(make(n)).generator(eager=True) for n in counts}
+    prompt = [[1, 2, 3, 4]]
+    for generator in generators.values():
+        generator.prepare(prompt, steps + 1)
+    per_round: dict[int, list[float]] = {n: [] for n in counts}
+    for _ in range(rounds):
+        for n, generator in generators.items():
+            got = generator(prompt, steps + 1)
+            per_round[n].append(got.decode_s / got.decode_steps * 1e6)
+    return {n: statistics.median(v) for n, v in per_round.items()}
 
 
 def _replayed_step_us(model, repeat: int = 20) -> float:

@@ -100,6 +100,21 @@ def test_layer_gpu_time_and_staging_by_batch():
         assert p.gpu_us == round(30 + 250 + 70 + (10**6 + touched + staged) / 10**4 + 100 + batch / 10)
 
 
+def test_eager_cpu_time_per_layer_dense_or_with_routed_experts():
+    """Eagerly, a layer with routed experts costs its own CPU figure (moe_layer_overhead_us), a dense one
+    layer_overhead_us; without the MoE figure, a MoE layer costs a dense one's."""
+    tensors = [t for t in moe(layers=2, experts=4) if not t[0].startswith("model.layers.0.mlp.")]
+    tensors.append(("model.layers.0.mlp.down_proj.weight", "U8", (10**6,)))  # layer 0: dense
+    t = infos(tensors)
+    g = build_graph(t)
+    groups = FusedGroups.find(n for l in g.stack_layers() for n in l.params)
+    place = {n: GPU for n in t}
+    for moe_us, cpu in ((0.0, 40 + 100 + 100), (300.0, 40 + 100 + 300)):
+        hw = dataclasses.replace(HW, step_overhead_us=40.0, moe_layer_overhead_us=moe_us)
+        assert CostModel(g, t, hw, 1, groups, 1).predict(place).cpu_us == cpu
+        assert CostModel(g, t, hw, 1, groups, 1, graphs=True).predict(place).cpu_us == 0
+
+
 def mixed(tensors, budget_mb, batch=1, step=2, top_k=2, rules=(), stage=True):
     pol = dataclasses.replace(policy("mixed", budget_gib=budget_mb * 10**6 / 2**30, step=step, rules=rules,
                                      stage_prefill=stage), workload=Workload(batch))
