@@ -164,6 +164,13 @@ def deepseek_v3(layers=61, dense_layers=3, hidden=7168, intermediate=18432, expe
     return out
 
 
+def kimi_k2() -> list[Tensor]:
+    """Kimi-K2 (Kimi-K2-Instruct's config.json) as released: DeepSeek-V3's architecture, FP8 block-scaled,
+    with 61 layers of which the first is dense, 384 routed experts and one shared, 64 heads, a 163,840-token
+    vocabulary and no multi-token-prediction layer. About 140k tensors."""
+    return deepseek_v3(layers=61, dense_layers=1, experts=384, heads=64, vocab=163840, mtp_layers=0)
+
+
 def qwen2_vl(layers=28, hidden=1536, intermediate=8960, heads=12, kv_heads=2, vocab=151936, depth=32,
              vision=1280, vision_mlp=5120, patch=14, temporal=2, dtype="BF16") -> list[Tensor]:
     """Qwen2-VL-2B by default: a ViT (`visual.blocks`) whose merger (`visual.merger.mlp.0` and `.2`: an
