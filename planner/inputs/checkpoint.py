@@ -12,6 +12,9 @@ index does not list.
 The fingerprint is a sha256 over the index bytes and, for every shard in name
 order, its name, size and header bytes. Any change to names, dtypes, shapes or
 layout changes it; rewriting weight values in place does not.
+
+One shard's header, read, typed and checked, is shard_header.py (`TensorInfo`
+lives there, and is this module's too).
 """
 from __future__ import annotations
 
@@ -19,28 +22,14 @@ import hashlib
 import json
 import os
 from dataclasses import dataclass
-from math import prod
 from pathlib import Path
-from typing import NamedTuple
 
 from ..errors import CheckpointError
 from ..nogc import no_gc
-from .dtypes import BITS, nbytes
+from .shard_header import TensorInfo, parse_tensors, read_header
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
-_MAX_HEADER = 100 * 2**20  # safetensors' own limit
-
-
-class TensorInfo(NamedTuple):
-    """One tensor of the checkpoint (a NamedTuple: 90k of them are built per plan)."""
-
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    nbytes: int
-    shard: str  # file name relative to the checkpoint directory
-    offset: int  # absolute byte offset of the data in the shard file
 
 
 @dataclass(frozen=True)
@@ -110,104 +99,21 @@ def _read_index(index: Path) -> tuple[bytes, dict[str, str]]:
     return raw, weight_map
 
 
-def _read_header(file: Path, problems: list[str]) -> tuple[bytes, int, dict] | None:
-    """Read one shard's header: (header bytes, file size, parsed JSON), or None on error."""
-    try:
-        with open(file, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            head = f.read(8)
-            if len(head) < 8:
-                problems.append(f"{file.name}: file is {size} bytes, too short for a safetensors header")
-                return None
-            n = int.from_bytes(head, "little")
-            if n > size - 8:
-                problems.append(
-                    f"{file.name}: header length {n} exceeds the file size {size} "
-                    "(truncated or not a safetensors file)"
-                )
-                return None
-            if n > _MAX_HEADER:
-                problems.append(f"{file.name}: header length {n} exceeds safetensors' limit of "
-                                f"{_MAX_HEADER} bytes (not a safetensors file?)")
-                return None
-            raw = f.read(n)
-    except OSError as e:
-        problems.append(f"{file.name}: cannot read: {e.strerror}")
+def _as_indexed(weight_map: dict[str, str], tensors_by_shard: dict[str, dict[str, TensorInfo]]
+                ) -> dict[str, TensorInfo] | None:
+    """The tensors in index order when the index and the headers agree exactly (every name in the shard
+    the index names, no other); None when they do not, and the caller's loops say where."""
+    merged: dict[str, TensorInfo] = {}
+    for found in tensors_by_shard.values():
+        merged.update(found)
+    if len(merged) != len(weight_map) or sum(map(len, tensors_by_shard.values())) != len(merged):
         return None
     try:
-        header = json.loads(raw)
-    except ValueError as e:
-        problems.append(f"{file.name}: header is not valid JSON: {e}")
+        tensors = {n: merged[n] for n in weight_map}
+    except KeyError:
         return None
-    if not isinstance(header, dict):
-        problems.append(f"{file.name}: header is not a JSON object")
-        return None
-    return raw, size, header
-
-
-def _parse_tensors(shard: str, header: dict, header_len: int, size: int,
-                   problems: list[str]) -> dict[str, TensorInfo]:
-    """Type and check every entry of one header.
-
-    The common case (a well-formed entry) runs in a handful of operations per
-    tensor; anything unusual falls through to `_entry_problem` for the message.
-    """
-    data_len = size - 8 - header_len
-    base = 8 + header_len
-    out: dict[str, TensorInfo] = {}
-    spans = []
-    bits = BITS
-    for name, entry in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            dtype = entry["dtype"]
-            shape = tuple(entry["shape"])
-            begin, end = entry["data_offsets"]
-            want, rem = divmod(bits[dtype] * prod(shape), 8)
-            ok = (not rem and type(want) is int and type(begin) is int and type(end) is int
-                  and 0 <= begin and end - begin == want and end <= data_len
-                  and (not shape or min(shape) >= 0))
-        except (TypeError, KeyError, ValueError):
-            ok = False
-        if not ok:
-            problems.append(_entry_problem(f"{shard}: tensor {name}", entry, data_len))
-            continue
-        spans.append((begin, end, name))
-        out[name] = TensorInfo(name, dtype, shape, want, shard, base + begin)
-    spans.sort()
-    # Compare each span with the one reaching furthest so far: a long tensor
-    # that swallows several later ones is reported against each of them.
-    if spans:
-        b0, e0, n0 = spans[0]
-        for b1, e1, n1 in spans[1:]:
-            if b1 < e0 and b1 < e1:  # an empty tensor occupies no bytes
-                problems.append(f"{shard}: tensors {n0} [{b0}, {e0}) and {n1} [{b1}, {e1}) overlap")
-            if e1 > e0:
-                b0, e0, n0 = b1, e1, n1
-    return out
-
-
-def _entry_problem(where: str, entry, data_len: int) -> str:
-    """The message for a header entry that failed the fast checks."""
-    try:
-        dtype = entry["dtype"]
-        shape = list(entry["shape"])
-        begin, end = entry["data_offsets"]
-    except (TypeError, KeyError, ValueError):
-        return f"{where}: expected {{dtype, shape, data_offsets: [begin, end]}}"
-    if dtype not in BITS:
-        return f"{where}: unknown dtype {dtype!r} (known: {', '.join(BITS)})"
-    if not all(type(d) is int and d >= 0 for d in shape):
-        return f"{where}: shape {shape} must be non-negative integers"
-    if not (type(begin) is int and type(end) is int and 0 <= begin <= end):
-        return f"{where}: data_offsets [{begin}, {end}] must be integers 0 <= begin <= end"
-    want = nbytes(dtype, tuple(shape))
-    if want is None:
-        return f"{where}: {dtype} x {shape} is not a whole number of bytes"
-    if end - begin != want:
-        return f"{where}: data_offsets [{begin}, {end}] hold {end - begin} bytes but {dtype} x {shape} needs {want}"
-    return f"{where}: data_offsets end {end} lies past the data region ({data_len} bytes; file truncated?)"
+    same = all(map(str.__eq__, (t.shard for t in tensors.values()), weight_map.values()))
+    return tensors if same else None
 
 
 def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
@@ -237,7 +143,7 @@ def _open_checkpoint(path: str | os.PathLike) -> Checkpoint:
                     f"e.g. {names[0]})"
                 )
             continue
-        got = _read_header(file, problems)
+        got = read_header(file, problems)
         if got is None:
             continue
         raw, size, header = got
@@ -245,11 +151,11 @@ def _open_checkpoint(path: str | os.PathLike) -> Checkpoint:
         meta = header.get("__metadata__")
         if isinstance(meta, dict) and index is None:
             metadata = {str(k): str(v) for k, v in meta.items()}
-        tensors_by_shard[shard] = _parse_tensors(shard, header, len(raw), size, problems)
+        tensors_by_shard[shard] = parse_tensors(shard, header, len(raw), size, problems)
 
     if weight_map is None:
         tensors = next(iter(tensors_by_shard.values()), {})
-    else:
+    elif problems or (tensors := _as_indexed(weight_map, tensors_by_shard)) is None:
         tensors = {}
         for name, shard in weight_map.items():
             found = tensors_by_shard.get(shard)
