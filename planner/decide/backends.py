@@ -44,7 +44,8 @@ def place_backend(model: CostModel, graph: LayerGraph, tensors: Mapping[str, Ten
                   selected) -> Placed:
     """The backend's placement over `place` (which it changes), prefill staging experts as `model` says
     (placement.py, steps 4-6 and 8)."""
-    fp = Footprint(graph, tensors, place, policy.prefetch.step, stage)
+    fp = Footprint(graph, tensors, place, policy.prefetch.step, stage, partner=model.quantized,
+                   stageable_names=model.unstaged_experts)
     budget, skipped, prediction, notes, reasons = policy.budget_bytes, None, None, (), {}
     if backend is not Backend.NONE and budget is not None and fp.total <= budget:
         skipped, backend = backend, Backend.NONE  # offloading more would only cost speed

@@ -86,17 +86,20 @@ images (vision towers: a text prompt).
 from __future__ import annotations
 
 import copy
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import cached_property
+from itertools import compress
+from operator import and_, mul
 
 from ..inputs.checkpoint import TensorInfo
 from ..inputs.hardware import Hardware
 from ..inputs.quantized import partners
 from ..inputs.routing import RoutingProfile
-from ..layers.graph import LayerGraph
+from ..layers.graph import Layer, LayerGraph
 from ..layers.groups import BATCHED_PAIRS, FusedGroups
 from ..plan import LayerKind, Placement, Role, Runs
+from .reads import reads
 from .staging import stage_experts, stageable
 
 GPU, UVA, PREFETCH = Placement.GPU, Placement.UVA, Placement.PREFETCH
@@ -131,21 +134,17 @@ class Prediction:
         return self.prefill_us + new_tokens * self.step_us
 
 
-def _read(share: float, tokens: int) -> float:
-    """The chance that `tokens` tokens, each routed to an expert with chance `share`, touch it."""
-    return 1 - (1 - share) ** tokens
-
-
 class CostModel:
     """Predicts a placement's per-step traffic and time, and its prefill; built once per plan, asked many times."""
 
     def __init__(self, graph: LayerGraph, tensors: Mapping[str, TensorInfo], hw: Hardware, batch: int,
                  groups: FusedGroups, top_k: int | None, roles: Mapping[str, Role] | None = None,
                  routing: RoutingProfile | None = None, graphs: bool = False, *, prompt_tokens: int = 512,
-                 stage: bool = True):
+                 stage: bool = True, quantized: Mapping[str, str] | None = None):
         """`routing`: a profile that counts every group that runs in decode (routing.mismatches
         checks it); None: uniform routing over `top_k` of each group's experts. `prompt_tokens`: the
-        prefill to predict; `stage`: the policy's `uva.stage_prefill`."""
+        prefill to predict; `stage`: the policy's `uva.stage_prefill`; `quantized`: quantized.py
+        `partners(tensors)`, when the caller has it. The per-tensor facts are reads.py's."""
         self.graphs = graphs  # steps replayed from a CUDA graph: no CPU launch time
         self.graph = graph
         # batched_mm's arithmetic at this batch: every experts forward stages its touched experts
@@ -153,77 +152,47 @@ class CostModel:
         self.hw = hw
         self.batch = batch
         self.tokens = prompt_tokens
-        counts = {g: groups.experts(g) for g in groups.members}
-        group_of = groups.group_of
-        chance = {g: routing.probabilities(g) for g in groups.members if g in routing.layers} if routing else {}
-        phase = "prefill" if routing and routing.prefill_tokens else "decode"
-        pre_chance = {g: routing.probabilities(g, phase) for g in chance} if routing else {}
-        # A tied embedding is also the head, which reads all of it every step: dense, not sparse.
-        embed = set() if graph.tied_embeddings else {
-            n for l in graph.layers if l.kind is LayerKind.EMBED for n in l.params if len(tensors[n].shape) == 2}
-        self.role: dict[str, Role] = {}
-        self.frac: dict[str, float] = {}
-        self.flops: dict[str, float] = {}  # prefill: 2 x T x elements x the share of tokens it computes
-        self.pre_frac: dict[str, float] = {}  # prefill: the fraction of its bytes read
-        self.gathered: set[str] = set()  # read in place once per forward (experts, embedding rows), not per tile
-
-        read: dict[tuple, tuple[float, float, float]] = {}  # (group, expert or None) -> (frac, pre_frac, pre)
-
-        def expert_read(n: str) -> tuple[float, float, float]:
-            """A routed tensor's (frac, pre_frac, pre): over its rows (one for one expert's tensor, E for a
-            pre-fused one), the mean chance to be read in a step and in the prefill, and the mean share of
-            prefill tokens computed; all of it when routing is unknown."""
-            g, e = group_of[n], groups.index_of.get(n)
-            if (g, e) not in read:
-                if g in chance:
-                    decode, prefill = (chance[g], pre_chance[g]) if e is None else (
-                        (chance[g][e],), (pre_chance[g][e],))
-                elif top_k is not None:
-                    decode = prefill = (min(top_k, counts[g]) / counts[g],)
-                else:
-                    decode = prefill = (1.0,)
-                read[g, e] = (sum(_read(p, batch) for p in decode) / len(decode),
-                              sum(_read(p, prompt_tokens) for p in prefill) / len(prefill),
-                              sum(prefill) / len(prefill))
-            return read[g, e]
-
-        self.experts: dict[str, list[str]] = {}  # layer -> its routed tensors (staged by the experts forward)
-        for layer in graph.layers:
-            self.experts[layer.name] = [n for n in layer.params if groups.routed(n)]
-            for n in layer.params:
-                routed = n in self.experts[layer.name]
-                role = (roles or {}).get(n) or (
-                    Role.EXPERT if routed else Role.EMBEDDING if n in embed else Role.DENSE)
-                if role is Role.EMBEDDING:
-                    rows = max(1, tensors[n].shape[0])
-                    frac, pre_frac, pre = min(1.0, batch / rows), min(1.0, prompt_tokens / rows), 0.0
-                elif role is Role.EXPERT and routed:
-                    frac, pre_frac, pre = expert_read(n)
-                else:  # dense, or an override: all of it
-                    frac = pre_frac = pre = 1.0
-                if role is Role.EMBEDDING or routed:
-                    self.gathered.add(n)
-                if layer.runs is not Runs.STEP:
-                    frac = pre_frac = pre = 0.0  # neither in a decode step nor in a text prefill
-                self.role[n] = role
-                self.frac[n] = frac
-                self.pre_frac[n] = pre_frac
-                self.flops[n] = 2 * prompt_tokens * math.prod(tensors[n].shape) * pre
-        self.size = {n: t.nbytes for n, t in tensors.items()}
+        self.facts = facts = reads(graph, tensors, groups, top_k, roles, routing, batch, prompt_tokens)
+        self.experts = facts.experts  # layer -> its routed tensors (staged by the experts forward)
+        self.tensors = tensors
         # prefill: staged tensors are copied once above the threshold; GEMMs re-read in-place ones per tile
-        quantized = partners(tensors)  # dequantized on access: read once, never staged (quantized.py)
-        self.gathered |= quantized.keys()
+        if quantized is None:  # dequantized on access: read once, never staged (quantized.py)
+            quantized = partners(tensors)
+        self.quantized = quantized
         self.stages = stages = stage and prompt_tokens > hw.stage_above_tokens
         staged_experts = stageable(graph.layers, quantized, True)
-        routed = [n for l in graph.layers if l.runs is Runs.STEP for n in self.experts[l.name] if n in staged_experts]
-        total = sum(self.size[n] for n in routed)
+        routed, pre = [], []  # the routed tensors that prefill may stage, in order, and their prefill fractions
+        for l in graph.layers:
+            if l.runs is Runs.STEP and self.experts[l.name]:
+                _, got, flags = facts.layers[l.name]
+                mask = list(map(and_, flags, map(staged_experts.__contains__, l.params)))
+                routed += compress(l.params, mask)
+                pre += compress(got[2], mask)
+        sizes = [tensors[n].nbytes for n in routed]
+        total = sum(sizes)
         # the share of the routed bytes the prompt touches: whether prefill streams experts ahead (staging.py)
-        touched = sum(self.size[n] * self.pre_frac[n] for n in routed) / total if total else 0.0
+        touched = sum(map(mul, sizes, pre)) / total if total else 0.0
         self.favours_staged_experts = bool(stages and total and stage_experts(touched, hw))
         self.staged_experts, self.unstaged_experts = staged_experts, stageable(graph.layers, quantized)
         self.staged = frozenset() if not stages else (
             staged_experts if self.favours_staged_experts else self.unstaged_experts)
         self.reread = -(-prompt_tokens // hw.stage_above_tokens)
+        self._layer_costs: dict[tuple, tuple] = {}  # (kind, placements, staged) -> a layer's cost (`_layer`)
+
+    # per tensor, by name (reads.py)
+    role = property(lambda self: self.facts.role)
+    frac = property(lambda self: self.facts.frac)
+    pre_frac = property(lambda self: self.facts.pre_frac)
+    flops = property(lambda self: self.facts.flops)
+
+    @cached_property
+    def routed(self) -> set[str]:
+        return {n for ns in self.experts.values() for n in ns}
+
+    @cached_property
+    def gathered(self) -> set[str]:
+        """Read in place once per forward (experts, embedding rows, quantized tensors), not per tile."""
+        return self.facts.gathered | self.quantized.keys()
 
     def staging_experts(self, on: bool) -> "CostModel":
         """This model with prefill staging routed experts (`on`) or reading each touched one in place, whatever
@@ -234,49 +203,25 @@ class CostModel:
 
     def predict(self, place: Mapping[str, Placement]) -> Prediction:
         hw = self.hw
-        hbm, uva, h2d = hw.hbm_read_gbps * 1e3, hw.uva_read_gbps * 1e3, hw.h2d_copy_gbps * 1e3  # bytes/us
-        flops_us = hw.matmul_tflops * 1e6  # FLOPs per us
         layers = []
         total = [0, float(hw.step_gpu_us), 0.0, 0.0]
         # a replayed CUDA graph launches nothing from the CPU
         cpu, per_layer = (0.0, 0.0) if self.graphs else (hw.step_overhead_us, hw.layer_overhead_us)
         per_moe_layer = 0.0 if self.graphs else hw.moe_layer_overhead_us or hw.layer_overhead_us
+        costs = self._layer_costs
         for layer in self.graph.layers:
             if layer.runs is not Runs.STEP:
                 layers.append(LayerCost(layer.name, 0, 0, 0))
                 continue
-            read_hbm = read_uva = copied = staged = 0.0
-            flops = pre_hbm = pre_copied = pre_uva = 0.0
-            experts = self.experts[layer.name]
-            stages = self.batched or any(place[n] is UVA for n in experts)
-            latency = 0.0
+            # a layer of a kind (reads.py) placed and staged alike costs alike: worked out once
+            key = (self.facts.layers[layer.name][0], tuple(map(place.__getitem__, layer.params)),
+                   tuple(map(self.staged.__contains__, layer.params)) if self.staged else ())
+            got = costs.get(key)
+            if got is None:
+                got = costs[key] = self._layer(layer, place)
+            h2d_bytes, gpu, link, prefill = got
             if layer.kind is LayerKind.LAYER:
-                latency = hw.moe_layer_gpu_us if experts else hw.layer_gpu_us
-            for n in layer.params:
-                p, size = place[n], self.size[n]
-                b, pre = size * self.frac[n], size * self.pre_frac[n]
-                flops += self.flops[n]
-                if stages and n in experts:
-                    staged += 2 * b  # written to HBM and read back by the GEMVs
-                if p is UVA:
-                    read_uva += b
-                    if n in self.staged:
-                        pre_copied += size
-                        pre_hbm += pre
-                    else:
-                        pre_uva += pre if n in self.gathered else pre * self.reread
-                else:
-                    read_hbm += b
-                    pre_hbm += pre
-                    if p is PREFETCH:
-                        copied += size
-                        pre_copied += size
-            gpu = latency + (read_hbm + staged) / hbm + read_uva / uva
-            link = read_uva / uva + copied / h2d
-            prefill = max(flops / flops_us + pre_hbm / hbm, pre_copied / h2d) + pre_uva / uva
-            if layer.kind is LayerKind.LAYER:
-                cpu += per_moe_layer if experts else per_layer
-            h2d_bytes = int(read_uva + copied)
+                cpu += per_moe_layer if self.experts[layer.name] else per_layer
             layers.append(LayerCost(layer.name, h2d_bytes, round(gpu), round(link), round(prefill)))
             total[0] += h2d_bytes
             total[1] += gpu
@@ -284,3 +229,40 @@ class CostModel:
             total[3] += prefill
         return Prediction(self.batch, total[0], round(cpu), round(total[1]), round(total[2]), tuple(layers),
                           self.tokens, round(total[3]))
+
+    def _layer(self, layer: Layer, place: Mapping[str, Placement]) -> tuple[int, float, float, float]:
+        """One layer's (bytes over the link, GPU us, link us, prefill us) per step (module doc)."""
+        hw = self.hw
+        hbm, uva, h2d = hw.hbm_read_gbps * 1e3, hw.uva_read_gbps * 1e3, hw.h2d_copy_gbps * 1e3  # bytes/us
+        flops_us = hw.matmul_tflops * 1e6  # FLOPs per us
+        read_hbm = read_uva = copied = staged = 0.0
+        flops = pre_hbm = pre_copied = pre_uva = 0.0
+        experts = self.experts[layer.name]
+        stages = self.batched or any(place[n] is UVA for n in experts)
+        latency = 0.0
+        if layer.kind is LayerKind.LAYER:
+            latency = hw.moe_layer_gpu_us if experts else hw.layer_gpu_us
+        _, (_, fracs, pre_fracs, flopses, gathered), flags = self.facts.layers[layer.name]
+        for n, frac, pre_frac, f, once, routed in zip(layer.params, fracs, pre_fracs, flopses, gathered, flags):
+            p, size = place[n], self.tensors[n].nbytes
+            b, pre = size * frac, size * pre_frac
+            flops += f
+            if stages and routed:
+                staged += 2 * b  # written to HBM and read back by the GEMVs
+            if p is UVA:
+                read_uva += b
+                if n in self.staged:
+                    pre_copied += size
+                    pre_hbm += pre
+                else:
+                    pre_uva += pre if once or n in self.quantized else pre * self.reread
+            else:
+                read_hbm += b
+                pre_hbm += pre
+                if p is PREFETCH:
+                    copied += size
+                    pre_copied += size
+        gpu = latency + (read_hbm + staged) / hbm + read_uva / uva
+        link = read_uva / uva + copied / h2d
+        prefill = max(flops / flops_us + pre_hbm / hbm, pre_copied / h2d) + pre_uva / uva
+        return int(read_uva + copied), gpu, link, prefill

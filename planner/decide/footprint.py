@@ -31,7 +31,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from ..inputs.checkpoint import TensorInfo
 from ..inputs.quantized import partners, with_partners
 from ..layers.graph import Layer, LayerGraph
-from ..layers.slots import align, layout_bytes
+from ..layers.slots import align, image_key, layout_bytes
 from ..plan import Placement
 from .staging import STAGE_SLOTS, stageable, staged
 
@@ -42,19 +42,27 @@ class Footprint:
     """Resident bytes and each streamed layer's slot image, kept current as tensors move.
 
     `place` is the caller's placement dict: `move` updates it together with the bytes.
-    `stage`: the policy's `uva.stage_prefill` (False: no staging pool).
+    `stage`: the policy's `uva.stage_prefill` (False: no staging pool). `partner` (quantized.py
+    `partners`) and `stageable_names` (`stageable(graph.layers, partner)`) spare computing them again.
     """
 
     def __init__(self, graph: LayerGraph, tensors: Mapping[str, TensorInfo], place: dict[str, Placement],
-                 step: int, stage: bool = True):
+                 step: int, stage: bool = True, *, partner: Mapping[str, str] | None = None,
+                 stageable_names: frozenset[str] | None = None):
         self.tensors = tensors
         self.place = place
         self.step = max(1, step)
         self.layer_of: dict[str, Layer] = {n: l for l in graph.layers for n in l.params}
         self.resident = sum(tensors[n].nbytes for n, p in place.items() if p is GPU)
         self.streamed: dict[str, int] = {}  # layer name -> its slot image's bytes
-        self.partner = partners(tensors)
-        self.stageable = stageable(graph.layers, self.partner) if stage else frozenset()  # routed experts: the ring
+        self._images: dict[tuple, int] = {}  # slots.image_key -> the image's bytes (shared by copies)
+        self.partner = partners(tensors) if partner is None else partner
+        if not stage:
+            self.stageable = frozenset()
+        elif stageable_names is None:  # `stageable_names`: what the caller computed alike (the cost model)
+            self.stageable = stageable(graph.layers, self.partner)  # routed experts go through the ring
+        else:
+            self.stageable = stageable_names
         self.staged: dict[str, int] = {}  # layer name -> its staged bytes
         self.on_uva: dict[str, list[int]] = {}  # layer -> [staged bytes, staged tensors] on uva, kept as tensors move
         for layer in graph.layers:
@@ -64,10 +72,19 @@ class Footprint:
             self._stage_bytes(layer.name)
         self.stage_pool = self._stage_pool()
 
+    def image_bytes(self, layer: Layer, names: list[str]) -> int:
+        """The bytes of the slot image of `names`, `layer`'s (slots.py); layers alike stream alike images,
+        so each is laid out once."""
+        key = image_key(layer, names, self.tensors)
+        size = self._images.get(key)
+        if size is None:
+            size = self._images[key] = layout_bytes(names, self.tensors)
+        return size
+
     def _restream(self, layer: Layer) -> None:
         names = [n for n in layer.params if self.place[n] is PREFETCH]
         if names:
-            self.streamed[layer.name] = layout_bytes(names, self.tensors)
+            self.streamed[layer.name] = self.image_bytes(layer, names)
         else:
             self.streamed.pop(layer.name, None)
 

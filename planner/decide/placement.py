@@ -86,8 +86,7 @@ from ..inputs.checkpoint import TensorInfo
 from ..inputs.hardware import H100, Hardware
 from ..inputs.patterns import Names
 from ..inputs.policy import Policy, resolve_backend
-from ..inputs.prefused import prefused_key
-from ..inputs.quantized import check_rules
+from ..inputs.quantized import check_rules, partners
 from ..inputs.routing import RoutingProfile, check_fits
 from ..layers.graph import LayerGraph
 from ..layers.groups import FusedGroups, experts_map
@@ -146,10 +145,10 @@ def decide(graph: LayerGraph, tensors: Mapping[str, TensorInfo], policy: Policy,
         fixed |= mine
         for n in mine:
             place[n] = rule.place
-    check_rules(policy.path, place, fixed, tensors)
+    quantized = partners(tensors)
+    check_rules(policy.path, place, fixed, quantized)
     stack = graph.stack_layers()
-    stacked = [n for l in stack for n in l.params]
-    groups = FusedGroups.find(stacked, {n: tensors[n].shape for n in stacked if prefused_key(n)}, num_experts)
+    groups = FusedGroups.of_layers(stack, tensors, num_experts)
     selected = {"uva": names.select(policy.uva.params) if policy.uva.params else None,
                 "prefetch": names.select(policy.prefetch.params) if policy.prefetch.params else None}
     check_groups(groups, won, selected, policy)
@@ -162,7 +161,7 @@ def decide(graph: LayerGraph, tensors: Mapping[str, TensorInfo], policy: Policy,
         check_fits(routing, moe, top_k, policy.where("workload.routing"), policy.checkpoint)
     work, stage = policy.workload, policy.uva.stage_prefill
     model = CostModel(graph, tensors, hardware, work.batch_size, groups, top_k, roles, routing, work.cuda_graphs,
-                      prompt_tokens=work.prompt_tokens, stage=stage)
+                      prompt_tokens=work.prompt_tokens, stage=stage, quantized=quantized)
     backend, reason = resolve_backend(policy)
     budget = policy.budget_bytes
     step = policy.prefetch.step
@@ -191,8 +190,9 @@ def decide(graph: LayerGraph, tensors: Mapping[str, TensorInfo], policy: Policy,
             mine[place[n]] += tensors[n].nbytes
         for k in by:
             by[k] += mine[k]
+        split = experts_map(l.params, place.__getitem__, l.name + ".", l.expert_tensors)
         layers.append(LayerBytes(l.name, mine[GPU], mine[UVA], mine[PREFETCH], c.h2d_bytes, c.gpu_us,
-                                 reasons.get(l.name), l.runs, experts_map(l.params, place.__getitem__, l.name + ".")))
+                                 reasons.get(l.name), l.runs, split))
     summary = Summary(by[GPU], by[UVA], by[PREFETCH], fp.pool, prediction.h2d_bytes, prediction.step_us,
                       fp.stage_pool)
     cost = Cost(hardware.name, prediction.batch_size, prediction.cpu_us, prediction.gpu_us, prediction.link_us,

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 
 from ..inputs.checkpoint import TensorInfo
 from ..layers.graph import Layer, LayerGraph, schedule_problems
-from ..layers.slots import layout_bytes, layout_of
+from ..layers.slots import image_key, layout_of
 from ..plan import Layout, Placement, PrefetchSchedule, Transfer
 from .footprint import Footprint
 
@@ -47,7 +47,7 @@ def fewest_layers(eligible: list[tuple[Layer, list[str]]], fp: Footprint, budget
     for layer, names in eligible:
         moved = sum(fp.tensors[n].nbytes for n in names if fp.place[n] is GPU)
         streaming = set(names) | {n for n in layer.params if fp.place[n] is PREFETCH}
-        facts.append((layer.name, moved, layout_bytes([n for n in layer.params if n in streaming], fp.tensors)))
+        facts.append((layer.name, moved, fp.image_bytes(layer, [n for n in layer.params if n in streaming])))
     count = len(eligible)
     smallest = None
     for want in range(count + 1):
@@ -78,10 +78,14 @@ def make_schedule(graph: LayerGraph, place: Mapping[str, Placement],
     count = len(streamed)
     slots = max(1, min(step, count))
     layouts: dict[Layout, int] = {}
+    known: dict[tuple, int] = {}  # slots.image_key -> its layout's index: layers alike are laid out once
     schedule = []
     for k, l in enumerate(streamed):
-        layout = layout_of(l, [n for n in l.params if place[n] is PREFETCH], tensors)
-        index = layouts.setdefault(layout, len(layouts))
+        names = [n for n in l.params if place[n] is PREFETCH]
+        key = image_key(l, names, tensors)
+        index = known.get(key)
+        if index is None:
+            index = known[key] = layouts.setdefault(layout_of(l, names, tensors), len(layouts))
         schedule.append(Transfer(l.name, l.module, index, k % slots, streamed[previous_user(k, slots, count)].name))
     problems = schedule_problems(graph, schedule)
     if problems:  # the rule above never makes such a schedule: a bug, not an input error

@@ -73,7 +73,6 @@ from collections.abc import Collection, Iterable, Mapping
 from ..inputs.checkpoint import TensorInfo
 from ..inputs.hardware import Hardware
 from ..layers.graph import Layer, LayerGraph
-from ..layers.groups import is_expert
 from ..layers.slots import align
 from ..plan import LayerKind, Placement, PrefillStaging, Runs, StagedLayer
 
@@ -86,9 +85,16 @@ def stageable(layers: Iterable[Layer], quantized: Collection[str] = (), experts:
     `quantized`: the quantized tensors and their scales (quantized.py `partners`), never staged;
     `experts`: routed experts staged too, but not in a layer whose experts are quantized (their biases
     alone would gain nothing)."""
-    return frozenset(n for l in layers if l.kind is not LayerKind.EMBED and l.runs is not Runs.MTP
-                     for whole in [experts and not any(is_expert(m) and m in quantized for m in l.params)]
-                     for n in l.params if (whole or not is_expert(n)) and n not in quantized)
+    out: set[str] = set()
+    for l in layers:
+        if l.kind is LayerKind.EMBED or l.runs is Runs.MTP:
+            continue
+        routed = l.expert_tensors
+        if experts and not any(n in quantized for n in routed):
+            out.update(n for n in l.params if n not in quantized)
+        else:
+            out.update(n for n in l.params if n not in routed and n not in quantized)
+    return frozenset(out)
 
 
 def stage_experts(touched: float, hw: Hardware) -> bool:
@@ -101,9 +107,10 @@ def staged(layer: Layer, names: Collection[str], place: Mapping[str, Placement],
     """`layer`'s staged tensors (those of `names`, stageable, on uva) and the bytes those other than routed
     experts take in a slot, each rounded up to ALIGN (module doc); None without `tensors`."""
     mine = [n for n in layer.params if n in names and place[n] is Placement.UVA]
-    if tensors is None:
-        return mine, None
-    return mine, sum(align(tensors[n].nbytes) for n in mine if not is_expert(n))
+    if tensors is None or not mine:
+        return mine, None if tensors is None else 0
+    routed = layer.expert_tensors
+    return mine, sum(align(tensors[n].nbytes) for n in mine if n not in routed)
 
 
 def ring_bytes(host_experts: Iterable[int]) -> int:
@@ -120,7 +127,7 @@ def make_staging(graph: LayerGraph, place: Mapping[str, Placement], tensors: Map
         mine, size = staged(l, names, place, tensors)
         if mine:
             layers.append(StagedLayer(l.name, l.module, size))
-            host.append(sum(tensors[n].nbytes for n in mine if is_expert(n)))
+            host.append(sum(tensors[n].nbytes for n in mine if n in l.expert_tensors))
     if not layers:
         return None
     return PrefillStaging(above_tokens, min(STAGE_SLOTS, sum(1 for l in layers if l.bytes)),

@@ -37,7 +37,8 @@ def _scale_of(name: str, t: TensorInfo) -> str | None:
 
 
 def partners(tensors: Mapping[str, TensorInfo]) -> dict[str, str]:
-    """Each quantized weight -> its scales, and each scales tensor -> its weight (module doc)."""
+    """Each quantized weight -> its scales, and each scales tensor -> its weight (module doc). A plan
+    computes this once (placement.py) and hands it to what needs it."""
     out = {}
     for name, t in tensors.items():
         scale = _scale_of(name, t)
@@ -79,9 +80,10 @@ def apart(place: Mapping[str, object], tensors: Mapping[str, TensorInfo]) -> lis
             if w < s and w in place and s in place and place[w] is not place[s]]
 
 
-def check_rules(path, place: Mapping[str, object], fixed: set[str], tensors: Mapping[str, TensorInfo]) -> None:
-    """Refuse rules that place a quantized weight apart from its scales, or one without the other."""
-    odd = [f"{w} and {s}" for w, s in partners(tensors).items()
+def check_rules(path, place: Mapping[str, object], fixed: set[str], pairs: Mapping[str, str]) -> None:
+    """Refuse rules that place a quantized weight apart from its scales, or one without the other;
+    `pairs`: `partners(tensors)`."""
+    odd = [f"{w} and {s}" for w, s in pairs.items()
            if w < s and ((w in fixed) != (s in fixed) or place[w] is not place[s])]
     if odd:
         raise PolicyError(f"{path}: rules place {len(odd)} quantized weights apart from their scales; a weight "

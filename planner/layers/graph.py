@@ -37,7 +37,9 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import cached_property
+from itertools import compress
 
 import networkx as nx
 
@@ -45,6 +47,8 @@ from ..errors import PolicyError
 from ..inputs.config import ModelFacts
 from ..inputs.patterns import closest
 from ..plan import LayerKind, Runs, Transfer
+from .alike import Template, applies
+from .expert_names import experts_among
 
 _EMBED = re.compile(r"(^|\.)(embed\w*|wte|wpe|tok_embeddings|word_embeddings|patch_embed\w*)(\.|$)")
 _HEAD = re.compile(r"(^|\.)(lm_head|output|head)$")
@@ -73,10 +77,20 @@ class Layer:
     stack: str | None = None  # "model.layers" for stack layers
     index: int | None = None  # 7 for "model.layers.7"
     runs: Runs = Runs.STEP
+    template: Template | None = field(default=None, compare=False, repr=False)  # its local names (alike.py)
 
     def local(self, param: str) -> str:
         """The tensor's name within this layer (`mlp.down_proj.weight`)."""
         return param[len(self.name) + 1:]
+
+    @cached_property
+    def expert_tensors(self) -> frozenset[str]:
+        """Its tensors of fused expert groups, by name (groups.py `is_expert`): found once per template
+        (alike.py) and layer, for the planner's every question about them (staging, the experts map)."""
+        t = self.template
+        if t is None or not applies(self.name):
+            return frozenset(experts_among(self.params))
+        return frozenset(compress(self.params, t.experts))
 
     @property
     def module(self) -> str:
@@ -120,13 +134,21 @@ def _numbered(names: list[str]) -> list[tuple[str, str]]:
     return hits
 
 
-def _natural_order(node: str, params: list[str], keys: dict[str, str]) -> tuple[str, ...]:
-    """`params` of one layer in natural order of their local names (keys cached across layers)."""
+def _natural_order(node: str, params: list[str], keys: dict[str, str], templates: dict[tuple, Template]
+                   ) -> tuple[tuple[str, ...], Template]:
+    """`params` of one layer in natural order of their local names (keys cached across layers), and the
+    template of those local names (alike.py: one object per distinct list, shared by the layers alike)."""
     cut = len(node) + 1
     local = [p[cut:] for p in params]
     for name in set(local).difference(keys):
         keys[name] = natural_key(name)
-    return tuple(p for _, p in sorted(zip(map(keys.__getitem__, local), params)))
+    ordered = sorted(zip(map(keys.__getitem__, local), params))
+    names = tuple(p for _, p in ordered)
+    own = tuple([p[cut:] for p in names])
+    template = templates.get(own)
+    if template is None:
+        template = templates[own] = Template(own)
+    return names, template
 
 
 def _runs(node: str, kind: LayerKind, stack: str | None, index: int | None, facts: ModelFacts) -> Runs:
@@ -194,8 +216,9 @@ def build_graph(names: Iterable[str], stacks: Iterable[str] | None = None,
 
     nodes = sorted(by_layer, key=lambda n: (order(n), natural_key(n)))
     keys: dict[str, str] = {}  # natural keys of local names, shared by every layer of a stack
-    layers = tuple(Layer(n, kinds[n][0], _natural_order(n, by_layer[n], keys), kinds[n][1], kinds[n][2],
-                         _runs(n, *kinds[n], facts)) for n in nodes)
+    templates: dict[tuple, Template] = {}
+    layers = tuple(Layer(n, kinds[n][0], params, kinds[n][1], kinds[n][2], _runs(n, *kinds[n], facts), template)
+                   for n in nodes for params, template in [_natural_order(n, by_layer[n], keys, templates)])
     graph = nx.DiGraph()
     graph.add_nodes_from((l.name, {"layer": l, "runs": l.runs}) for l in layers)
     graph.add_edges_from(zip(nodes, nodes[1:]), kind="order")

@@ -30,76 +30,53 @@ parameter of every expert: it is its own parameter and expert unit, placed
 whole, since the plan is keyed by checkpoint tensor names. Given the
 tensors' shapes, `FusedGroups.find` also checks that its first dimension
 counts the group's experts (`rows_of`), which the cost model needs to count
-the touched experts' rows of it (prefused.py `expert_rows`).
+the touched experts' rows of it (prefused.py `expert_rows`). What a name says is
+expert_names.py; `FusedGroups.of_layers` reads it once per layer template (alike.py).
 """
 from __future__ import annotations
 
-import re
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
+from operator import itemgetter
 
+from ..inputs.checkpoint import TensorInfo
 from ..inputs.prefused import expert_rows, prefused_key
+from .alike import applies
+from .expert_names import key, matches, piece
 
 # (token, expert) pairs up to which an experts forward runs batched_mm's arithmetic (runtime/execute/experts.py):
 # a copy of each pair's expert weights in HBM, then one GEMV per pair; above, grouped_mm reads them in place
 BATCHED_PAIRS = 16
-_MEMBER = re.compile(r"^(.*\.experts)\.(\d+)\.([^.]+)(.*)$")
-# projection -> (the fused parameter it joins, its place within one expert's block)
-FUSED = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1), "w1": ("w13", 0), "w3": ("w13", 1)}
-
-
-def _key(name: str):
-    """(group, parameter, expert, place in the expert's block) of an expert tensor, or None."""
-    m = _MEMBER.match(name)
-    if m is None:
-        return None
-    fused, part = FUSED.get(m[3], (m[3], 0))
-    return m[1], f"{fused}{m[4]}", int(m[2]), part
+_EXPERT = itemgetter(1)  # of a piece: (parameter, expert, place)
 
 
 def expert_number(name: str) -> int | None:
     """The expert a tensor belongs to (`mlp.experts.7.up_proj.weight`: 7), or None for no expert's."""
-    k = _key(name)
+    k = key(name)
     return None if k is None else k[2]
 
 
 def is_expert(name: str) -> bool:
     """Whether a tensor belongs to a fused expert group by its name: one expert's, or every expert's at once."""
-    return _key(name) is not None or prefused_key(name) is not None
-
-
-def units(names: Iterable[str]) -> list[tuple[str, ...]]:
-    """`names` grouped into fused parameters, each unit's members in memory order (module doc).
-
-    Units come in the order of their first member in `names`; a tensor that is
-    no expert's is a unit of its own.
-
-    >>> units(["m.experts.0.up_proj.weight", "m.experts.0.gate_proj.weight", "m.experts.1.gate_proj.weight",
-    ...        "m.experts.1.up_proj.weight", "m.experts.0.down_proj.weight", "m.norm.weight"])
-    [('m.experts.0.gate_proj.weight', 'm.experts.0.up_proj.weight', 'm.experts.1.gate_proj.weight', \\
-'m.experts.1.up_proj.weight'), ('m.experts.0.down_proj.weight',), ('m.norm.weight',)]
-    """
-    members: dict[tuple, list[tuple[tuple[int, int], str]]] = {}
-    for n in names:
-        k = _key(n)
-        if k is None:
-            members[(n,)] = [((0, 0), n)]
-        else:
-            members.setdefault(k[:2], []).append((k[2:], n))
-    return [tuple(n for _, n in sorted(ms)) for ms in members.values()]
+    return key(name) is not None or prefused_key(name) is not None
 
 
 @dataclass(frozen=True)
 class FusedGroups:
-    """A checkpoint's fused expert groups, found once per plan; the three units of the module doc."""
+    """A checkpoint's fused expert groups, found once per plan; the three units of the module doc.
+
+    Kept per group: its members, and for those stored one expert each their pieces (parameter,
+    expert, place in the expert's block); the parameter and expert units (`param_of`, `expert_of`)
+    are put together from the pieces when first asked for (a prefetch plan never asks)."""
 
     members: dict[str, tuple[str, ...]]  # group -> its member tensors, in checkpoint order
     group_of: dict[str, str]  # member -> its group
-    param_of: dict[str, tuple[str, ...]]  # member -> its parameter unit, in memory order
-    expert_of: dict[str, tuple[str, ...]]  # member -> its expert unit, in memory order
     index_of: dict[str, int]  # member -> its expert number (per-expert tensors)
     rows_of: dict[str, int] = field(default_factory=dict)  # pre-fused member -> its experts, along dim 0
     not_experts: dict[str, str] = field(default_factory=dict)  # pre-fused member whose rows are not -> why
+    # group -> (its per-expert members, in order; their pieces: (parameter, expert, place in the expert's block))
+    pieces: dict[str, tuple[list[str], list[tuple[str, int, int]]]] = field(default_factory=dict, repr=False)
 
     @classmethod
     def find(cls, names: Iterable[str], shapes: Mapping[str, tuple[int, ...]] | None = None,
@@ -107,33 +84,76 @@ class FusedGroups:
         """The groups of `names`. `shapes` (the headers') and `experts` (config.json's count) check
         which pre-fused members hold one expert per row (prefused.py); without shapes (a plan's names
         alone) those are members whose rows are unknown: `rows_of` is empty."""
-        members: dict[str, list[str]] = {}
-        params: dict[tuple, list] = {}
-        experts_of: dict[tuple, list] = {}
-        stacked: dict[str, list[str]] = {}
-        index_of = {}
-        for n in names:
-            k = _key(n)
-            if k is None:
-                fused = prefused_key(n)
-                if fused is not None:
-                    members.setdefault(fused[0], []).append(n)
-                    stacked.setdefault(fused[0], []).append(n)
+        found: tuple[dict, dict, dict] = ({}, {}, {})
+        _add(list(names), found)
+        return cls._made(*found, shapes, experts)
+
+    @classmethod
+    def of_layers(cls, layers, tensors: Mapping[str, TensorInfo], experts: int | None = None) -> "FusedGroups":
+        """`find` of the layers' tensors (in the layers' order) with their shapes, read from each layer's
+        template (alike.py): the names of layers alike are classified once, not once per layer."""
+        found: tuple[dict, dict, dict] = ({}, {}, {})
+        members, stacked, pieces = found
+        for l in layers:
+            if l.template is None or not applies(l.name):
+                _add(list(l.params), found)
                 continue
-            group, param, expert, part = k
-            members.setdefault(group, []).append(n)
-            params.setdefault((group, param), []).append(((expert, part), n))
-            experts_of.setdefault((group, param, expert), []).append((part, n))
-            index_of[n] = expert
-        param_of = {n: unit for ms in params.values() for unit in [tuple(n for _, n in sorted(ms))] for n in unit}
-        expert_of = {n: unit for ms in experts_of.values() for unit in [tuple(n for _, n in sorted(ms))] for n in unit}
+            get = l.params.__getitem__
+            for local, every, each, their, whole in l.template.groups:
+                group = l.name + local
+                members.setdefault(group, []).extend(map(get, every))
+                if each:
+                    mine = pieces.setdefault(group, ([], []))
+                    mine[0].extend(map(get, each))
+                    mine[1].extend(their)
+                if whole:
+                    stacked.setdefault(group, []).extend(map(get, whole))
+        shapes = {n: tensors[n].shape for ms in stacked.values() for n in ms}
+        return cls._made(members, stacked, pieces, shapes, experts)
+
+    @classmethod
+    def _made(cls, members: dict, stacked: dict, pieces: dict, shapes, experts: int | None) -> "FusedGroups":
+        group_of: dict[str, str] = {}
+        for g, ms in members.items():
+            group_of.update(dict.fromkeys(ms, g))
+        index_of: dict[str, int] = {}
+        for ns, ps in pieces.values():
+            index_of.update(zip(ns, map(_EXPERT, ps)))
         rows_of: dict[str, int] = {}
         not_experts: dict[str, str] = {}
         if shapes is not None and stacked:
-            counted = {g: len({index_of[m] for m in members[g] if m in index_of}) for g in stacked}
+            counted = {g: len(set(map(_EXPERT, pieces[g][1]))) if g in pieces else 0 for g in stacked}
             rows_of, not_experts = expert_rows(stacked, shapes, counted, experts)
-        return cls({g: tuple(ms) for g, ms in members.items()}, {m: g for g, ms in members.items() for m in ms},
-                   param_of, expert_of, index_of, rows_of, not_experts)
+        return cls({g: tuple(ms) for g, ms in members.items()}, group_of, index_of, rows_of, not_experts, pieces)
+
+    def _units(self, per_expert: bool) -> dict[str, tuple[str, ...]]:
+        """Member -> its parameter unit (or, `per_expert`, its expert unit), in memory order."""
+        out: dict[str, tuple[str, ...]] = {}
+        for ns, ps in self.pieces.values():
+            found: dict[tuple, list] = {}
+            for n, (param, expert, part) in zip(ns, ps):
+                found.setdefault((param, expert) if per_expert else param, []).append(((expert, part), n))
+            for ms in found.values():
+                unit = tuple(n for _, n in sorted(ms))
+                out.update(dict.fromkeys(unit, unit))
+        return out
+
+    @cached_property
+    def param_of(self) -> dict[str, tuple[str, ...]]:
+        """Member -> its parameter unit, in memory order."""
+        return self._units(per_expert=False)
+
+    @cached_property
+    def expert_of(self) -> dict[str, tuple[str, ...]]:
+        """Member -> its expert unit, in memory order."""
+        return self._units(per_expert=True)
+
+    @cached_property
+    def _counts(self) -> dict[str, int]:
+        """Group -> `experts(group)`."""
+        return {g: (len(set(map(_EXPERT, self.pieces[g][1]))) if g in self.pieces else 0)
+                or max((self.rows_of[m] for m in ms if m in self.rows_of), default=0)
+                for g, ms in self.members.items()}
 
     def group(self, name: str) -> tuple[str, ...]:
         """Everything that streams with `name`: its whole group, or the tensor alone."""
@@ -151,8 +171,7 @@ class FusedGroups:
     def experts(self, group: str) -> int:
         """How many distinct experts the group holds: its per-expert tensors' experts, or the rows of
         its pre-fused ones; 0 when neither is known (pre-fused rows unchecked or not experts)."""
-        numbered = {self.index_of[m] for m in self.members[group] if m in self.index_of}
-        return len(numbered) or max((self.rows_of[m] for m in self.members[group] if m in self.rows_of), default=0)
+        return self._counts[group]
 
     def routed(self, name: str) -> bool:
         """Whether routing decides what of `name` a step reads: one expert's tensor, or a pre-fused
@@ -160,10 +179,35 @@ class FusedGroups:
         return name in self.index_of or name in self.rows_of
 
 
+def _add(names: list[str], found: tuple[dict, dict, dict]) -> None:
+    """Add `names`' members to `found` (members, pre-fused members, pieces: per group)."""
+    members, stacked, pieces = found
+    cache: dict = {}
+    for n, (group, number, proj, suffix, fused, _) in zip(names, matches(names)):
+        if group:
+            mine = pieces.get(group)
+            if mine is None:
+                mine = pieces[group] = ([], [])
+            mine[0].append(n)
+            mine[1].append(piece(number, proj, suffix, cache))
+        elif fused:
+            group = fused
+            stacked.setdefault(group, []).append(n)
+        else:
+            continue
+        if group in members:
+            members[group].append(n)
+        else:
+            members[group] = [n]
+
+
 def whole_groups(names: list[str], groups: "FusedGroups") -> list[str]:
-    """`names` without the members of any group they hold only part of: what prefetch may stream."""
+    """`names` without the members of any group they hold only part of: what prefetch may stream.
+    Each group is checked once, not once per member (a DeepSeek-V3 layer's group holds 1,536 tensors)."""
     have = set(names)
-    return [n for n in names if all(m in have for m in groups.group(n))]
+    group_of, members = groups.group_of, groups.members
+    whole = {g for g in {group_of[n] for n in have if n in group_of} if have.issuperset(members[g])}
+    return [n for n in names if n not in group_of or group_of[n] in whole]
 
 
 def split_units(groups: FusedGroups, selected: Collection[str], what: str, whole_groups: bool) -> list[str]:
@@ -172,17 +216,18 @@ def split_units(groups: FusedGroups, selected: Collection[str], what: str, whole
     `whole_groups` (prefetch): the unit is the group; else the expert of a fused parameter.
     """
     problems = []
-    seen: set[tuple[str, ...]] = set()
-    for m in selected:
-        unit = groups.group(m) if whole_groups else groups.expert(m)
-        if len(unit) < 2 or unit in seen:
+    if whole_groups:  # each unit once (a group of DeepSeek-V3 holds 1,536 tensors)
+        units = [(g, groups.members[g]) for g in {groups.group_of[m] for m in selected if m in groups.group_of}]
+    else:
+        units = [(groups.group_of[u[0]], u) for u in {groups.expert_of[m] for m in selected if m in groups.index_of}]
+    for group, unit in units:
+        if len(unit) < 2:
             continue
-        seen.add(unit)
         picked = [n for n in unit if n in selected]
         if len(picked) < len(unit):
             if whole_groups:
                 problems.append(
-                    f"{what} selects {len(picked)} of the {len(unit)} tensors of fused group {groups.group_of[m]} "
+                    f"{what} selects {len(picked)} of the {len(unit)} tensors of fused group {group} "
                     f"(e.g. {picked[0]}); prefetch streams a group whole, since its fused parameters are views of "
                     "one slot: select all of them (for example with the pattern `experts`), or place experts on uva")
             else:
@@ -208,19 +253,24 @@ def ranges(numbers: Iterable[int]) -> str:
     return ",".join(out)
 
 
-def experts_map(names: Iterable[str], placement_of, prefix: str) -> str | None:
+def experts_map(names: Iterable[str], placement_of, prefix: str, experts: Collection[str] | None = None
+                ) -> str | None:
     """Which experts of each split group are where, compactly: `mlp.experts: gpu 0-31, uva 32-127`.
 
     Only groups whose experts are not all in one place appear; when the
     group's fused parameters differ, each gets its own entry
     (`mlp.experts.gate_up_proj: ...; mlp.experts.down_proj: ...`). `prefix`
-    (the layer's name and a dot) is cut from the names. None when nothing is split.
+    (the layer's name and a dot) is cut from the names. None when nothing is split. `experts`: those
+    of `names` that are experts' (`is_expert`; a layer's `expert_tensors`), when the caller knows them.
     """
+    names = list(names)
+    if len(set(map(placement_of, names if experts is None else experts))) < 2:
+        return None  # the experts all in one place: no group is split
     maps: dict[str, dict[str, dict[str, set[int]]]] = {}  # group -> parameter -> placement -> experts
-    for n in names:
-        k = _key(n)
-        if k is not None:
-            group, param, expert, _ = k
+    cache: dict = {}
+    for n, (group, number, proj, suffix, _, _) in zip(names, matches(names)):
+        if group:
+            param, expert, _ = piece(number, proj, suffix, cache)
             place = placement_of(n).value
             maps.setdefault(group, {}).setdefault(param, {}).setdefault(place, set()).add(expert)
     entries = []

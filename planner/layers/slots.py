@@ -15,13 +15,15 @@ Llama 4's alternating MoE layers).
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from operator import itemgetter
 
 from ..inputs.checkpoint import TensorInfo
 from ..plan import Buffer, Layout
 from .graph import Layer
-from .groups import units
+from .expert_names import units
 
 ALIGN = 256  # bytes: every unit starts on this boundary (kernels need 16; UVA reads run fastest from 256)
+_DTYPE_SHAPE = itemgetter(1, 2)  # of a TensorInfo
 
 
 def align(n: int) -> int:
@@ -47,3 +49,10 @@ def layout_bytes(names: Iterable[str], tensors: Mapping[str, TensorInfo]) -> int
     for unit in units(names):
         cursor = align(cursor) + sum(tensors[n].nbytes for n in unit)
     return align(cursor)
+
+
+def image_key(layer: Layer, names: list[str], tensors: Mapping[str, TensorInfo]) -> tuple:
+    """What the slot image of `names` (`layer`'s, in its order) depends on: their local names, dtypes and
+    shapes. Layers alike (a stack's MoE layers) have equal keys, so their image is laid out once."""
+    cut = len(layer.name) + 1
+    return tuple([n[cut:] for n in names]), tuple(map(_DTYPE_SHAPE, map(tensors.__getitem__, names)))

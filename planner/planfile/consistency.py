@@ -134,7 +134,7 @@ def _layers(plan: Plan, layers: tuple[Layer, ...], at, tensors) -> list[str]:
                 f"{list(plan.stacks)}) make {want}{counts}"]
     problems = []
     for i, (row, layer) in enumerate(zip(rows, layers)):
-        split = experts_map(layer.params, plan.params.__getitem__, layer.name + ".")
+        split = experts_map(layer.params, plan.params.__getitem__, layer.name + ".", layer.expert_tensors)
         if split != row.experts:
             problems.append(f"{at('layers', i)}: {row.name} says experts {row.experts!r} but params: place them "
                             f"{split!r}")

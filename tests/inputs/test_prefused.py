@@ -21,8 +21,9 @@ from planner.inputs.patterns import compile_pattern
 from planner.inputs.policy import Rule, Workload
 from planner.inputs.prefused import prefused_key
 from planner.inputs.routing import LayerHits, RoutingProfile
+from planner.layers.expert_names import units
 from planner.layers.graph import build_graph
-from planner.layers.groups import FusedGroups, is_expert, units
+from planner.layers.groups import FusedGroups, is_expert
 from planner.plan import LayerBytes, Role, Runs
 from synthetic import gpt_oss, llama4_text, write_header_only
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from planner.inputs.checkpoint import TensorInfo
 from planner.layers.graph import build_graph
-from planner.layers.groups import units
+from planner.layers.expert_names import units
 from planner.layers.slots import layout_bytes, layout_of
 from planner.plan import Buffer, Layout
 

@@ -1,0 +1,165 @@
+"""What one decode step and the prefill read of each tensor: the cost model's per-tensor facts (cost.py's roles).
+
+Per tensor: its role (expert, embedding or dense), the fraction of its bytes a
+decode step reads (`frac`), the fraction the prefill reads (`pre_frac`), the
+FLOPs the prefill spends on it (`flops`), whether a forward reads it in place
+once rather than once per tile (`gathered`: experts, embedding rows); per layer,
+its routed tensors (`experts`). cost.py says how each follows from the role,
+the routing and the batch.
+
+Layers alike (alike.py) have the same facts tensor for tensor: a layer's facts
+depend on its local names (its template), kind, when it runs, the dtypes and
+shapes of its tensors, which of them are routed experts and the expert counts
+of its groups, unless a rule gives one of them a role or a routing profile
+counts its experts. So they are worked out once per `kind` of layer and copied
+to each layer of that kind (DeepSeek-V3: a handful of kinds for 65 layers);
+`kind` also lets cost.py predict each kind of layer once per placement.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from functools import cached_property
+from itertools import compress
+from operator import itemgetter
+
+from ..inputs.checkpoint import TensorInfo
+from ..inputs.routing import RoutingProfile
+from ..layers.alike import applies
+from ..layers.graph import Layer, LayerGraph
+from ..layers.groups import FusedGroups
+from ..plan import LayerKind, Role, Runs
+
+_DTYPE_SHAPE = itemgetter(1, 2)  # of a TensorInfo
+
+
+def chance_read(share: float, tokens: int) -> float:
+    """The chance that `tokens` tokens, each routed to an expert with chance `share`, touch it."""
+    return 1 - (1 - share) ** tokens
+
+
+class Reads:
+    """The facts of the module doc: per layer, its kind's number and facts tensor by tensor; by tensor name,
+    put together when first asked for (a prefetch plan's prediction reads them by kind)."""
+
+    def __init__(self):
+        # layer -> (its kind's number, (roles, fracs, pre_fracs, flops, gathered), routed): one entry per tensor
+        self.layers: dict[str, tuple[int, tuple, tuple[bool, ...]]] = {}
+        self.experts: dict[str, list[str]] = {}  # layer -> its routed tensors, in order
+        self._names: dict[str, tuple[str, ...]] = {}  # layer -> its tensors
+
+    def _by_name(self, i: int) -> dict:
+        return {n: v for layer, names in self._names.items() for n, v in zip(names, self.layers[layer][1][i])}
+
+    @cached_property
+    def role(self) -> dict[str, Role]:
+        return self._by_name(0)
+
+    @cached_property
+    def frac(self) -> dict[str, float]:
+        return self._by_name(1)
+
+    @cached_property
+    def pre_frac(self) -> dict[str, float]:
+        return self._by_name(2)
+
+    @cached_property
+    def flops(self) -> dict[str, float]:
+        """Prefill: 2 x T x elements x the share of tokens it computes."""
+        return self._by_name(3)
+
+    @cached_property
+    def gathered(self) -> set[str]:
+        return {n for layer, names in self._names.items() for n in compress(names, self.layers[layer][1][4])}
+
+
+def reads(graph: LayerGraph, tensors: Mapping[str, TensorInfo], groups: FusedGroups, top_k: int | None,
+          roles: Mapping[str, Role] | None, routing: RoutingProfile | None, batch: int, prompt_tokens: int) -> Reads:
+    """Every tensor's facts (module doc): `roles` are the rules' overrides; `routing` a profile that counts
+    every group that runs in decode, or None for uniform routing over `top_k` of each group's experts."""
+    counts = {g: groups.experts(g) for g in groups.members}
+    chance = {g: routing.probabilities(g) for g in groups.members if g in routing.layers} if routing else {}
+    phase = "prefill" if routing and routing.prefill_tokens else "decode"
+    pre_chance = {g: routing.probabilities(g, phase) for g in chance} if routing else {}
+    # group -> what its tensors' reads depend on: the expert (a profile's group), else the expert count
+    depends = {g: None if g in chance else (counts[g],) if top_k is not None else () for g in groups.members}
+    read: dict[tuple, tuple[float, float, float]] = {}  # `depends` -> (frac, pre_frac, pre)
+
+    def expert_read(g: str, e: int | None) -> tuple[float, float, float]:
+        """A routed tensor's (frac, pre_frac, pre): over its rows (one for one expert's tensor, E for a
+        pre-fused one), the mean chance to be read in a step and in the prefill, and the mean share of
+        prefill tokens computed; all of it when routing is unknown."""
+        key = depends[g] if depends[g] is not None else (g, e)
+        if key not in read:
+            if g in chance:
+                decode, prefill = (chance[g], pre_chance[g]) if e is None else ((chance[g][e],), (pre_chance[g][e],))
+            elif top_k is not None:
+                decode = prefill = (min(top_k, counts[g]) / counts[g],)
+            else:
+                decode = prefill = (1.0,)
+            read[key] = (sum(chance_read(p, batch) for p in decode) / len(decode),
+                         sum(chance_read(p, prompt_tokens) for p in prefill) / len(prefill),
+                         sum(prefill) / len(prefill))
+        return read[key]
+
+    # A tied embedding is also the head, which reads all of it every step: dense, not sparse.
+    embed = set() if graph.tied_embeddings else {
+        n for l in graph.layers if l.kind is LayerKind.EMBED for n in l.params if len(tensors[n].shape) == 2}
+    roles = roles or {}
+    routed = {n for n in groups.group_of if n in groups.index_of or n in groups.rows_of}
+    facts: dict[tuple, tuple] = {}  # (role, routed, read, shape, runs every step) -> what follows from them
+
+    def tensor_facts(n: str, step: bool) -> tuple:
+        """(role, frac, pre_frac, flops, gathered) of one tensor."""
+        is_routed = n in routed
+        role = roles.get(n) or (Role.EXPERT if is_routed else Role.EMBEDDING if n in embed else Role.DENSE)
+        shape = tensors[n].shape
+        g = groups.group_of[n] if is_routed and role is Role.EXPERT else None
+        e = None if g is None else groups.index_of.get(n)
+        key = (role, is_routed, g if g is None else depends[g] if depends[g] is not None else (g, e), shape, step)
+        got = facts.get(key)
+        if got is None:
+            if role is Role.EMBEDDING:
+                rows = max(1, shape[0])
+                frac, pre_frac, pre = min(1.0, batch / rows), min(1.0, prompt_tokens / rows), 0.0
+            elif g is not None:
+                frac, pre_frac, pre = expert_read(g, e)
+            else:  # dense, or an override: all of it
+                frac = pre_frac = pre = 1.0
+            if not step:
+                frac = pre_frac = pre = 0.0  # neither in a decode step nor in a text prefill
+            got = facts[key] = (role, frac, pre_frac, 2 * prompt_tokens * math.prod(shape) * pre,
+                                role is Role.EMBEDDING or is_routed)
+        return got
+
+    out = Reads()
+    kinds: dict[tuple, tuple[int, tuple]] = {}  # a layer's kind -> (its number, its facts tensor by tensor)
+    for i, layer in enumerate(graph.layers):
+        params = layer.params
+        flags = tuple(map(routed.__contains__, params))
+        kind = _kind(layer, flags, tensors, groups, depends, roles)
+        number, got = kinds.get(kind, (-1 - i, None)) if kind is not None else (-1 - i, None)
+        if got is None:
+            step = layer.runs is Runs.STEP
+            got = tuple(zip(*(tensor_facts(n, step) for n in params))) or ((),) * 5
+            if kind is not None:
+                number = len(kinds)
+                kinds[kind] = (number, got)
+        out.layers[layer.name] = (number, got, flags)
+        out._names[layer.name] = params
+        out.experts[layer.name] = list(compress(params, flags))
+    return out
+
+
+def _kind(layer: Layer, routed: tuple[bool, ...], tensors: Mapping[str, TensorInfo], groups: FusedGroups,
+          depends: Mapping[str, tuple | None], roles: Mapping[str, Role]) -> tuple | None:
+    """What a layer's facts depend on (module doc), or None when they are its own: a rule gives one of its
+    tensors a role, a routing profile counts its experts, or its names are no template's (alike.py)."""
+    t = layer.template
+    if t is None or not applies(layer.name) or not roles.keys().isdisjoint(layer.params):
+        return None
+    mine = [layer.name + g[0] for g in t.groups if layer.name + g[0] in groups.members]
+    if any(depends[g] is None for g in mine):
+        return None
+    return (id(t), layer.kind, layer.runs, tuple(map(_DTYPE_SHAPE, map(tensors.__getitem__, layer.params))),
+            routed, tuple(depends[g] for g in mine))
