@@ -22,6 +22,7 @@ import hashlib
 import json
 import os
 from dataclasses import dataclass
+from operator import itemgetter
 from pathlib import Path
 
 from ..errors import CheckpointError
@@ -30,6 +31,7 @@ from .shard_header import TensorInfo, parse_tensors, read_header
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
+_NBYTES, _SHARD = itemgetter(3), itemgetter(4)  # of a TensorInfo
 
 
 @dataclass(frozen=True)
@@ -44,7 +46,7 @@ class Checkpoint:
 
     @property
     def total_bytes(self) -> int:
-        return sum(t.nbytes for t in self.tensors.values())
+        return sum(map(_NBYTES, self.tensors.values()))
 
     @property
     def shards(self) -> list[str]:
@@ -109,10 +111,10 @@ def _as_indexed(weight_map: dict[str, str], tensors_by_shard: dict[str, dict[str
     if len(merged) != len(weight_map) or sum(map(len, tensors_by_shard.values())) != len(merged):
         return None
     try:
-        tensors = {n: merged[n] for n in weight_map}
+        tensors = dict(zip(weight_map, map(merged.__getitem__, weight_map)))
     except KeyError:
         return None
-    same = all(map(str.__eq__, (t.shard for t in tensors.values()), weight_map.values()))
+    same = all(map(str.__eq__, map(_SHARD, tensors.values()), weight_map.values()))
     return tensors if same else None
 
 
