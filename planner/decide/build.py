@@ -75,12 +75,12 @@ def _build(policy: Policy, plan_dir: Path, checkpoint: Checkpoint | None) -> Pla
         raise PolicyError(f"{policy.path}: checkpoint: {policy.checkpoint_text} -> {policy.checkpoint}: no such file "
                           "or directory (the path is relative to the policy file)")
     ckpt = checkpoint or open_checkpoint(policy.checkpoint)
-    problems = unreadable(ckpt.tensors)
+    facts = read_config(ckpt.root)
+    problems = unreadable(ckpt.tensors, facts.fp8_block)
     if problems:  # the runtime could not load the plan: say so now, not at apply
         raise CheckpointError(f"{ckpt.root}: quantized tensors offplan cannot load", problems)
     names = list(ckpt.tensors)
     check_patterns(policy, names)
-    facts = read_config(ckpt.root)
     graph = build_graph(names, policy.stacks, policy.where, facts)
     hardware = load_hardware(policy.hardware) if policy.hardware else H100
     top_k = policy.workload.experts_per_token or facts.top_k

@@ -9,7 +9,10 @@
 - `vision`: the model has a vision tower (`vision_config`);
 - `experts`: routed experts per MoE layer (`num_local_experts`, `num_experts`,
   `n_routed_experts`), which the first dimension of experts stored already
-  fused must match (prefused.py).
+  fused must match (prefused.py);
+- `fp8_block`: the rows and columns each FP8 scale covers
+  (`quantization_config.weight_block_size`, default 128 x 128, as the runtime
+  reads it), which an FP8 weight's scales must count (quantized.py).
 
 A vision-language model nests the text facts under `text_config`, which wins.
 A missing or unreadable config.json gives no facts (names still decide).
@@ -22,6 +25,7 @@ from pathlib import Path
 
 _TOP_K_KEYS = ("num_experts_per_tok", "moe_topk", "num_experts_per_token", "top_k", "moe_k")
 _EXPERTS_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
+FP8_BLOCK = (128, 128)  # runtime/place/quant.py's default too
 
 
 @dataclass(frozen=True)
@@ -31,6 +35,7 @@ class ModelFacts:
     mtp_layers: int = 0
     vision: bool = False
     experts: int | None = None
+    fp8_block: tuple[int, int] = FP8_BLOCK
 
 
 def _int(scope: dict, *keys: str) -> int | None:
@@ -56,4 +61,16 @@ def read_config(checkpoint_root: str | Path) -> ModelFacts:
         layers=next((v for s in scopes if (v := _int(s, "num_hidden_layers"))), None),
         mtp_layers=next((v for s in scopes if (v := _int(s, "num_nextn_predict_layers"))), 0),
         vision=isinstance(config.get("vision_config"), dict),
-        experts=next((v for s in scopes if (v := _int(s, *_EXPERTS_KEYS))), None))
+        experts=next((v for s in scopes if (v := _int(s, *_EXPERTS_KEYS))), None),
+        fp8_block=_block(config.get("quantization_config")))
+
+
+def _block(quantization) -> tuple[int, int]:
+    """`weight_block_size` as two positive whole numbers (as the runtime reads it: `[128.0, 128]` is 128 x
+    128), else the default."""
+    block = quantization.get("weight_block_size") if isinstance(quantization, dict) else None
+    if (isinstance(block, list) and len(block) == 2
+            and all(isinstance(b, (int, float)) and not isinstance(b, bool) and 1 <= b < 2**31 and b == int(b)
+                    for b in block)):
+        return int(block[0]), int(block[1])
+    return FP8_BLOCK

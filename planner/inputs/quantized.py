@@ -2,7 +2,9 @@
 
 A quantized checkpoint stores a weight as low-precision data plus scales
 (runtime/place/quant.py reads them):
-- FP8, block-scaled: `X.weight` F8_E4M3 (or F8_E5M2) with `X.weight_scale_inv`;
+- FP8, block-scaled: `X.weight` F8_E4M3 (or F8_E5M2) [..., R, C] with `X.weight_scale_inv`
+  F32 [..., ceil(R / b0), ceil(C / b1)], one scale per b0 x b1 block (config.json's
+  `quantization_config.weight_block_size`, default 128 x 128; `block_scales`);
 - MXFP4: `P_blocks` U8 with `P_scales` U8.
 
 The runtime keeps both quantized wherever the plan puts them and dequantizes
@@ -25,6 +27,7 @@ from .checkpoint import TensorInfo
 FP8 = ("F8_E4M3", "F8_E5M2")
 FP8_SCALE = "_scale_inv"
 MX_BLOCKS, MX_SCALES = "_blocks", "_scales"
+_STORED = frozenset({*FP8, "U8"})  # the dtypes a quantized tensor is stored in
 
 
 def _scale_of(name: str, t: TensorInfo) -> str | None:
@@ -36,29 +39,51 @@ def _scale_of(name: str, t: TensorInfo) -> str | None:
     return None
 
 
+def _quantized(tensors: Mapping[str, TensorInfo]) -> list[tuple[str, TensorInfo, str]]:
+    """(name, info, its scales' name) of each quantized tensor, in order (dtypes sift them first)."""
+    return [(n, t, s) for n, t in tensors.items() if t.dtype in _STORED and (s := _scale_of(n, t))]
+
+
 def partners(tensors: Mapping[str, TensorInfo]) -> dict[str, str]:
     """Each quantized weight -> its scales, and each scales tensor -> its weight (module doc). A plan
     computes this once (placement.py) and hands it to what needs it."""
     out = {}
-    for name, t in tensors.items():
-        scale = _scale_of(name, t)
+    for name, _, scale in _quantized(tensors):
         if scale in tensors:
             out[name], out[scale] = scale, name
     return out
 
 
-def unreadable(tensors: Mapping[str, TensorInfo]) -> list[str]:
+def block_scales(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, ...] | None:
+    """The shape of an FP8 weight's block scales: one per `block` (rows, columns) of each matrix, the last
+    block cut short (runtime/place/quant.py); None for a weight that is no matrix, which has none."""
+    if len(shape) < 2:
+        return None
+    return (*shape[:-2], -(-shape[-2] // block[0]), -(-shape[-1] // block[1]))
+
+
+def unreadable(tensors: Mapping[str, TensorInfo], block: tuple[int, int] | None = None) -> list[str]:
     """One line per quantized tensor without the scales the runtime needs, each with what to use instead:
-    `plan build` refuses such a checkpoint, and so does the runtime."""
+    `plan build` refuses such a checkpoint, and so does the runtime. With `block` (config.json's FP8
+    `weight_block_size`; config.py), FP8 scales of another shape are refused too: per-tensor or per-row
+    scales stored under the block scales' name (the runtime fails on them at load)."""
     out = []
-    for name, t in tensors.items():
-        scale = _scale_of(name, t)
-        if scale is None or scale in tensors:
-            continue
-        if t.dtype in FP8:
+    fix = "use the model's block-scaled FP8 release, or its bf16 one"
+    for name, t, scale in _quantized(tensors):
+        if scale in tensors:
+            if block is None or t.dtype not in FP8:
+                continue
+            want, got = block_scales(t.shape, block), tensors[scale].shape
+            if want != got:
+                rows, cols = block
+                out.append(f"{name}: {t.dtype} {list(t.shape)} with scales {scale} {list(got)}, which are not "
+                           f"its {rows} x {cols} block scales ("
+                           + (f"those would be {list(want)}" if want else "a block-scaled FP8 weight is a matrix")
+                           + f"; the block is config.json's quantization_config.weight_block_size, default 128 x "
+                           f"128): only block-scaled FP8 is supported: {fix}")
+        elif t.dtype in FP8:
             out.append(f"{name}: {t.dtype} without {scale}: only block-scaled FP8 is supported (per-tensor "
-                       "`weight_scale` and compressed-tensors checkpoints are not): use the model's block-scaled "
-                       "FP8 release, or its bf16 one")
+                       f"`weight_scale` and compressed-tensors checkpoints are not): {fix}")
         else:
             out.append(f"{name}: MXFP4 blocks without {scale}")
     return out

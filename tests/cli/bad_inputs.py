@@ -80,6 +80,18 @@ def routing_profile(body: str):
     return setup
 
 
+def fp8_checkpoint(scale_shape: tuple[int, ...]):
+    """bad.policy.yaml naming fp8/: a header-only FP8 checkpoint whose one weight [256, 128] has scales of
+    `scale_shape` (block-scaled: [2, 1]), and a norm."""
+    def setup(w):
+        from synthetic import write_header_only
+        name = "model.layers.0.self_attn.q_proj.weight"
+        write_header_only(w / "fp8", [("model.layers.0.input_layernorm.weight", "BF16", (128,)),
+                                      (name, "F8_E4M3", (256, 128)), (name + "_scale_inv", "F32", scale_shape)])
+        (w / "bad.policy.yaml").write_text("format_version: 1\ncheckpoint: ./fp8\n")
+    return setup
+
+
 def write(name: str, data: bytes):
     def setup(w):
         (w / name).write_bytes(data)

@@ -12,8 +12,8 @@ import importlib.util
 
 import pytest
 
-from bad_inputs import (HARDWARE, HEAD, POLICY, case, edited_plan, hardware, nothing, policy, routing_profile, snapshot,
-                        socket_file, write)
+from bad_inputs import (HARDWARE, HEAD, POLICY, case, edited_plan, fp8_checkpoint, hardware, nothing, policy,
+                        routing_profile, snapshot, socket_file, write)
 from offplan.cli import main
 
 needs_torch = pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="plan apply needs torch")
@@ -211,6 +211,11 @@ CORPUS = [
      ["build", "bad.policy.yaml"], "bad.policy.yaml:1:17: format_version: must be 1, not '1'"),
     case("integer key", policy("1: x\n"), ["build", "bad.policy.yaml"],
      "bad.policy.yaml:3:1: 1: unknown key (allowed: format_version"),
+    case("FP8 with per-tensor scales", fp8_checkpoint(()), ["build", "bad.policy.yaml"],
+         "fp8: quantized tensors offplan cannot load\n  - model.layers.0.self_attn.q_proj.weight: F8_E4M3 [256, 128] "
+         "with scales model.layers.0.self_attn.q_proj.weight_scale_inv [], which are not its 128 x 128 block scales "
+         "(those would be [2, 1]; the block is config.json's quantization_config.weight_block_size, default 128 x "
+         "128): only block-scaled FP8 is supported: use the model's block-scaled FP8 release, or its bf16 one"),
     case("checkpoint is a plan file", policy("", head="format_version: 1\ncheckpoint: p.plan.yaml\n"),
      ["build", "bad.policy.yaml"],
      "p.plan.yaml: not a safetensors checkpoint (expected a directory, a .safetensors file or a "

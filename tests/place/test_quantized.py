@@ -139,6 +139,25 @@ def test_fp8_without_block_scales_is_refused(tmp_path, checkpoints, capsys):
         scan(open_checkpoint(broken))
 
 
+def test_fp8_with_per_tensor_scales_is_refused_at_build(tmp_path, checkpoints, capsys):
+    """Scales stored under the block scales' name but one per tensor: the runtime would fail at load, so `plan
+    build` refuses them, naming the tensor, its scales' shape and the one its 128 x 128 blocks need."""
+    from offplan.cli import main
+    from quantized_models import _rewrite
+    quantized, _ = checkpoints["fp8-llama"]
+    per_tensor = _rewrite(quantized, tmp_path / "per-tensor",
+                          lambda n, t: {n: t.amax().reshape(())} if n.endswith("_scale_inv") else {n: t}, None)
+    policy = tmp_path / "p.policy.yaml"
+    policy.write_text(f"format_version: 1\ncheckpoint: {per_tensor}\n")
+    assert main(["build", str(policy)]) == 1
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("error: ") == 1 and "Traceback" not in err
+    assert ("model.layers.0.mlp.down_proj.weight: F8_E4M3 [192, 256] with scales "
+            "model.layers.0.mlp.down_proj.weight_scale_inv [], which are not its 128 x 128 block scales (those "
+            "would be [2, 2];") in err and "use the model's block-scaled FP8 release, or its bf16 one" in err
+    assert not (tmp_path / "p.plan.yaml").exists()
+
+
 def test_apply_refuses_a_quantized_checkpoint(tmp_path, checkpoints):
     import runtime
     quantized, ref = checkpoints["fp8-llama"]
