@@ -6,6 +6,7 @@ import pytest
 
 from headeronly import GPU, UVA, mib, placed, plan_of, policy, toy
 from planner.errors import PolicyError
+from synthetic import gpt_oss
 from test_placement_prefetch import dense_then_moe
 
 
@@ -134,3 +135,18 @@ def test_an_empty_auto_policy_offloads_nothing_and_says_why():
 
 
 # ---------------------------------------------------------------- notes tell the final placements
+
+
+def test_vllms_offload_params_naming_part_of_a_pre_fused_group_is_refused_under_prefetch_and_fits_uva():
+    """vLLM streams just the parameters `offload_params` names (gpt-oss's `gate_up_proj`); offplan prefetches a
+    group whole, so that is an error (README: the policy's vLLM equivalents); uva.params places just them."""
+    t = gpt_oss(layers=2, hidden=64, intermediate=64, experts=4, heads=4, kv_heads=2, head_dim=16, vocab=256,
+                mxfp4=False)
+    gate_up = ["gate_up_proj", "gate_up_proj_bias"]
+    with pytest.raises(PolicyError) as err:
+        plan_of(t, policy(backend="prefetch", group_size=2, prefetch_params=gate_up))
+    assert err.value.problems[0].startswith(
+        "prefetch.params selects 2 of the 4 tensors of fused group model.layers.0.mlp.experts (e.g. "
+        "model.layers.0.mlp.experts.gate_up_proj); prefetch streams a group whole")
+    d, _ = plan_of(t, policy(backend="uva", offload_gib=1, uva_params=gate_up))
+    assert placed(d, UVA) == [f"model.layers.{i}.mlp.experts.{p}" for i in (0, 1) for p in gate_up]
