@@ -18,7 +18,7 @@ from planner.inputs.routing import load_profile, skew
 from planner.planfile import dumps, load_plan, read_plan
 from planner.planfile.diff import diff_data, diff_text
 from planner.planfile.show import show, show_data, show_tensors, tensors_data
-from planner.planfile.staleness import stale_reasons
+from planner.planfile.staleness import stale_reasons, up_to_date
 from planner.units import human, ms, plural
 
 from .output import emit
@@ -136,6 +136,9 @@ def validate_command(args) -> int:
 
 def check_command(args) -> int:
     plan_path = Path(args.plan)
+    current = up_to_date(plan_path)  # the common answer, from one build; any other: the full checks say why
+    if current is not None:
+        return _current(args, plan_path, current.checkpoint, current.policy, current.routing)
     try:
         plan = read_plan(plan_path).plan
     except InconsistentPlanError as e:  # a hand edit: stale like any plan that is not what build makes
@@ -145,9 +148,12 @@ def check_command(args) -> int:
     problems = stale_reasons(plan, plan_path, open_checkpoint(ckpt_dir))
     if problems:
         return _stale(args, plan_path, problems, policy_path)
-    inputs = [str(ckpt_dir), str(policy_path)]
-    if plan.routing is not None:
-        inputs.append(str(plan_path.parent / plan.routing.path))
+    return _current(args, plan_path, ckpt_dir, policy_path,
+                    None if plan.routing is None else plan_path.parent / plan.routing.path)
+
+
+def _current(args, plan_path: Path, checkpoint: Path, policy: Path, routing: Path | None) -> int:
+    inputs = [str(checkpoint), str(policy), *([str(routing)] if routing is not None else [])]
     emit(args, {"plan": str(plan_path), "stale": False, "problems": []},
           f"{plan_path}: up to date with {', '.join(inputs[:-1])} and {inputs[-1]}")
     return 0

@@ -14,15 +14,25 @@ profile's bytes, when the policy names one). It is stale when
 
 `plan check` reports all three (`stale_reasons`); the runtime checks only the
 first, through the same function (`checkpoint_change`), so the two say it alike.
+
+`plan check` first asks `up_to_date`: is the file byte for byte what `plan
+build` makes of its inputs now? If so, the plan is current, and every check
+`read_plan` and `stale_reasons` would run passes: a plan `plan build` makes
+passes the schema and consistency checks (tests/planfile/test_up_to_date.py
+holds this for the plans the tests build), and its fingerprints are its
+inputs'. That answer reads the checkpoint's headers once and builds once, and
+validates no 90k-line document; any other answer ("no", or an input that
+cannot be read) leaves it to the full checks, which say what is wrong.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..decide.build import build
-from ..errors import PolicyError, RoutingProfileError, StalePlanError
+from ..errors import OffplanError, PlanFileError, PolicyError, RoutingProfileError, StalePlanError
 from ..inputs import yamlio
-from ..inputs.checkpoint import Checkpoint
+from ..inputs.checkpoint import Checkpoint, open_checkpoint
 from ..inputs.policy import load_policy, policy_fingerprint
 from ..inputs.routing import profile_fingerprint
 from ..plan import Plan
@@ -74,3 +84,30 @@ def stale_reasons(plan: Plan, plan_path: Path, ckpt: Checkpoint) -> list[str]:
         problems.append("the plan is not what `plan build` makes of its policy and checkpoint "
                         f"(edited by hand, or built with another hardware profile or offplan version){where}")
     return problems
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """Where a plan's inputs are, as `plan check` names them."""
+
+    checkpoint: Path
+    policy: Path
+    routing: Path | None
+
+
+def up_to_date(plan_path: Path) -> Inputs | None:
+    """The plan's inputs when the file at `plan_path` is byte for byte what `plan build` makes of them now
+    (module doc); None when it is not, or when something cannot be read: the full checks then say why.
+
+    The plan's head (before `notes:`) names the inputs; a head that misnames them gives another plan,
+    which is then not the file."""
+    try:
+        text = plan_path.read_text(encoding="utf-8")
+        cut = text.find("\nnotes:")
+        head = yamlio.parse(plan_path, text[:cut], PlanFileError).data if cut > 0 else None
+        where = Inputs(plan_path.parent / head["checkpoint"]["path"], plan_path.parent / head["policy"]["path"],
+                       None if head.get("routing") is None else plan_path.parent / head["routing"]["path"])
+        fresh = build(load_policy(where.policy), plan_path.parent, open_checkpoint(where.checkpoint))
+    except (OffplanError, OSError, UnicodeDecodeError, ValueError, KeyError, TypeError):
+        return None
+    return where if dumps(fresh) == text else None
