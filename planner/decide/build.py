@@ -12,7 +12,7 @@ from ..inputs.hardware import H100, load_hardware
 from ..inputs.patterns import Names, closest
 from ..inputs.policy import Policy, load_policy
 from ..inputs.prefused import prefused_key
-from ..inputs.quantized import unreadable
+from ..inputs.quantized import pairs
 from ..inputs.routing import load_profile
 from ..layers.graph import build_graph
 from ..nogc import no_gc
@@ -76,7 +76,7 @@ def _build(policy: Policy, plan_dir: Path, checkpoint: Checkpoint | None) -> Pla
                           "or directory (the path is relative to the policy file)")
     ckpt = checkpoint or open_checkpoint(policy.checkpoint)
     facts = read_config(ckpt.root)
-    problems = unreadable(ckpt.tensors, facts.fp8_block)
+    quantized, problems = pairs(ckpt.tensors, facts.fp8_block)
     if problems:  # the runtime could not load the plan: say so now, not at apply
         raise CheckpointError(f"{ckpt.root}: quantized tensors offplan cannot load", problems)
     names = list(ckpt.tensors)
@@ -85,7 +85,7 @@ def _build(policy: Policy, plan_dir: Path, checkpoint: Checkpoint | None) -> Pla
     hardware = load_hardware(policy.hardware) if policy.hardware else H100
     top_k = policy.workload.experts_per_token or facts.top_k
     routing = load_profile(policy.workload.routing) if policy.workload.routing else None
-    d = decide(graph, ckpt.tensors, policy, hardware, top_k, routing, ckpt.fingerprint, facts.experts)
+    d = decide(graph, ckpt.tensors, policy, hardware, top_k, routing, ckpt.fingerprint, facts.experts, quantized)
     # The directory when it is the standard layout, else the file the policy named.
     if ckpt.index is None:
         ckpt_file = ckpt.root / next(iter(ckpt.tensors.values())).shard

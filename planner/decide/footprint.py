@@ -27,6 +27,8 @@ budget at which the walk would have stopped, which the budget error quotes.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from itertools import chain, compress, repeat
+from operator import is_, itemgetter
 
 from ..inputs.checkpoint import TensorInfo
 from ..inputs.quantized import partners, with_partners
@@ -36,6 +38,12 @@ from ..plan import Placement
 from .staging import STAGE_SLOTS, stageable, staged
 
 GPU, UVA, PREFETCH = Placement.GPU, Placement.UVA, Placement.PREFETCH
+_NBYTES = itemgetter(3)  # of a TensorInfo
+_BULK = 64  # names from which `move` works on all of them at once
+
+
+def _bytes(tensors: Mapping[str, TensorInfo], names: Iterable[str]) -> int:
+    return sum(map(_NBYTES, map(tensors.__getitem__, names)))
 
 
 class Footprint:
@@ -52,8 +60,8 @@ class Footprint:
         self.tensors = tensors
         self.place = place
         self.step = max(1, step)
-        self.layer_of: dict[str, Layer] = {n: l for l in graph.layers for n in l.params}
-        self.resident = sum(tensors[n].nbytes for n, p in place.items() if p is GPU)
+        self.layer_of: dict[str, Layer] = dict(chain.from_iterable(zip(l.params, repeat(l)) for l in graph.layers))
+        self.resident = _bytes(tensors, compress(place, map(is_, place.values(), repeat(GPU))))
         self.streamed: dict[str, int] = {}  # layer name -> its slot image's bytes
         self._images: dict[tuple, int] = {}  # slots.image_key -> the image's bytes (shared by copies)
         self.partner = partners(tensors) if partner is None else partner
@@ -106,10 +114,13 @@ class Footprint:
 
     def move(self, names: Iterable[str], to: Placement) -> None:
         """Place `names` at `to`, each with its quantization scales (quantized.py), updating the placement
-        and the bytes."""
+        and the bytes. Many names (a layer's tensors, to prefetch) are moved in bulk."""
+        names = with_partners(names, self.partner)
+        if len(names) > _BULK:
+            return self._move_many(names, to)
         touched: dict[str, Layer] = {}
         staged: dict[str, Layer] = {}
-        for n in with_partners(names, self.partner):
+        for n in names:
             was = self.place[n]
             if was is to:
                 continue
@@ -123,6 +134,28 @@ class Footprint:
                 staged[layer.name] = layer
                 self._count(n, 1 if to is UVA else -1)
             self.place[n] = to
+        for layer in touched.values():
+            self._restream(layer)
+        for name in staged:
+            self._stage_bytes(name)
+        if staged:
+            self.stage_pool = self._stage_pool()
+
+    def _move_many(self, names: list[str], to: Placement) -> None:
+        """`move`, each step over all of `names` at once (in C where it can be)."""
+        place = self.place
+        names = [n for n in names if place[n] is not to]
+        was = list(map(place.__getitem__, names))
+        sizes = list(map(_NBYTES, map(self.tensors.__getitem__, names)))
+        self.resident += sum(sizes) if to is GPU else -sum(compress(sizes, map(is_, was, repeat(GPU))))
+        streams = names if to is PREFETCH else compress(names, map(is_, was, repeat(PREFETCH)))
+        touched = {l.name: l for l in map(self.layer_of.__getitem__, streams)}
+        stages = names if to is UVA else compress(names, map(is_, was, repeat(UVA)))
+        staged = {}
+        for n in filter(self.stageable.__contains__, stages):
+            staged[self.layer_of[n].name] = True
+            self._count(n, 1 if to is UVA else -1)
+        place.update(zip(names, repeat(to)))
         for layer in touched.values():
             self._restream(layer)
         for name in staged:

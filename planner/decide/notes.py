@@ -22,6 +22,8 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from itertools import compress, repeat
+from operator import is_not, itemgetter
 
 from ..inputs.checkpoint import TensorInfo
 from ..inputs.policy import Policy
@@ -32,10 +34,16 @@ from ..units import human, percent, plural
 
 GPU, UVA, PREFETCH = Placement.GPU, Placement.UVA, Placement.PREFETCH
 WARNING = "warning: "
+_NBYTES = itemgetter(3)  # of a TensorInfo
 
 
 def is_warning(note: str) -> bool:
     return note.startswith(WARNING)
+
+
+def offloaded(place: Mapping[str, Placement]) -> list[str]:
+    """The tensors `place` puts off the GPU, in order (picked in one pass in C: most of 90k stay)."""
+    return list(compress(place, map(is_not, place.values(), repeat(GPU))))
 
 
 @dataclass(frozen=True)
@@ -62,21 +70,19 @@ class Outcome:
 
 def notes(o: Outcome) -> tuple[str, ...]:
     """The plan's notes, in order: rules, backend, mixed, cost-model caveats, warnings."""
-    size = {n: t.nbytes for n, t in o.tensors.items()}
     by_rules = {UVA: 0, PREFETCH: 0}
     by_backend = {UVA: 0, PREFETCH: 0}
     ruled = 0
-    for n, p in o.place.items():
-        if p is not GPU:
-            if n in o.fixed:
-                by_rules[p] += size[n]
-                ruled += 1
-            else:
-                by_backend[p] += size[n]
+    for n in offloaded(o.place):
+        if n in o.fixed:
+            by_rules[o.place[n]] += o.tensors[n].nbytes
+            ruled += 1
+        else:
+            by_backend[o.place[n]] += o.tensors[n].nbytes
     out = []
     if ruled:
         out.append(f"rules place {_amounts(by_rules)} ({plural(ruled, 'tensor')})")
-    out.append(_backend_note(o, by_backend, any(by_rules.values()), sum(size.values())))
+    out.append(_backend_note(o, by_backend, any(by_rules.values()), sum(map(_NBYTES, o.tensors.values()))))
     out += o.mixed
     out += _rarely_run(o)
     out += _routing(o)
@@ -166,8 +172,8 @@ def _backend_note(o: Outcome, by_backend: Mapping[Placement, int], rules_offload
         return ("nothing is offloaded: backend auto has no offload amount or budget (set uva.offload_gib, "
                 f"prefetch.group_size or budget_gib){hint}")
     origin = "named by the policy" if o.reason is None else f"auto: {o.reason}"
-    layers = sum(1 for l in o.graph.layers
-                 if any(o.place[n] is not GPU and n not in o.fixed for n in l.params))
+    layers = sum(1 for l in o.graph.layers if set(map(o.place.__getitem__, l.params)) != {GPU}
+                 and any(o.place[n] is not GPU and n not in o.fixed for n in l.params))
     return f"backend {o.backend.value} ({origin}): {_amounts(by_backend)} from {plural(layers, 'layer')}"
 
 
@@ -187,12 +193,12 @@ def saving_warnings(place: Mapping[str, Placement], tensors: Mapping[str, Tensor
     """
     if schedule is None and staging is None:
         return []
-    offloaded = sum(tensors[n].nbytes for n, p in place.items() if p is not GPU)
-    saved = offloaded - (schedule.pool_bytes if schedule else 0) - (staging.pool_bytes if staging else 0)
+    offloaded_bytes = sum(tensors[n].nbytes for n in offloaded(place))
+    saved = offloaded_bytes - (schedule.pool_bytes if schedule else 0) - (staging.pool_bytes if staging else 0)
     out = []
-    if 2 * saved < offloaded:
-        amount = (f"{human(saved)} ({percent(saved, offloaded)} of the {human(offloaded)} offloaded)"
-                  if saved > 0 else f"nothing of the {human(offloaded)} offloaded")
+    if 2 * saved < offloaded_bytes:
+        amount = (f"{human(saved)} ({percent(saved, offloaded_bytes)} of the {human(offloaded_bytes)} offloaded)"
+                  if saved > 0 else f"nothing of the {human(offloaded_bytes)} offloaded")
         why = []
         if schedule is not None:
             slots, layers = schedule.slots, len(schedule.schedule)

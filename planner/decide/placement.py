@@ -80,6 +80,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from itertools import chain, compress, repeat
+from operator import is_, itemgetter
 
 from ..errors import BudgetError, PolicyError
 from ..inputs.checkpoint import TensorInfo
@@ -96,9 +98,18 @@ from .cost import CostModel
 from .notes import Outcome, notes
 from .placement_errors import check_groups, check_roles, check_streamed_runs, over_budget
 from .schedule import make_schedule
-from .staging import make_staging, stageable
+from .staging import make_staging
 
 GPU, UVA, PREFETCH = Placement.GPU, Placement.UVA, Placement.PREFETCH
+_NBYTES = itemgetter(3)  # of a TensorInfo
+
+
+def bytes_by_placement(names: tuple[str, ...], place: Mapping[str, Placement], tensors: Mapping[str, TensorInfo]
+                       ) -> dict[Placement, int]:
+    """The bytes of `names` on each placement (summed in C: a layer of DeepSeek-V3 holds 1,548 tensors)."""
+    sizes = list(map(_NBYTES, map(tensors.__getitem__, names)))
+    where = list(map(place.__getitem__, names))
+    return {p: sum(compress(sizes, map(is_, where, repeat(p)))) for p in (GPU, UVA, PREFETCH)}
 
 
 @dataclass(frozen=True)
@@ -117,18 +128,20 @@ class Decision:
 
 def decide(graph: LayerGraph, tensors: Mapping[str, TensorInfo], policy: Policy,
            hardware: Hardware = H100, top_k: int | None = None, routing: RoutingProfile | None = None,
-           checkpoint_fingerprint: str | None = None, num_experts: int | None = None) -> Decision:
+           checkpoint_fingerprint: str | None = None, num_experts: int | None = None,
+           quantized: Mapping[str, str] | None = None) -> Decision:
     """Placements for every tensor (see the module doc); `hardware`, `top_k` (experts per
     token, from the workload or config.json) and `routing` (the policy's routing profile,
     which must fit the checkpoint's MoE layers) feed the cost model that every plan reports
     and that `backend: mixed` decides with. `checkpoint_fingerprint` tells the notes whether
     the profile was recorded on this checkpoint; `num_experts` (config.json's) checks the
-    first dimension of experts stored already fused (prefused.py).
+    first dimension of experts stored already fused (prefused.py); `quantized` is quantized.py's
+    `partners(tensors)`, when the caller has it.
 
     A pipeline over one state: the placement and its `Footprint`, which every step
     moves tensors through, and the fused groups, found once.
     """
-    place = {n: GPU for layer in graph.layers for n in layer.params}
+    place = dict.fromkeys(chain.from_iterable(layer.params for layer in graph.layers), GPU)
     names = Names(place)
     fixed: set[str] = set()
     won: list[set[str]] = []  # per rule, the tensors it places (first match wins)
@@ -145,7 +158,7 @@ def decide(graph: LayerGraph, tensors: Mapping[str, TensorInfo], policy: Policy,
         fixed |= mine
         for n in mine:
             place[n] = rule.place
-    quantized = partners(tensors)
+    quantized = partners(tensors) if quantized is None else quantized
     check_rules(policy.path, place, fixed, quantized)
     stack = graph.stack_layers()
     groups = FusedGroups.of_layers(stack, tensors, num_experts)
@@ -154,7 +167,7 @@ def decide(graph: LayerGraph, tensors: Mapping[str, TensorInfo], policy: Policy,
     check_groups(groups, won, selected, policy)
     check_roles(groups, as_experts, policy)
     check_streamed_runs(graph, won, policy)
-    in_step = {n for l in graph.layers if l.runs is Runs.STEP for n in l.params}
+    in_step = set(chain.from_iterable(l.params for l in graph.layers if l.runs is Runs.STEP))
     moe = {g: count for g, members in groups.members.items()
            if members[0] in in_step and (count := groups.experts(g))}
     if routing is not None:
@@ -179,15 +192,13 @@ def decide(graph: LayerGraph, tensors: Mapping[str, TensorInfo], policy: Policy,
     place = fp.place
     schedule = make_schedule(graph, place, tensors, step)
     staging = make_staging(graph, place, tensors, hardware.stage_above_tokens,
-                           stageable(graph.layers, fp.partner, experts)) if stage else None
+                           model.staged_experts if experts else model.unstaged_experts) if stage else None
     if (staging.pool_bytes if staging else 0) != fp.stage_pool:  # one rule, two sums: a bug, not an input error
         raise AssertionError(f"staging pool {staging} against the footprint's {fp.stage_pool}")
     by = {GPU: 0, UVA: 0, PREFETCH: 0}
     layers = []
     for l, c in zip(graph.layers, prediction.layers):
-        mine = {GPU: 0, UVA: 0, PREFETCH: 0}
-        for n in l.params:
-            mine[place[n]] += tensors[n].nbytes
+        mine = bytes_by_placement(l.params, place, tensors)
         for k in by:
             by[k] += mine[k]
         split = experts_map(l.params, place.__getitem__, l.name + ".", l.expert_tensors)

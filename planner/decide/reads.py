@@ -106,7 +106,7 @@ def reads(graph: LayerGraph, tensors: Mapping[str, TensorInfo], groups: FusedGro
     embed = set() if graph.tied_embeddings else {
         n for l in graph.layers if l.kind is LayerKind.EMBED for n in l.params if len(tensors[n].shape) == 2}
     roles = roles or {}
-    routed = {n for n in groups.group_of if n in groups.index_of or n in groups.rows_of}
+    routed = groups.index_of.keys() | groups.rows_of.keys()  # groups.routed, for all of them
     facts: dict[tuple, tuple] = {}  # (role, routed, read, shape, runs every step) -> what follows from them
 
     def tensor_facts(n: str, step: bool) -> tuple:

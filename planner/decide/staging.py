@@ -90,10 +90,8 @@ def stageable(layers: Iterable[Layer], quantized: Collection[str] = (), experts:
         if l.kind is LayerKind.EMBED or l.runs is Runs.MTP:
             continue
         routed = l.expert_tensors
-        if experts and not any(n in quantized for n in routed):
-            out.update(n for n in l.params if n not in quantized)
-        else:
-            out.update(n for n in l.params if n not in routed and n not in quantized)
+        mine = set(l.params) if experts and not any(n in quantized for n in routed) else set(l.params) - routed
+        out |= mine.difference(quantized)  # a set or dict: looked up, not walked
     return frozenset(out)
 
 

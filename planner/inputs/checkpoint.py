@@ -92,9 +92,8 @@ def _read_index(index: Path) -> tuple[bytes, dict[str, str]]:
     except ValueError as e:
         raise CheckpointError(f"{index}: not valid JSON: {e}") from None
     weight_map = data.get("weight_map") if isinstance(data, dict) else None
-    if not isinstance(weight_map, dict) or not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
-    ):
+    # JSON keys are strings; the values must be too (json makes no str subclass: their types say it at once)
+    if not isinstance(weight_map, dict) or not set(map(type, weight_map.values())) <= {str}:
         raise CheckpointError(
             f"{index}: expected an object with a \"weight_map\" of tensor name -> shard file name"
         )

@@ -20,6 +20,8 @@ dtype to a temporary that the GEMM reads from GPU memory.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from itertools import chain, compress
+from operator import itemgetter
 
 from ..errors import PolicyError
 from .checkpoint import TensorInfo
@@ -28,6 +30,7 @@ FP8 = ("F8_E4M3", "F8_E5M2")
 FP8_SCALE = "_scale_inv"
 MX_BLOCKS, MX_SCALES = "_blocks", "_scales"
 _STORED = frozenset({*FP8, "U8"})  # the dtypes a quantized tensor is stored in
+_DTYPE = itemgetter(1)  # of a TensorInfo
 
 
 def _scale_of(name: str, t: TensorInfo) -> str | None:
@@ -39,19 +42,17 @@ def _scale_of(name: str, t: TensorInfo) -> str | None:
     return None
 
 
-def _quantized(tensors: Mapping[str, TensorInfo]) -> list[tuple[str, TensorInfo, str]]:
-    """(name, info, its scales' name) of each quantized tensor, in order (dtypes sift them first)."""
-    return [(n, t, s) for n, t in tensors.items() if t.dtype in _STORED and (s := _scale_of(n, t))]
-
-
 def partners(tensors: Mapping[str, TensorInfo]) -> dict[str, str]:
-    """Each quantized weight -> its scales, and each scales tensor -> its weight (module doc). A plan
-    computes this once (placement.py) and hands it to what needs it."""
-    out = {}
-    for name, _, scale in _quantized(tensors):
-        if scale in tensors:
-            out[name], out[scale] = scale, name
-    return out
+    """Each quantized weight -> its scales, and each scales tensor -> its weight (module doc)."""
+    return pairs(tensors)[0]
+
+
+def unreadable(tensors: Mapping[str, TensorInfo], block: tuple[int, int] | None = None) -> list[str]:
+    """One line per quantized tensor without the scales the runtime needs, each with what to use instead:
+    `plan build` refuses such a checkpoint, and so does the runtime. With `block` (config.json's FP8
+    `weight_block_size`; config.py), FP8 scales of another shape are refused too: per-tensor or per-row
+    scales stored under the block scales' name (the runtime fails on them at load)."""
+    return pairs(tensors, block)[1]
 
 
 def block_scales(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, ...] | None:
@@ -62,41 +63,43 @@ def block_scales(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, .
     return (*shape[:-2], -(-shape[-2] // block[0]), -(-shape[-1] // block[1]))
 
 
-def unreadable(tensors: Mapping[str, TensorInfo], block: tuple[int, int] | None = None) -> list[str]:
-    """One line per quantized tensor without the scales the runtime needs, each with what to use instead:
-    `plan build` refuses such a checkpoint, and so does the runtime. With `block` (config.json's FP8
-    `weight_block_size`; config.py), FP8 scales of another shape are refused too: per-tensor or per-row
-    scales stored under the block scales' name (the runtime fails on them at load)."""
-    out = []
+def pairs(tensors: Mapping[str, TensorInfo], block: tuple[int, int] | None = None
+          ) -> tuple[dict[str, str], list[str]]:
+    """`partners` and `unreadable` in one pass over the checkpoint: `plan build` needs both."""
+    out: dict[str, str] = {}
+    problems = []
     fix = "use the model's block-scaled FP8 release, or its bf16 one"
-    for name, t, scale in _quantized(tensors):
+    shaped: dict[tuple, bool] = {}  # (weight shape, scales shape) -> whether those are its block scales
+    stored = compress(tensors.items(), map(_STORED.__contains__, map(_DTYPE, tensors.values())))  # sifted in C
+    for name, t in stored:
+        if (scale := _scale_of(name, t)) is None:
+            continue
         if scale in tensors:
+            out[name], out[scale] = scale, name
             if block is None or t.dtype not in FP8:
                 continue
-            want, got = block_scales(t.shape, block), tensors[scale].shape
-            if want != got:
-                rows, cols = block
-                out.append(f"{name}: {t.dtype} {list(t.shape)} with scales {scale} {list(got)}, which are not "
-                           f"its {rows} x {cols} block scales ("
-                           + (f"those would be {list(want)}" if want else "a block-scaled FP8 weight is a matrix")
-                           + f"; the block is config.json's quantization_config.weight_block_size, default 128 x "
-                           f"128): only block-scaled FP8 is supported: {fix}")
+            got = tensors[scale].shape
+            if shaped.get((t.shape, got)) is None:
+                shaped[t.shape, got] = block_scales(t.shape, block) == got
+            if not shaped[t.shape, got]:
+                want, (rows, cols) = block_scales(t.shape, block), block
+                problems.append(f"{name}: {t.dtype} {list(t.shape)} with scales {scale} {list(got)}, which are not "
+                                f"its {rows} x {cols} block scales ("
+                                + (f"those would be {list(want)}" if want else "a block-scaled FP8 weight is a matrix")
+                                + "; the block is config.json's quantization_config.weight_block_size, default 128 x "
+                                f"128): only block-scaled FP8 is supported: {fix}")
         elif t.dtype in FP8:
-            out.append(f"{name}: {t.dtype} without {scale}: only block-scaled FP8 is supported (per-tensor "
-                       f"`weight_scale` and compressed-tensors checkpoints are not): {fix}")
+            problems.append(f"{name}: {t.dtype} without {scale}: only block-scaled FP8 is supported (per-tensor "
+                            f"`weight_scale` and compressed-tensors checkpoints are not): {fix}")
         else:
-            out.append(f"{name}: MXFP4 blocks without {scale}")
-    return out
+            problems.append(f"{name}: MXFP4 blocks without {scale}")
+    return out, problems
 
 
 def with_partners(names, partner: Mapping[str, str]) -> list[str]:
-    """`names` and the partner of each (once each, in order)."""
-    out = dict.fromkeys(names)
-    for n in list(out):
-        p = partner.get(n)
-        if p is not None:
-            out.setdefault(p)
-    return list(out)
+    """`names`, then the partner of each (once each, in order)."""
+    names = list(names)
+    return list(dict.fromkeys(chain(names, filter(None, map(partner.get, names)))))
 
 
 def apart(place: Mapping[str, object], tensors: Mapping[str, TensorInfo]) -> list[str]:

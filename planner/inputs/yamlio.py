@@ -234,6 +234,15 @@ _PLAIN = re.compile(r"^[A-Za-z_][A-Za-z0-9_./\-]*$")
 _RESERVED = {"true", "false", "null", "yes", "no", "on", "off", "y", "n", "~"}
 
 
+_ALL_PLAIN = re.compile(r"(?:[A-Za-z_][A-Za-z0-9_./\-]*\n)*[A-Za-z_][A-Za-z0-9_./\-]*")
+_RESERVED_LINE = re.compile("^(?:" + "|".join(map(re.escape, _RESERVED)) + ")$", re.M | re.I)
+
+
+def all_plain(lines: str) -> bool:
+    """Whether `scalar` writes every line of `lines` (strings joined by newlines) plain: one scan, not one per line."""
+    return _ALL_PLAIN.fullmatch(lines) is not None and _RESERVED_LINE.search(lines) is None
+
+
 def scalar(text: str) -> str:
     """A string as offplan's files write it: plain when YAML reads it back as that string
     (`model.layers.0`), else double-quoted (`"sha256:..."`, `"yes"`)."""

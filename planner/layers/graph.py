@@ -39,7 +39,8 @@ import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from itertools import compress
+from itertools import compress, groupby
+from operator import itemgetter
 
 import networkx as nx
 
@@ -174,7 +175,7 @@ def build_graph(names: Iterable[str], stacks: Iterable[str] | None = None,
     facts = facts or ModelFacts()
     hits = _numbered(names)
     found: dict[str, set[int]] = {}
-    for prefix, number in hits:
+    for prefix, number in dict.fromkeys(hits):  # each layer once, in order of first appearance
         if number:
             found.setdefault(prefix, set()).add(int(number))
     detected = [p for p, idx in found.items() if len(idx) >= 4 or (len(idx) >= 2 and max(idx) - min(idx) == len(idx) - 1)]
@@ -191,18 +192,22 @@ def build_graph(names: Iterable[str], stacks: Iterable[str] | None = None,
 
     by_layer: dict[str, list[str]] = {}
     kinds: dict[str, tuple[LayerKind, str | None, int | None]] = {}
-    for name, (prefix, number) in zip(names, hits):
+    # names of one layer come in runs (an index lists them sorted): each run is added at once
+    for (prefix, number), run in groupby(zip(hits, names), key=itemgetter(0)):
         if number and prefix in chosen_set:
             node = f"{prefix}.{number}"
             if node not in kinds:
                 kinds[node] = (LayerKind.LAYER, prefix, int(number))
-        else:
+                by_layer[node] = []
+            by_layer[node].extend(map(itemgetter(1), run))
+            continue
+        for _, name in run:
             node = name.rpartition(".")[0] or name
             if node not in kinds:
                 kind = (LayerKind.EMBED if _EMBED.search(node) else LayerKind.HEAD if _HEAD.search(node)
                         else LayerKind.MODULE)
                 kinds[node] = (kind, None, None)
-        by_layer.setdefault(node, []).append(name)
+            by_layer.setdefault(node, []).append(name)
 
     first_seen = {p: i for i, p in enumerate(chosen)}
     stack_rank = {p: (0 if _EARLY_STACK.search(p) else 1, first_seen[p]) for p in chosen}

@@ -217,7 +217,7 @@ def split_units(groups: FusedGroups, selected: Collection[str], what: str, whole
     """
     problems = []
     if whole_groups:  # each unit once (a group of DeepSeek-V3 holds 1,536 tensors)
-        units = [(g, groups.members[g]) for g in {groups.group_of[m] for m in selected if m in groups.group_of}]
+        units = [(g, groups.members[g]) for g in set(map(groups.group_of.get, selected)) - {None}]
     else:
         units = [(groups.group_of[u[0]], u) for u in {groups.expert_of[m] for m in selected if m in groups.index_of}]
     for group, unit in units:

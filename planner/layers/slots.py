@@ -15,6 +15,7 @@ Llama 4's alternating MoE layers).
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from itertools import compress
 from operator import itemgetter
 
 from ..inputs.checkpoint import TensorInfo
@@ -52,7 +53,13 @@ def layout_bytes(names: Iterable[str], tensors: Mapping[str, TensorInfo]) -> int
 
 
 def image_key(layer: Layer, names: list[str], tensors: Mapping[str, TensorInfo]) -> tuple:
-    """What the slot image of `names` (`layer`'s, in its order) depends on: their local names, dtypes and
-    shapes. Layers alike (a stack's MoE layers) have equal keys, so their image is laid out once."""
-    cut = len(layer.name) + 1
-    return tuple([n[cut:] for n in names]), tuple(map(_DTYPE_SHAPE, map(tensors.__getitem__, names)))
+    """What the slot image of `names` (some of `layer`'s tensors, in its order) depends on: their local names
+    (picked from the layer's template, alike.py), dtypes and shapes. Layers alike (a stack's MoE layers) have
+    equal keys, so their image is laid out once."""
+    if layer.template is not None:
+        chosen = set(names)
+        local = tuple(compress(layer.template.names, map(chosen.__contains__, layer.params)))
+    else:
+        cut = len(layer.name) + 1
+        local = tuple([n[cut:] for n in names])
+    return local, tuple(map(_DTYPE_SHAPE, map(tensors.__getitem__, names)))

@@ -11,8 +11,9 @@ the runtime alike.
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from itertools import chain, repeat
 from pathlib import Path
 
 from ..errors import InconsistentPlanError, OffplanError, PlanFileError
@@ -120,8 +121,20 @@ def dumps(plan: Plan) -> str:
                 f"  slot_bytes: {st.slot_bytes}\n", *([f"  ring_bytes: {st.ring_bytes}\n"] if st.experts else []), "  layers:\n"]
         out += [f"    - {_flow(layer=l.layer, module=l.module, bytes=l.bytes)}\n" for l in st.layers]
     out.append("params:\n")
-    out += [f"  {_s(name)}: {place.value}\n" for name, place in plan.params.items()]
+    out += _params(plan.params)
     return "".join(out)
+
+
+_AS_PARAM = {p: f": {p.value}\n" for p in Placement}
+
+
+def _params(params: dict[str, Placement]) -> Iterable[str]:
+    """`  name: placement` lines, as the pieces of one join. Names are written as `scalar` writes them; when
+    all of them are plain (checked at once, over the names joined by newlines), they need no look each."""
+    names = "\n".join(params)
+    if not (names.count("\n") == len(params) - 1 and yamlio.all_plain(names)):  # no name holds a newline
+        return [f"  {_s(name)}: {place.value}\n" for name, place in params.items()]
+    return chain.from_iterable(zip(repeat("  "), params, map(_AS_PARAM.__getitem__, params.values())))
 
 
 # ---------------------------------------------------------------- reading
