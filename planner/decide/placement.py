@@ -90,6 +90,7 @@ from ..inputs.patterns import Names
 from ..inputs.policy import Policy, resolve_backend
 from ..inputs.quantized import check_rules, partners
 from ..inputs.routing import RoutingProfile, check_fits
+from ..layers.alike import select
 from ..layers.graph import LayerGraph
 from ..layers.groups import FusedGroups, experts_map
 from ..plan import Backend, Cost, LayerBytes, Placement, PrefetchSchedule, PrefillStaging, Role, Runs, Summary
@@ -148,7 +149,7 @@ def decide(graph: LayerGraph, tensors: Mapping[str, TensorInfo], policy: Policy,
     as_experts: list[set[str]] = []  # per rule, the tensors it calls experts (`role: expert`)
     roles = {}
     for rule in policy.rules:
-        matched = names.select(rule.patterns)
+        matched = select(graph.layers, rule.patterns, names)
         as_experts.append(matched if rule.role is Role.EXPERT else set())
         if rule.role is not None:
             for n in matched:
@@ -162,8 +163,8 @@ def decide(graph: LayerGraph, tensors: Mapping[str, TensorInfo], policy: Policy,
     check_rules(policy.path, place, fixed, quantized)
     stack = graph.stack_layers()
     groups = FusedGroups.of_layers(stack, tensors, num_experts)
-    selected = {"uva": names.select(policy.uva.params) if policy.uva.params else None,
-                "prefetch": names.select(policy.prefetch.params) if policy.prefetch.params else None}
+    selected = {"uva": select(graph.layers, policy.uva.params, names) if policy.uva.params else None,
+                "prefetch": select(graph.layers, policy.prefetch.params, names) if policy.prefetch.params else None}
     check_groups(groups, won, selected, policy)
     check_roles(groups, as_experts, policy)
     check_streamed_runs(graph, won, policy)

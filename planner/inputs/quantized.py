@@ -108,10 +108,12 @@ def apart(place: Mapping[str, object], tensors: Mapping[str, TensorInfo]) -> lis
             if w < s and w in place and s in place and place[w] is not place[s]]
 
 
-def check_rules(path, place: Mapping[str, object], fixed: set[str], pairs: Mapping[str, str]) -> None:
+def check_rules(path, place: Mapping[str, object], fixed: set[str], partner: Mapping[str, str]) -> None:
     """Refuse rules that place a quantized weight apart from its scales, or one without the other;
-    `pairs`: `partners(tensors)`."""
-    odd = [f"{w} and {s}" for w, s in pairs.items()
+    `partner`: `partners(tensors)`. `place` has what the rules placed and nothing else off its default, so
+    only pairs with a member in `fixed` can be apart (they are picked first, in C)."""
+    near = {m for n in fixed for m in (n, partner.get(n)) if m in partner}
+    odd = [f"{w} and {s}" for w in compress(partner, map(near.__contains__, partner)) for s in [partner[w]]
            if w < s and ((w in fixed) != (s in fixed) or place[w] is not place[s])]
     if odd:
         raise PolicyError(f"{path}: rules place {len(odd)} quantized weights apart from their scales; a weight "

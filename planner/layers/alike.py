@@ -9,7 +9,10 @@ template, not once per tensor (90k tensors, a handful of templates):
 - `matches`: which tensors belong to fused expert groups, and as what
   (expert_names.py `matches`), which gives `Layer.expert_tensors`;
 - `groups`: the fused expert groups they form, which `FusedGroups.of_layers`
-  instantiates for each layer.
+  instantiates for each layer;
+- which of them a policy's patterns select (`select`): a plain pattern without a
+  dot matches a name iff it is one of its segments, so of the layer's name or of
+  its local name; other patterns are matched name by name, as patterns.py does.
 
 A template's findings hold for a layer whose own name has neither `experts` nor
 a newline in it (`applies`): a tensor's full name is then classified exactly as
@@ -18,8 +21,11 @@ names are classified one by one, as before.
 """
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from functools import cached_property
+from itertools import compress
 
+from ..inputs.patterns import Names, Pattern
 from .expert_names import matches, piece
 
 
@@ -28,11 +34,42 @@ def applies(layer_name: str) -> bool:
     return "experts" not in layer_name and "\n" not in layer_name
 
 
+def select(layers: Sequence, patterns: Iterable[Pattern], names: Names) -> set[str]:
+    """`names.select(patterns)`, where `names` are the tensors of `layers`: plain patterns without a dot are
+    matched once per template and each layer's name (module doc); the others by `names`."""
+    patterns = list(patterns)
+    segments = frozenset(p.text for p in patterns if p.regex is None and "." not in p.text)
+    out = names.select([p for p in patterns if p.regex is not None or "." in p.text])
+    if not segments:
+        return out
+    for l in layers:
+        # a tensor named as its layer has no local name; a newline in a name makes it lines to patterns.py
+        if l.template is None or l.name in l.params or "\n" in l.name or not l.template.plain:
+            out |= Names(l.params).select([Pattern(t) for t in segments])
+        elif not segments.isdisjoint(l.name.split(".")):
+            out.update(l.params)
+        else:
+            out.update(compress(l.params, l.template.selected(segments)))
+    return out
+
+
 class Template:
     """The local names of layers alike, and what they say (module doc)."""
 
     def __init__(self, names: tuple[str, ...]):
         self.names = names
+        self._selected: dict[frozenset[str], tuple[bool, ...]] = {}
+
+    @cached_property
+    def plain(self) -> bool:
+        """No local name holds a newline."""
+        return not any("\n" in n for n in self.names)
+
+    def selected(self, segments: frozenset[str]) -> tuple[bool, ...]:
+        """Per local name: whether one of its segments is one of `segments` (`select`)."""
+        if segments not in self._selected:
+            self._selected[segments] = tuple(not segments.isdisjoint(n.split(".")) for n in self.names)
+        return self._selected[segments]
 
     @cached_property
     def matches(self) -> list[tuple[str, ...]]:

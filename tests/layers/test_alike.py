@@ -1,0 +1,71 @@
+"""Layers alike (planner/layers/alike.py) and the fast name classification (expert_names.py) give exactly what
+the per-name definitions give: the patterns of expert_names.py and prefused.py, `FusedGroups.find`,
+`Names.select`, `is_expert`."""
+from __future__ import annotations
+
+import pytest
+
+from headeronly import infos
+from planner.inputs.patterns import Names, compile_pattern
+from planner.layers.alike import select
+from planner.layers.expert_names import match, matches
+from planner.layers.graph import build_graph
+from planner.layers.groups import FusedGroups, is_expert
+from synthetic import deepseek_v3, gpt_oss, llama4_text, qwen2_vl
+
+ODD = ["m.experts.3.up_proj.weight", "m.experts.3.up_proj", "m.experts.gate_up_proj", "m.experts.3", "m.experts.3.",
+       "m.experts.", "m.experts.3x", "a.experts.b.experts.3.w", "a.experts.3.w.experts.x", "x.experts.03.a.b.c",
+       "e.experts.1.w\n", "n", "", ".experts.0.w", "experts.0.w", "model.experts.4.w1.weight", "m.experts..x"]
+
+
+def names_of(tensors) -> list[str]:
+    return [n for n, _, _ in tensors]
+
+
+CHECKPOINTS = {
+    "deepseek": names_of(deepseek_v3(layers=5, dense_layers=2, hidden=64, intermediate=128, experts=6,
+                                     moe_intermediate=32, heads=2, q_lora=32, kv_lora=16, nope=16, rope=8,
+                                     v_head=16, vocab=64)),
+    "gpt-oss": names_of(gpt_oss(layers=2, hidden=64, intermediate=64, experts=4, heads=2, kv_heads=1, head_dim=16,
+                                vocab=64)),
+    "llama4": names_of(llama4_text(layers=4, hidden=64, intermediate=32, intermediate_mlp=64, experts=4, heads=2,
+                                   kv_heads=1, head_dim=16, vocab=64)),
+    "qwen2-vl": names_of(qwen2_vl(layers=2, hidden=64, intermediate=128, heads=2, kv_heads=1, vocab=64, depth=2,
+                                  vision=32, vision_mlp=64)),
+    # a stack named `experts`, a tensor named as its layer, empty segments
+    "odd": ["model.experts.0.w1.weight", "model.experts.1.w1.weight", "model.experts.2.w1.weight",
+            "model.experts.3.w1.weight", "scale", "a..b", "head.experts.gate_up_proj", "head.experts.0.w"],
+}
+
+
+def test_matches_is_the_patterns_name_by_name():
+    names = ODD + [n for ns in CHECKPOINTS.values() for n in ns]
+    assert matches(names) == [match(n) for n in names]
+    assert matches(ODD[:10]) == [match(n) for n in ODD[:10]]  # without a newline anywhere: the fast path
+
+
+@pytest.mark.parametrize("model", CHECKPOINTS)
+def test_layers_alike_find_what_the_names_say(model):
+    names = CHECKPOINTS[model]
+    graph = build_graph(names)
+    stack = graph.stack_layers()
+    tensors = infos((n, "BF16", (4, 4, 4)) for n in names)
+    found = FusedGroups.find([n for l in stack for n in l.params], {n: (4, 4, 4) for n in names}, 4)
+    alike = FusedGroups.of_layers(stack, tensors, 4)
+    assert (alike.members, alike.group_of, alike.index_of, alike.rows_of, alike.not_experts) == (
+        found.members, found.group_of, found.index_of, found.rows_of, found.not_experts)
+    assert (alike.param_of, alike.expert_of) == (found.param_of, found.expert_of)
+    for layer in graph.layers:
+        assert layer.expert_tensors == {n for n in layer.params if is_expert(n)}
+
+
+@pytest.mark.parametrize("model", CHECKPOINTS)
+def test_patterns_select_per_template_what_they_select_name_by_name(model):
+    names = CHECKPOINTS[model]
+    graph = build_graph(names)
+    index = Names(n for l in graph.layers for n in l.params)
+    for texts in (["experts"], ["embed_tokens", "lm_head"], ["layers"], ["0"], ["mlp.experts", "experts"],
+                  ["re:experts\\.1"], ["weight"], ["q_proj", "blocks"], ["merger"], ["w1", "b"], ["scale"],
+                  ["model"], ["experts.0"], [""]):
+        patterns = [compile_pattern(t) for t in texts]
+        assert select(graph.layers, patterns, index) == index.select(patterns), texts
