@@ -126,30 +126,36 @@ _NUMBERED = re.compile(r"^(?:(.*?)\.(\d+)\.)?", re.M)
 def _numbered(names: list[str]) -> list[tuple[str, str]]:
     """(stack prefix, layer number) per name, ("", "") without a numbered segment.
 
-    `model.layers.12.mlp.w` -> ("model.layers", "12"). One regex scan over all
-    names joined by newlines: one (possibly empty) match per line.
+    `model.layers.12.mlp.w` -> ("model.layers", "12"). A name that starts as the one before it did, up to
+    and including its number (`model.layers.12.`), has its hit: an index lists a layer's names together, so
+    the pattern runs once per layer, not once per name.
     """
-    hits = _NUMBERED.findall("\n".join(names))
-    if len(hits) != len(names):  # a name holding a newline: fall back to one match per name
-        hits = [m.groups("") for m in map(_NUMBERED.match, names)]
+    hits, start, hit = [], None, ("", "")
+    for name in names:
+        if start is None or not name.startswith(start):
+            m = _NUMBERED.match(name)
+            hit = m.groups("")
+            start = f"{hit[0]}.{hit[1]}." if hit[1] else None
+        hits.append(hit)
     return hits
 
 
-def _natural_order(node: str, params: list[str], keys: dict[str, str], templates: dict[tuple, Template]
+def _natural_order(node: str, params: list[str], keys: dict[str, str], orders: dict[tuple, tuple]
                    ) -> tuple[tuple[str, ...], Template]:
     """`params` of one layer in natural order of their local names (keys cached across layers), and the
-    template of those local names (alike.py: one object per distinct list, shared by the layers alike)."""
+    template of those local names (alike.py: one object per distinct list, shared by the layers alike).
+    The order depends on the local names alone, so layers alike are sorted once (`orders`)."""
     cut = len(node) + 1
-    local = [p[cut:] for p in params]
-    for name in set(local).difference(keys):
-        keys[name] = natural_key(name)
-    ordered = sorted(zip(map(keys.__getitem__, local), params))
-    names = tuple(p for _, p in ordered)
-    own = tuple([p[cut:] for p in names])
-    template = templates.get(own)
-    if template is None:
-        template = templates[own] = Template(own)
-    return names, template
+    local = tuple([p[cut:] for p in params])
+    got = orders.get(local)
+    if got is None:
+        for name in set(local).difference(keys):
+            keys[name] = natural_key(name)
+        order = tuple(i for _, _, i in sorted(zip(map(keys.__getitem__, local), local, range(len(local)))))
+        own = tuple(map(local.__getitem__, order))
+        template = next((t for _, t in orders.values() if t.names == own), None) or Template(own)
+        got = orders[local] = (order, template)  # layers whose names come in another order: the same template
+    return tuple(map(params.__getitem__, got[0])), got[1]
 
 
 def _runs(node: str, kind: LayerKind, stack: str | None, index: int | None, facts: ModelFacts) -> Runs:
@@ -221,9 +227,9 @@ def build_graph(names: Iterable[str], stacks: Iterable[str] | None = None,
 
     nodes = sorted(by_layer, key=lambda n: (order(n), natural_key(n)))
     keys: dict[str, str] = {}  # natural keys of local names, shared by every layer of a stack
-    templates: dict[tuple, Template] = {}
+    orders: dict[tuple, tuple] = {}  # a layer's local names, in the index's order -> their order, template
     layers = tuple(Layer(n, kinds[n][0], params, kinds[n][1], kinds[n][2], _runs(n, *kinds[n], facts), template)
-                   for n in nodes for params, template in [_natural_order(n, by_layer[n], keys, templates)])
+                   for n in nodes for params, template in [_natural_order(n, by_layer[n], keys, orders)])
     graph = nx.DiGraph()
     graph.add_nodes_from((l.name, {"layer": l, "runs": l.runs}) for l in layers)
     graph.add_edges_from(zip(nodes, nodes[1:]), kind="order")

@@ -69,3 +69,19 @@ def test_patterns_select_per_template_what_they_select_name_by_name(model):
                   ["model"], ["experts.0"], [""]):
         patterns = [compile_pattern(t) for t in texts]
         assert select(graph.layers, patterns, index) == index.select(patterns), texts
+
+
+def test_layer_numbers_and_order_do_not_depend_on_how_the_names_come():
+    """_numbered reuses a layer's hit for the names that start as it did; build_graph sorts layers alike once:
+    neither depends on the index's order (shuffled here), and both give the patterns' per-name answers."""
+    import random
+
+    from planner.layers.graph import _NUMBERED, _numbered
+    names = [n for ns in CHECKPOINTS.values() for n in ns] + ["a.1.b\n.2.c", "x.12.y", "x.12", ".5.q", "x.1.2.z"]
+    shuffled = random.Random(0).sample(names, len(names))
+    for order in (names, shuffled):
+        assert _numbered(order) == [m.groups("") for m in map(_NUMBERED.match, order)]
+    for model, ns in CHECKPOINTS.items():
+        mixed = random.Random(1).sample(ns, len(ns))
+        assert [(l.name, l.params) for l in build_graph(mixed).layers] == \
+               [(l.name, l.params) for l in build_graph(ns).layers], model
