@@ -60,7 +60,8 @@ class Footprint:
         self.tensors = tensors
         self.place = place
         self.step = max(1, step)
-        self.layer_of: dict[str, Layer] = dict(chain.from_iterable(zip(l.params, repeat(l)) for l in graph.layers))
+        self.layer_name = dict(chain.from_iterable(zip(l.params, repeat(l.name)) for l in graph.layers))  # tensor ->
+        self.layers = {l.name: l for l in graph.layers}
         self.resident = _bytes(tensors, compress(place, map(is_, place.values(), repeat(GPU))))
         self.streamed: dict[str, int] = {}  # layer name -> its slot image's bytes
         self._images: dict[tuple, int] = {}  # slots.image_key -> the image's bytes (shared by copies)
@@ -105,7 +106,7 @@ class Footprint:
 
     def _count(self, n: str, sign: int) -> None:
         """`n` (stageable) came to uva (sign 1) or left it (-1)."""
-        counts = self.on_uva[self.layer_of[n].name]
+        counts = self.on_uva[self.layer_name[n]]
         counts[0] += sign * align(self.tensors[n].nbytes)
         counts[1] += sign
 
@@ -118,8 +119,8 @@ class Footprint:
         names = with_partners(names, self.partner)
         if len(names) > _BULK:
             return self._move_many(names, to)
-        touched: dict[str, Layer] = {}
-        staged: dict[str, Layer] = {}
+        touched: dict[str, bool] = {}  # layer names, in order
+        staged: dict[str, bool] = {}
         for n in names:
             was = self.place[n]
             if was is to:
@@ -127,15 +128,13 @@ class Footprint:
             size = self.tensors[n].nbytes
             self.resident += (size if to is GPU else 0) - (size if was is GPU else 0)
             if PREFETCH in (was, to):
-                layer = self.layer_of[n]
-                touched[layer.name] = layer
+                touched[self.layer_name[n]] = True
             if UVA in (was, to) and n in self.stageable:
-                layer = self.layer_of[n]
-                staged[layer.name] = layer
+                staged[self.layer_name[n]] = True
                 self._count(n, 1 if to is UVA else -1)
             self.place[n] = to
-        for layer in touched.values():
-            self._restream(layer)
+        for name in touched:
+            self._restream(self.layers[name])
         for name in staged:
             self._stage_bytes(name)
         if staged:
@@ -149,15 +148,15 @@ class Footprint:
         sizes = list(map(_NBYTES, map(self.tensors.__getitem__, names)))
         self.resident += sum(sizes) if to is GPU else -sum(compress(sizes, map(is_, was, repeat(GPU))))
         streams = names if to is PREFETCH else compress(names, map(is_, was, repeat(PREFETCH)))
-        touched = {l.name: l for l in map(self.layer_of.__getitem__, streams)}
+        touched = dict.fromkeys(map(self.layer_name.__getitem__, streams))  # layers by name: hashing one is slow
         stages = names if to is UVA else compress(names, map(is_, was, repeat(UVA)))
         staged = {}
         for n in filter(self.stageable.__contains__, stages):
-            staged[self.layer_of[n].name] = True
+            staged[self.layer_name[n]] = True
             self._count(n, 1 if to is UVA else -1)
         place.update(zip(names, repeat(to)))
-        for layer in touched.values():
-            self._restream(layer)
+        for name in touched:
+            self._restream(self.layers[name])
         for name in staged:
             self._stage_bytes(name)
         if staged:

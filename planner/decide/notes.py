@@ -23,7 +23,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from itertools import compress, repeat
-from operator import is_not, itemgetter
+from operator import is_, is_not, itemgetter
 
 from ..inputs.checkpoint import TensorInfo
 from ..inputs.policy import Policy
@@ -71,14 +71,14 @@ class Outcome:
 def notes(o: Outcome) -> tuple[str, ...]:
     """The plan's notes, in order: rules, backend, mixed, cost-model caveats, warnings."""
     by_rules = {UVA: 0, PREFETCH: 0}
-    by_backend = {UVA: 0, PREFETCH: 0}
     ruled = 0
-    for n in offloaded(o.place):
-        if n in o.fixed:
+    for n in o.fixed:  # few: what rules placed
+        if o.place[n] is not GPU:
             by_rules[o.place[n]] += o.tensors[n].nbytes
             ruled += 1
-        else:
-            by_backend[o.place[n]] += o.tensors[n].nbytes
+    on = {p: sum(map(_NBYTES, map(o.tensors.__getitem__, compress(o.place, map(is_, o.place.values(), repeat(p))))))
+          for p in (UVA, PREFETCH)}
+    by_backend = {p: on[p] - by_rules[p] for p in (UVA, PREFETCH)}
     out = []
     if ruled:
         out.append(f"rules place {_amounts(by_rules)} ({plural(ruled, 'tensor')})")

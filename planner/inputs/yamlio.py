@@ -235,12 +235,12 @@ _RESERVED = {"true", "false", "null", "yes", "no", "on", "off", "y", "n", "~"}
 
 
 _ALL_PLAIN = re.compile(r"(?:[A-Za-z_][A-Za-z0-9_./\-]*\n)*[A-Za-z_][A-Za-z0-9_./\-]*")
-_RESERVED_LINE = re.compile("^(?:" + "|".join(map(re.escape, _RESERVED)) + ")$", re.M | re.I)
+_RESERVED_LINE = re.compile("\n(?:" + "|".join(map(re.escape, sorted(_RESERVED))) + ")(?=\n)", re.I)
 
 
 def all_plain(lines: str) -> bool:
     """Whether `scalar` writes every line of `lines` (strings joined by newlines) plain: one scan, not one per line."""
-    return _ALL_PLAIN.fullmatch(lines) is not None and _RESERVED_LINE.search(lines) is None
+    return _ALL_PLAIN.fullmatch(lines) is not None and _RESERVED_LINE.search(f"\n{lines}\n") is None
 
 
 def scalar(text: str) -> str:

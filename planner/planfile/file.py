@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from itertools import chain, repeat
+from itertools import repeat
 from pathlib import Path
 
 from ..errors import InconsistentPlanError, OffplanError, PlanFileError
@@ -134,7 +134,7 @@ def _params(params: dict[str, Placement]) -> Iterable[str]:
     names = "\n".join(params)
     if not (names.count("\n") == len(params) - 1 and yamlio.all_plain(names)):  # no name holds a newline
         return [f"  {_s(name)}: {place.value}\n" for name, place in params.items()]
-    return chain.from_iterable(zip(repeat("  "), params, map(_AS_PARAM.__getitem__, params.values())))
+    return map("".join, zip(repeat("  "), params, map(_AS_PARAM.__getitem__, params.values())))
 
 
 # ---------------------------------------------------------------- reading

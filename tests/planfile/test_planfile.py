@@ -105,6 +105,18 @@ def test_odd_tensor_names_round_trip(tmp_path):
     assert plan.checkpoint_path == "ckpt/model.safetensors"
 
 
+@pytest.mark.parametrize("names", [["model.a.weight", "lm_head.weight"], ["a", "Yes"], ["on", "b"], ["NULL.x", "y"],
+                                   ["a b"], ["1a"], ["a", ""], ["a\nb"], ["a.b-c/d_e", "N"], ["_x", "~"]])
+def test_params_are_written_plain_at_once_exactly_when_each_would_be(names):
+    """file.py writes the params in one join when every name is plain (`yamlio.all_plain`, no newline in one):
+    the same bytes as `scalar` name by name."""
+    from planner.inputs.yamlio import all_plain, scalar
+    from planner.planfile.file import _params
+    assert "".join(_params(dict.fromkeys(names, Placement.GPU))) == "".join(f"  {scalar(n)}: gpu\n" for n in names)
+    if not any("\n" in n for n in names):
+        assert all_plain("\n".join(names)) == all(scalar(n) == n for n in names)
+
+
 def test_paths_are_relative_to_the_plan_file(tmp_path, toy_ckpt):
     (tmp_path / "plans").mkdir()
     policy_path = write_policy(tmp_path / "plans", head="format_version: 1\ncheckpoint: ../ckpt\n")
