@@ -20,6 +20,7 @@ from ..errors import InconsistentPlanError, OffplanError, PlanFileError
 from ..inputs import yamlio
 from ..inputs.checkpoint import Checkpoint, TensorInfo, open_checkpoint
 from ..inputs.schema import validate
+from ..nogc import no_gc
 from ..plan import (Backend, Buffer, Cost, LayerBytes, Layout, Placement, Plan, PrefetchSchedule, PrefillStaging,
                     RoutingRef, Runs, StagedLayer, Summary, Transfer)
 from .consistency import inconsistencies
@@ -63,6 +64,11 @@ def _flow(**items) -> str:
 
 
 def dumps(plan: Plan) -> str:
+    with no_gc():  # 90k lines: the cyclic collector would rescan every object planning made, again and again
+        return _dumps(plan)
+
+
+def _dumps(plan: Plan) -> str:
     s = plan.summary
     out = [HEADER, f"format_version: {FORMAT_VERSION}\n",
            "checkpoint:\n",

@@ -35,6 +35,7 @@ from ..inputs import yamlio
 from ..inputs.checkpoint import Checkpoint, open_checkpoint
 from ..inputs.policy import load_policy, policy_fingerprint
 from ..inputs.routing import profile_fingerprint
+from ..nogc import no_gc
 from ..plan import Plan
 from .file import dumps
 
@@ -101,6 +102,11 @@ def up_to_date(plan_path: Path) -> Inputs | None:
 
     The plan's head (before `notes:`) names the inputs; a head that misnames them gives another plan,
     which is then not the file."""
+    with no_gc():
+        return _up_to_date(plan_path)
+
+
+def _up_to_date(plan_path: Path) -> Inputs | None:
     try:
         text = plan_path.read_text(encoding="utf-8")
         cut = text.find("\nnotes:")
