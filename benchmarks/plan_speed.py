@@ -42,6 +42,7 @@ import cProfile
 import gc
 import io
 import json
+import os
 import platform
 import pstats
 import resource
@@ -157,7 +158,7 @@ def _child(mode: str, path: Path) -> float:
 
 
 def _child_main(mode: str, path: str) -> int:
-    import offplan.cli  # noqa: F401
+    import offplan.cli  # noqa: F401 (the floor: what importing the CLI takes)
     if mode != "import":
         command([mode, path])
     print(_peak_rss_mb())
@@ -175,10 +176,13 @@ def _profile(name: str, fn, arg) -> list[dict]:
     stats.sort_stats("cumulative").print_stats(25)
     stats.sort_stats("tottime").print_stats(15)
     total = sum(tt for _, _, tt, _, _ in stats.stats.values())
-    rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][3])[:PROFILE_ROWS]
-    return [{"kind": "profile", "command": name, "total_s": round(total, 4), "rank": i,
-             "function": f"{Path(file).name}:{line}({func})", "ncalls": nc, "tottime_s": round(tt, 4),
-             "cumtime_s": round(ct, 4)} for i, ((file, line, func), (_, nc, tt, ct, _)) in enumerate(rows)]
+    out = []
+    for order, column in (("cumulative", 3), ("own", 2)):
+        rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][column])[:PROFILE_ROWS]
+        out += [{"kind": "profile", "command": name, "order": order, "total_s": round(total, 4), "rank": i,
+                 "function": f"{Path(file).name}:{line}({func})", "ncalls": nc, "tottime_s": round(tt, 4),
+                 "cumtime_s": round(ct, 4)} for i, ((file, line, func), (_, nc, tt, ct, _)) in enumerate(rows)]
+    return out
 
 
 def run_model(root: Path, model: str, repeat: int, profile: bool) -> list[dict]:
@@ -219,12 +223,23 @@ def run_model(root: Path, model: str, repeat: int, profile: bool) -> list[dict]:
     return records
 
 
-def run(root: Path, models: list[str], repeat: int, profile: bool, out: Path, label: str) -> int:
+def _cpu() -> str:
+    """The CPU's model name (Linux), else what `platform` knows."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def run(root: Path, models: list[str], repeat: int, profile: bool, out: Path, label: str, note: str) -> int:
     import planner
 
-    records = [{"kind": "run", "label": label, "python": platform.python_version(), "machine": platform.machine(),
-                "processor": platform.processor() or platform.machine(), "planner": str(Path(planner.__file__).parent),
-                "repeat": repeat}]
+    records = [{"kind": "run", "label": label, "note": note, "python": platform.python_version(),
+                "machine": platform.machine(), "cpu": _cpu(), "cpus": os.cpu_count(),
+                "planner": str(Path(planner.__file__).parent), "repeat": repeat}]
     for model in models:
         (root / model).mkdir(parents=True, exist_ok=True)
         records += run_model(root / model, model, repeat, profile)
@@ -244,14 +259,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", action="store_true", help="print and record a cProfile of one build and one check")
     ap.add_argument("--out", type=Path, default=HERE / "results", help="where the JSONL records go")
     ap.add_argument("--label", default="current", help="names the run and its file (e.g. before, after)")
+    ap.add_argument("--note", default="", help="what planner ran, for the report (e.g. 'main at 10b3f91')")
     ap.add_argument("--child", nargs=2, metavar=("MODE", "PATH"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
         return _child_main(*args.child)
     if args.dir:
-        return run(args.dir, args.models, args.repeat, args.profile, args.out, args.label)
+        return run(args.dir, args.models, args.repeat, args.profile, args.out, args.label, args.note)
     with tempfile.TemporaryDirectory(prefix="offplan-bench-") as d:
-        return run(Path(d), args.models, args.repeat, args.profile, args.out, args.label)
+        return run(Path(d), args.models, args.repeat, args.profile, args.out, args.label, args.note)
 
 
 if __name__ == "__main__":

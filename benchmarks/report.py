@@ -5,7 +5,8 @@
 Each section is a module of benchmarks/reporting/. The dense section recomputes
 its ratios from the raw records (reporting/dense.py says how); the MoE, prefill
 and quantized sections take theirs from the records, each against the floor and
-the fastest all-GPU path of the same run.
+the fastest all-GPU path of the same run. The planning-speed section is
+the one measured on a CPU machine: planning needs no GPU.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import sys
 from planner.files import write_atomic
 from reporting.dense import align_table, load, model_tables, plot
 from reporting.moe import moe_tables
+from reporting.plan_speed import plan_speed_tables
 from reporting.prefill import prefill_tables, staging_ab
 from reporting.quantized import quantized_tables
 from reporting.records import HERE
@@ -53,6 +55,9 @@ def main() -> int:
              "python benchmarks/prefill.py --model qwen3-30b-a3b --layers 8",
              "python benchmarks/prefill.py --model qwen3-30b-a3b --layers 8 --spread 2",
              "python benchmarks/quantized.py --layers 8",
+             "PYTHONPATH=CHECKOUT_OF_MAIN python benchmarks/plan_speed.py --profile -n 3 --label before "
+             "--note 'main at COMMIT'   # on a CPU machine, as the next",
+             "python benchmarks/plan_speed.py --profile --label after --note 'this tree'",
              "python benchmarks/report.py",
              "```", "",
              "Random bf16 weights in the real shapes. Dense tables: HF transformers eager decode (`generate`, "
@@ -67,6 +72,7 @@ def main() -> int:
     lines += prefill_tables()
     lines += staging_ab()
     lines += quantized_tables()
+    lines += plan_speed_tables()
     if plot(models, HERE / "decode.png"):
         lines += ["![decode tokens/s against the offloaded fraction](decode.png)", ""]
     write_atomic(HERE / "RESULTS.md", "\n".join(lines) + "\n", "results")
