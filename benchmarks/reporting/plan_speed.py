@@ -44,6 +44,12 @@ def plan_speed_tables(results: Path = RESULTS) -> list[str]:
                        f"{build['peak_rss_mb']} / {check['peak_rss_mb']} MB |")
     out.append("")
     for label in labels:
+        timings = [r for r in runs[label][2] if r["kind"] == "timing" and r["target"]]
+        missed = [f"{r['model']} {r['what']} {r['ratio_to_scan']:.2f}x (target {r['target']}x)" for r in timings
+                  if r["ratio_to_scan"] > r["target"]]
+        out.append(f"`{label}`: " + (f"over target: {'; '.join(missed)}." if missed else "every target met."))
+    out.append("")
+    for label in labels:
         profiles = [r for r in runs[label][2] if r["kind"] == "profile"]
         for model in dict.fromkeys(r["model"] for r in profiles):
             for command in ("build", "check"):

@@ -49,6 +49,9 @@ def test_one_row_per_model_and_run_the_before_run_first_and_where_the_time_went(
     assert lines[start + 1:start + 3] == [
         "| deepseek-v3 | before | 0.300 s | 9.000 s (30.00x) | 15.000 s (50.00x) | 230 / 245 MB |",
         "| deepseek-v3 | after | 0.300 s | 0.600 s (2.00x) | 0.450 s (1.50x) | 180 / 190 MB |"]
+    assert lines[start + 4:start + 6] == [
+        "`before`: over target: deepseek-v3 build 30.00x (target 2.0x); deepseek-v3 check 50.00x (target 1.5x).",
+        "`after`: every target met."]
     assert ("Where the time went, `before`, deepseek-v3, `plan build` (3.00 s under cProfile): "
             "`groups.py:163(whole_groups)` 1.50 s; by own time: `groups.py:166(<genexpr>)` 0.80 s") in lines
 
