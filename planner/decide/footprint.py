@@ -133,12 +133,7 @@ class Footprint:
                 staged[self.layer_name[n]] = True
                 self._count(n, 1 if to is UVA else -1)
             self.place[n] = to
-        for name in touched:
-            self._restream(self.layers[name])
-        for name in staged:
-            self._stage_bytes(name)
-        if staged:
-            self.stage_pool = self._stage_pool()
+        self._refresh(touched, staged)
 
     def _move_many(self, names: list[str], to: Placement) -> None:
         """`move`, each step over all of `names` at once (in C where it can be)."""
@@ -155,6 +150,11 @@ class Footprint:
             staged[self.layer_name[n]] = True
             self._count(n, 1 if to is UVA else -1)
         place.update(zip(names, repeat(to)))
+        self._refresh(touched, staged)
+
+    def _refresh(self, touched, staged) -> None:
+        """After moves: the slot images of the layers whose prefetched tensors changed (`touched`, by name), the
+        staged bytes of those whose stageable uva tensors changed (`staged`), and the staging pool."""
         for name in touched:
             self._restream(self.layers[name])
         for name in staged:
