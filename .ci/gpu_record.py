@@ -15,6 +15,16 @@ summary line.
     # CI (.ci/run): exit 1, saying what to run, if GPU code changed since the record
     python3 .ci/gpu_record.py check
 
+A suite that does not fit one device call (10 minutes) runs in parts, each
+its own call: `run --part K/N` runs the GPU tests of every Nth file that has
+any (their files in order, the Kth of each N) and writes gpu-run-K-of-N.json;
+`write` then takes all N stamps, which must be of the same code, and records
+their summaries together:
+
+    python3 .ci/gpu_record.py run --out $OUT --part 1/2      # one device call
+    python3 .ci/gpu_record.py run --out $OUT --part 2/2      # another
+    python3 .ci/gpu_record.py write gpu-run-1-of-2.json gpu-run-2-of-2.json
+
 The device copy of the tree has no .git, so `run` computes the object ids
 from the files, the way git does (blob: sha1 of "blob <size>\\0" + bytes; tree:
 sha1 over "<mode> <name>\\0<id>" entries in git's order), skipping what
@@ -25,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import fnmatch
+import functools
 import hashlib
 import json
 import os
@@ -138,19 +149,39 @@ def ids_at_head(root: Path = ROOT) -> dict[str, str]:
 
 # ------------------------------------------------------------ commands
 
-def run(out: Path) -> int:
-    """On the GPU machine: stamp the tree, run the GPU suite, write OUT/gpu-run.json and the log."""
+@functools.cache
+def _gpu_test_files() -> tuple[str, ...]:
+    """The test files that hold GPU tests, in order, as pytest collects them."""
+    listed = subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", "-p", "no:cacheprovider", "--collect-only",
+                             "-q", "tests"], cwd=ROOT, capture_output=True, text=True).stdout
+    return tuple(sorted({line.split("::")[0] for line in listed.splitlines() if "::" in line}))
+
+
+def part_files(part: int, parts: int) -> list[str]:
+    """The test files of part `part` of `parts` (1-based): of the files that hold GPU tests, every `parts`th
+    from the `part`th."""
+    return list(_gpu_test_files()[part - 1::parts])
+
+
+def run(out: Path, part: tuple[int, int] = (1, 1)) -> int:
+    """On the GPU machine: stamp the tree, run the GPU suite (or part `part` = (K, N) of it), write
+    OUT/gpu-run.json (gpu-run-K-of-N.json) and the log."""
     import torch  # only here: the GPU machine has it
 
     if not torch.cuda.is_available():
         print("error: no CUDA device here: run this on the GPU machine", file=sys.stderr)
         return 1
+    k, n = part
+    suite = SUITE if n == 1 else [*SUITE[:-1], *part_files(k, n)]
     stamp = {"ids": ids_from_files(), "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-             "command": "python3 " + " ".join(SUITE)}
+             "command": "python3 " + " ".join(SUITE), "part": [k, n]}
+    if n > 1:
+        stamp["files"] = suite[len(SUITE) - 1:]
+    name = "gpu-run.json" if n == 1 else f"gpu-run-{k}-of-{n}.json"
     out.mkdir(parents=True, exist_ok=True)
     summary = None
-    with open(out / "gpu-tests.log", "w") as log:
-        proc = subprocess.Popen([sys.executable, *SUITE], cwd=ROOT, stdout=subprocess.PIPE,
+    with open(out / ("gpu-tests.log" if n == 1 else f"gpu-tests-{k}-of-{n}.log"), "w") as log:
+        proc = subprocess.Popen([sys.executable, *suite], cwd=ROOT, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         for line in proc.stdout:
             sys.stdout.write(line)
@@ -163,8 +194,8 @@ def run(out: Path) -> int:
         print("error: files under the GPU paths changed during the run", file=sys.stderr)
         return 1
     stamp.update(summary=summary, exit_code=rc)
-    (out / "gpu-run.json").write_text(json.dumps(stamp, indent=2) + "\n")
-    print(f"stamped: {summary} (exit {rc}) -> {out / 'gpu-run.json'}")
+    (out / name).write_text(json.dumps(stamp, indent=2) + "\n")
+    print(f"stamped: {summary} (exit {rc}) -> {out / name}")
     return rc
 
 
@@ -172,9 +203,36 @@ def _passed(summary: str | None, exit_code: int | None) -> bool:
     return bool(summary) and exit_code == 0 and "passed" in summary and not re.search(r"\b(failed|errors?)\b", summary)
 
 
-def write(stamp_path: Path, root: Path = ROOT) -> int:
-    """Here: check a device stamp against HEAD and the working tree, then write RECORD."""
-    stamp = json.loads(Path(stamp_path).read_text())
+def _joined(paths: list[Path]) -> tuple[dict | None, str]:
+    """One stamp of the parts' stamps (module doc), or (None, why they do not make a whole run)."""
+    stamps = [json.loads(Path(p).read_text()) for p in paths]
+    parts = [tuple(s.get("part", (1, 1))) for s in stamps]
+    n = parts[0][1]
+    if sorted(parts) != [(k, n) for k in range(1, n + 1)]:
+        got = ", ".join(f"{k}/{m}" for k, m in parts)
+        return None, f"the stamps are parts {got}: give every part of one run, 1/{n} to {n}/{n}, once each"
+    odd = [str(p) for p, s in zip(paths, stamps) if (s["ids"], s["device"], s["torch"]) !=
+           (stamps[0]["ids"], stamps[0]["device"], stamps[0]["torch"])]
+    if odd:
+        return None, f"{', '.join(odd)}: not a run of the same code on the same device and torch as {paths[0]}"
+    failed = next((s for s in stamps if not _passed(s.get("summary"), s.get("exit_code"))), None)
+    joined = dict(stamps[0], summary="; ".join(f"part {s['part'][0]}/{n}: {s['summary']}" for s in stamps)
+                  if n > 1 else stamps[0].get("summary"), exit_code=max(s.get("exit_code") or 0 for s in stamps))
+    if failed is not None:
+        joined.update(summary=failed.get("summary"), exit_code=failed.get("exit_code"))
+    if n > 1:
+        joined["command"] = f"{stamps[0]['command']}, in {n} parts by file (gpu_record.py run --part K/{n})"
+    return joined, ""
+
+
+def write(stamp_path: Path | list[Path], root: Path = ROOT) -> int:
+    """Here: check a device stamp (or every part's) against HEAD and the working tree, then write RECORD."""
+    paths = stamp_path if isinstance(stamp_path, list) else [stamp_path]
+    stamp, why = _joined(paths)
+    stamp_path = ", ".join(map(str, paths))
+    if stamp is None:
+        print(f"error: {why}", file=sys.stderr)
+        return 1
     if not _passed(stamp.get("summary"), stamp.get("exit_code")):
         print(f"error: {stamp_path}: the GPU run did not pass ({stamp.get('summary')}, exit {stamp.get('exit_code')}); "
               "fix the failures and run it again", file=sys.stderr)
@@ -228,15 +286,19 @@ def main(argv: list[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="command", required=True)
     p = sub.add_parser("run", help="on the GPU machine: run the GPU suite and stamp it")
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "gpu-run")))
-    p = sub.add_parser("write", help="write the record from a device stamp (gpu-run.json)")
-    p.add_argument("stamp", type=Path)
+    p.add_argument("--part", default="1/1", help="K/N: the Kth of N parts of the suite, by file (default: all)")
+    p = sub.add_parser("write", help="write the record from a device stamp (gpu-run.json), or every part's")
+    p.add_argument("stamp", type=Path, nargs="+")
     sub.add_parser("check", help="CI: fail if the GPU paths changed since the record")
     sub.add_parser("ids", help="print the object ids computed from the files")
     args = ap.parse_args(argv)
     if args.command == "run":
-        return run(args.out)
+        k, _, n = args.part.partition("/")
+        if not (k.isdigit() and n.isdigit() and 1 <= int(k) <= int(n)):
+            ap.error(f"--part {args.part}: expected K/N with 1 <= K <= N, for example 1/2")
+        return run(args.out, (int(k), int(n)))
     if args.command == "write":
-        return write(args.stamp)
+        return write(list(args.stamp))
     if args.command == "ids":
         print(json.dumps(ids_from_files(), indent=2))
         return 0

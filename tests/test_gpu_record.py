@@ -137,3 +137,51 @@ def test_check_without_a_record_says_what_to_run(tmp_path, capsys):
     root = scratch_repo(tmp_path)
     assert gpu_record.check(root) == 1
     assert capsys.readouterr().err.startswith("error: no record of a GPU run (.ci/gpu-run.json). Run the GPU suite")
+
+
+def part_stamp(root: Path, tmp_path: Path, k: int, n: int, summary: str = "3 passed in 1.00s",
+               exit_code: int = 0) -> Path:
+    path = stamp(root, tmp_path, summary, exit_code)
+    data = json.loads(path.read_text())
+    data["part"] = [k, n]
+    out = tmp_path / f"gpu-run-{k}-of-{n}.json"
+    out.write_text(json.dumps(data))
+    return out
+
+
+def test_a_suite_run_in_parts_makes_one_record(tmp_path, capsys):
+    """Every part's stamp, of the same code: one record whose summary names each part's; CI then passes."""
+    root = scratch_repo(tmp_path)
+    (root / ".ci").mkdir()
+    parts = [part_stamp(root, tmp_path, 2, 2, "2 passed in 9.00s"), part_stamp(root, tmp_path, 1, 2)]
+    assert gpu_record.write(parts, root) == 0
+    record = json.loads((root / ".ci" / "gpu-run.json").read_text())
+    assert record["summary"] == "part 2/2: 2 passed in 9.00s; part 1/2: 3 passed in 1.00s"
+    assert record["command"].endswith("in 2 parts by file (gpu_record.py run --part K/2)")
+    commit(root, "record")
+    assert gpu_record.check(root) == 0
+
+
+def test_parts_must_be_whole_passing_and_of_one_code(tmp_path, capsys):
+    root = scratch_repo(tmp_path)
+    (root / ".ci").mkdir()
+    one = part_stamp(root, tmp_path, 1, 2)
+    assert gpu_record.write([one], root) == 1
+    assert "the stamps are parts 1/2: give every part of one run, 1/2 to 2/2, once each" in capsys.readouterr().err
+    two = part_stamp(root, tmp_path, 2, 2, "1 failed, 1 passed in 3.00s", 1)
+    assert gpu_record.write([one, two], root) == 1
+    assert "the GPU run did not pass (1 failed, 1 passed" in capsys.readouterr().err
+    good = part_stamp(root, tmp_path, 2, 2)
+    (root / "runtime" / "a.py").write_text("changed between the parts")
+    other = part_stamp(root, tmp_path, 1, 2)
+    assert gpu_record.write([other, good], root) == 1
+    assert "not a run of the same code on the same device and torch" in capsys.readouterr().err
+    assert not (root / ".ci" / "gpu-run.json").exists()
+
+
+def test_the_parts_split_the_gpu_test_files(monkeypatch):
+    """On this repository: the parts' files are disjoint and together every file that holds a GPU test."""
+    every = gpu_record.part_files(1, 1)
+    assert "tests/execute/test_generation_gpu.py" in every and not any("test_boundaries" in f for f in every)
+    halves = gpu_record.part_files(1, 2), gpu_record.part_files(2, 2)
+    assert not set(halves[0]) & set(halves[1]) and sorted(halves[0] + halves[1]) == every
