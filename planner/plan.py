@@ -221,6 +221,31 @@ class RoutingRef:
 
 
 @dataclass(frozen=True)
+class Parallel:
+    """Tensor parallelism over `gpus` GPUs of one host (planner/layers/shards.py): each GPU holds its share of
+    every tensor that `split` names, along that dimension, and the whole of every other; one process per GPU
+    applies the plan to its share, so the plan's placements, bytes, layouts and predictions are each GPU's.
+
+    Example (Qwen3-MoE over 2 GPUs): split `{model.layers.*.self_attn.q_proj.weight: 0,
+    model.layers.*.mlp.experts.*.down_proj.weight: 1, lm_head.weight: 0, ...}`, reduce
+    `(model.layers.*.self_attn.o_proj, model.layers.*.mlp.experts)`, gather `(lm_head,)`.
+    """
+
+    gpus: int
+    split: tuple[tuple[str, int], ...]  # (checkpoint name template, `*` for numbers; the dim each GPU takes 1/gpus of)
+    reduce: tuple[str, ...]  # module templates whose outputs the GPUs sum (all-reduce)
+    gather: tuple[str, ...]  # modules whose outputs the GPUs concatenate along the last dim (all-gather)
+    budgets: tuple[int, ...] | None = None  # each GPU's budget in bytes, when the policy gives them apart
+    collectives_per_step: int = 0  # all-reduces and all-gathers in one decode step
+    collectives_us: int = 0  # their predicted time per step (in the cost's gpu_us)
+    layout: str = "tensor"
+
+    @property
+    def dims(self) -> dict[str, int]:
+        return dict(self.split)
+
+
+@dataclass(frozen=True)
 class Plan:
     checkpoint_path: str  # relative to the plan file's directory
     checkpoint_fingerprint: str
@@ -240,6 +265,7 @@ class Plan:
     cost: Cost | None = None
     routing: RoutingRef | None = None  # None: routing assumed uniform (no `workload.routing`)
     prefill: PrefillStaging | None = None  # None: nothing staged (no uva layer, or `uva.stage_prefill: false`)
+    parallel: Parallel | None = None  # None: one GPU; else every figure above is each GPU's share
 
     def checkpoint_dir(self, plan_file: str | Path) -> Path:
         return Path(plan_file).parent / self.checkpoint_path

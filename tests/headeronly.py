@@ -78,6 +78,22 @@ def infos(tensors) -> dict[str, TensorInfo]:
             for n, d, s in tensors}
 
 
+# A Qwen3-MoE small enough to split by hand over 2 GPUs (tensor parallelism): 4 heads of 16, 2 key/value heads,
+# 4 experts of 32; per GPU a layer holds 37,696 of its 74,560 bytes, the checkpoint 100,096 of 182,016.
+TP_MOE = dict(layers=2, hidden=64, experts=4, moe_intermediate=32, heads=4, kv_heads=2, head_dim=16, vocab=128)
+
+
+def tp_checkpoint(directory: Path, **config) -> Path:
+    """TP_MOE as a header-only checkpoint at `directory`, with the config.json a tensor-parallel plan reads
+    (model type, heads, hidden size; 2 experts per token); `config` overrides its keys."""
+    from synthetic import qwen3_moe, write_header_only
+    write_header_only(directory, qwen3_moe(**TP_MOE), single=True)
+    (directory / "config.json").write_text(json.dumps({
+        "model_type": "qwen3_moe", "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "num_experts_per_tok": 2, **config}))
+    return directory
+
+
 def policy(backend: str = "auto", budget_gib: float | None = None, offload_gib: float = 0,
            uva_params=(), group_size: int = 0, num_in_group: int = 1, step: int = 1,
            prefetch_params=(), rules=(), stacks=None, stage_prefill: bool = True,

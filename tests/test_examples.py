@@ -1,7 +1,8 @@
 """The committed example plans are exactly what `plan build` produces today.
 
 Each `plans/examples/*.policy.yaml` has its `.plan.yaml` committed beside it.
-The header-only checkpoints they name are git-ignored and regenerated here
+The header-only checkpoints they name (and the config.json beside them: what a
+tensor-parallel plan needs) are git-ignored and regenerated here
 when missing or outdated (`make_checkpoints.py` keeps a stamp, so this is a
 no-op after the first run). A drift means the planner, `tests/synthetic.py` or
 a policy changed without the plan being rebuilt.
@@ -16,7 +17,7 @@ import pytest
 from offplan.cli import main
 from planner.decide.build import build
 from planner.inputs.policy import load_policy
-from planner.planfile import dumps
+from planner.planfile import dumps, read_plan
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "plans" / "examples"
 POLICIES = sorted(EXAMPLES.glob("*.policy.yaml"))
@@ -37,7 +38,19 @@ def checkpoints():
 
 def test_there_are_examples():
     names = {p.name for p in POLICIES}
-    assert {"qwen3-30b-a3b.policy.yaml", "llama-3.1-8b.policy.yaml"} <= names
+    assert {"qwen3-30b-a3b.policy.yaml", "llama-3.1-8b.policy.yaml", "qwen3-30b-a3b-2gpu.policy.yaml"} <= names
+
+
+def test_the_two_gpu_example_offloads_each_gpus_share_of_the_experts():
+    """Tensor parallel over 2 GPUs: the plan is one GPU's share, within each GPU's budget, and what it offloads
+    are experts only (uva.params), read over each GPU's own link."""
+    plan = read_plan(EXAMPLES / "qwen3-30b-a3b-2gpu.plan.yaml").plan  # checked against the checkpoint's headers
+    assert (plan.parallel.gpus, plan.parallel.gather, plan.cost.cuda_graphs) == (2, ("lm_head",), True)
+    assert plan.summary.gpu_footprint_bytes <= plan.budget_bytes == 16 * 2**30
+    shares = sum(l.gpu + l.uva + l.prefetch for l in plan.layers)
+    assert plan.total_bytes // 2 < shares < plan.total_bytes // 2 + 2**30  # half of all, the embedding whole
+    offloaded = [n for n, p in plan.params.items() if p.value != "gpu"]
+    assert offloaded and all(".mlp.experts." in n for n in offloaded)
 
 
 @pytest.mark.parametrize("policy_path", POLICIES, ids=lambda p: p.name)

@@ -1,6 +1,7 @@
 """`plan build`: policy + checkpoint headers -> Plan. The one place the steps are wired together."""
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 
@@ -15,8 +16,10 @@ from ..inputs.prefused import prefused_key
 from ..inputs.quantized import pairs
 from ..inputs.routing import load_profile
 from ..layers.graph import build_graph
+from ..layers.shards import collectives, find_split, local_tensors
 from ..nogc import no_gc
-from ..plan import Plan, RoutingRef
+from ..plan import Parallel, Plan, RoutingRef
+from .notes import parallel_notes
 from .placement import decide
 
 
@@ -85,7 +88,22 @@ def _build(policy: Policy, plan_dir: Path, checkpoint: Checkpoint | None) -> Pla
     hardware = load_hardware(policy.hardware) if policy.hardware else H100
     top_k = policy.workload.experts_per_token or facts.top_k
     routing = load_profile(policy.workload.routing) if policy.workload.routing else None
-    d = decide(graph, ckpt.tensors, policy, hardware, top_k, routing, ckpt.fingerprint, facts.experts, quantized)
+    tensors, parallel, waits = ckpt.tensors, None, None
+    if policy.gpus > 1:  # one GPU's share of every tensor (layers/shards.py); its link shared with the others'
+        split, problems = find_split(ckpt.tensors, facts, policy.gpus)
+        if problems:
+            raise PolicyError(f"{policy.where('gpus')}: gpus: {policy.gpus}: tensor parallelism cannot split "
+                              f"{ckpt.root}", problems)
+        tensors = local_tensors(ckpt.tensors, split.dims, policy.gpus)
+        waits = collectives(graph.layers, split, tensors, facts.hidden)
+        hardware = dataclasses.replace(hardware, h2d_copy_gbps=hardware.parallel_h2d_copy_gbps)
+        parallel = Parallel(policy.gpus, tuple(split.dims.items()), split.reduce, split.gather,
+                            policy.gpu_budgets_bytes)
+    d = decide(graph, tensors, policy, hardware, top_k, routing, ckpt.fingerprint, facts.experts, quantized, waits)
+    if parallel is not None:
+        parallel = dataclasses.replace(parallel, collectives_per_step=d.collectives[0], collectives_us=d.collectives[1])
+        d = dataclasses.replace(d, notes=(*parallel_notes(policy.gpus, facts.model_type, hardware.h2d_copy_gbps,
+                                                          policy.gpu_budgets_bytes), *d.notes))
     # The directory when it is the standard layout, else the file the policy named.
     if ckpt.index is None:
         ckpt_file = ckpt.root / next(iter(ckpt.tensors.values())).shard
@@ -111,6 +129,7 @@ def _build(policy: Policy, plan_dir: Path, checkpoint: Checkpoint | None) -> Pla
         cost=d.cost,
         routing=None if routing is None else RoutingRef(relpath(routing.path, plan_dir), routing.fingerprint),
         prefill=d.prefill,
+        parallel=parallel,
     )
 
 

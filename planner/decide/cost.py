@@ -68,6 +68,15 @@ ceil(T / stage_above_tokens) reads: 1 up to the threshold, 3 at 512 tokens
 with the default 192 (measured on the H100: 2.1x a copy), 43 at 8192 (measured
 24x: long prompts read in place are predicted pessimistic).
 
+Tensor parallelism (layers/shards.py): the tensors are one GPU's share, so
+every figure above is each GPU's, over its own link, at once. A layer whose
+outputs the GPUs sum (an all-reduce: attention's o projection, the MLP or
+experts) or gather (the head) waits for each such collective: `collectives`
+gives a layer's count and the bytes they move per token, and each costs the
+hardware profile's latency (`allreduce_us`) plus its bytes over
+`allreduce_gbps`, for the step's batch tokens in the GPU time and for the
+prompt's tokens in the prefill.
+
 Limits: the GPU time per layer is measured at batch 1 on tiny Llama and
 Qwen3-MoE layers (runtime/measure/calibrate.py): a layer that launches more kernels
 (shared experts, MLA) takes longer, and so do the larger kernels of larger
@@ -124,6 +133,8 @@ class Prediction:
     layers: tuple[LayerCost, ...]
     prompt_tokens: int = 0
     prefill_us: int = 0  # the time to first token for prompt_tokens
+    collectives: int = 0  # all-reduces and all-gathers per step (tensor parallelism)
+    collectives_us: int = 0  # their time per step, in gpu_us
 
     @property
     def step_us(self) -> int:
@@ -140,11 +151,13 @@ class CostModel:
     def __init__(self, graph: LayerGraph, tensors: Mapping[str, TensorInfo], hw: Hardware, batch: int,
                  groups: FusedGroups, top_k: int | None, roles: Mapping[str, Role] | None = None,
                  routing: RoutingProfile | None = None, graphs: bool = False, *, prompt_tokens: int = 512,
-                 stage: bool = True, quantized: Mapping[str, str] | None = None):
+                 stage: bool = True, quantized: Mapping[str, str] | None = None,
+                 collectives: Mapping[str, tuple[int, int]] | None = None):
         """`routing`: a profile that counts every group that runs in decode (routing.mismatches
         checks it); None: uniform routing over `top_k` of each group's experts. `prompt_tokens`: the
         prefill to predict; `stage`: the policy's `uva.stage_prefill`; `quantized`: quantized.py
-        `partners(tensors)`, when the caller has it. The per-tensor facts are reads.py's."""
+        `partners(tensors)`, when the caller has it; `collectives`: layer -> (collectives, bytes they move per
+        token) under tensor parallelism (shards.py `collectives`). The per-tensor facts are reads.py's."""
         self.graphs = graphs  # steps replayed from a CUDA graph: no CPU launch time
         self.graph = graph
         # batched_mm's arithmetic at this batch: every experts forward stages its touched experts
@@ -178,6 +191,7 @@ class CostModel:
             staged_experts if self.favours_staged_experts else self.unstaged_experts)
         self.reread = -(-prompt_tokens // hw.stage_above_tokens)
         self._layer_costs: dict[tuple, tuple] = {}  # (kind, placements, staged) -> a layer's cost (`_layer`)
+        self.collectives = collectives or {}
 
     # per tensor, by name (reads.py)
     role = property(lambda self: self.facts.role)
@@ -209,6 +223,7 @@ class CostModel:
         cpu, per_layer = (0.0, 0.0) if self.graphs else (hw.step_overhead_us, hw.layer_overhead_us)
         per_moe_layer = 0.0 if self.graphs else hw.moe_layer_overhead_us or hw.layer_overhead_us
         costs = self._layer_costs
+        count = together = 0.0
         for layer in self.graph.layers:
             if layer.runs is not Runs.STEP:
                 layers.append(LayerCost(layer.name, 0, 0, 0))
@@ -220,6 +235,11 @@ class CostModel:
             if got is None:
                 got = costs[key] = self._layer(layer, place)
             h2d_bytes, gpu, link, prefill = got
+            if layer.name in self.collectives:
+                n, per_token = self.collectives[layer.name]
+                wait = n * hw.allreduce_us + self.batch * per_token / (hw.allreduce_gbps * 1e3)
+                gpu, count, together = gpu + wait, count + n, together + wait
+                prefill += n * hw.allreduce_us + self.tokens * per_token / (hw.allreduce_gbps * 1e3)
             if layer.kind is LayerKind.LAYER:
                 cpu += per_moe_layer if self.experts[layer.name] else per_layer
             layers.append(LayerCost(layer.name, h2d_bytes, round(gpu), round(link), round(prefill)))
@@ -228,7 +248,7 @@ class CostModel:
             total[2] += link
             total[3] += prefill
         return Prediction(self.batch, total[0], round(cpu), round(total[1]), round(total[2]), tuple(layers),
-                          self.tokens, round(total[3]))
+                          self.tokens, round(total[3]), int(count), round(together))
 
     def _layer(self, layer: Layer, place: Mapping[str, Placement]) -> tuple[int, float, float, float]:
         """One layer's (bytes over the link, GPU us, link us, prefill us) per step (module doc)."""

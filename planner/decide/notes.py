@@ -7,7 +7,10 @@ plan holds, not of what the policy asked for:
 - what the rules placed off the GPU;
 - mixed's choice, the cost model's assumptions (routing: uniform, or the profile
   and how skewed it is), tied embeddings;
-- warnings for plans that save little or no GPU memory (`saving_warnings`).
+- warnings for plans that save little or no GPU memory (`saving_warnings`);
+- for a tensor-parallel plan, first, that its figures are one GPU's share and
+  which link and bandwidth each GPU reads over, and, with per-GPU budgets
+  that differ, that the plan fits the smallest (`parallel_notes`).
 
 A warning is a note that starts with `warning: `; `plan build` also prints it
 on stderr, and `plan show` prints it as a warning.
@@ -94,6 +97,19 @@ def notes(o: Outcome) -> tuple[str, ...]:
         out.append("tied embeddings: the checkpoint has no lm_head tensor; the head reuses the embedding")
     out += saving_warnings(o.place, o.tensors, o.schedule, o.staging)
     return tuple(out)
+
+
+def parallel_notes(gpus: int, model_type: str | None, h2d_gbps: float, budgets: tuple[int, ...] | None) -> list[str]:
+    """What a reviewer must know before reading any figure of a plan for `gpus` GPUs (tensor parallelism):
+    every figure is one GPU's share, and each GPU streams over its own link at `h2d_gbps` (the hardware's
+    `parallel_h2d_copy_gbps`). `budgets`: the policy's per-GPU budgets in bytes when they differ."""
+    out = [f"tensor parallel over {gpus} GPUs (transformers' plan for model_type {model_type}): every figure is one "
+           f"GPU's share; each GPU reads its share over its own host link (H2D predicted at {h2d_gbps:.3g} GB/s each)"]
+    if budgets is not None:
+        each = ", ".join(f"GPU {i} {human(b)}" for i, b in enumerate(budgets))
+        out.append(f"the GPUs' budgets differ ({each}): the plan fits the smallest, {human(min(budgets))}, on every "
+                   "GPU, since each GPU applies the same share; the larger budgets' spare memory goes unused")
+    return out
 
 
 def _rarely_run(o: Outcome) -> list[str]:

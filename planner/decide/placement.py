@@ -125,19 +125,23 @@ class Decision:
     summary: Summary
     cost: Cost
     prefill: PrefillStaging | None = None
+    collectives: tuple[int, int] = (0, 0)  # tensor parallelism: collectives per step and their predicted us
 
 
 def decide(graph: LayerGraph, tensors: Mapping[str, TensorInfo], policy: Policy,
            hardware: Hardware = H100, top_k: int | None = None, routing: RoutingProfile | None = None,
            checkpoint_fingerprint: str | None = None, num_experts: int | None = None,
-           quantized: Mapping[str, str] | None = None) -> Decision:
+           quantized: Mapping[str, str] | None = None,
+           collectives: Mapping[str, tuple[int, int]] | None = None) -> Decision:
     """Placements for every tensor (see the module doc); `hardware`, `top_k` (experts per
     token, from the workload or config.json) and `routing` (the policy's routing profile,
     which must fit the checkpoint's MoE layers) feed the cost model that every plan reports
     and that `backend: mixed` decides with. `checkpoint_fingerprint` tells the notes whether
     the profile was recorded on this checkpoint; `num_experts` (config.json's) checks the
     first dimension of experts stored already fused (prefused.py); `quantized` is quantized.py's
-    `partners(tensors)`, when the caller has it.
+    `partners(tensors)`, when the caller has it. Under tensor parallelism `tensors` is one GPU's share
+    (shards.py `local_tensors`), the policy's budget each GPU's, and `collectives` the all-reduces and
+    all-gathers of each layer (shards.py `collectives`), which the cost model adds to its predictions.
 
     A pipeline over one state: the placement and its `Footprint`, which every step
     moves tensors through, and the fused groups, found once.
@@ -175,7 +179,7 @@ def decide(graph: LayerGraph, tensors: Mapping[str, TensorInfo], policy: Policy,
         check_fits(routing, moe, top_k, policy.where("workload.routing"), policy.checkpoint)
     work, stage = policy.workload, policy.uva.stage_prefill
     model = CostModel(graph, tensors, hardware, work.batch_size, groups, top_k, roles, routing, work.cuda_graphs,
-                      prompt_tokens=work.prompt_tokens, stage=stage, quantized=quantized)
+                      prompt_tokens=work.prompt_tokens, stage=stage, quantized=quantized, collectives=collectives)
     backend, reason = resolve_backend(policy)
     budget = policy.budget_bytes
     step = policy.prefetch.step
@@ -213,4 +217,5 @@ def decide(graph: LayerGraph, tensors: Mapping[str, TensorInfo], policy: Policy,
                       mixed_notes, bool(groups.members) and top_k is None and routing is None,
                       routing, bool(moe) and top_k is not None and routing is None, checkpoint_fingerprint, staging,
                       groups.not_experts)
-    return Decision(backend, place, schedule, tuple(layers), notes(outcome), summary, cost, staging)
+    return Decision(backend, place, schedule, tuple(layers), notes(outcome), summary, cost, staging,
+                    (prediction.collectives, prediction.collectives_us))

@@ -12,7 +12,12 @@
   fused must match (prefused.py);
 - `fp8_block`: the rows and columns each FP8 scale covers
   (`quantization_config.weight_block_size`, default 128 x 128, as the runtime
-  reads it), which an FP8 weight's scales must count (quantized.py).
+  reads it), which an FP8 weight's scales must count (quantized.py);
+- for tensor parallelism (layers/shards.py): `model_type`, which says whose
+  sharding plan applies, the attention heads and key/value heads each GPU must
+  take a whole share of, `hidden` (the activations a collective sums:
+  `hidden_size`) and whether the head is tied to the embedding
+  (`tie_word_embeddings`).
 
 A vision-language model nests the text facts under `text_config`, which wins.
 A missing or unreadable config.json gives no facts (names still decide).
@@ -36,6 +41,11 @@ class ModelFacts:
     vision: bool = False
     experts: int | None = None
     fp8_block: tuple[int, int] = FP8_BLOCK
+    model_type: str | None = None
+    heads: int | None = None  # num_attention_heads
+    kv_heads: int | None = None  # num_key_value_heads (default: heads)
+    hidden: int | None = None  # hidden_size
+    tied: bool = False  # tie_word_embeddings
 
 
 def _int(scope: dict, *keys: str) -> int | None:
@@ -62,7 +72,12 @@ def read_config(checkpoint_root: str | Path) -> ModelFacts:
         mtp_layers=next((v for s in scopes if (v := _int(s, "num_nextn_predict_layers"))), 0),
         vision=isinstance(config.get("vision_config"), dict),
         experts=next((v for s in scopes if (v := _int(s, *_EXPERTS_KEYS))), None),
-        fp8_block=_block(config.get("quantization_config")))
+        fp8_block=_block(config.get("quantization_config")),
+        model_type=next((v for s in scopes if isinstance(v := s.get("model_type"), str)), None),
+        heads=(heads := next((v for s in scopes if (v := _int(s, "num_attention_heads"))), None)),
+        kv_heads=next((v for s in scopes if (v := _int(s, "num_key_value_heads"))), heads),
+        hidden=next((v for s in scopes if (v := _int(s, "hidden_size"))), None),
+        tied=next((v for s in scopes if isinstance(v := s.get("tie_word_embeddings"), bool)), False))
 
 
 def _block(quantization) -> tuple[int, int]:

@@ -38,6 +38,11 @@ class Hardware:
     # CPU time per decoder layer with routed experts in an eager step of the runtime's generation (0: a dense
     # layer's): a router, top-k and the experts' forward launch two to three times a dense layer's kernels
     moe_layer_overhead_us: float = 0.0
+    # several GPUs (tensor parallelism): one all-reduce of a few tokens' activations in a replayed graph, the
+    # bandwidth of large ones (bytes summed per us beyond the latency), each GPU's H2D copies while all copy
+    allreduce_us: float = 9.7
+    allreduce_gbps: float = 240.0
+    parallel_h2d_copy_gbps: float = 49.0
     measured: str = ""
 
 
@@ -53,7 +58,9 @@ H100 = Hardware(
     step_gpu_us=45.9,
     moe_layer_overhead_us=1900.0,
     measured="built-in defaults: H2D copy, UVA GEMV, GPU time per layer and CPU time per MoE layer measured on "
-             "the project's H100; HBM and the other CPU overheads are estimates until `plan calibrate` runs",
+             "the project's H100; HBM and the other CPU overheads are estimates until `plan calibrate` runs; "
+             "all-reduce latency and bandwidth and H2D copies of two GPUs at once measured on two NVLinked H200s "
+             "of the same kind of host",
 )
 
 
@@ -75,6 +82,11 @@ def load_hardware(path: str | Path) -> Hardware:
                     moe_layer_gpu_us=float(d.get("moe_layer_gpu_us", H100.moe_layer_gpu_us)),
                     step_gpu_us=float(d.get("step_gpu_us", H100.step_gpu_us)),
                     moe_layer_overhead_us=float(d.get("moe_layer_overhead_us", 0.0)),
+                    allreduce_us=float(d.get("allreduce_us", H100.allreduce_us)),
+                    allreduce_gbps=float(d.get("allreduce_gbps", H100.allreduce_gbps)),
+                    # absent: the profile's own copy bandwidth, shared as the built-in figures share it
+                    parallel_h2d_copy_gbps=float(d.get("parallel_h2d_copy_gbps", float(d["h2d_copy_gbps"])
+                                                       * H100.parallel_h2d_copy_gbps / H100.h2d_copy_gbps)),
                     measured=d.get("measured", ""))
 
 
@@ -86,4 +98,6 @@ def dumps_hardware(hw: Hardware) -> str:
             f"matmul_tflops: {hw.matmul_tflops:.1f}\nstage_above_tokens: {hw.stage_above_tokens}\n"
             f"layer_gpu_us: {hw.layer_gpu_us:.1f}\nmoe_layer_gpu_us: {hw.moe_layer_gpu_us:.1f}\n"
             f"step_gpu_us: {hw.step_gpu_us:.1f}\nmoe_layer_overhead_us: {hw.moe_layer_overhead_us:.1f}\n"
+            f"allreduce_us: {hw.allreduce_us:.1f}\nallreduce_gbps: {hw.allreduce_gbps:.1f}\n"
+            f"parallel_h2d_copy_gbps: {hw.parallel_h2d_copy_gbps:.1f}\n"
             f"measured: {yamlio.quote(hw.measured)}\n")

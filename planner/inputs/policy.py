@@ -118,6 +118,9 @@ class Policy:
     rules: tuple[Rule, ...] = ()
     hardware: Path | None = None  # `hardware:` a `plan calibrate` profile, resolved like `checkpoint`
     workload: Workload = Workload()
+    gpus: int = 1  # `gpus:` GPUs of one host that share the model (tensor parallelism: layers/shards.py), e.g. 2
+    # each GPU's budget in GiB when they differ (`gpus: [20, 24]` or `budget_gib: [20, 24]`); None: budget_gib on each
+    gpu_budgets_gib: tuple[float, ...] | None = None
     warnings: tuple[str, ...] = field(default=(), compare=False)  # settings that will be ignored, located
     # "uva.params[1]" -> "policy.yaml:5:21", for every pattern and stacks entry
     locations: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
@@ -128,7 +131,13 @@ class Policy:
 
     @property
     def budget_bytes(self) -> int | None:
+        """Each GPU's budget; with per-GPU budgets the smallest, which every GPU's share of a tensor-parallel
+        plan (the same on each) must fit."""
         return None if self.budget_gib is None else int(self.budget_gib * GIB)
+
+    @property
+    def gpu_budgets_bytes(self) -> tuple[int, ...] | None:
+        return None if self.gpu_budgets_gib is None else tuple(int(b * GIB) for b in self.gpu_budgets_gib)
 
     def all_patterns(self) -> list[tuple[str, Pattern]]:
         """Every pattern with the key path it came from, for "matches nothing" checks."""
@@ -218,9 +227,14 @@ def load_policy(path: str | Path) -> Policy:
         warnings.append(f"{doc.key_where([], 'prefetch')}: prefetch.* is set but backend auto only prefetches "
                         "when prefetch.group_size > 0; it is ignored (set group_size, or `backend: "
                         "prefetch` to let budget_gib choose the layers)")
-    if backend is Backend.MIXED and "budget_gib" not in data:
+    gpus, budgets = _gpus(data, doc, problems)
+    if "gpus" in data:
+        locations["gpus"] = doc.where(["gpus"])
+    if backend is Backend.MIXED and budgets is None and "budget_gib" not in data:
         problems.append(f"{doc.key_where([], 'backend')}: backend: mixed needs budget_gib: it chooses "
                         "placements to fit a GPU budget")
+    if "parallel" in data and gpus == 1:
+        warnings.append(f"{doc.key_where([], 'parallel')}: parallel is set but gpus is 1; it is ignored")
     if backend is Backend.MIXED and (uva_set or pre.group_size > 0 or pre.params):
         warnings.append(f"{doc.key_where([], 'backend')}: backend mixed decides placements itself; "
                         "uva.* and prefetch.group_size/num_in_group/params are ignored (prefetch.step is used)")
@@ -236,16 +250,38 @@ def load_policy(path: str | Path) -> Policy:
         checkpoint=path.parent / Path(ckpt_text).expanduser(),
         checkpoint_text=ckpt_text,
         backend=backend,
-        budget_gib=data.get("budget_gib"),
+        budget_gib=min(budgets) if budgets else data.get("budget_gib"),
         stacks=tuple(data["stacks"]) if "stacks" in data else None,
         uva=uva,
         prefetch=pre,
         rules=rules,
         hardware=hardware,
         workload=workload,
+        gpus=gpus,
+        gpu_budgets_gib=budgets if budgets and len(set(budgets)) > 1 else None,
         warnings=tuple(warnings),
         locations=locations,
     )
+
+
+def _gpus(data: dict, doc, problems: list[str]) -> tuple[int, tuple[float, ...] | None]:
+    """(GPU count, per-GPU budgets or None) from `gpus:` (a count, or each GPU's budget) and `budget_gib:`
+    (one budget for each GPU, or a list, one per GPU); a problem when the two disagree."""
+    gpus, budget = data.get("gpus", 1), data.get("budget_gib")
+    lists = [key for key, value in (("gpus", gpus), ("budget_gib", budget)) if isinstance(value, list)]
+    if len(lists) == 2 or (lists == ["gpus"] and budget is not None):
+        problems.append(f"{doc.key_where([], 'budget_gib')}: budget_gib and a list of per-GPU budgets under gpus "
+                        "both set the budget: give it once (`gpus: 2` with `budget_gib: [20, 24]`, or "
+                        "`gpus: [20, 24]` alone)")
+        return (len(gpus) if isinstance(gpus, list) else int(gpus)), None
+    if lists == ["gpus"]:
+        return len(gpus), tuple(float(b) for b in gpus)
+    if lists == ["budget_gib"]:
+        if "gpus" in data and int(gpus) != len(budget):
+            problems.append(f"{doc.where(['budget_gib'])}: budget_gib lists {len(budget)} per-GPU budgets but "
+                            f"gpus is {int(gpus)}: give one budget per GPU")
+        return len(budget), tuple(float(b) for b in budget)
+    return int(gpus), None
 
 
 def resolve_backend(policy: Policy) -> tuple[Backend, str | None]:

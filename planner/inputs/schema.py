@@ -91,6 +91,15 @@ def _message(err: jsonschema.ValidationError) -> str:
         return f"must be {err.validator_value!r}, not {shown(value)}"
     if err.validator == "minItems":
         return "must not be empty" if err.validator_value == 1 else f"needs at least {err.validator_value} entries"
+    if err.validator in ("anyOf", "oneOf") and all("type" in b for b in err.validator_value):
+        # a value of none of the branches' types (`gpus: two`: a count or a list of budgets); one meant as a
+        # number (`.nan`, `'12'`, `1e3`) is told what the number branch would tell it
+        numeric = [b["type"] for b in err.validator_value if b["type"] in ("number", "integer")]
+        if numeric and (_is_number(value) if isinstance(value, str) else isinstance(value, float)):
+            return _wrong_type(value, numeric)
+        kinds = [_TYPE_NAMES.get(b["type"], b["type"]) + (" of numbers" if b["type"] == "array" else "")
+                 for b in err.validator_value]
+        return f"must be {' or '.join(kinds)}, not {shown(value)}"
     if err.validator == "anyOf":
         keys = _needs_one_of(err)
         props = err.schema.get("properties", {})
@@ -102,18 +111,23 @@ def _message(err: jsonschema.ValidationError) -> str:
                  "exclusiveMaximum": "less than"}[err.validator]
         return f"must be {bound} {err.validator_value}, not {shown(value)}"
     if err.validator == "type":
-        types = err.validator_value if isinstance(err.validator_value, list) else [err.validator_value]
-        want = " or ".join(_TYPE_NAMES.get(t, t) for t in types)
-        if isinstance(value, float) and not math.isfinite(value):
-            spelled = ".nan" if math.isnan(value) else (".inf" if value > 0 else "-.inf")
-            return f"must be {want}, not {spelled} (finite numbers only)"
-        if isinstance(value, str) and {"number", "integer"} & set(types) and _is_number(value):
-            if "e" not in value.lower():
-                return f"must be {want}, not the string {value!r}; write it without quotes"
-            return (f"{value!r} is text to YAML 1.1, not a number (a number with an exponent needs a "
-                    f"dot and a signed exponent); write {_spell(value)}")
-        return f"must be {want}, not {shown(value)}"
+        return _wrong_type(value, err.validator_value if isinstance(err.validator_value, list) else
+                           [err.validator_value])
     return err.message
+
+
+def _wrong_type(value, types: list[str]) -> str:
+    """`value` is of none of `types`: said as YAML spells it, with the fix for numbers YAML reads as text."""
+    want = " or ".join(_TYPE_NAMES.get(t, t) for t in types)
+    if isinstance(value, float) and not math.isfinite(value):
+        spelled = ".nan" if math.isnan(value) else (".inf" if value > 0 else "-.inf")
+        return f"must be {want}, not {spelled} (finite numbers only)"
+    if isinstance(value, str) and {"number", "integer"} & set(types) and _is_number(value):
+        if "e" not in value.lower():
+            return f"must be {want}, not the string {value!r}; write it without quotes"
+        return (f"{value!r} is text to YAML 1.1, not a number (a number with an exponent needs a "
+                f"dot and a signed exponent); write {_spell(value)}")
+    return f"must be {want}, not {shown(value)}"
 
 
 def _is_number(text: str) -> bool:

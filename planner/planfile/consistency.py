@@ -25,6 +25,7 @@ placement but not its size, so:
   placement are the sum of its tensors', the buffers and slot sizes are
   those its prefetched tensors need, each staged layer's bytes those of its
   staged tensors, and the ring its routed experts'; a quantized weight and its scales share a placement.
+  A tensor-parallel plan (`parallel:`) is compared with one GPU's share of them (parallel.py).
 
 Not checked: the predicted link bytes, GPU time per layer and prefill, which
 need the cost model's hardware profile (only the step's totals are
@@ -48,6 +49,7 @@ from ..layers.groups import FusedGroups, experts_map, is_expert
 from ..layers.slots import ALIGN
 from ..plan import Placement, Plan, Runs
 from ..units import human
+from .parallel import parallel_problems, share
 
 KINDS = ("gpu", "uva", "prefetch")
 Where = Callable[[tuple], str]  # key path -> "file:line:column"
@@ -62,7 +64,8 @@ def inconsistencies(plan: Plan, where: Where | None = None, tensors: Mapping[str
     def at(*path) -> str:
         return f"{where(path)}: {dotted(path)}" if where else dotted(path)
 
-    problems = _totals(plan, at, footprint)
+    tensors = share(plan, tensors)  # a tensor-parallel plan's bytes are one GPU's share (parallel.py)
+    problems = _totals(plan, at, footprint) + parallel_problems(plan, at, tensors)
     try:
         graph = build_graph(plan.params, plan.stacks)
     except PolicyError as e:
@@ -89,7 +92,7 @@ def _totals(plan: Plan, at, footprint: int | None) -> list[str]:
         if totals[k] != getattr(s, f"{k}_bytes"):
             problems.append(f"{at('summary', f'{k}_bytes')} is {getattr(s, f'{k}_bytes')} but the layers "
                             f"add up to {totals[k]}")
-    if sum(totals.values()) != plan.total_bytes:
+    if plan.parallel is None and sum(totals.values()) != plan.total_bytes:  # else a share: parallel.py
         problems.append(f"{at('checkpoint', 'bytes')} is {plan.total_bytes} but the layers add up to {sum(totals.values())}")
     if footprint is not None and footprint != s.gpu_footprint_bytes:
         problems.append(f"{at('summary', 'gpu_footprint_bytes')} is {footprint} but gpu_bytes + "
@@ -101,14 +104,11 @@ def _totals(plan: Plan, at, footprint: int | None) -> list[str]:
     if plan.cost is not None and plan.cost.step_us != s.predicted_step_us:
         problems.append(f"{at('summary', 'predicted_step_us')} is {s.predicted_step_us} but the cost "
                         f"section gives {plan.cost.step_us}")
-    pool = plan.prefetch.pool_bytes if plan.prefetch else 0
-    if pool != s.prefetch_buffer_bytes:
-        problems.append(f"{at('summary', 'prefetch_buffer_bytes')} is {s.prefetch_buffer_bytes} but the "
-                        f"prefetch section sizes the pool at {pool}")
-    stage = plan.prefill.pool_bytes if plan.prefill else 0
-    if stage != s.stage_buffer_bytes:
-        problems.append(f"{at('summary', 'stage_buffer_bytes')} is {s.stage_buffer_bytes} but the prefill "
-                        f"section sizes the pool at {stage}")
+    for key, name, section in (("prefetch_buffer_bytes", "prefetch", plan.prefetch),
+                               ("stage_buffer_bytes", "prefill", plan.prefill)):
+        pool, said = section.pool_bytes if section else 0, getattr(s, key)
+        if pool != said:
+            problems.append(f"{at('summary', key)} is {said} but the {name} section sizes the pool at {pool}")
     return problems
 
 

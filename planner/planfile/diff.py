@@ -10,7 +10,11 @@ time and prefill (time to first token), the GPU footprint, the backend, the
 policy (path, content, budget, hardware profile, batch, prompt tokens, eager or
 graph replay, routing profile), the prefetch schedule (step, slots, slot size,
 layers streamed, slot changes) and the prefill staging (threshold, slots, slot
-size, layers staged), and which notes came and went.
+size, layers staged), the GPUs of a tensor-parallel plan (count, split, modules
+summed or gathered, collectives per step, per-GPU budgets: parallel_review.py),
+and which notes came and went. Bytes moved are each plan's own: one GPU's
+share of a split tensor in a tensor-parallel plan (the new plan's share for a
+tensor both plans hold).
 
 Plans at different paths compare equal when they place everything alike and
 name the same files (paths are resolved, not compared as written).
@@ -22,7 +26,9 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from ..layers.graph import build_graph
+from ..layers.shards import template
 from ..plan import Plan
+from . import parallel_review
 from ..units import human, ms, plural, signed
 from .diff_buffers import change, schedule, schedule_lines, some, staging, staging_lines
 from .show import KINDS, table, units_of
@@ -41,6 +47,7 @@ def diff_data(old: Plan, new: Plan, sizes: Mapping[str, int] | None = None,
     checkpoints' headers) adds bytes to each move; `paths` (the two plan files) resolve the paths
     the plans hold, so that plans in different directories compare by the files they name."""
     a, b = (_resolved(old, paths[0]), _resolved(new, paths[1])) if paths else (old, new)
+    sizes = _shares(sizes, old, new)
     moved: dict[str, list[str]] = {}
     for name, place in new.params.items():
         before = old.params.get(name)
@@ -81,6 +88,7 @@ def diff_data(old: Plan, new: Plan, sizes: Mapping[str, int] | None = None,
         "cost": {"old": _cost(old), "new": _cost(new)},
         "prefetch": schedule(old.prefetch, new.prefetch),
         "prefill": staging(old.prefill, new.prefill),
+        "parallel": parallel_review.changes(old.parallel, new.parallel),
         "notes": {"removed": [n for n in old.notes if n not in new.notes],
                   "added": [n for n in new.notes if n not in old.notes]},
         "checkpoint_changed": old.checkpoint_fingerprint != new.checkpoint_fingerprint,
@@ -88,7 +96,19 @@ def diff_data(old: Plan, new: Plan, sizes: Mapping[str, int] | None = None,
         "backend_changed": old.backend != new.backend,
         "schedule_changed": old.prefetch != new.prefetch,
         "staging_changed": old.prefill != new.prefill,
+        "parallel_changed": old.parallel != new.parallel,
     }
+
+
+def _shares(sizes: Mapping[str, int] | None, old: Plan, new: Plan) -> Mapping[str, int] | None:
+    """Tensor bytes as the plans count them: a split tensor's one GPU's share, the new plan's where both hold it."""
+    if sizes is None or (old.parallel is None and new.parallel is None):
+        return sizes
+    out = dict(sizes)
+    for plan in (old, new):
+        dims, gpus = (plan.parallel.dims, plan.parallel.gpus) if plan.parallel else ({}, 1)
+        out.update((n, sizes[n] // gpus if template(n) in dims else sizes[n]) for n in plan.params if n in sizes)
+    return out
 
 
 def _cost(plan: Plan) -> dict | None:
@@ -154,6 +174,7 @@ def diff_text(d: dict) -> list:
         out.append(f"budget: {change(bud['old'], bud['new'], lambda b: 'none' if b is None else human(b))}")
     if d["stacks"]["old"] != d["stacks"]["new"]:
         out.append(f"stacks: {change(d['stacks']['old'], d['stacks']['new'])}")
+    out += parallel_review.lines(d["parallel"])
     cost = d["cost"]
     if cost["old"] != cost["new"] and cost["old"] and cost["new"]:
         for key, what in (("hardware", "hardware profile"), ("batch_size", "batch size"),

@@ -21,8 +21,8 @@ from ..inputs import yamlio
 from ..inputs.checkpoint import Checkpoint, TensorInfo, open_checkpoint
 from ..inputs.schema import validate
 from ..nogc import no_gc
-from ..plan import (Backend, Buffer, Cost, LayerBytes, Layout, Placement, Plan, PrefetchSchedule, PrefillStaging,
-                    RoutingRef, Runs, StagedLayer, Summary, Transfer)
+from ..plan import (Backend, Buffer, Cost, LayerBytes, Layout, Parallel, Placement, Plan, PrefetchSchedule,
+                    PrefillStaging, RoutingRef, Runs, StagedLayer, Summary, Transfer)
 from .consistency import inconsistencies
 
 FORMAT_VERSION = 2  # 2: slot layouts with offsets, module paths, `runs`
@@ -85,6 +85,7 @@ def _dumps(plan: Plan) -> str:
            f"budget_bytes: {_v(plan.budget_bytes)}\n",
            f"stacks: {_v(list(plan.stacks))}\n",
            f"tied_embeddings: {_v(plan.tied_embeddings)}\n",
+           *_parallel(plan.parallel),
            "summary:\n",
            f"  gpu_bytes: {s.gpu_bytes}\n",
            f"  uva_bytes: {s.uva_bytes}\n",
@@ -129,6 +130,18 @@ def _dumps(plan: Plan) -> str:
     out.append("params:\n")
     out += _params(plan.params)
     return "".join(out)
+
+
+def _parallel(par: Parallel | None) -> list[str]:
+    """The `parallel:` section; absent for one GPU, as in plans before it."""
+    if par is None:
+        return []
+    return ["parallel:\n", f"  layout: {par.layout}\n", f"  gpus: {par.gpus}\n",
+            f"  budgets: {_v(None if par.budgets is None else list(par.budgets))}\n",
+            f"  collectives: {_flow(per_step=par.collectives_per_step, us=par.collectives_us)}\n",
+            "  split:" + (" {}\n" if not par.split else "\n"), *(f"    {_s(t)}: {d}\n" for t, d in par.split),
+            f"  reduce: {_v(list(par.reduce))}\n" if not par.reduce else "  reduce:\n",
+            *(f"    - {_s(r)}\n" for r in par.reduce), f"  gather: {_v(list(par.gather))}\n"]
 
 
 _AS_PARAM = {p: f": {p.value}\n" for p in Placement}
@@ -225,6 +238,11 @@ def _parse(text: str, path: Path) -> tuple[Plan, yamlio.Located]:
     prefill = None if st is None else PrefillStaging(
         st["above_tokens"], st["slots"], st["slot_bytes"],
         tuple(StagedLayer(l["layer"], l["module"], l["bytes"]) for l in st["layers"]), st.get("ring_bytes", 0))
+    par = d.get("parallel")
+    parallel = None if par is None else Parallel(
+        par["gpus"], tuple(par["split"].items()), tuple(par["reduce"]), tuple(par["gather"]),
+        None if par["budgets"] is None else tuple(par["budgets"]), par["collectives"]["per_step"],
+        par["collectives"]["us"], par["layout"])
     plan = Plan(
         checkpoint_path=d["checkpoint"]["path"],
         checkpoint_fingerprint=d["checkpoint"]["fingerprint"],
@@ -245,5 +263,6 @@ def _parse(text: str, path: Path) -> tuple[Plan, yamlio.Located]:
         cost=None if d["cost"] is None else Cost(**d["cost"]),
         routing=None if d.get("routing") is None else RoutingRef(d["routing"]["path"], d["routing"]["fingerprint"]),
         prefill=prefill,
+        parallel=parallel,
     )
     return plan, doc

@@ -23,6 +23,8 @@ from ..layers.graph import Layer, build_graph
 from ..layers.groups import FusedGroups, expert_number, ranges
 from ..plan import Placement, Plan
 from ..units import human, ms, percent, plural
+from . import parallel_review
+from .parallel import share
 
 KINDS = ("gpu", "uva", "prefetch")
 
@@ -95,6 +97,7 @@ def show_data(plan: Plan) -> dict:
             "slot_bytes": plan.prefill.slot_bytes, "ring_bytes": plan.prefill.ring_bytes or None,
             "layers": [l.layer for l in plan.prefill.layers]},
         "notes": list(plan.notes),
+        "parallel": parallel_review.data(plan.parallel),
     }
 
 
@@ -113,8 +116,9 @@ def show(plan: Plan, unchecked: str | None = None) -> list[RenderableType | str]
              human(s.predicted_h2d_bytes_per_step), f"{plan.cost.gpu_us / 1e3:.3f}" if plan.cost else "",
              *([""] if why else [])]
     out: list[RenderableType | str] = [
-        f"plan for {plan.checkpoint_path}: {plural(plan.tensors, 'tensor')}, {human(plan.total_bytes)}, "
-        f"backend {plan.backend.value}", "",
+        f"plan for {plan.checkpoint_path}: {plural(plan.tensors, 'tensor')}, {human(plan.total_bytes)}"
+        + (f" ({human(s.gpu_bytes + s.uva_bytes + s.prefetch_bytes)} on each GPU)" if plan.parallel else "")
+        + f", backend {plan.backend.value}", *([parallel_review.headline(plan.parallel)] if plan.parallel else []), "",
         table(["layer", "gpu", "uva", "prefetch", "slot", "h2d/step", "gpu ms", *(["why"] if why else [])],
               rows, total, "lrrrrrr" + ("l" if why else "")), ""]
     if plan.prefetch:
@@ -137,33 +141,41 @@ def show(plan: Plan, unchecked: str | None = None) -> list[RenderableType | str]
         mode = "CUDA graph replay" if c.cuda_graphs else "eager"
         ttft = (f"; time to first token (prefill of {plural(c.prompt_tokens, 'token')}) {ms(c.prefill_us)}"
                 if c.prompt_tokens else "")
-        out.append(f"predicted at batch {c.batch_size}, {mode}, on {c.hardware}: "
-                   f"{human(s.predicted_h2d_bytes_per_step)} over the link per step; step {ms(c.step_us)} = max(cpu {ms(c.cpu_us)}, gpu {ms(c.gpu_us)}, "
-                   f"link {ms(c.link_us)}), bound by {bound}{ttft}")
+        link = (f"each of the {plan.parallel.gpus} host links carries {human(s.predicted_h2d_bytes_per_step)} per step"
+                if plan.parallel else f"{human(s.predicted_h2d_bytes_per_step)} over the link per step")
+        out.append(f"predicted at batch {c.batch_size}, {mode}, on {c.hardware}: {link}; step {ms(c.step_us)} = "
+                   f"max(cpu {ms(c.cpu_us)}, gpu {ms(c.gpu_us)}, link {ms(c.link_us)}), bound by {bound}{ttft}")
     out += [n if is_warning(n) else f"note: {n}" for n in plan.notes]
     if unchecked:
         out.append(f"note: the layer table is the plan's own, not recomputed from tensor sizes: {unchecked}")
     return out
 
 
+def _verdict(footprint: int, budget: int) -> str:
+    """`fits, 3.3 KiB to spare` or `OVER BUDGET, 1.0 MiB too much`."""
+    fits = footprint <= budget
+    return f"{'fits' if fits else 'OVER BUDGET'}, {human(abs(budget - footprint))} {'to spare' if fits else 'too much'}"
+
+
 def _footprint(plan: Plan) -> list[str]:
+    """The GPU footprint against the budget (a tensor-parallel plan's: each GPU's against its own), and the host's."""
     s = plan.summary
-    budget = plan.budget_bytes
-    verdict = "no budget set" if budget is None else (
-        f"budget {human(budget)}: " + ("fits" if s.gpu_footprint_bytes <= budget else "OVER BUDGET")
-        + f", {human(abs(budget - s.gpu_footprint_bytes))} "
-        + ("to spare" if s.gpu_footprint_bytes <= budget else "too much"))
+    budget, each, used = plan.budget_bytes, plan.parallel and plan.parallel.budgets, s.gpu_footprint_bytes
+    verdict = "no budget set" if budget is None else f"budget {human(budget)}: {_verdict(used, budget)}"
+    if each:
+        verdict = "; ".join(f"GPU {i} budget {human(b)}: {_verdict(used, b)}" for i, b in enumerate(each))
     pools = [(s.prefetch_buffer_bytes, "prefetch buffers"), (s.stage_buffer_bytes, "prefill staging buffers")]
     parts = "".join(f" + {human(b)} {what}" for b, what in pools if b)
     parts = f"{human(s.gpu_bytes)} resident{parts} = " if parts else ""
-    out = [f"GPU footprint: {parts}{human(s.gpu_footprint_bytes)} ({verdict})"]
+    per = " per GPU" if plan.parallel else ""
+    out = [f"GPU footprint{per}: {parts}{human(s.gpu_footprint_bytes)} ({verdict})"]
     offloaded = s.uva_bytes + s.prefetch_bytes
     if not offloaded:
-        out.append("host (pinned): nothing offloaded")
+        out.append(f"host (pinned){per}: nothing offloaded")
         return out
     host = " + ".join(f"{human(b)} {k}" for k, b in (("uva", s.uva_bytes), ("prefetch", s.prefetch_bytes)) if b)
     saved = offloaded - s.prefetch_buffer_bytes - s.stage_buffer_bytes
-    out.append(f"host (pinned): {host}; offloading saves {human(max(saved, 0))} of GPU memory "
+    out.append(f"host (pinned){per}: {host}; offloading saves {human(max(saved, 0))} of GPU memory "
                f"({percent(max(saved, 0), offloaded)} of the offloaded bytes)")
     return out
 
@@ -193,13 +205,17 @@ def units_of(layer: Layer, *plans: Mapping[str, Placement]) -> list[tuple[str, t
 
 
 def tensors_data(plan: Plan, sizes: Mapping[str, TensorInfo] | None) -> dict:
-    """`plan show --tensors --json`: every tensor, or fused unit, with its placement (and bytes)."""
+    """`plan show --tensors --json`: every tensor, or fused unit, with its placement (and bytes); under tensor
+    parallelism one GPU's bytes, and `split`: the dim each GPU holds a share of (parallel_review.split_of)."""
     rows = []
+    sizes = share(plan, sizes)
+    dims = plan.parallel.dims if plan.parallel else None
     for layer in build_graph(plan.params, plan.stacks).layers:
         for name, members in units_of(layer, plan.params):
             rows.append({"layer": layer.name, "name": name, "tensors": len(members),
                          "placement": plan.params[members[0]].value,
-                         "bytes": None if sizes is None else sum(sizes[m].nbytes for m in members)})
+                         "bytes": None if sizes is None else sum(sizes[m].nbytes for m in members),
+                         **({} if dims is None else {"split": parallel_review.split_of(members, name, dims)})})
     return {"checkpoint": plan.checkpoint_path, "units": rows}
 
 
@@ -210,15 +226,19 @@ def show_tensors(plan: Plan, sizes: Mapping[str, TensorInfo] | None, unchecked: 
         local = u["name"][len(u["layer"]) + 1:] or u["name"]
         what = f"{local} (fused: {plural(u['tensors'], 'tensor')})" if u["tensors"] > 1 else local
         rows.append([u["layer"] if u["layer"] != last else "", what, u["placement"],
-                     *([human(u["bytes"])] if sizes is not None else [])])
+                     *([human(u["bytes"])] if sizes is not None else []),
+                     *([parallel_review.split_text(u["split"])] if plan.parallel else [])])
         last = u["layer"]
     units = len(d["units"])
     grouped = (f" in {plural(units, 'unit')} (a fused expert group is one unit per placement)"
                if units != plan.tensors else "")
+    par = plan.parallel
+    split = (f"; tensor parallel over {par.gpus} GPUs: bytes are one GPU's share, split the dim each GPU holds "
+             f"1/{par.gpus} of" if par else "")
     out: list = [f"plan for {plan.checkpoint_path}: {plural(plan.tensors, 'tensor')}{grouped}, backend "
-                 f"{plan.backend.value}", "",
-                 table(["layer", "tensor", "placement", *(["bytes"] if sizes is not None else [])], rows,
-                       align="lllr")]
+                 f"{plan.backend.value}{split}", "",
+                 table(["layer", "tensor", "placement", *(["bytes"] if sizes is not None else []),
+                        *(["split"] if par else [])], rows, align="lll" + "r" * (sizes is not None) + "l")]
     if sizes is None:
         out += ["", f"note: no bytes per tensor: {unchecked}"]
     return out

@@ -14,6 +14,14 @@ Shards are cut at about the size the published checkpoints use (Llama-3.1-8B:
 plans' shard counts look like the real ones. Shard names, tensor names, dtypes
 and shapes are what matter to the planner.
 
+Each also gets a `config.json` holding what a tensor-parallel plan needs
+(`gpus:` above 1; planner/layers/shards.py): the model type, whose
+transformers sharding plan applies, the attention and key/value heads, the
+hidden size and whether the head is tied, as the published configs give them.
+It leaves out what would change the one-GPU examples' plans (experts per
+token, layer count): those examples were planned from names alone, and a
+policy can give experts per token (`workload.experts_per_token`).
+
 Idempotence: each checkpoint directory holds a `.synthetic.sha256` stamp of
 the tensor list and shard size it was written from. A checkpoint is rewritten
 only when the stamp is missing, differs (tests/synthetic.py changed), or a file
@@ -37,15 +45,19 @@ import synthetic  # noqa: E402
 ROOT = HERE / "checkpoints"
 STAMP = ".synthetic.sha256"
 
-# name -> (tensor list factory, shard size in bytes)
-MODELS: dict[str, tuple[Callable[[], list[synthetic.Tensor]], int]] = {
-    "Qwen3-30B-A3B": (synthetic.qwen3_moe, 4 * 10**9),
-    "Llama-3.1-8B": (synthetic.llama, 5 * 10**9),
+# name -> (tensor list factory, shard size in bytes, config.json: the published config's tensor-parallel facts)
+MODELS: dict[str, tuple[Callable[[], list[synthetic.Tensor]], int, dict]] = {
+    "Qwen3-30B-A3B": (synthetic.qwen3_moe, 4 * 10**9,
+                      {"model_type": "qwen3_moe", "hidden_size": 2048, "num_attention_heads": 32,
+                       "num_key_value_heads": 4, "tie_word_embeddings": False}),
+    "Llama-3.1-8B": (synthetic.llama, 5 * 10**9,
+                     {"model_type": "llama", "hidden_size": 4096, "num_attention_heads": 32,
+                      "num_key_value_heads": 8, "tie_word_embeddings": False}),
 }
 
 
-def _stamp(tensors: list[synthetic.Tensor], shard_bytes: int) -> str:
-    spec = json.dumps({"shard_bytes": shard_bytes, "tensors": tensors}, separators=(",", ":"))
+def _stamp(tensors: list[synthetic.Tensor], shard_bytes: int, config: dict) -> str:
+    spec = json.dumps({"shard_bytes": shard_bytes, "tensors": tensors, "config": config}, separators=(",", ":"))
     return hashlib.sha256(spec.encode()).hexdigest()
 
 
@@ -57,20 +69,22 @@ def _current(directory: Path, stamp: str) -> bool:
         index = json.loads((directory / "model.safetensors.index.json").read_text())
     except (OSError, ValueError):
         return False
-    return all((directory / shard).is_file() for shard in set(index["weight_map"].values()))
+    files = {*index["weight_map"].values(), "config.json"}
+    return all((directory / name).is_file() for name in files)
 
 
 def make(name: str, root: Path = ROOT, force: bool = False) -> tuple[Path, bool]:
     """Write checkpoint `name` under `root` unless it is current; returns (directory, written)."""
-    factory, shard_bytes = MODELS[name]
+    factory, shard_bytes, config = MODELS[name]
     tensors = factory()
-    stamp = _stamp(tensors, shard_bytes)
+    stamp = _stamp(tensors, shard_bytes, config)
     directory = root / name
     if not force and _current(directory, stamp):
         return directory, False
     if directory.exists():
         shutil.rmtree(directory)  # the shard count may change: no stale shards left behind
     synthetic.write_header_only(directory, tensors, shard_bytes=shard_bytes)
+    (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     (directory / STAMP).write_text(stamp + "\n")
     return directory, True
 

@@ -30,7 +30,7 @@ def test_schema_violations_are_located(built):
     line = lambda s: bad[:bad.index(s)].count("\n") + 1  # noqa: E731
     assert e.problems == [
         f"p.plan.yaml:{line('extra')}:1: extra: unknown key (allowed: format_version, checkpoint, policy, "
-        "routing, backend, budget_bytes, stacks, tied_embeddings, summary, cost, notes, layers, prefetch, prefill, "
+        "routing, backend, budget_bytes, stacks, tied_embeddings, parallel, summary, cost, notes, layers, prefetch, prefill, "
         "params)",
         f"p.plan.yaml:{line('backend: gpu')}:10: backend: 'gpu' is not one of none, uva, prefetch, mixed",
         f"p.plan.yaml:{line(': disk')}:40: params.model.layers.2.mlp.down_proj.weight: 'disk' is not one "

@@ -1,0 +1,140 @@
+"""`plan build`, `show` and `diff` of tensor-parallel plans (`gpus:`) through `main(argv)`: one clear error for a
+model offplan cannot split, every figure said to be one GPU's share, each GPU's budget, the links, the split
+tensors, and what a change of GPUs, split or collectives shows in a diff."""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from headeronly import tp_checkpoint, write_policy
+from planner.planfile import load_plan
+from planner.planfile.diff import diff_data, diff_text
+from test_cli import assert_one_error, run
+
+HEAD = "format_version: 1\ncheckpoint: ./ckpt\n"
+B = 80000 / 2**30  # bytes as GiB: each GPU's share of the checkpoint is 100,096 bytes
+ATTN = "model.layers.*.self_attn"
+
+
+@pytest.fixture
+def work(tmp_path, monkeypatch, capsys):
+    """cwd = tmp_path holding ckpt/ (headeronly.TP_MOE) and, built: one.plan.yaml (one GPU, 160,000 bytes) and
+    two.plan.yaml (2 GPUs, 80,000 and 160,000 bytes)."""
+    monkeypatch.chdir(tmp_path)
+    tp_checkpoint(tmp_path / "ckpt")
+    write_policy(tmp_path, f"budget_gib: {2 * B!r}\n", name="one.policy.yaml", head=HEAD)
+    write_policy(tmp_path, f"gpus: [{B!r}, {2 * B!r}]\n", name="two.policy.yaml", head=HEAD)
+    for name in ("one", "two"):
+        assert run(capsys, "build", f"{name}.policy.yaml")[0] == 0
+    return tmp_path
+
+
+def test_build_of_a_model_type_offplan_cannot_split_is_one_error_and_writes_nothing(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    tp_checkpoint(tmp_path / "ckpt", model_type="gpt2")
+    write_policy(tmp_path, "gpus: 2\n", name="gpt2.policy.yaml", head=HEAD)
+    code, out, err = run(capsys, "build", "gpt2.policy.yaml")
+    assert_one_error(code, out, err, "error: gpt2.policy.yaml:3:7: gpus: 2: tensor parallelism cannot split ckpt\n"
+                     "  - config.json: model_type 'gpt2': offplan knows transformers' tensor-parallel plan of llama, "
+                     "mistral, mixtral, qwen2, qwen3, qwen3_moe only; plan this model on one GPU (`gpus: 1`)\n")
+    assert not (tmp_path / "gpt2.plan.yaml").exists()
+
+
+def test_show_says_every_figure_is_one_gpus_share(work, capsys):
+    code, out, err = run(capsys, "show", "two.plan.yaml")
+    assert (code, err) == (0, "")
+    lines = out.splitlines()
+    assert lines[:2] == [
+        "plan for ckpt/model.safetensors: 45 tensors, 177.8 KiB (97.8 KiB on each GPU), backend uva",
+        "tensor parallel over 2 GPUs: each GPU holds 1/2 of 8 kinds of tensor (split), sums the outputs of 2 kinds "
+        "of module and gathers lm_head's; 5 collectives per decode step, predicted 0.049 ms (in the GPU time); every "
+        "figure below is one GPU's share"]
+    assert lines[14:17] == [
+        "GPU footprint per GPU: 77.6 KiB resident + 256 B prefill staging buffers = 77.9 KiB (GPU 0 budget 78.1 KiB: "
+        "fits, 256 B to spare; GPU 1 budget 156.2 KiB: fits, 78.4 KiB to spare)",
+        "host (pinned) per GPU: 20.1 KiB uva; offloading saves 19.9 KiB of GPU memory (99% of the offloaded bytes)",
+        "predicted at batch 1, eager, on NVIDIA H100 80GB HBM3 (PCIe Gen5 host link): each of the 2 host links "
+        "carries 10.1 KiB per step; step 3.80 ms = max(cpu 3.80 ms, gpu 0.336 ms, link 0.000 ms), bound by kernel "
+        "launches (CPU); time to first token (prefill of 512 tokens) 0.051 ms"]
+    assert lines[17:19] == [
+        "note: tensor parallel over 2 GPUs (transformers' plan for model_type qwen3_moe): every figure is one GPU's "
+        "share; each GPU reads its share over its own host link (H2D predicted at 49 GB/s each)",
+        "note: the GPUs' budgets differ (GPU 0 78.1 KiB, GPU 1 156.2 KiB): the plan fits the smallest, 78.1 KiB, on "
+        "every GPU, since each GPU applies the same share; the larger budgets' spare memory goes unused"]
+    data = json.loads(run(capsys, "show", "two.plan.yaml", "--json")[1])
+    assert data["parallel"] == {
+        "layout": "tensor", "gpus": 2, "budgets": [80000, 160000], "collectives_per_step": 5, "collectives_us": 49,
+        "split": {f"{ATTN}.q_proj.weight": 0, f"{ATTN}.k_proj.weight": 0, f"{ATTN}.v_proj.weight": 0,
+                  f"{ATTN}.o_proj.weight": 1, "model.layers.*.mlp.experts.*.gate_proj.weight": 0,
+                  "model.layers.*.mlp.experts.*.up_proj.weight": 0, "model.layers.*.mlp.experts.*.down_proj.weight": 1,
+                  "lm_head.weight": 0},
+        "reduce": [f"{ATTN}.o_proj", "model.layers.*.mlp.experts"], "gather": ["lm_head"]}
+    assert json.loads(run(capsys, "show", "one.plan.yaml", "--json")[1])["parallel"] is None
+
+
+def test_show_tensors_marks_the_split_ones_and_gives_one_gpus_bytes(work, capsys):
+    lines = run(capsys, "show", "two.plan.yaml", "--tensors")[1].splitlines()
+    assert lines[0] == ("plan for ckpt/model.safetensors: 45 tensors in 24 units (a fused expert group is one unit per "
+                        "placement), backend uva; tensor parallel over 2 GPUs: bytes are one GPU's share, split the "
+                        "dim each GPU holds 1/2 of")
+    assert lines[2].split() == ["layer", "tensor", "placement", "bytes", "split"]
+    assert lines[4:8] == [
+        "model.embed_tokens   weight                                          gpu         16.0 KiB   -",
+        "model.layers.0       input_layernorm.weight                          uva            128 B   -",
+        "                     mlp.experts [experts 0-3] (fused: 10 tensors)   uva         20.0 KiB   dim 0 (gate_proj, "
+        "up_proj), dim 1 (down_proj)",
+        "                     mlp.experts [experts 3] (fused: 2 tensors)      gpu          4.0 KiB   dim 0 (gate_proj, "
+        "up_proj)"]
+    assert lines[-1] == ("lm_head              weight                                          gpu          8.0 KiB   "
+                         "dim 0")
+    units = json.loads(run(capsys, "show", "two.plan.yaml", "--tensors", "--json")[1])["units"]
+    assert units[2] == {"layer": "model.layers.0", "name": "model.layers.0.mlp.experts [experts 0-3]", "tensors": 10,
+                        "placement": "uva", "bytes": 20480,
+                        "split": {"gate_proj.weight": 0, "down_proj.weight": 1, "up_proj.weight": 0}}
+    assert (units[0]["split"], units[-1]["split"]) == (None, 0)
+    assert "split" not in json.loads(run(capsys, "show", "one.plan.yaml", "--tensors", "--json")[1])["units"][0]
+
+
+def test_diff_reports_the_gpus_the_split_and_the_collectives(work, capsys):
+    code, out, _ = run(capsys, "diff", "one.plan.yaml", "two.plan.yaml", "--detailed-exitcode")
+    assert code == 2
+    assert out.splitlines()[2:8] == [
+        "GPUs: 1 -> 2 (tensor parallel: the new plan's figures are one GPU's share)",
+        f"split: now splits 8 kinds of tensor ({ATTN}.q_proj.weight, {ATTN}.k_proj.weight, {ATTN}.v_proj.weight, "
+        f"{ATTN}.o_proj.weight and 4 more)",
+        f"reduce: now sums the outputs of {ATTN}.o_proj, model.layers.*.mlp.experts",
+        "gather: now gathers the outputs of lm_head",
+        "collectives per step: 0 -> 5, predicted 0.000 ms -> 0.049 ms",
+        "per-GPU budgets: none -> 78.1 KiB, 156.2 KiB"]
+    assert "moved: 1 unit (4 tensors) in 1 layer, 8.0 KiB" in out  # the new plan's share of what moved
+    d = json.loads(run(capsys, "diff", "one.plan.yaml", "two.plan.yaml", "--json")[1])
+    assert d["parallel_changed"] is True
+    assert {k: v for k, v in d["parallel"].items() if k != "split"} == {
+        "gpus": {"old": 1, "new": 2}, "reduce": {"added": [f"{ATTN}.o_proj", "model.layers.*.mlp.experts"]},
+        "gather": {"added": ["lm_head"]}, "budgets": {"old": None, "new": [80000, 160000]},
+        "collectives": {"old": {"per_step": 0, "us": 0}, "new": {"per_step": 5, "us": 49}}}
+    assert list(d["parallel"]["split"]) == ["added"] and len(d["parallel"]["split"]["added"]) == 8
+    assert run(capsys, "diff", "two.plan.yaml", "two.plan.yaml", "--detailed-exitcode")[0] == 0
+
+
+def test_diff_of_another_split_or_only_other_collectives_is_a_difference(work, capsys):
+    """Plain data: the same plan with its head no longer split and its o_proj split along dim 0; then the same
+    plan predicted with slower all-reduces. Each differs for --detailed-exitcode."""
+    two = load_plan(work / "two.plan.yaml")
+    par = two.parallel
+    split = tuple((t, 0 if t == f"{ATTN}.o_proj.weight" else d) for t, d in par.split if t != "lm_head.weight")
+    other = dataclasses.replace(two, parallel=dataclasses.replace(par, split=split, gather=()))
+    d = diff_data(two, other)
+    assert (d["same"], d["parallel"]) == (False, {
+        "split": {"removed": {"lm_head.weight": 0}, "changed": {f"{ATTN}.o_proj.weight": {"old": 1, "new": 0}}},
+        "gather": {"removed": ["lm_head"]}})
+    assert diff_text(d)[:2] == [
+        f"split: no longer splits 1 kind of tensor (lm_head.weight); splits another dim of {ATTN}.o_proj.weight "
+        "(1 -> 0)", "gather: no longer gathers the outputs of lm_head"]
+    slower = dataclasses.replace(two, parallel=dataclasses.replace(par, collectives_us=98))
+    d = diff_data(two, slower)
+    assert (d["same"], d["parallel"]) == (False, {"collectives": {"old": {"per_step": 5, "us": 49},
+                                                                  "new": {"per_step": 5, "us": 98}}})
+    assert diff_text(d)[0] == "collectives per step: 5 (unchanged), predicted 0.049 ms -> 0.098 ms"
