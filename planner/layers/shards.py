@@ -118,7 +118,13 @@ def find_split(tensors: Mapping[str, TensorInfo], facts: ModelFacts, gpus: int) 
     odd: dict[str, str] = {}  # template -> a problem, reported once
     for name, info in tensors.items():
         tpl = template(name)
-        if tpl in dims or tpl in odd:
+        if tpl in odd:
+            continue
+        if tpl in dims:  # a template decided once; each of its tensors must divide too (layers may differ)
+            dim = dims[tpl]
+            if dim >= len(info.shape) or info.shape[dim] % gpus:
+                odd[tpl] = (f"{name}: its dim {dim} ({info.shape[dim] if dim < len(info.shape) else 'missing'}) "
+                            f"does not divide by {gpus} GPUs: use a GPU count that divides it")
             continue
         if info.dtype in FP8 or name.endswith(("_blocks", "_scales", "_scale_inv")):
             odd[tpl] = (f"{name}: a quantized tensor ({info.dtype}); tensor-parallel plans of quantized checkpoints "

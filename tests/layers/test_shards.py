@@ -128,6 +128,13 @@ def test_heads_and_dims_the_gpus_cannot_share_evenly():
     _, problems = find_split(infos(llama(**{**LLAMA, "intermediate": 129})), facts(), 2)
     assert problems == [f"model.layers.0.mlp.{p}.weight: its dim {d} (129) does not divide by 2 GPUs: use a GPU "
                         "count that divides it" for p, d in (("gate_proj", 0), ("up_proj", 0), ("down_proj", 1))]
+    # layers of a kind that differ: the first divides, a later one does not, and that one is named
+    wide = infos(llama(**LLAMA))
+    odd = infos(llama(**{**LLAMA, "intermediate": 129}))
+    mixed = {**wide, **{n: odd[n] for n in odd if n.startswith("model.layers.1.mlp.")}}
+    _, problems = find_split(mixed, facts(), 2)
+    assert problems == [f"model.layers.1.mlp.{p}.weight: its dim {d} (129) does not divide by 2 GPUs: use a GPU "
+                        "count that divides it" for p, d in (("gate_proj", 0), ("up_proj", 0), ("down_proj", 1))]
 
 
 def test_what_tensor_parallelism_does_not_support():
