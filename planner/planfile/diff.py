@@ -28,8 +28,8 @@ from pathlib import Path
 from ..layers.graph import build_graph
 from ..layers.shards import template
 from ..plan import Plan
-from . import parallel_review
 from ..units import human, ms, plural, signed
+from . import parallel_review
 from .diff_buffers import change, schedule, schedule_lines, some, staging, staging_lines
 from .show import KINDS, table, units_of
 
