@@ -125,7 +125,8 @@ def over_budget(policy: Policy, backend: Backend, need: int, place, tensors, gra
             pinned[l.name] = b
     top = sorted(pinned.items(), key=lambda kv: -kv[1])[:5]
     pinned_text = ", ".join(f"{n} {gib(b)}" for n, b in top) or "nothing"
-    head = (f"{policy.path}: the plan needs {gib(need)} ({need:,} bytes) of GPU memory but budget_gib "
+    each = f" on each of its {policy.gpus} GPUs (one GPU's share)" if policy.gpus > 1 else ""
+    head = (f"{policy.path}: the plan needs {gib(need)} ({need:,} bytes) of GPU memory{each} but budget_gib "
             f"{policy.budget_gib} is {policy.budget_bytes:,} bytes; the smallest budget that fits this policy "
             f"is budget_gib: {smallest_budget_gib(need)} ({gib(need)}).")
     if backend is Backend.UVA and policy.uva.offload_gib > 0:

@@ -121,10 +121,8 @@ def find_split(tensors: Mapping[str, TensorInfo], facts: ModelFacts, gpus: int) 
         if tpl in odd:
             continue
         if tpl in dims:  # a template decided once; each of its tensors must divide too (layers may differ)
-            dim = dims[tpl]
-            if dim >= len(info.shape) or info.shape[dim] % gpus:
-                odd[tpl] = (f"{name}: its dim {dim} ({info.shape[dim] if dim < len(info.shape) else 'missing'}) "
-                            f"does not divide by {gpus} GPUs: use a GPU count that divides it")
+            if (problem := _undivided(name, info, dims[tpl], gpus)) is not None:
+                odd[tpl] = problem
             continue
         if info.dtype in FP8 or name.endswith(("_blocks", "_scales", "_scale_inv")):
             odd[tpl] = (f"{name}: a quantized tensor ({info.dtype}); tensor-parallel plans of quantized checkpoints "
@@ -144,10 +142,8 @@ def find_split(tensors: Mapping[str, TensorInfo], facts: ModelFacts, gpus: int) 
             gather.append(HEAD)
         if dim is None:
             continue
-        size = info.shape[dim] if dim < len(info.shape) else None
-        if size is None or size % gpus:
-            odd[tpl] = (f"{name}: its dim {dim} ({'missing' if size is None else size}) does not divide by "
-                        f"{gpus} GPUs: use a GPU count that divides it")
+        if (problem := _undivided(name, info, dim, gpus)) is not None:
+            odd[tpl] = problem
             continue
         dims[tpl] = dim
         if module:
@@ -157,6 +153,15 @@ def find_split(tensors: Mapping[str, TensorInfo], facts: ModelFacts, gpus: int) 
         problems.append(f"no tensor is named as transformers' plan for {facts.model_type} names what it splits "
                         "(`model.layers.N.self_attn.q_proj.weight`, ...): nothing to split; plan it on one GPU")
     return Split(gpus, dims, tuple(reduce), tuple(gather)), problems
+
+
+def _undivided(name: str, info: TensorInfo, dim: int, gpus: int) -> str | None:
+    """The problem when `gpus` GPUs cannot each hold an equal share of `name` along `dim`, else None."""
+    size = info.shape[dim] if dim < len(info.shape) else None
+    if size is not None and size % gpus == 0:
+        return None
+    return (f"{name}: its dim {dim} ({'missing' if size is None else size}) does not divide by {gpus} GPUs: use a "
+            "GPU count that divides it")
 
 
 def _rule(plan, name: str) -> tuple[int | None, str]:
