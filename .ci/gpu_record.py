@@ -1,8 +1,9 @@
 """The record of the last full GPU run, and the CI guard that keeps untested GPU code off main.
 
 CI has no GPU. Code that runs on the GPU (GPU_PATHS: the runtime, the GPU
-tests, the decode, front-door, MoE, MoE-kernel, prefill and quantized benchmarks with the
-harness they share, and the quantized checkpoint writer the last one uses) therefore lands only with a
+tests, the decode, front-door, MoE, MoE-kernel, parallel, prefill and quantized benchmarks with the
+harness they share, the quantized checkpoint writer the last one uses, and what each process of the
+tensor-parallel GPU tests runs) therefore lands only with a
 record, committed in
 RECORD, of a full GPU test run on exactly that code: the git object id of each
 path (as `git rev-parse HEAD:runtime` prints it), the device, and pytest's
@@ -48,8 +49,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 RECORD = ".ci/gpu-run.json"  # relative to the root
 GPU_PATHS = ("runtime", "benchmarks/harness", "benchmarks/decode.py", "benchmarks/front_door.py",
-             "benchmarks/moe.py", "benchmarks/moe_kernels.py", "benchmarks/prefill.py", "benchmarks/quantized.py",
-             "tests/quantized_models.py", "tests/**/*_gpu.py")  # globs relative to the root; `**/`: any folders, none included
+             "benchmarks/moe.py", "benchmarks/moe_kernels.py", "benchmarks/parallel.py", "benchmarks/prefill.py",
+             "benchmarks/quantized.py", "tests/parallel_ranks.py", "tests/quantized_models.py", "tests/**/*_gpu.py")  # globs relative to the root; `**/`: any folders, none included
 SUITE = ["-m", "pytest", "-m", "gpu", "-v", "-s", "-p", "no:cacheprovider", "tests"]
 SUMMARY = re.compile(r"^=+ (.* in [\d.]+s.*?) =+$")
 

@@ -1,21 +1,32 @@
-"""What a user gets through the front door, against the benchmarks' loop and the link floor, in one run.
+"""What a user gets through the front door, for every kind of plan, against the benchmarks' loop, in one run.
 
-    python benchmarks/front_door.py --layers 8                              # Qwen3-30B-A3B shape, on the H100
+    python benchmarks/front_door.py --layers 8                              # Qwen3-30B-A3B shape, every strategy
+    python benchmarks/front_door.py --layers 8 --strategies gpu uva --label a   # a part of the table per run
     python benchmarks/front_door.py --model tiny --layers 2 --out /tmp/r    # smoke test (CUDA)
 
-One checkpoint (harness/checkpoints.py, random bf16 in the model's shapes) and one plan, every routed expert on
-uva; batch 1, the same prompt (the UTF-8 bytes of `PROMPT` as token ids, as `plan apply` uses them without a
-tokenizer), `--new-tokens` decode steps after the prefill's token:
+One checkpoint (harness/checkpoints.py, random bf16 in the model's shapes; `tiny` has FP8-sized experts), its
+block-scaled FP8 copy (tests/quantized_models.py) for `experts-uva-fp8`, the hardware calibrated now, and one plan
+per strategy, built as a user builds it (default workload: batch 1, eager):
 
-- `plan apply PLAN --json` in its own process, as a user runs it: each decode step replayed from a CUDA graph
-  (the default), and with `--eager`;
-- the benchmarks' loop on the same plan (harness/loops.py `decode_static`, graph replay), in this process;
-- transformers' `model.generate` on the same loaded model (eager: what a user got before `plan apply` replayed);
-- the floor: the bytes of the k experts one token touches per layer, over the UVA read bandwidth measured now
-  (runtime/measure/bandwidth.py), as moe.py's floor at batch 1.
+- `gpu`: everything on the GPU;  `uva`: every other decoder layer on uva;  `prefetch`: every other decoder layer
+  streamed (group 2, step 2);  `mixed`: `backend: mixed` under a budget of half the checkpoint's bytes;
+- `experts-uva`: every routed expert on uva (the README's main job);  `experts-uva-fp8`: the same, FP8 weights.
 
-Each row's decode rate is compared with the floor and with the benchmark loop's, and its tokens with the
-benchmark loop's (offplan's rows must equal it: exit 1 otherwise). Records go to OUT/front-door-MODEL.jsonl.
+At each `--batches` B (B copies of the prompt `PROMPT`, its UTF-8 bytes as token ids, as `plan apply` takes it
+without a tokenizer), `--new-tokens` decode steps after the prefill's token, greedy:
+
+- `loop`: the benchmarks' loop (harness/loops.py `decode_static`, each step replayed from a CUDA graph);
+- `generate`: the runtime's `handle.generate` as a user calls it, replayed (the default), and with `eager=True`;
+- `apply`: `plan apply PLAN --batch B --json` in its own process (graph replay, the default);
+- `transformers`: transformers' `model.generate` on the loaded model (eager, dynamic cache), for `experts-uva` at
+  batch 1 only: what a user got before.
+
+Each row's rate is set against the loop's (issue target: apply and generate >= 0.95x), eager rows against the lower
+of the all-GPU plan's eager rate at that batch and the link floor (target >= 0.8x; the floor, for the experts-uva
+rows at batch 1: the bytes of the k experts a token touches per layer over the UVA read rate calibrated now), and
+the plan's predicted step for that batch and mode (a plan of the same policy with `workload: {batch_size: B,
+cuda_graphs: ...}`; none where that plan places differently). offplan's rows must give the loop's tokens (exit 1
+otherwise). Records go to OUT/front-door-MODEL[-LABEL].jsonl, a table is printed last.
 """
 from __future__ import annotations
 
@@ -24,19 +35,26 @@ import gc
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 from harness.checkpoints import config_for, make_checkpoint
 from harness.loops import decode_static
-from harness.plans import make_plan
-from runtime.measure.bandwidth import uva_gbps, warm_up
+from harness.plans import make_plan, offloaded_layers
+from planner.decide.build import build
+from planner.inputs.checkpoint import open_checkpoint
+from planner.inputs.hardware import dumps_hardware, load_hardware
+from planner.inputs.policy import load_policy
+from planner.planfile import load_plan
 
-EXPERTS_HOST = "format_version: 1\ncheckpoint: ckpt\nrules:\n  - {match: [experts], place: uva}\n"
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from quantized_models import write_fp8  # noqa: E402  (the published FP8 layout's writer)
+
 PROMPT = "The capital of France is"
 ROOT = Path(__file__).resolve().parent.parent
+STRATEGIES = ("gpu", "uva", "prefetch", "mixed", "experts-uva", "experts-uva-fp8")
+EXPERTS_UVA = "rules:\n  - {match: [experts], place: uva}\n"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -44,51 +62,93 @@ def parse_args(argv=None) -> argparse.Namespace:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="qwen3-30b-a3b", choices=["qwen3-30b-a3b", "tiny"])
     ap.add_argument("--layers", type=int, help="decoder layers (default: the real count)")
-    ap.add_argument("--new-tokens", type=int, default=64, help="decode steps timed (default: 64)")
+    ap.add_argument("--strategies", nargs="+", choices=STRATEGIES, default=list(STRATEGIES))
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--new-tokens", type=int, default=32, help="decode steps timed (default: 32)")
+    ap.add_argument("--hardware", type=Path, help="a `plan calibrate` profile to use instead of calibrating now")
+    ap.add_argument("--label", help="a suffix for the records' file (a part of the table per run)")
     ap.add_argument("--dir", type=Path, default=Path("/tmp/offplan-bench"), help="where checkpoints go")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     return ap.parse_args(argv)
 
 
-def plan_apply(plan: Path, new: int, *extra: str) -> dict:
+def policy(strategy: str, layers: int, total_bytes: int) -> str:
+    head = f"format_version: 1\ncheckpoint: {'fp8' if strategy.endswith('fp8') else 'ckpt'}\nhardware: hw.yaml\n"
+    if strategy == "uva":
+        alternation = "|".join(map(str, offloaded_layers(layers, 0.5)))
+        return head + f"rules:\n  - match: ['re:^model\\.layers\\.({alternation})\\.']\n    place: uva\n"
+    return head + {"gpu": "", "prefetch": "prefetch: {group_size: 2, num_in_group: 1, step: 2}\n",
+                   "mixed": f"backend: mixed\nbudget_gib: {total_bytes / 2 / 2**30!r}\nprefetch: {{step: 2}}\n",
+                   "experts-uva": EXPERTS_UVA, "experts-uva-fp8": EXPERTS_UVA}[strategy]
+
+
+def predicted_steps_per_s(work: Path, name: str, text: str, params, batch: int, graph: bool) -> float | None:
+    """The plan's prediction at `batch`, eager or replayed: the same policy's plan for that workload, if it places
+    every tensor as the applied plan does."""
+    path = work / f"{name}-b{batch}-{'graph' if graph else 'eager'}.policy.yaml"
+    path.write_text(text + f"workload: {{batch_size: {batch}, cuda_graphs: {'true' if graph else 'false'}}}\n")
+    d = build(load_policy(path), work)
+    step = d.summary.predicted_step_us
+    return 1e6 / step if d.params == params and step else None
+
+
+def plan_apply(plan: Path, new: int, batch: int) -> dict:
     """`plan apply PLAN --json` in a process of its own: its record of the generation."""
     done = subprocess.run([sys.executable, "-m", "offplan", "apply", str(plan), "--max-new-tokens", str(new + 1),
-                           "--prompt", PROMPT, "--json", *extra], capture_output=True, text=True, cwd=ROOT)
+                           "--prompt", PROMPT, "--batch", str(batch), "--json"], capture_output=True, text=True,
+                          cwd=ROOT)
     if done.returncode != 0:
-        raise SystemExit(f"plan apply failed:\n{done.stderr[-3000:]}")
+        raise SystemExit(f"plan apply {plan} --batch {batch} failed:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout)
 
 
-def in_process(plan: Path, ids: torch.Tensor, new: int) -> tuple[float, list, float, list]:
-    """(the benchmark loop's steps/s and tokens, transformers' model.generate steps/s and tokens), one load."""
+def in_process(plan: Path, ids: torch.Tensor, new: int, batches: list[int], transformers: bool) -> dict:
+    """(path, batch) -> (steps/s, tokens) of the loop, handle.generate replayed and eager, and (if asked, at batch 1)
+    transformers' model.generate; one load."""
     from runtime.hf import from_pretrained
     model, handle = from_pretrained(plan, device="cuda", progress=False)
+    out = {}
     try:
-        loop_rate, loop_tokens = decode_static(model, handle, ids, new, "graph")
-
-        def generate(n: int) -> tuple[float, torch.Tensor]:
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            with torch.no_grad():
-                out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
-            torch.cuda.synchronize()
-            return time.perf_counter() - start, out
-        generate(2)  # warm-up
-        first, _ = generate(1)
-        seconds, out = generate(new + 1)
-        return loop_rate, loop_tokens, new / (seconds - first), out[:, ids.shape[1]:ids.shape[1] + new].tolist()
+        for b in batches:
+            x = ids.expand(b, -1).contiguous()
+            out["loop", b] = decode_static(model, handle, x, new, "graph", b)
+            for path, eager in (("generate", False), ("generate --eager", True)):
+                handle.generator(eager=eager).prepare(x, new + 1)  # what plan apply does before it times
+                got = handle.generate(x, new + 1, eager=eager)
+                out[path, b] = got.decode_tokens_per_s, [t[:new] for t in got.tokens]
+        if transformers and 1 in batches:
+            out["transformers", 1] = hf_generate(model, ids, new)
     finally:
         handle.remove(restore=False)
+        del model, handle
         gc.collect()
         torch.cuda.empty_cache()
+    return out
+
+
+def hf_generate(model, ids: torch.Tensor, new: int) -> tuple[float, list]:
+    import time
+
+    def run(n: int) -> tuple[float, torch.Tensor]:
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        with torch.no_grad():
+            got = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+        torch.cuda.synchronize()
+        return time.perf_counter() - start, got
+    run(2)  # warm-up
+    first, _ = run(1)
+    seconds, got = run(new + 1)
+    return new / (seconds - first), got[:, ids.shape[1]:ids.shape[1] + new].tolist()
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("front_door.py measures a GPU: no CUDA device here")
+    from runtime.measure.calibrate import calibrate
     args.out.mkdir(parents=True, exist_ok=True)
-    log = args.out / f"front-door-{args.model}.jsonl"
+    log = args.out / f"front-door-{args.model}{'-' + args.label if args.label else ''}.jsonl"
     log.write_text("")
 
     def record(**r) -> None:
@@ -97,35 +157,66 @@ def main(argv=None) -> int:
         print(json.dumps(r), flush=True)
     work = args.dir / f"front-door-{args.model}"
     work.mkdir(parents=True, exist_ok=True)
-    config = config_for(args.model, args.layers)
-    make_checkpoint(args.model, args.layers, work / "ckpt", "cuda")
-    plan = make_plan(work, "experts-host", EXPERTS_HOST)
-    new = args.new_tokens
-    warm_up()
-    uva = uva_gbps()
-    expert_bytes = 3 * config.moe_intermediate_size * config.hidden_size * 2  # gate, up, down in bf16
-    floor = uva * 1e9 / (config.num_hidden_layers * config.num_experts_per_tok * expert_bytes)
-    record(kind="floor", model=args.model, layers=config.num_hidden_layers, top_k=config.num_experts_per_tok,
-           expert_bytes=expert_bytes, uva_read_gbps=round(uva, 1), floor_steps_per_s=floor,
-           device=torch.cuda.get_device_name(), torch=torch.__version__, new_tokens=new, prompt=PROMPT)
+    shape = "tiny-128" if args.model == "tiny" else args.model
+    config = config_for(shape, args.layers)
+    ckpt = make_checkpoint(shape, args.layers, work / "ckpt", "cuda")
+    if "experts-uva-fp8" in args.strategies and not (work / "fp8" / "model.safetensors.index.json").is_file():
+        write_fp8(ckpt, work / "fp8", device="cuda")
+    hw = load_hardware(args.hardware) if args.hardware else calibrate().hardware
+    (work / "hw.yaml").write_text(dumps_hardware(hw))
+    total = open_checkpoint(ckpt).total_bytes
+    record(kind="run", model=args.model, layers=config.num_hidden_layers, top_k=config.num_experts_per_tok,
+           checkpoint_bytes=total, device=torch.cuda.get_device_name(), torch=torch.__version__,
+           new_tokens=args.new_tokens, prompt=PROMPT, hardware=hw.__dict__)
     ids = torch.tensor([[b % config.vocab_size for b in PROMPT.encode()]], device="cuda")
-    loop_rate, loop_tokens, hf_rate, hf_tokens = in_process(plan, ids, new)
-    rows = [("benchmark loop (harness decode_static, graph)", loop_rate, loop_tokens[0], None)]
-    for name, extra in (("plan apply (graph)", ()), ("plan apply --eager", ("--eager",))):
-        got = plan_apply(plan, new, *extra)
-        rows.append((name, got["decode_tokens_per_s"], got["sequences"][0]["token_ids"][:new], got["ttft_s"]))
-    rows.append(("transformers model.generate (eager)", hf_rate, hf_tokens[0], None))
-    for name, rate, tokens, ttft in rows:
-        record(kind="decode", name=name, steps_per_s=rate, ratio_to_floor=rate / floor,
-               ratio_to_benchmark_loop=rate / loop_rate, same_tokens_as_benchmark_loop=tokens == loop_tokens[0],
-               ttft_ms=None if ttft is None else ttft * 1e3)
-    print(f"\nfloor {floor:.1f} steps/s (UVA {uva:.1f} GB/s)\n| path | steps/s | x floor | x benchmark loop | "
-          "tokens equal |\n|---|---|---|---|---|")
-    for name, rate, tokens, _ in rows:
-        print(f"| {name} | {rate:.1f} | {rate / floor:.3f} | {rate / loop_rate:.3f} | {tokens == loop_tokens[0]} |")
-    # offplan's rows run one loop and must agree; transformers' dynamic cache attends over another length (its
-    # rounding may flip a token some steps in), so its row is reported, not required
-    return 0 if all(tokens == loop_tokens[0] for name, _, tokens, _ in rows if "transformers" not in name) else 1
+    new, failures = args.new_tokens, []
+    for strategy in args.strategies:
+        text = policy(strategy, config.num_hidden_layers, total)
+        plan = make_plan(work, strategy, text)
+        applied = load_plan(plan)
+        floor = None
+        if strategy.startswith("experts-uva"):  # batch 1: the k experts a token touches per layer, over the link
+            experts = open_checkpoint(work / ("fp8" if strategy.endswith("fp8") else "ckpt")).tensors
+            host = sum(t.nbytes for n, t in experts.items() if ".mlp.experts." in n)
+            floor = hw.uva_read_gbps * 1e9 * config.num_experts / (host * config.num_experts_per_tok)
+        got = in_process(plan, ids, new, args.batches, transformers=strategy == "experts-uva")
+        for b in args.batches:
+            applied_run = plan_apply(plan, new, b)
+            got["apply", b] = (applied_run["decode_tokens_per_s"],
+                               [s["token_ids"][:new] for s in applied_run["sequences"]])
+        for (path, b), (rate, tokens) in got.items():
+            graph = path in ("loop", "generate", "apply")
+            loop_rate, loop_tokens = got["loop", b]
+            same = tokens == loop_tokens
+            if not same and path != "transformers":  # its dynamic cache attends over another length
+                failures.append(f"{strategy} {path} batch {b}")
+            record(kind="decode", strategy=strategy, path=path, batch=b, mode="graph" if graph else "eager",
+                   steps_per_s=rate, ratio_to_loop=rate / loop_rate, same_tokens_as_loop=same,
+                   floor_steps_per_s=floor if b == 1 else None,
+                   predicted_steps_per_s=None if path == "transformers" else
+                   predicted_steps_per_s(work, strategy, text, applied.params, b, graph),
+                   gpu_bytes=applied.summary.gpu_bytes, uva_bytes=applied.summary.uva_bytes,
+                   prefetch_bytes=applied.summary.prefetch_bytes)
+    print("\n" + "\n".join(table([json.loads(l) for l in log.read_text().splitlines()])))
+    if failures:
+        print("tokens differ from the loop's: " + "; ".join(failures), file=sys.stderr)
+    return 1 if failures else 0
+
+
+def table(rows: list[dict]) -> list[str]:
+    """Markdown: per strategy and batch, each path's steps/s and its ratios (module doc)."""
+    decode = [r for r in rows if r["kind"] == "decode"]
+    gpu_eager = {r["batch"]: r["steps_per_s"] for r in decode
+                 if r["strategy"] == "gpu" and r["path"] == "generate --eager"}
+    out = ["| plan | batch | path | mode | steps/s | x loop | eager: x min(all-GPU eager, floor) | predicted | "
+           "tokens = loop's |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in decode:
+        bound = [v for v in (gpu_eager.get(r["batch"]), r["floor_steps_per_s"]) if v]
+        eager = f"{r['steps_per_s'] / min(bound):.2f}" if r["mode"] == "eager" and bound else ""
+        predicted = f"{r['predicted_steps_per_s']:.1f}" if r["predicted_steps_per_s"] else ""
+        out.append(f"| {r['strategy']} | {r['batch']} | {r['path']} | {r['mode']} | {r['steps_per_s']:.1f} | "
+                   f"{r['ratio_to_loop']:.3f} | {eager} | {predicted} | {r['same_tokens_as_loop']} |")
+    return out
 
 
 if __name__ == "__main__":

@@ -14,7 +14,9 @@ import sys
 
 from planner.files import write_atomic
 from reporting.dense import align_table, load, model_tables, plot
+from reporting.front_door import front_door_tables
 from reporting.moe import moe_tables
+from reporting.parallel import parallel_tables
 from reporting.plan_speed import plan_speed_tables
 from reporting.prefill import prefill_tables, staging_ab
 from reporting.quantized import quantized_tables
@@ -55,6 +57,9 @@ def main() -> int:
              "python benchmarks/prefill.py --model qwen3-30b-a3b --layers 8",
              "python benchmarks/prefill.py --model qwen3-30b-a3b --layers 8 --spread 2",
              "python benchmarks/quantized.py --layers 8",
+             "python benchmarks/front_door.py --layers 8",
+             "python benchmarks/parallel.py --model qwen3-30b-a3b --layers 8 --gpus 1 2 4 --batches 1 8",
+             "python benchmarks/parallel.py --model llama-8b --gpus 1 2 4",
              "PYTHONPATH=CHECKOUT_OF_MAIN python benchmarks/plan_speed.py --profile -n 3 --label before "
              "--note 'main at COMMIT'   # on a CPU machine, as the next",
              "python benchmarks/plan_speed.py --profile --label after --note 'this tree'",
@@ -72,8 +77,10 @@ def main() -> int:
     lines += prefill_tables()
     lines += staging_ab()
     lines += quantized_tables()
+    lines += front_door_tables()
+    lines += parallel_tables()
     lines += plan_speed_tables()
-    if plot(models, HERE / "decode.png"):
+    if plot(models, HERE / "decode.png") or (HERE / "decode.png").is_file():  # without matplotlib: the last plot
         lines += ["![decode tokens/s against the offloaded fraction](decode.png)", ""]
     write_atomic(HERE / "RESULTS.md", "\n".join(lines) + "\n", "results")
     print(f"wrote {HERE / 'RESULTS.md'}")

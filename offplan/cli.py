@@ -115,6 +115,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="run each decode step eagerly (default on a GPU: capture one step in a CUDA graph and "
                         "replay it)")
     p.add_argument("--device", default=None, choices=["cuda", "cpu"], help="default: cuda if available")
+    p.add_argument("--gpus", type=_positive, metavar="N",
+                   help="the GPUs a tensor-parallel plan runs on, one process each (default and only value: the "
+                        "plan's parallel.gpus; with --device cpu, processes on the CPU)")
     p = cmd("profile", "run prompts through the model and record which experts each MoE layer routes them to, "
                        "decode and prefill apart; write a routing profile for a policy's workload.routing")
     p.add_argument("source", metavar="CHECKPOINT_OR_PLAN",

@@ -29,12 +29,14 @@ import torch
 from planner.errors import OffplanError
 from planner.files import write_atomic
 from planner.inputs.hardware import dumps_hardware
+from planner.planfile import load_plan
 from planner.units import human, ms, plural
 from runtime.execute.handle import LoadStats
 from runtime.hf import from_pretrained
 from runtime.measure.calibrate import calibrate
 
 from .output import emit
+from .parallel_apply import apply_parallel
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 DEFAULT_PROMPT = "The capital of France is"
@@ -46,6 +48,20 @@ def check_device(args) -> None:
         raise OffplanError("--device cuda: no CUDA device here (leave --device out to use the CPU)")
 
 
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """What `plan apply` was asked to do, as every process of a tensor-parallel run needs it (picklable)."""
+
+    plan: str
+    texts: tuple[str, ...]
+    batch: int
+    max_new_tokens: int
+    eager: bool
+    device: str | None
+    json: bool
+    progress: bool | None
+
+
 def apply_command(args) -> int:
     check_device(args)
     texts = args.prompt or [DEFAULT_PROMPT]
@@ -55,23 +71,34 @@ def apply_command(args) -> int:
         raise OffplanError(f"--batch {args.batch}: fewer sequences than the {len(texts)} prompts given; give "
                            f"--batch {len(texts)} or more, or fewer prompts")
     # The bar on a terminal; elsewhere nothing from the loader, since the report below says it all.
-    model, handle = from_pretrained(args.plan, device=args.device, progress=None if sys.stderr.isatty() else False)
+    req = Request(args.plan, tuple(texts), args.batch or len(texts), args.max_new_tokens, args.eager, args.device,
+                  args.json, None if sys.stderr.isatty() else False)
+    gpus = load_plan(args.plan).parallel
+    if gpus is not None or args.gpus is not None:
+        out = apply_parallel(req, gpus.gpus if gpus else 1, args.gpus, apply_one)
+    else:
+        out = apply_one(req)
+    print(out)
+    return 0
+
+
+def apply_one(req: Request, rank: int | None = None) -> str:
+    """Load the plan (this process's share of it, under tensor parallelism), generate, and say what happened:
+    the report's lines, or its JSON."""
+    model, handle = from_pretrained(req.plan, device=req.device, progress=req.progress if not rank else False)
     try:
         stats = handle.stats()
         root = Path(handle.checkpoint.root)
         facts = {"tokenizer": has_tokenizer(root), "random_weights": declares_random_weights(root)}
-        gen = _generate(model, handle, texts, args.batch or len(texts), args.max_new_tokens, args.eager,
+        gen = _generate(model, handle, list(req.texts), req.batch, req.max_new_tokens, req.eager,
                         facts["tokenizer"])
         plan = handle.plan
-        if args.json:
-            print(json.dumps({"stats": {**dataclasses.asdict(stats), "pinned_ratio": stats.pinned_ratio,
-                                        "load_bytes_per_s": stats.load_bytes_per_s},
-                              **facts, "predicted_step_us": plan.summary.predicted_step_us if plan.cost else None,
-                              "predicted_mode": _predicted_mode(plan), **gen}, indent=2))
-            return 0
-        for line in report(args.plan, stats, facts, gen, plan, root):
-            print(line)
-        return 0
+        if req.json:
+            return json.dumps({"stats": {**dataclasses.asdict(stats), "pinned_ratio": stats.pinned_ratio,
+                                         "load_bytes_per_s": stats.load_bytes_per_s},
+                               **facts, "predicted_step_us": plan.summary.predicted_step_us if plan.cost else None,
+                               "predicted_mode": _predicted_mode(plan), **gen}, indent=2)
+        return "\n".join(report(req.plan, stats, facts, gen, plan, root))
     finally:
         handle.remove(restore=False)
 
@@ -96,6 +123,8 @@ def report(plan_path, s: LoadStats, facts: dict, gen: dict, plan, root: Path) ->
     where = "GPU" if cuda else "CPU (no CUDA: uva stays in host memory, prefetch copies synchronously)"
     buffers = f" (+{human(s.gpu_buffer_bytes)} prefetch buffers)" if s.gpu_buffer_bytes else ""
     out = [f"loaded {plan_path} on {s.device} in {s.load_seconds:.2f} s ({human(total)}{rate})",
+           *([f"  tensor parallel over {plan.parallel.gpus} processes, one per GPU: each loaded its share; the "
+              f"figures here are process 0's"] if plan.parallel else []),
            f"  resident {human(s.gpu_bytes)}, uva {human(s.uva_bytes)}, prefetch "
            f"{human(s.prefetch_bytes)}{buffers}, on the {where}"]
     if s.pinned_host_bytes:

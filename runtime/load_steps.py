@@ -8,6 +8,7 @@ or the call fails. The steps:
 2. map names: checkpoint tensors to model tensors (checkpoint_names.py), one
    error listing everything that does not match; for a quantized checkpoint
    the meta model first made to hold FP8/MXFP4 tensors as stored (quant.py);
+   under tensor parallelism the meta model cut to this process's share (place/shards.py);
 3. lay out: the arena and slot offsets, read from the plan (layout.py);
 4. allocate: check free GPU memory, then the pinned arena, resident tensors
    and the prefetch slots;
@@ -20,7 +21,7 @@ or the call fails. The steps:
    pinned memory, or quantized, read through offplan's experts implementation
    (experts.py), with the resident rows of a split fused parameter copied to
    HBM; the plan's prefill staging set up (prefill.py: uva layers copied to the
-   GPU before a forward over many tokens).
+   GPU before a forward over many tokens); the collectives of tensor parallelism.
 
 From step 4 on an `OffloadHandle` owns what was allocated; on any failure it
 releases all of it before the error propagates.
@@ -47,9 +48,10 @@ from .execute.staging import UvaStaging
 from .place import dequant, quant
 from .place.arena import PinnedArena, as_bytes, typed
 from .place.buffers import materialize_buffers
-from .place.layout import lay_out
+from .place.layout import check_gpu_memory, lay_out
 from .place.loader import TORCH_DTYPES, Progress, ShardReader, Stager, check_holds_weights
 from .place.names import Target, map_tensors
+from .place.shards import SlicingReader, share
 
 GPU, UVA, PREFETCH = Placement.GPU, Placement.UVA, Placement.PREFETCH
 
@@ -113,7 +115,11 @@ def _run(model, plan: Plan, ckpt: Checkpoint, device, uva: bool, progress, *, fr
         raise OffplanError("uva=False is not supported for quantized checkpoints: a quantized uva tensor is "
                            "read once per access by its dequantization, so there is nothing to stage; load it "
                            "with uva=True (the default)")
-    if formats:  # step 2; the meta model made to hold the quantized tensors as stored (quant.py)
+    tp = local = None
+    if plan.parallel is not None:  # one process per GPU, each applying the plan to its share (place/shards.py)
+        tp, local, targets = share(model, plan, ckpt, formats, from_checkpoint)
+        quantized = {}
+    elif formats:  # step 2; the meta model made to hold the quantized tensors as stored (quant.py)
         targets, quantized = quant.map_stored(model, ckpt, plan.params, formats, scales)
     else:
         targets, quantized = map_tensors(model, {n: (ckpt.tensors[n].shape, p) for n, p in plan.params.items()}), {}
@@ -129,6 +135,7 @@ def _run(model, plan: Plan, ckpt: Checkpoint, device, uva: bool, progress, *, fr
         quant.unprepare(quantized)
         raise
     handle = OffloadHandle(model, plan, ckpt, device, targets, layout)
+    handle.parallel, handle.shares = tp, local
     handle.quantized = quantized
     handle.quantized_names = {f"{path}.{name}".lstrip(".") for path, m in model.named_modules() if m in quantized
                               for q in quantized[m].values() for name in (q.data, q.scale)}
@@ -144,17 +151,6 @@ def _run(model, plan: Plan, ckpt: Checkpoint, device, uva: bool, progress, *, fr
     return handle
 
 
-def _check_gpu_memory(device: torch.device, resident: int, pool: int) -> None:
-    free, total = torch.cuda.mem_get_info(device)
-    need = resident + pool
-    if need > free:
-        gib = 2**30
-        raise OffplanError(
-            f"the plan needs {need / gib:.2f} GiB of GPU memory ({resident / gib:.2f} GiB resident + "
-            f"{pool / gib:.2f} GiB prefetch and prefill buffers) but only {free / gib:.2f} GiB of {total / gib:.2f} GiB "
-            f"is free on {device}; rebuild the plan with budget_gib <= {free / gib * 0.95:.1f}")
-
-
 def _allocate_and_fill(h: OffloadHandle, from_checkpoint: bool, progress) -> dict[str, torch.Tensor]:
     """Steps 4 and 5: the arena and resident tensors, filled; returns each target's tensor by name."""
     if h.cuda:
@@ -162,13 +158,15 @@ def _allocate_and_fill(h: OffloadHandle, from_checkpoint: bool, progress) -> dic
             t.nbytes // t.shape[0] * len(t.resident) for t in h.targets if t.resident)
         pools = (h.plan.prefetch.pool_bytes if h.plan.prefetch else 0) + (
             h.plan.prefill.pool_bytes if h.plan.prefill else 0)
-        _check_gpu_memory(h.device, resident, pools)
+        check_gpu_memory(h.device, resident, pools)
         torch.cuda.synchronize(h.device)
         torch.cuda.reset_peak_memory_stats(h.device)
         h.start_alloc = torch.cuda.memory_allocated(h.device)
     h.arena = PinnedArena(h.layout.arena_bytes, cuda=h.cuda, device=h.device)
     current = h.model.state_dict(keep_vars=True) if not from_checkpoint else None
-    reader = ShardReader(h.checkpoint) if from_checkpoint else None
+    reader = None if not from_checkpoint else ShardReader(h.checkpoint) if h.parallel is None else \
+        SlicingReader(h.checkpoint, h.plan.parallel.dims, h.parallel.rank, h.parallel.gpus)
+    tensors = h.shares or h.checkpoint.tensors
     stager = Stager(h.device) if h.cuda and from_checkpoint else None
     bar = Progress(sum(t.nbytes for t in h.targets), progress)
     placed: dict[str, torch.Tensor] = {}
@@ -179,7 +177,7 @@ def _allocate_and_fill(h: OffloadHandle, from_checkpoint: bool, progress) -> dic
             else:
                 dst = typed(h.arena.host_view(h.layout.host_offset[t.name], t.nbytes), t.dtype, t.shape)
             if from_checkpoint:
-                _fill(h.checkpoint, t, dst, reader, stager)
+                _fill(tensors, t, dst, reader, stager)
             else:
                 dst.copy_(current[t.name].detach())
             bar.update(t.nbytes)
@@ -193,10 +191,12 @@ def _allocate_and_fill(h: OffloadHandle, from_checkpoint: bool, progress) -> dic
     return placed
 
 
-def _fill(ckpt: Checkpoint, t: Target, dst: torch.Tensor, reader: ShardReader, stager: Stager | None) -> None:
+def _fill(tensors, t: Target, dst: torch.Tensor, reader: ShardReader, stager: Stager | None) -> None:
+    """`t`'s pieces from the checkpoint into `dst`; `tensors`: the headers (one GPU's share of them under tensor
+    parallelism, which `reader` then reads)."""
     for piece in t.pieces:
         part = dst[piece.index] if piece.index else dst
-        info = ckpt.tensors[piece.source]
+        info = tensors[piece.source]
         same = TORCH_DTYPES.get(info.dtype, None) == t.dtype or (
             info.dtype not in TORCH_DTYPES and info.nbytes == part.numel() * part.element_size())
         if not same:
@@ -229,6 +229,8 @@ def _bind(h: OffloadHandle, placed: dict[str, torch.Tensor], staged: bool) -> No
     materialize_buffers(h.model, h.device)  # before the assignment: init writes only to meta parameters
     h.model.load_state_dict(state, assign=True, strict=True)
     h.assigned = True
+    if h.parallel is not None:
+        h.parallel.install(h.model)
     dequant.bind(h.quantized)
     _bind_experts(h)
     if h.plan.prefill is not None and h.staging is None:

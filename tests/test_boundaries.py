@@ -17,7 +17,7 @@ PACKAGES = ["planner", "runtime", "offplan"]  # in order: each may import the on
 # shares, so it comes first; the runtime's top (load_steps, hf) wires the stages together, so it comes last.
 # A package's __init__ re-exports its public names from every stage.
 ORDER = {"planner": ["", "inputs", "layers", "decide", "planfile"],
-         "runtime": ["place", "execute", "measure", ""],
+         "runtime": ["distributed", "place", "execute", "measure", ""],
          "offplan": [""]}
 
 

@@ -30,11 +30,11 @@ def qwen3_moe_config(**overrides):
     return Qwen3MoeConfig(**kw)
 
 
-def save_model(config, directory: Path, seed: int = 0, shard: str = "40KB") -> Path:
+def save_model(config, directory: Path, seed: int = 0, shard: str = "40KB", dtype=torch.bfloat16) -> Path:
     """A randomly initialised model saved with save_pretrained as several shards."""
     from transformers import AutoModelForCausalLM
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     with torch.no_grad():  # norms start at 1.0: randomise them so a misplaced one shows
         for name, p in model.named_parameters():
             if p.dim() == 1:
@@ -57,10 +57,10 @@ def save_models(root: Path, *kinds: str) -> dict[str, Path]:
     return {k: made[k]() for k in kinds}
 
 
-def reference(directory: Path, device="cpu"):
+def reference(directory: Path, device="cpu", dtype=torch.bfloat16):
     """The same checkpoint loaded plainly by transformers."""
     from transformers import AutoModelForCausalLM
-    return AutoModelForCausalLM.from_pretrained(directory, dtype=torch.bfloat16).to(device).eval()
+    return AutoModelForCausalLM.from_pretrained(directory, dtype=dtype).to(device).eval()
 
 
 def make_plan(tmp: Path, checkpoint: Path, body: str, name: str = "p") -> Path:

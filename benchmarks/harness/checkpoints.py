@@ -33,6 +33,10 @@ def config_for(model: str, layers: int | None):
                               moe_intermediate_size=32, intermediate_size=128, num_attention_heads=4,
                               num_key_value_heads=2, head_dim=16, vocab_size=512, max_position_embeddings=256,
                               decoder_sparse_step=1, mlp_only_layers=[], tie_word_embeddings=False)
+    if model == "tiny-128":  # the tiny model with FP8-sized experts: gate and up fill whole 128-row scale blocks
+        config = config_for("tiny", layers)
+        config.hidden_size, config.moe_intermediate_size, config.head_dim = 128, 128, 32
+        return config
     raise SystemExit(f"unknown model {model!r}")
 
 

@@ -49,15 +49,7 @@ def checkpoint_change(plan: Plan, ckpt: Checkpoint, where: Path) -> str | None:
 
 
 def require_current(plan: Plan, ckpt: Checkpoint, where: Path) -> None:
-    """Raise StalePlanError if the checkpoint changed since the plan was built; the runtime asks before it loads.
-
-    A tensor-parallel plan (`parallel:`, several GPUs) is refused here too: this offplan builds, checks, shows
-    and diffs such plans, but its runtime applies one GPU's plans only, and a share's placements applied to the
-    whole model on one GPU would not be the plan."""
-    if plan.parallel is not None:
-        raise OffplanError(f"the plan is for {plan.parallel.gpus} GPUs (parallel.gpus: {plan.parallel.gpus}): this "
-                           "offplan plans and reviews tensor-parallel plans, but its runtime applies plans for one "
-                           "GPU only; to run the model, build the plan again without `gpus:` in its policy")
+    """Raise StalePlanError if the checkpoint changed since the plan was built."""
     change = checkpoint_change(plan, ckpt, where)
     if change:
         raise StalePlanError(f"the plan is stale: {change}; rebuild it with `plan build POLICY`")

@@ -84,6 +84,8 @@ class OffloadHandle(Generating):
         self.lookahead: Lookahead | None = None  # their next experts read ahead at decode (lookahead.py)
         self.experts_before: str | None = None  # the experts implementation before "offplan"
         self.generators: dict[tuple[bool, bool], Generator] = {}  # `generate`'s, by (eager, compile)
+        self.parallel = None  # tensor parallelism: this process's place and collectives (distributed/collectives.py)
+        self.shares = None  # tensor parallelism: this GPU's share of the checkpoint's headers
         self.load_seconds = 0.0
         self.start_alloc = 0
         self.peak_gpu_bytes = 0
@@ -152,6 +154,8 @@ class OffloadHandle(Generating):
         for generator in self.generators.values():
             generator.release()  # first: a captured graph holds the slots and buffers below
         self.generators = {}
+        if self.parallel is not None:
+            self.parallel.remove()
         if self.prefill is not None:
             self.prefill.remove()  # first: the parameters are plain again before anything is restored
             self.prefill = None

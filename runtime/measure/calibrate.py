@@ -61,7 +61,7 @@ from dataclasses import dataclass
 import torch
 
 from planner.errors import OffplanError
-from planner.inputs.hardware import Hardware
+from planner.inputs.hardware import H100, Hardware
 
 from .bandwidth import h2d_copy_gbps, hbm_gbps, matmul_tflops, stage_above, stage_crossover, uva_gbps, warm_up
 from .steps import (fit_line, generator_step_us_by_layers, replay_us_by_layers, step_us_by_layers, tiny_llama,
@@ -111,7 +111,11 @@ def calibrate() -> Calibration:
                   matmul_tflops=round(tflops, 1), stage_above_tokens=stage_above(crossover),
                   layer_gpu_us=round(gpu_layer, 1), moe_layer_gpu_us=round(gpu_moe_layer, 1),
                   step_gpu_us=round(max(gpu_step, 0.0), 1), moe_layer_overhead_us=round(moe_per_layer, 1),
+                  # one GPU measured: its copies while others copy too scaled as the built-in figures' are;
+                  # the all-reduce figures stay the built-in ones
+                  parallel_h2d_copy_gbps=round(h2d * H100.parallel_h2d_copy_gbps / H100.h2d_copy_gbps, 1),
                   measured=f"plan calibrate, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}; "
+                           "all-reduce and several-GPU copy figures built in, not measured; "
                            f"CPU lines R^2 {r2:.4f} (dense) and {r2_moe_cpu:.4f} (MoE), replayed GPU lines R^2 "
                            f"{r2_dense:.4f} (dense), {r2_moe:.4f} (MoE); uva GEMM in place / copied "
                            f"first, by tokens: {in_place}")

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from planner.errors import ModelMismatchError, PlanFileError
+from planner.errors import ModelMismatchError, OffplanError, PlanFileError
 from planner.plan import Placement, Plan
 
 from .arena import align
@@ -138,3 +138,16 @@ def _slot_offset(t: Target, layer: str, buffers: dict, image_bytes: int, problem
         problems.append(f"{t.name}: [{start}, {start + t.nbytes}) lies outside the {image_bytes}-byte slot image")
         return None
     return start
+
+
+def check_gpu_memory(device: torch.device, resident: int, pool: int) -> None:
+    """Refuse a plan whose resident tensors and buffers do not fit the free memory of `device`, before any
+    allocation."""
+    free, total = torch.cuda.mem_get_info(device)
+    need = resident + pool
+    if need > free:
+        gib = 2**30
+        raise OffplanError(
+            f"the plan needs {need / gib:.2f} GiB of GPU memory ({resident / gib:.2f} GiB resident + "
+            f"{pool / gib:.2f} GiB prefetch and prefill buffers) but only {free / gib:.2f} GiB of {total / gib:.2f} GiB "
+            f"is free on {device}; rebuild the plan with budget_gib <= {free / gib * 0.95:.1f}")

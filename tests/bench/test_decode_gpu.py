@@ -98,18 +98,24 @@ def test_prefill_benchmark_runs_on_cuda(tmp_path):
 
 
 def test_front_door_benchmark_runs_on_cuda(tmp_path):
-    """front_door.py on a tiny Qwen3-MoE: plan apply (graph and eager, each its own process), the benchmark loop
-    and transformers' generate are all measured against the floor, and offplan's rows give the same tokens."""
+    """front_door.py on a tiny Qwen3-MoE: for every strategy, plan apply (its own process), handle.generate
+    replayed and eager, and the benchmark loop, against the loop, with the plan's predictions; transformers'
+    generate for the experts-on-uva plan; offplan's rows give the loop's tokens."""
     import json
+    profile = tmp_path / "h100.yaml"
+    profile.write_text(dumps_hardware(H100))  # calibration has a test of its own
     code = load_benchmark("front_door").main(["--model", "tiny", "--layers", "2", "--new-tokens", "6",
+                                              "--batches", "1", "--hardware", str(profile),
                                               "--dir", str(tmp_path / "work"), "--out", str(tmp_path / "out")])
     assert code == 0
     rows = [json.loads(l) for l in (tmp_path / "out" / "front-door-tiny.jsonl").read_text().splitlines()]
-    assert rows[0]["kind"] == "floor" and rows[0]["floor_steps_per_s"] > 0
-    decoded = {r["name"]: r for r in rows[1:]}
-    assert list(decoded) == ["benchmark loop (harness decode_static, graph)", "plan apply (graph)",
-                             "plan apply --eager", "transformers model.generate (eager)"]
-    assert all(r["steps_per_s"] > 0 and r["ratio_to_floor"] > 0 for r in decoded.values())
-    assert all(decoded[n]["same_tokens_as_benchmark_loop"] for n in list(decoded)[:3])
-    assert decoded["plan apply (graph)"]["ttft_ms"] > 0
-
+    assert rows[0]["kind"] == "run" and rows[0]["hardware"]["uva_read_gbps"] == H100.uva_read_gbps
+    decoded = {(r["strategy"], r["path"]): r for r in rows[1:]}
+    strategies = ("gpu", "uva", "prefetch", "mixed", "experts-uva", "experts-uva-fp8")
+    assert set(decoded) == {(s, p) for s in strategies for p in ("loop", "generate", "generate --eager", "apply")} \
+        | {("experts-uva", "transformers")}
+    assert all(r["steps_per_s"] > 0 and r["batch"] == 1 for r in decoded.values())
+    assert all(r["same_tokens_as_loop"] for (s, p), r in decoded.items() if p != "transformers")
+    assert all(decoded[s, "generate --eager"]["predicted_steps_per_s"] > 0 for s in strategies)  # the plan's own workload
+    assert decoded["experts-uva", "apply"]["floor_steps_per_s"] > 0
+    assert decoded["experts-uva-fp8", "loop"]["uva_bytes"] < decoded["experts-uva", "loop"]["uva_bytes"]

@@ -1,0 +1,35 @@
+"""The several-GPUs section (parallel-*.jsonl, benchmarks/parallel.py): N GPUs, each reading its share over its own
+link, against one GPU and against the floor of the links measured together."""
+from __future__ import annotations
+
+from .records import RESULTS, fmt, read_rows
+
+
+def parallel_tables() -> list[str]:
+    out = []
+    for path in sorted(RESULTS.glob("parallel-*.jsonl")):
+        rows = read_rows(path)
+        run = next(r for r in rows if r["kind"] == "run")
+        decode = [r for r in rows if r["kind"] == "decode"]
+        link = decode[0]["link"]
+        out += [f"## {run['model']}: tensor parallelism over {max(r['gpus'] for r in decode)} GPUs of one host", "",
+                f"`{path.name}` (`benchmarks/parallel.py`; {run['layers'] or 'all its'} decoder layers; {run['device']}, "
+                f"{run['gpus_on_host']} on the host; torch {run['torch']}). "
+                + ("Every other decoder layer streamed (prefetch, step 2)" if link == "h2d" else
+                   "Every routed expert in pinned memory (uva)")
+                + ". Each process measured its own link while the others measured theirs; floor: the bytes a step "
+                "moves over each link over that link's rate, at the slowest process. Decode steps replayed from a "
+                "CUDA graph, greedy. Tokens: the steps that agree with the one-GPU run's before the first "
+                "difference (the GPUs sum each split projection in another order). Memory: each process's peak "
+                "during its load against its share's footprint.", "",
+                "| GPUs | batch | steps/s | x floor | x 1 GPU | predicted steps/s | link GB/s (each) | tokens as 1 GPU's "
+                "| load peak - footprint |", "|---|---|---|---|---|---|---|---|---|"]
+        for r in decode:
+            rates = r["h2d_copy_gbps"] if link == "h2d" else r["uva_read_gbps"]
+            extra = max(r["load_peak_bytes"]) - r["footprint_bytes"]
+            out.append(f"| {r['gpus']} | {r['batch']} | {r['steps_per_s']:.1f} | {fmt(r['ratio_to_floor'])} | "
+                       f"{fmt(r['speedup'])} | {fmt(r['predicted_steps_per_s'], '.1f')} | "
+                       f"{', '.join(f'{g:.1f}' for g in rates)} | {r['tokens_agree_steps']} of {r['new_tokens']} "
+                       f"steps | {extra / 2**20:+.0f} MiB |")
+        out.append("")
+    return out

@@ -1,0 +1,121 @@
+"""Tensor parallelism on the CPU (gloo, two processes): each process loads its share of the plan and the pair
+computes what one process computes with the whole model.
+
+Tolerance, and why: each GPU's share of a rowwise projection (o_proj, down_proj, the experts' down) sums
+half of the input features, rounds to the model's dtype, and the all-reduce adds the shares (in that dtype
+again), where one process sums all of them before its one rounding. In bf16 a reduced output differs from
+the one-process output by a rounding or two, and the logits, through the tiny models' layers, by under 2% of
+their largest magnitude (measured 0.7-0.8%); that is enough to flip a near-tie of these random models'
+flat logits (one measured exact tie in bf16), so greedy tokens are compared in float32, where the same
+checkpoints' logits agree within 1e-5 of their largest. The two processes' logits are bitwise equal to
+each other in both (the all-reduce hands every process the same sum).
+"""
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from offplan.cli import main  # noqa: E402
+from planner.errors import OffplanError, StalePlanError  # noqa: E402
+from runtime.execute.generation import PlainHandle  # noqa: E402
+from runtime.distributed.launch import run_ranks  # noqa: E402
+
+from parallel_ranks import PROMPT, load_and_run, load_with  # noqa: E402
+from tiny_models import llama_config, logits, make_plan, qwen3_moe_config, reference, save_model  # noqa: E402
+
+# each GPU's share of the experts' intermediate features is 32, as one GPU's whole is in the other tests: at 16,
+# torch's grouped_mm (transformers' default experts implementation) failed in a CUDA graph capture on the H200
+# ("Cannot copy between CPU and CUDA tensors during CUDA graph capture")
+MOE = qwen3_moe_config(moe_intermediate_size=64)
+TOLERANCE = {torch.bfloat16: 0.02, torch.float32: 1e-5}  # of the largest logit's magnitude (module doc)
+POLICIES = {"gpu": "gpus: 2", "uva": "gpus: 2\nuva: {offload_gib: 0.0002}",
+            "prefetch": "gpus: 2\nprefetch: {group_size: 2, num_in_group: 1, step: 2}",
+            "experts": "gpus: 2\nrules:\n  - {match: [experts], place: uva}"}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    made = {"llama": save_model(llama_config(), root / "llama"), "moe": save_model(MOE, root / "moe")}
+    made["llama32"] = save_model(llama_config(), root / "llama32", dtype=torch.float32)
+    made["moe32"] = save_model(MOE, root / "moe32", dtype=torch.float32)
+    return made
+
+
+def _plans(tmp_path, checkpoints):
+    plans = {}
+    for kind in ("llama", "moe", "llama32", "moe32"):
+        for name, body in POLICIES.items():
+            if name == "experts" and kind.startswith("llama") or kind.endswith("32") and name == "gpu":
+                continue
+            plans[kind, name] = str(make_plan(tmp_path, checkpoints[kind], body, name=f"{kind}-{name}"))
+    return plans
+
+
+def test_two_processes_compute_what_one_does(tmp_path, checkpoints):
+    plans = _plans(tmp_path, checkpoints)
+    ranks = run_ranks(load_and_run, 2, list(plans.values()), "cpu", device="cpu")
+    for (kind, name), zero, one in zip(plans, *ranks):
+        dtype = torch.float32 if kind.endswith("32") else torch.bfloat16
+        ref = reference(checkpoints[kind], dtype=dtype)
+        want = logits(ref)
+        assert torch.equal(zero["logits"], one["logits"]), (kind, name)
+        err = (zero["logits"].float() - want.float()).abs().max().item()
+        assert err <= TOLERANCE[dtype] * want.float().abs().max().item(), (kind, name, err)
+        assert zero["tokens"] == one["tokens"]
+        if dtype is torch.float32:
+            assert zero["tokens"] == PlainHandle(ref).generate(torch.tensor(PROMPT), 8).tokens, (kind, name)
+        # each process holds half of every split tensor, the whole of the rest
+        full = {n: tuple(p.shape) for n, p in ref.named_parameters()}
+        q = "model.layers.0.self_attn.q_proj.weight"
+        assert zero["shapes"][q] == (full[q][0] // 2, full[q][1])
+        assert zero["shapes"]["model.layers.0.self_attn.o_proj.weight"] == (full[q][1], full[q][0] // 2)
+        assert zero["shapes"]["model.embed_tokens.weight"] == full["model.embed_tokens.weight"]
+        assert zero["shapes"]["lm_head.weight"] == (full["lm_head.weight"][0] // 2, full["lm_head.weight"][1])
+        if kind == "moe":
+            gu = "model.layers.0.mlp.experts.gate_up_proj"
+            assert zero["shapes"][gu] == (full[gu][0], full[gu][1] // 2, full[gu][2])
+        layers = ref.config.num_hidden_layers
+        assert zero["hooks"] == (2 * layers, 1)  # o_proj and the MLP or experts of each layer; the head
+        assert zero["bytes"] == one["bytes"] and sum(zero["bytes"]) < sum(p.nbytes for p in ref.parameters())
+
+
+def test_a_split_transformers_does_not_make_is_refused(tmp_path, checkpoints):
+    plan = make_plan(tmp_path, checkpoints["llama"], "gpus: 2", name="odd")
+    odd = (("model.layers.*.input_layernorm.weight", 0), ("model.layers.*.self_attn.q_proj.weight", 0))
+    message, _ = run_ranks(load_with, 2, str(plan), odd, "cpu", device="cpu")
+    assert "model.layers.0.input_layernorm.weight: the plan splits it along dim 0" in message
+    assert "transformers' plan says nothing for it" in message
+
+
+def test_outside_torch_distributed_or_at_another_world_size(tmp_path, checkpoints):
+    import torch.distributed as dist
+    from runtime.hf import from_pretrained
+    plan = make_plan(tmp_path, checkpoints["llama"], "gpus: 2", name="two")
+    with pytest.raises(OffplanError, match="runs one process per GPU under torch.distributed"):
+        from_pretrained(plan, device="cpu", progress=False)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    try:
+        with pytest.raises(StalePlanError, match=r"built for 2 GPUs \(parallel.gpus: 2\) but torch.distributed's "
+                                                 r"world size is 1"):
+            from_pretrained(plan, device="cpu", progress=False)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_plan_apply_starts_the_processes(tmp_path, checkpoints, capsys):
+    two = make_plan(tmp_path, checkpoints["moe"], POLICIES["experts"], name="apply2")
+    one = make_plan(tmp_path, checkpoints["moe"], "rules:\n  - {match: [experts], place: uva}", name="apply1")
+    assert main(["apply", str(one), "--device", "cpu", "--max-new-tokens", "4"]) == 0
+    single = capsys.readouterr().out.splitlines()[-1]
+    assert main(["apply", str(two), "--device", "cpu", "--max-new-tokens", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "tensor parallel over 2 processes" in out
+    assert out.splitlines()[-1] == single  # the same token ids
+    assert main(["apply", str(two), "--device", "cpu", "--gpus", "3"]) == 1
+    err = capsys.readouterr().err
+    assert "--gpus 3: the plan was built for 2 GPUs (parallel.gpus: 2)" in err and "Traceback" not in err
+    assert main(["apply", str(one), "--device", "cpu", "--gpus", "2"]) == 1
+    assert "the plan was built for one GPU" in capsys.readouterr().err
