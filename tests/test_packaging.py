@@ -135,3 +135,12 @@ def test_version(capsys, monkeypatch):
     monkeypatch.setattr(metadata, "version", not_installed)
     assert cli.main(["--version"]) == 0
     assert capsys.readouterr().out == f"plan (offplan) unknown (not installed: running from {ROOT})\n"
+
+
+def test_every_package_of_the_source_is_in_the_wheel_list():
+    """pyproject's explicit package list names every folder with an __init__.py (a new one left out installs
+    nowhere: a wheel without runtime.distributed fails at `plan apply` of a tensor-parallel plan)."""
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(p.parent.relative_to(ROOT).parts) for top in ("planner", "runtime", "offplan")
+             for p in (ROOT / top).rglob("__init__.py")}
+    assert found - listed == set()
