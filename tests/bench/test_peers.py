@@ -1,0 +1,137 @@
+"""benchmarks/peers/: llama.cpp side by side. The GGUF a benchmark checkpoint becomes holds the same weights under
+llama.cpp's names (read back with gguf's own reader), Q8_0 is gguf's bit for bit, and stage.sh packs what a build
+needs from an sdist laid out as llama-cpp-python's."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tarfile
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+gguf = pytest.importorskip("gguf")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
+
+from decode_bench import ROOT, load_benchmark  # noqa: E402
+
+sys.path.insert(0, str(ROOT / "benchmarks" / "peers"))
+import to_gguf  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A tiny Qwen3-MoE (2 layers, 8 experts, transformers' initialisation) as the benchmarks write it."""
+    load_benchmark("front_door")  # benchmarks/ on the path
+    from harness.checkpoints import make_checkpoint
+    return make_checkpoint("tiny-128", 2, tmp_path_factory.mktemp("ckpt") / "ckpt", "cpu")
+
+
+def weights(root):
+    out = {}
+    for f in sorted(root.glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+def test_q8_0_is_gguf_s_bit_for_bit():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(96, 256, generator=g) * 3
+    x[0, :32] = 0  # a block of zeros: scale 0
+    x[1, :32] = torch.arange(32) / 127 * 5  # values on .5 after scaling: rounding half away from zero
+    x[2, :32] = -x[1, :32]
+    ours = to_gguf.q8_0(x).numpy()
+    theirs = gguf.quants.quantize(x.numpy(), gguf.GGMLQuantizationType.Q8_0)
+    assert ours.shape == theirs.shape == (96, 256 // 32 * 34)
+    assert (ours == theirs).all()
+
+
+def test_bf16_gguf_holds_the_checkpoint_s_weights_under_llama_cpp_s_names(checkpoint, tmp_path):
+    out = to_gguf.write_gguf(checkpoint, tmp_path / "m.gguf", "bf16")
+    assert not list(tmp_path.glob("*.tmp"))
+    reader = gguf.GGUFReader(out)
+    fields = {k: f.contents() for k, f in reader.fields.items()}
+    config = json.loads((checkpoint / "config.json").read_text())
+    assert fields["general.architecture"] == "qwen3moe" and fields["tokenizer.ggml.model"] == "none"
+    assert (fields["qwen3moe.block_count"], fields["qwen3moe.expert_count"], fields["qwen3moe.expert_used_count"],
+            fields["qwen3moe.vocab_size"], fields["qwen3moe.expert_feed_forward_length"]) == (
+        2, 8, 2, config["vocab_size"], config["moe_intermediate_size"])
+    tensors = {t.name: t for t in reader.tensors}
+    w = weights(checkpoint)
+    assert len(tensors) == len(w) - 2 * 3 * 8 + 2 * 3  # each layer's 3 x 8 expert tensors stacked into 3
+    as_bf16 = {n: torch.from_numpy(np.array(t.data)).view(torch.bfloat16) for n, t in tensors.items()
+               if t.tensor_type == gguf.GGMLQuantizationType.BF16}
+    as_f32 = {n: torch.from_numpy(np.array(t.data)) for n, t in tensors.items()
+              if t.tensor_type == gguf.GGMLQuantizationType.F32}
+    assert set(as_f32) == {"output_norm.weight"} | {f"blk.{i}.{n}.weight" for i in range(2) for n in (
+        "attn_norm", "ffn_norm", "attn_q_norm", "attn_k_norm", "ffn_gate_inp")}
+    pairs = {"token_embd.weight": "model.embed_tokens.weight", "output.weight": "lm_head.weight",
+             "blk.1.attn_q.weight": "model.layers.1.self_attn.q_proj.weight",
+             "blk.0.attn_output.weight": "model.layers.0.self_attn.o_proj.weight",
+             "blk.1.ffn_gate_inp.weight": "model.layers.1.mlp.gate.weight",
+             "blk.0.attn_k_norm.weight": "model.layers.0.self_attn.k_norm.weight"}
+    for ours, theirs in pairs.items():
+        got = as_bf16.get(ours, as_f32.get(ours))
+        assert torch.equal(got.reshape(w[theirs].shape), w[theirs].to(got.dtype)), ours
+    for projection, short in (("gate_proj", "gate"), ("up_proj", "up"), ("down_proj", "down")):
+        stacked = torch.stack([w[f"model.layers.1.mlp.experts.{e}.{projection}.weight"] for e in range(8)])
+        got = as_bf16[f"blk.1.ffn_{short}_exps.weight"]
+        assert list(tensors[f"blk.1.ffn_{short}_exps.weight"].shape) == list(reversed(stacked.shape))
+        assert torch.equal(got.reshape(stacked.shape), stacked)
+
+
+def test_q8_0_gguf_is_the_weights_within_a_half_step_of_each_block_s_f16_scale(checkpoint, tmp_path):
+    reader = gguf.GGUFReader(to_gguf.write_gguf(checkpoint, tmp_path / "m.gguf", "q8_0"))
+    t = next(t for t in reader.tensors if t.name == "blk.0.ffn_down_exps.weight")
+    assert t.tensor_type == gguf.GGMLQuantizationType.Q8_0
+    w = weights(checkpoint)
+    stacked = torch.stack([w[f"model.layers.0.mlp.experts.{e}.down_proj.weight"] for e in range(8)]).float()
+    back = torch.from_numpy(gguf.quants.dequantize(np.array(t.data), t.tensor_type)).reshape(stacked.shape)
+    step = stacked.reshape(-1, 32).abs().amax(dim=1, keepdim=True) / 127
+    # half a step of rounding, plus the scale's own rounding to F16 (2^-11 of it) times a value up to 127 steps
+    assert ((back - stacked).reshape(-1, 32).abs() <= step * (0.5 + 127 * 2**-11)).all()
+
+
+def test_another_architecture_is_refused_naming_it(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises(SystemExit, match="model_type 'llama'.*qwen3_moe"):
+        to_gguf.write_gguf(tmp_path, tmp_path / "m.gguf")
+    assert not (tmp_path / "m.gguf").exists()
+
+
+def test_stage_packs_what_a_build_needs_and_names_the_commit(tmp_path):
+    """An sdist laid out as llama-cpp-python's: the backends other than the CPU's and CUDA's, the server and its UI
+    are left out; COMMIT names the commit the version's changelog entry gives."""
+    root = tmp_path / "src" / "llama_cpp_python-9.9.9"
+    src = root / "vendor" / "llama.cpp"
+    for path in ("CMakeLists.txt", "ggml/src/ggml-cpu/a.c", "ggml/src/ggml-cuda/b.cu", "ggml/src/ggml-metal/c.m",
+                 "ggml/src/ggml.c", "tools/llama-bench/llama-bench.cpp", "tools/server/server.cpp", "tools/ui/x.js",
+                 "src/llama.cpp", "gguf-py/gguf/__init__.py", "docs/big.md"):
+        (src / path).parent.mkdir(parents=True, exist_ok=True)
+        (src / path).write_text("x")
+    (root / "CHANGELOG.md").write_text("## [Unreleased]\n\n## [9.9.9]\n\n- feat: update llama.cpp to "
+                                       "ggml-org/llama.cpp@abc1234\n\n## [9.9.8]\n\n- feat: llama.cpp@0000000\n")
+    sdist = tmp_path / "llama_cpp_python-9.9.9.tar.gz"
+    with tarfile.open(sdist, "w:gz") as tar:
+        tar.add(root, arcname=root.name)
+    out = tmp_path / "staged"
+    done = subprocess.run(["bash", str(ROOT / "benchmarks/peers/stage.sh"), str(sdist), str(out)],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert (out / "COMMIT").read_text() == "llama.cpp abc1234 (vendored by llama-cpp-python 9.9.9)\n"
+    with tarfile.open(out / "llama.cpp.tar.xz") as tar:
+        files = {m.name.removeprefix("./") for m in tar.getmembers() if m.isfile()}
+    assert files == {"CMakeLists.txt", "ggml/src/ggml-cpu/a.c", "ggml/src/ggml-cuda/b.cu", "ggml/src/ggml.c",
+                     "tools/llama-bench/llama-bench.cpp", "src/llama.cpp", "gguf-py/gguf/__init__.py"}
+
+
+def test_stage_refuses_a_missing_sdist(tmp_path):
+    done = subprocess.run(["bash", str(ROOT / "benchmarks/peers/stage.sh"), str(tmp_path / "nope.tar.gz"),
+                           str(tmp_path / "out")], capture_output=True, text=True)
+    assert done.returncode == 1 and "nope.tar.gz: no such sdist" in done.stderr
+    assert not (tmp_path / "out").exists()
