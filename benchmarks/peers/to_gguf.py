@@ -16,6 +16,11 @@ llama.cpp's convert_hf_to_gguf.py does for Qwen3-MoE (`qwen3moe`), which is the 
 - hyperparameters from config.json under the keys convert_hf_to_gguf.py writes; no tokenizer
   (`tokenizer.ggml.model = "none"` and `qwen3moe.vocab_size`): llama-bench then draws random token ids.
 
+llama.cpp's qwen3moe always normalizes each token's top-k routing weights, as Qwen3-30B-A3B does
+(`norm_topk_prob: true`). A checkpoint with `norm_topk_prob: false` (transformers' default, which the benchmarks'
+random checkpoints keep) is written all the same, with a warning: the same weights and the same work per token,
+but not the same outputs.
+
 Tensors are streamed: the header and tensor table first, then one tensor's data at a time, so a checkpoint of any
 size converts in the memory of its largest layer's experts. The file is written beside OUT and renamed.
 """
@@ -108,6 +113,9 @@ def write_gguf(checkpoint: Path, out: Path, kind: str = "bf16", device: str | No
         raise SystemExit(f"error: {checkpoint}/config.json: model_type {config.get('model_type')!r}; to_gguf.py "
                          "writes qwen3_moe checkpoints (llama.cpp's qwen3moe) only")
     device = device or "cpu"
+    if not config.get("norm_topk_prob", False):
+        print(f"warning: {checkpoint}/config.json: norm_topk_prob is false; llama.cpp's {ARCH} normalizes the "
+              "routing weights all the same (module doc): same weights and work, other outputs", file=sys.stderr)
     qtype = {"bf16": gguf.GGMLQuantizationType.BF16, "q8_0": gguf.GGMLQuantizationType.Q8_0}[kind]
     source = Source(checkpoint)
     layers = config["num_hidden_layers"]
