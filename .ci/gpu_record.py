@@ -2,7 +2,7 @@
 
 CI has no GPU. Code that runs on the GPU (GPU_PATHS: the runtime, the GPU
 tests, the decode, front-door, MoE, MoE-kernel, parallel, prefill and quantized benchmarks with the
-harness they share, the quantized checkpoint writer the last one uses, and what each process of the
+harness they share, the quantized checkpoint writer the front-door and quantized ones use, and what each process of the
 tensor-parallel GPU tests runs) therefore lands only with a
 record, committed in
 RECORD, of a full GPU test run on exactly that code: the git object id of each

@@ -4,12 +4,14 @@
 # FlashAttention's CUDA kernels are left out (-DGGML_CUDA_FA=OFF): they double the build time, and llama-bench
 # then runs without -fa.
 #
-#   benchmarks/peers/build.sh [STAGED] [BUILD]   # STAGED defaults to .peers; prints the binaries' folder last
+#   benchmarks/peers/build.sh [STAGED] [BUILD]   # STAGED defaults to .peers, BUILD to STAGED/build;
+#                                                # prints the binaries' folder last
+# The source is unpacked into BUILD/source (same_model.py compiles against it).
 set -euo pipefail
 STAGED=${1:-.peers}
 BUILD=${2:-$STAGED/build}
 [ -f "$STAGED/llama.cpp.tar.xz" ] || { echo "error: $STAGED/llama.cpp.tar.xz is missing: run benchmarks/peers/stage.sh first" >&2; exit 1; }
-src="$STAGED/llama.cpp"
+src="$BUILD/source"
 rm -rf "$src" && mkdir -p "$src" && tar -xJf "$STAGED/llama.cpp.tar.xz" -C "$src"
 cuda=${LLAMA_CUDA:-}  # ON or OFF; unset: ON where a GPU answers nvidia-smi
 if [ -z "$cuda" ]; then cuda=OFF; nvidia-smi >/dev/null 2>&1 && cuda=ON; fi
