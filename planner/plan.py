@@ -22,6 +22,7 @@ class Placement(Enum):
     GPU = "gpu"  # resident in GPU memory
     UVA = "uva"  # pinned host memory, read in place through a zero-copy CUDA view
     PREFETCH = "prefetch"  # pinned host memory, copied ahead of use into static GPU buffers
+    CPU = "cpu"  # host memory, computed by the host CPU: routed experts only (the GPU sums their outputs)
 
     __hash__ = object.__hash__  # members are singletons; Enum's own hash is slow Python code
 
@@ -75,6 +76,7 @@ class LayerBytes:
     why: str | None = None  # mixed plans: what the layer offloads and why
     runs: Runs = Runs.STEP  # when it runs (graph.py); the cost model counts only what runs every step
     experts: str | None = None  # split expert groups: which experts are where (groups.experts_map)
+    cpu: int = 0  # routed experts the host CPU computes (absent from the file when 0)
 
 
 @dataclass(frozen=True)
@@ -187,6 +189,7 @@ class Summary:
     predicted_h2d_bytes_per_step: int = 0
     predicted_step_us: int = 0
     stage_buffer_bytes: int = 0  # the prefill staging pool (PrefillStaging.pool_bytes)
+    cpu_bytes: int = 0  # routed experts the host CPU computes, in host memory (no GPU memory)
 
     @property
     def gpu_footprint_bytes(self) -> int:
@@ -205,6 +208,7 @@ class Cost:
     cuda_graphs: bool = False  # steps replay a captured CUDA graph: cpu_us is 0
     prompt_tokens: int = 0  # tokens of the predicted prefill (workload.prompt_tokens); 0: a plan without one
     prefill_us: int = 0  # predicted prefill of prompt_tokens tokens, one sequence: the time to first token
+    cpu_threads: int = 0  # host threads assumed for experts on cpu (the hardware profile's); 0: none on cpu
 
     @property
     def step_us(self) -> int:

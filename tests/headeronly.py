@@ -72,6 +72,23 @@ def toy(layers: int = 4, sizes: dict[str, int] | None = None, stack: str = "mode
     return out
 
 
+def moe_toy(layers: int = 3, experts: int = 2) -> list:
+    """Per layer: attention 1 MiB, then experts e: down/gate/up 1 MiB each (a fused group)."""
+    out = [("model.embed_tokens.weight", "BF16", (512, 1024))]
+    for i in range(layers):
+        out.append((f"model.layers.{i}.self_attn.o_proj.weight", "BF16", (512, 1024)))
+        for e in range(experts):
+            for proj in ("down_proj", "gate_proj", "up_proj"):
+                out.append((f"model.layers.{i}.mlp.experts.{e}.{proj}.weight", "BF16", (512, 1024)))
+    out.append(("lm_head.weight", "BF16", (512, 1024)))
+    return out
+
+
+def experts_of(*layers: int, experts: int = 2) -> list[str]:
+    return [f"model.layers.{i}.mlp.experts.{e}.{p}.weight" for i in layers for e in range(experts)
+            for p in ("down_proj", "gate_proj", "up_proj")]
+
+
 def infos(tensors) -> dict[str, TensorInfo]:
     """TensorInfo records for (name, dtype, shape) triples, as open_checkpoint would give."""
     return {n: TensorInfo(n, d, tuple(s), nbytes(d, tuple(s)), "model.safetensors", 0)

@@ -68,6 +68,10 @@ ceil(T / stage_above_tokens) reads: 1 up to the threshold, 3 at 512 tokens
 with the default 192 (measured on the H100: 2.1x a copy), 43 at 8192 (measured
 24x: long prompts read in place are predicted pessimistic).
 
+Experts on cpu: the host computes its touched ones beside the GPU, which sums both (no link traffic; GEMVs bound
+by memory reads): layer gpu = max(its GPU time, layer GPU time + cpu bytes / cpu_expert_gbps + cpu_expert_sync_us).
+Prefill: above stage_above_tokens copied and computed on the GPU, as staged uva experts; below, the CPU reads add.
+
 Tensor parallelism (layers/shards.py): the tensors are one GPU's share, so
 every figure above is each GPU's, over its own link, at once. A layer whose
 outputs the GPUs sum (an all-reduce: attention's o projection, the MLP or
@@ -111,7 +115,7 @@ from ..plan import LayerKind, Placement, Role, Runs
 from .reads import reads
 from .staging import stage_experts, stageable
 
-GPU, UVA, PREFETCH = Placement.GPU, Placement.UVA, Placement.PREFETCH
+GPU, UVA, PREFETCH, CPU = Placement.GPU, Placement.UVA, Placement.PREFETCH, Placement.CPU
 
 
 @dataclass(frozen=True)
@@ -255,8 +259,8 @@ class CostModel:
         hw = self.hw
         hbm, uva, h2d = hw.hbm_read_gbps * 1e3, hw.uva_read_gbps * 1e3, hw.h2d_copy_gbps * 1e3  # bytes/us
         flops_us = hw.matmul_tflops * 1e6  # FLOPs per us
-        read_hbm = read_uva = copied = staged = 0.0
-        flops = pre_hbm = pre_copied = pre_uva = 0.0
+        read_hbm = read_uva = copied = staged = read_cpu = 0.0
+        flops = pre_hbm = pre_copied = pre_uva = pre_cpu = 0.0
         experts = self.experts[layer.name]
         stages = self.batched or any(place[n] is UVA for n in experts)
         latency = 0.0
@@ -267,6 +271,11 @@ class CostModel:
             p, size = place[n], self.tensors[n].nbytes
             b, pre = size * frac, size * pre_frac
             flops += f
+            if p is CPU:  # the host computes it (module doc); a long prompt: copied and computed on the GPU
+                read_cpu += b
+                pre_copied, pre_hbm, pre_cpu = ((pre_copied + size, pre_hbm + pre, pre_cpu) if self.stages
+                                                else (pre_copied, pre_hbm, pre_cpu + pre))
+                continue
             if stages and routed:
                 staged += 2 * b  # written to HBM and read back by the GEMVs
             if p is UVA:
@@ -283,6 +292,9 @@ class CostModel:
                     copied += size
                     pre_copied += size
         gpu = latency + (read_hbm + staged) / hbm + read_uva / uva
+        if read_cpu:  # the GPU sums the CPU's outputs: the layer ends when the later side does
+            gpu = max(gpu, latency + read_cpu / (hw.cpu_expert_gbps * 1e3) + hw.cpu_expert_sync_us)
         link = read_uva / uva + copied / h2d
-        prefill = max(flops / flops_us + pre_hbm / hbm, pre_copied / h2d) + pre_uva / uva
+        prefill = (max(flops / flops_us + pre_hbm / hbm, pre_copied / h2d) + pre_uva / uva
+                   + pre_cpu / (hw.cpu_expert_gbps * 1e3))
         return int(read_uva + copied), gpu, link, prefill

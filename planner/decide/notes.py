@@ -35,7 +35,7 @@ from ..layers.graph import LayerGraph
 from ..plan import Backend, Placement, PrefetchSchedule, PrefillStaging, Runs
 from ..units import human, percent, plural
 
-GPU, UVA, PREFETCH = Placement.GPU, Placement.UVA, Placement.PREFETCH
+GPU, UVA, PREFETCH, CPU = Placement.GPU, Placement.UVA, Placement.PREFETCH, Placement.CPU
 WARNING = "warning: "
 _NBYTES = itemgetter(3)  # of a TensorInfo
 
@@ -73,7 +73,7 @@ class Outcome:
 
 def notes(o: Outcome) -> tuple[str, ...]:
     """The plan's notes, in order: rules, backend, mixed, cost-model caveats, warnings."""
-    by_rules = {UVA: 0, PREFETCH: 0}
+    by_rules = {UVA: 0, PREFETCH: 0, CPU: 0}
     ruled = 0
     for n in o.fixed:  # few: what rules placed
         if o.place[n] is not GPU:
@@ -85,6 +85,10 @@ def notes(o: Outcome) -> tuple[str, ...]:
     out = []
     if ruled:
         out.append(f"rules place {_amounts(by_rules)} ({plural(ruled, 'tensor')})")
+    if by_rules[CPU]:
+        out.append(f"{human(by_rules[CPU])} of routed experts on cpu: the host CPU computes them beside the GPU, as "
+                   "the hardware profile's cpu figures predict; this offplan plans and reviews them, but its runtime "
+                   "does not compute them yet (`plan apply` and runtime.load refuse the plan)")
     out.append(_backend_note(o, by_backend, any(by_rules.values()), sum(map(_NBYTES, o.tensors.values()))))
     out += o.mixed
     out += _rarely_run(o)
@@ -168,6 +172,8 @@ def _amounts(by: Mapping[Placement, int]) -> str:
         parts.append(f"{human(by[UVA])} on uva")
     if by[PREFETCH]:
         parts.append(f"{human(by[PREFETCH])} on prefetch")
+    if by.get(CPU):
+        parts.append(f"{human(by[CPU])} on cpu")
     return " and ".join(parts)
 
 

@@ -6,7 +6,8 @@ the natural order of tensor names (`graph.natural_key`): that is the
 
 Steps:
 1. Rules, first match wins, fix a tensor's placement before anything else;
-   rules that part a quantized weight from its scales (quantized.py) are an error.
+   rules that part a quantized weight from its scales (quantized.py) are an error,
+   and so is `place: cpu` on anything but routed experts (the backends never choose cpu).
 2. Candidates for the backend are the remaining tensors of the layer stacks;
    embeddings, final norms and the head stay on the GPU unless a rule moves them.
    Fused expert groups (groups.py) move by prefetch whole, by vLLM's uva walk
@@ -97,11 +98,11 @@ from ..plan import Backend, Cost, LayerBytes, Placement, PrefetchSchedule, Prefi
 from .backends import place_backend
 from .cost import CostModel
 from .notes import Outcome, notes
-from .placement_errors import check_groups, check_roles, check_streamed_runs, over_budget
+from .placement_errors import check_cpu, check_groups, check_roles, check_streamed_runs, over_budget
 from .schedule import make_schedule
 from .staging import make_staging
 
-GPU, UVA, PREFETCH = Placement.GPU, Placement.UVA, Placement.PREFETCH
+GPU, UVA, PREFETCH, CPU = Placement.GPU, Placement.UVA, Placement.PREFETCH, Placement.CPU
 _NBYTES = itemgetter(3)  # of a TensorInfo
 
 
@@ -110,7 +111,7 @@ def bytes_by_placement(names: tuple[str, ...], place: Mapping[str, Placement], t
     """The bytes of `names` on each placement (summed in C: a layer of DeepSeek-V3 holds 1,548 tensors)."""
     sizes = list(map(_NBYTES, map(tensors.__getitem__, names)))
     where = list(map(place.__getitem__, names))
-    return {p: sum(compress(sizes, map(is_, where, repeat(p)))) for p in (GPU, UVA, PREFETCH)}
+    return {p: sum(compress(sizes, map(is_, where, repeat(p)))) for p in (GPU, UVA, PREFETCH, CPU)}
 
 
 @dataclass(frozen=True)
@@ -171,6 +172,7 @@ def decide(graph: LayerGraph, tensors: Mapping[str, TensorInfo], policy: Policy,
                 "prefetch": select(graph.layers, policy.prefetch.params, names) if policy.prefetch.params else None}
     check_groups(groups, won, selected, policy)
     check_roles(groups, as_experts, policy)
+    check_cpu(groups, won, policy)
     check_streamed_runs(graph, won, policy)
     in_step = set(chain.from_iterable(l.params for l in graph.layers if l.runs is Runs.STEP))
     moe = {g: count for g, members in groups.members.items()
@@ -200,7 +202,7 @@ def decide(graph: LayerGraph, tensors: Mapping[str, TensorInfo], policy: Policy,
                            model.staged_experts if experts else model.unstaged_experts) if stage else None
     if (staging.pool_bytes if staging else 0) != fp.stage_pool:  # one rule, two sums: a bug, not an input error
         raise AssertionError(f"staging pool {staging} against the footprint's {fp.stage_pool}")
-    by = {GPU: 0, UVA: 0, PREFETCH: 0}
+    by = {GPU: 0, UVA: 0, PREFETCH: 0, CPU: 0}
     layers = []
     for l, c in zip(graph.layers, prediction.layers):
         mine = bytes_by_placement(l.params, place, tensors)
@@ -208,11 +210,12 @@ def decide(graph: LayerGraph, tensors: Mapping[str, TensorInfo], policy: Policy,
             by[k] += mine[k]
         split = experts_map(l.params, place.__getitem__, l.name + ".", l.expert_tensors)
         layers.append(LayerBytes(l.name, mine[GPU], mine[UVA], mine[PREFETCH], c.h2d_bytes, c.gpu_us,
-                                 reasons.get(l.name), l.runs, split))
+                                 reasons.get(l.name), l.runs, split, mine[CPU]))
     summary = Summary(by[GPU], by[UVA], by[PREFETCH], fp.pool, prediction.h2d_bytes, prediction.step_us,
-                      fp.stage_pool)
+                      fp.stage_pool, by[CPU])
     cost = Cost(hardware.name, prediction.batch_size, prediction.cpu_us, prediction.gpu_us, prediction.link_us,
-                work.cuda_graphs, prediction.prompt_tokens, prediction.prefill_us)
+                work.cuda_graphs, prediction.prompt_tokens, prediction.prefill_us,
+                hardware.cpu_threads if by[CPU] else 0)
     outcome = Outcome(policy, backend, reason, skipped, place, frozenset(fixed), tensors, graph, schedule,
                       mixed_notes, bool(groups.members) and top_k is None and routing is None,
                       routing, bool(moe) and top_k is not None and routing is None, checkpoint_fingerprint, staging,

@@ -11,7 +11,7 @@ from ..layers.groups import FusedGroups, split_units
 from ..plan import Backend, Placement, Runs
 from ..units import GIB, human
 
-GPU, PREFETCH = Placement.GPU, Placement.PREFETCH
+GPU, PREFETCH, CPU = Placement.GPU, Placement.PREFETCH, Placement.CPU
 
 
 def gib(n: float) -> str:
@@ -61,6 +61,25 @@ def check_roles(groups: FusedGroups, as_experts: list[set[str]], policy: Policy)
                             "step reads and reads it whole: leave it out of the rule's match")
     if problems:
         raise PolicyError(f"{policy.path}: role: expert on tensors that are not stacked experts", problems)
+
+
+def check_cpu(groups: FusedGroups, won: list[set[str]], policy: Policy) -> None:
+    """`place: cpu` holds routed experts only: the host CPU computes an expert's contribution to the tokens
+    routed to it, which the GPU sums with the others'; any other tensor would have the CPU run a part of
+    the model's every step. One line per rule, naming up to three of its tensors that are not."""
+    problems = []
+    for i, (rule, mine) in enumerate(zip(policy.rules, won)):
+        if rule.place is not CPU:
+            continue
+        wrong = sorted(n for n in mine if not groups.routed(n))
+        if wrong:
+            more = f" and {len(wrong) - 3} more" if len(wrong) > 3 else ""
+            problems.append(f"rules[{i}] (place: cpu) selects {', '.join(wrong[:3])}{more}, which "
+                            f"{'is not a routed expert' if len(wrong) == 1 else 'are not routed experts'}: "
+                            "cpu holds routed experts only (the CPU computes the tokens routed to them); narrow "
+                            "the rule's match to the experts (e.g. `experts`)")
+    if problems:
+        raise PolicyError(f"{policy.path}: place: cpu on tensors that are not routed experts", problems)
 
 
 _WHEN = {Runs.IMAGES: "runs only for prompts with images", Runs.MTP: "runs in no forward of plain decoding"}

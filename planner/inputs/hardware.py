@@ -9,7 +9,8 @@ calibrate` measured them there (665 TFLOP/s at 4096 tokens; in-place GEMMs
 models: 76.4 us per dense layer, 120.9 us per MoE layer, 45.9 us per step);
 the HBM and CPU figures are estimates (`plan calibrate`
 there measured 2470-2750 GB/s HBM reads and 590-1520 us of CPU time per layer,
-run to run).
+run to run), and so are the figures of experts on cpu, from the host's read
+rates measured there (`plan calibrate` does not measure them yet).
 """
 from __future__ import annotations
 
@@ -43,6 +44,12 @@ class Hardware:
     allreduce_us: float = 9.7
     allreduce_gbps: float = 240.0
     parallel_h2d_copy_gbps: float = 49.0
+    # routed experts on cpu: the bytes the host computes per second while the GPU reads others over UVA (the
+    # H100 machine's 16 cores read 67 GB/s beside 47 GB/s of UVA reads, and a torch bf16 bmm of 8 experts 69 GB/s
+    # alone: 60 assumed), its threads, and the handoff of a layer's tokens and outputs (an estimate)
+    cpu_expert_gbps: float = 60.0
+    cpu_threads: int = 16
+    cpu_expert_sync_us: float = 30.0
     measured: str = ""
 
 
@@ -87,6 +94,9 @@ def load_hardware(path: str | Path) -> Hardware:
                     # absent: the profile's own copy bandwidth, shared as the built-in figures share it
                     parallel_h2d_copy_gbps=float(d.get("parallel_h2d_copy_gbps", float(d["h2d_copy_gbps"])
                                                        * H100.parallel_h2d_copy_gbps / H100.h2d_copy_gbps)),
+                    cpu_expert_gbps=float(d.get("cpu_expert_gbps", H100.cpu_expert_gbps)),
+                    cpu_threads=int(d.get("cpu_threads", H100.cpu_threads)),
+                    cpu_expert_sync_us=float(d.get("cpu_expert_sync_us", H100.cpu_expert_sync_us)),
                     measured=d.get("measured", ""))
 
 
@@ -100,4 +110,6 @@ def dumps_hardware(hw: Hardware) -> str:
             f"step_gpu_us: {hw.step_gpu_us:.1f}\nmoe_layer_overhead_us: {hw.moe_layer_overhead_us:.1f}\n"
             f"allreduce_us: {hw.allreduce_us:.1f}\nallreduce_gbps: {hw.allreduce_gbps:.1f}\n"
             f"parallel_h2d_copy_gbps: {hw.parallel_h2d_copy_gbps:.1f}\n"
+            f"cpu_expert_gbps: {hw.cpu_expert_gbps:.1f}\ncpu_threads: {hw.cpu_threads}\n"
+            f"cpu_expert_sync_us: {hw.cpu_expert_sync_us:.1f}\n"
             f"measured: {yamlio.quote(hw.measured)}\n")

@@ -28,7 +28,7 @@ class Rule:
     """
 
     patterns: tuple[Pattern, ...]  # `match:` vLLM segment patterns or `re:` regexes, e.g. (experts,)
-    place: Placement | None  # `place:` gpu | uva | prefetch; None: the rule only sets a role
+    place: Placement | None  # `place:` gpu | uva | prefetch | cpu (routed experts); None: the rule only sets a role
     role: Role | None = None  # `role:` what the cost model assumes a step reads of them
 
 

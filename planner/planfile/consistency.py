@@ -27,11 +27,10 @@ placement but not its size, so:
   staged tensors, and the ring its routed experts'; a quantized weight and its scales share a placement.
   A tensor-parallel plan (`parallel:`) is compared with one GPU's share of them (parallel.py).
 
-Not checked: the predicted link bytes, GPU time per layer and prefill, which
-need the cost model's hardware profile (only the step's totals are
-compared), and `prefill.above_tokens` (the profile's). A plan without a
-`prefill:` section passes whatever it places on uva (the policy may say
-`uva.stage_prefill: false`); `plan check` compares it with a rebuild.
+Only routed experts are on cpu. Not checked: the predicted link bytes, GPU time per layer and prefill, which need
+the cost model's hardware profile (only the step's totals are compared), and `prefill.above_tokens` (the profile's).
+A plan without a `prefill:` section passes whatever it places on uva (the policy may say `uva.stage_prefill:
+false`); `plan check` compares it with a rebuild.
 """
 from __future__ import annotations
 
@@ -51,7 +50,7 @@ from ..plan import Placement, Plan, Runs
 from ..units import human
 from .parallel import parallel_problems, share
 
-KINDS = ("gpu", "uva", "prefetch")
+KINDS = ("gpu", "uva", "prefetch", "cpu")
 Where = Callable[[tuple], str]  # key path -> "file:line:column"
 
 
@@ -156,14 +155,15 @@ def _layers(plan: Plan, layers: tuple[Layer, ...], at, tensors) -> list[str]:
 
 
 def _bytes(by: Mapping[str, int]) -> str:
-    return ", ".join(f"{k} {by[k]:,}" for k in KINDS)
+    return ", ".join(f"{k} {by[k]:,}" for k in KINDS if k != "cpu" or by[k])  # cpu: only where there is some
 
 
 def _groups(plan: Plan, at) -> list[str]:
-    """Fused experts (groups.py): one placement per expert of a fused parameter, and a group
-    prefetched whole (its parameters are views of one slot) or not at all."""
-    problems = []
+    """Fused experts (groups.py): one placement per expert of a fused parameter, a group prefetched whole (its
+    parameters are views of one slot) or not at all, and only experts on cpu."""
     groups = FusedGroups.find(plan.params)
+    problems = [f"{at('params', n)}: cpu holds routed experts only, and {n} is none" for n, p in plan.params.items()
+                if p is Placement.CPU and n not in groups.group_of] if plan.summary.cpu_bytes else []
     for group, members in groups.members.items():
         kinds: dict[str, list[str]] = {}
         for m in members:

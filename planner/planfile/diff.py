@@ -31,7 +31,7 @@ from ..plan import Plan
 from ..units import human, ms, plural, signed
 from . import parallel_review
 from .diff_buffers import change, schedule, schedule_lines, some, staging, staging_lines
-from .show import KINDS, table, units_of
+from .show import kinds, table, units_of
 
 
 def _resolved(plan: Plan, where: Path) -> Plan:
@@ -58,14 +58,15 @@ def diff_data(old: Plan, new: Plan, sizes: Mapping[str, int] | None = None,
     old_layers = {l.name: l for l in old.layers}
     new_layers = {l.name: l for l in new.layers}
     layers = []
+    shown = kinds(old, new)
     for name in [*new_layers, *(n for n in old_layers if n not in new_layers)]:
         x, y = old_layers.get(name), new_layers.get(name)
-        delta = {k: (getattr(y, k) if y else 0) - (getattr(x, k) if x else 0) for k in KINDS}
+        delta = {k: (getattr(y, k) if y else 0) - (getattr(x, k) if x else 0) for k in shown}
         if any(delta.values()):
             layers.append({"name": name, **delta})
     so, sn = old.summary, new.summary
     summary = {k: getattr(sn, k) - getattr(so, k) for k in
-               ("gpu_bytes", "uva_bytes", "prefetch_bytes", "prefetch_buffer_bytes", "stage_buffer_bytes",
+               (*(f"{k}_bytes" for k in shown), "prefetch_buffer_bytes", "stage_buffer_bytes",
                 "gpu_footprint_bytes")}
     return {
         "same": a == b,
@@ -237,6 +238,8 @@ def _table(d: dict):
         nbytes = f" {human(u['bytes'])}" if u["bytes"] is not None else ""
         moves.setdefault(u["layer"], []).append(f"{u['from']} -> {u['to']}{nbytes}: {what}")
     names = list(dict.fromkeys([*moves, *deltas]))
+    shown = [k for k in ("gpu", "uva", "prefetch", "cpu") if any(k in l for l in d["layers"])] or ["gpu", "uva",
+                                                                                                "prefetch"]
     rows = [[n, "\n".join(moves.get(n, ["(tensor sizes changed)"])),
-             *(signed(deltas[n][k]) if n in deltas else "0" for k in KINDS)] for n in names]
-    return table(["layer", "moved", "gpu", "uva", "prefetch"], rows, align="llrrr")
+             *(signed(deltas[n][k]) if n in deltas else "0" for k in shown)] for n in names]
+    return table(["layer", "moved", *shown], rows, align="ll" + "r" * len(shown))

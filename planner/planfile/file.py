@@ -55,8 +55,9 @@ def _row(layer: LayerBytes) -> str:
     runs = {} if layer.runs is Runs.STEP else {"runs": layer.runs.value}
     why = {} if layer.why is None else {"why": layer.why}
     experts = {} if layer.experts is None else {"experts": layer.experts}
-    return _flow(name=layer.name, **runs, gpu=layer.gpu, uva=layer.uva, prefetch=layer.prefetch, h2d=layer.h2d,
-                 us=layer.us, **experts, **why)
+    cpu = {} if not layer.cpu else {"cpu": layer.cpu}  # absent without experts on cpu, as in plans before it
+    return _flow(name=layer.name, **runs, gpu=layer.gpu, uva=layer.uva, prefetch=layer.prefetch, **cpu,
+                 h2d=layer.h2d, us=layer.us, **experts, **why)
 
 
 def _flow(**items) -> str:
@@ -90,6 +91,7 @@ def _dumps(plan: Plan) -> str:
            f"  gpu_bytes: {s.gpu_bytes}\n",
            f"  uva_bytes: {s.uva_bytes}\n",
            f"  prefetch_bytes: {s.prefetch_bytes}\n",
+           *([f"  cpu_bytes: {s.cpu_bytes}\n"] if s.cpu_bytes else []),
            f"  prefetch_buffer_bytes: {s.prefetch_buffer_bytes}\n",
            # absent without staging, as in plans before it
            *([f"  stage_buffer_bytes: {s.stage_buffer_bytes}\n"] if s.stage_buffer_bytes else []),
@@ -102,8 +104,9 @@ def _dumps(plan: Plan) -> str:
     else:
         graphs = {"cuda_graphs": True} if c.cuda_graphs else {}  # absent for eager, as plans before it
         prefill = {"prompt_tokens": c.prompt_tokens, "prefill_us": c.prefill_us} if c.prompt_tokens else {}
+        threads = {"cpu_threads": c.cpu_threads} if c.cpu_threads else {}
         flow = _flow(hardware=c.hardware, batch_size=c.batch_size, cpu_us=c.cpu_us, gpu_us=c.gpu_us,
-                     link_us=c.link_us, **graphs, **prefill)
+                     link_us=c.link_us, **graphs, **prefill, **threads)
         out.append(f"cost: {flow}\n")
     out.append("notes:" + (" []\n" if not plan.notes else "\n"))
     out += [f"  - {_s(n)}\n" for n in plan.notes]
@@ -255,7 +258,8 @@ def _parse(text: str, path: Path) -> tuple[Plan, yamlio.Located]:
         stacks=tuple(d["stacks"]),
         tied_embeddings=d["tied_embeddings"],
         summary=Summary(s["gpu_bytes"], s["uva_bytes"], s["prefetch_bytes"], s["prefetch_buffer_bytes"],
-                        s["predicted_h2d_bytes_per_step"], s["predicted_step_us"], s.get("stage_buffer_bytes", 0)),
+                        s["predicted_h2d_bytes_per_step"], s["predicted_step_us"], s.get("stage_buffer_bytes", 0),
+                        s.get("cpu_bytes", 0)),
         layers=tuple(LayerBytes(**{**l, "runs": Runs(l.get("runs", "step"))}) for l in d["layers"]),
         prefetch=prefetch,
         params={k: Placement(v) for k, v in d["params"].items()},

@@ -26,7 +26,13 @@ from ..units import human, ms, percent, plural
 from . import parallel_review
 from .parallel import share
 
-KINDS = ("gpu", "uva", "prefetch")
+KINDS = ("gpu", "uva", "prefetch", "cpu")
+
+
+def kinds(*plans: Plan) -> tuple[str, ...]:
+    """The placements a table or record shows: cpu only where a plan computes experts on the host CPU, so
+    that plans without it read as before."""
+    return KINDS if any(p.summary.cpu_bytes for p in plans) else KINDS[:3]
 
 
 def print_to(file, renderables: Iterable[RenderableType | str]) -> None:
@@ -76,10 +82,10 @@ def show_data(plan: Plan) -> dict:
         "routing": None if plan.routing is None else plan.routing.path,
         "backend": plan.backend.value,
         "tensors": plan.tensors,
-        "layers": [{"name": l.name, "gpu": l.gpu, "uva": l.uva, "prefetch": l.prefetch,
+        "layers": [{"name": l.name, **{k: getattr(l, k) for k in kinds(plan)},
                     "slot": slot.get(l.name), "h2d_bytes_per_step": l.h2d, "gpu_us": l.us,
                     "why": l.why} for l in plan.layers],
-        "summary": {"gpu_bytes": s.gpu_bytes, "uva_bytes": s.uva_bytes, "prefetch_bytes": s.prefetch_bytes,
+        "summary": {**{f"{k}_bytes": getattr(s, f"{k}_bytes") for k in kinds(plan)},
                     "prefetch_buffer_bytes": s.prefetch_buffer_bytes, "stage_buffer_bytes": s.stage_buffer_bytes,
                     "gpu_footprint_bytes": s.gpu_footprint_bytes, "budget_bytes": plan.budget_bytes,
                     "predicted_h2d_bytes_per_step": s.predicted_h2d_bytes_per_step,
@@ -88,7 +94,8 @@ def show_data(plan: Plan) -> dict:
             "hardware": plan.cost.hardware, "batch_size": plan.cost.batch_size,
             "cpu_us": plan.cost.cpu_us, "gpu_us": plan.cost.gpu_us, "link_us": plan.cost.link_us,
             "cuda_graphs": plan.cost.cuda_graphs,
-            "prompt_tokens": plan.cost.prompt_tokens or None, "prefill_us": plan.cost.prefill_us or None},
+            "prompt_tokens": plan.cost.prompt_tokens or None, "prefill_us": plan.cost.prefill_us or None,
+            **({"cpu_threads": plan.cost.cpu_threads} if plan.cost.cpu_threads else {})},
         "prefetch": None if plan.prefetch is None else {
             "step": plan.prefetch.step, "slots": plan.prefetch.slots, "slot_bytes": plan.prefetch.slot_bytes,
             "layers": len(plan.prefetch.schedule)},
@@ -109,18 +116,19 @@ def show(plan: Plan, unchecked: str | None = None) -> list[RenderableType | str]
     """The per-layer table and the totals; `unchecked` says why byte counts went unchecked."""
     why = any(l.why for l in plan.layers)
     slot = {t.layer: t.slot for t in plan.prefetch.schedule} if plan.prefetch else {}
-    rows = [[l.name, _bytes(l.gpu), _bytes(l.uva), _bytes(l.prefetch), slot.get(l.name, "-"), _bytes(l.h2d),
+    shown = kinds(plan)
+    rows = [[l.name, *(_bytes(getattr(l, k)) for k in shown), slot.get(l.name, "-"), _bytes(l.h2d),
              f"{l.us / 1e3:.3f}", *([l.why or ""] if why else [])] for l in plan.layers]
     s = plan.summary
-    total = ["total", human(s.gpu_bytes), human(s.uva_bytes), human(s.prefetch_bytes), "",
+    total = ["total", *(human(getattr(s, f"{k}_bytes")) for k in shown), "",
              human(s.predicted_h2d_bytes_per_step), f"{plan.cost.gpu_us / 1e3:.3f}" if plan.cost else "",
              *([""] if why else [])]
     out: list[RenderableType | str] = [
         f"plan for {plan.checkpoint_path}: {plural(plan.tensors, 'tensor')}, {human(plan.total_bytes)}"
         + (f" ({human(s.gpu_bytes + s.uva_bytes + s.prefetch_bytes)} on each GPU)" if plan.parallel else "")
         + f", backend {plan.backend.value}", *([parallel_review.headline(plan.parallel)] if plan.parallel else []), "",
-        table(["layer", "gpu", "uva", "prefetch", "slot", "h2d/step", "gpu ms", *(["why"] if why else [])],
-              rows, total, "lrrrrrr" + ("l" if why else "")), ""]
+        table(["layer", *shown, "slot", "h2d/step", "gpu ms", *(["why"] if why else [])],
+              rows, total, "l" + "r" * (len(shown) + 3) + ("l" if why else "")), ""]
     if plan.prefetch:
         p = plan.prefetch
         out.append(f"prefetch: {plural(len(p.schedule), 'layer')}, step {p.step}, {plural(p.slots, 'slot')} x "
@@ -169,6 +177,9 @@ def _footprint(plan: Plan) -> list[str]:
     parts = f"{human(s.gpu_bytes)} resident{parts} = " if parts else ""
     per = " per GPU" if plan.parallel else ""
     out = [f"GPU footprint{per}: {parts}{human(s.gpu_footprint_bytes)} ({verdict})"]
+    if s.cpu_bytes:
+        threads = f" with {plan.cost.cpu_threads} threads" if plan.cost and plan.cost.cpu_threads else ""
+        out.append(f"host CPU{per}: computes {human(s.cpu_bytes)} of routed experts{threads}, kept in host memory")
     offloaded = s.uva_bytes + s.prefetch_bytes
     if not offloaded:
         out.append(f"host (pinned){per}: nothing offloaded")

@@ -116,7 +116,7 @@ CORPUS = [
     case("tab in a list", policy("stacks:\n  - model.layers\n\t- x\n"), ["build", "bad.policy.yaml"],
      "bad.policy.yaml:5:1: a tab in the indentation"),
     case("rule without place or role", policy("rules:\n  - match: [lm_head]\n"), ["build", "bad.policy.yaml"],
-     "bad.policy.yaml:4:5: rules[0]: needs `place` (gpu, uva, prefetch) or `role` (expert, embedding, dense), "
+     "bad.policy.yaml:4:5: rules[0]: needs `place` (gpu, uva, prefetch, cpu) or `role` (expert, embedding, dense), "
      "or both"),
     case("rule matching nothing", policy("rules:\n  - {match: [], place: gpu}\n"), ["build", "bad.policy.yaml"],
      "bad.policy.yaml:4:13: rules[0].match: must not be empty"),
@@ -228,7 +228,7 @@ CORPUS = [
          ["validate", "bad.plan.yaml"], "bad.plan.yaml:{at}: budget_gib: unknown key; did you mean 'budget_bytes'?"),
     case("unknown placement in a plan", edited_plan("  model.norm.weight: gpu", "  model.norm.weight: disk", at="disk"),
          ["show", "bad.plan.yaml"],
-         "bad.plan.yaml:{at}: params.model.norm.weight: 'disk' is not one of gpu, uva, prefetch"),
+         "bad.plan.yaml:{at}: params.model.norm.weight: 'disk' is not one of gpu, uva, prefetch, cpu"),
     # The prefill fields of a policy, and its plan's staging section edited by hand.
     case("prompt_tokens 0", policy("workload: {prompt_tokens: 0}\n"), ["build", "bad.policy.yaml"],
          "bad.policy.yaml: the policy is invalid\n"

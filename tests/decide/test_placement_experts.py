@@ -4,27 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from headeronly import GPU, UVA, mib, placed, plan_of, policy, toy
+from headeronly import GPU, UVA, experts_of, mib, moe_toy, placed, plan_of, policy, toy
 from planner.errors import PolicyError
 from synthetic import gpt_oss
 from test_placement_prefetch import dense_then_moe
-
-
-def moe_toy(layers: int = 3, experts: int = 2) -> list:
-    """Per layer: attention 1 MiB, then experts e: down/gate/up 1 MiB each (a fused group)."""
-    out = [("model.embed_tokens.weight", "BF16", (512, 1024))]
-    for i in range(layers):
-        out.append((f"model.layers.{i}.self_attn.o_proj.weight", "BF16", (512, 1024)))
-        for e in range(experts):
-            for proj in ("down_proj", "gate_proj", "up_proj"):
-                out.append((f"model.layers.{i}.mlp.experts.{e}.{proj}.weight", "BF16", (512, 1024)))
-    out.append(("lm_head.weight", "BF16", (512, 1024)))
-    return out
-
-
-def experts_of(*layers: int, experts: int = 2) -> list[str]:
-    return [f"model.layers.{i}.mlp.experts.{e}.{p}.weight" for i in layers for e in range(experts)
-            for p in ("down_proj", "gate_proj", "up_proj")]
 
 
 def test_uva_walk_offloads_a_fused_parameter_whole_as_vllm():

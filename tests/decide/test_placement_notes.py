@@ -10,7 +10,7 @@ from headeronly import GPU, UVA, MiB, mib, placed, plan_of, policy, toy
 from planner.decide.placement_errors import smallest_budget_gib
 from planner.errors import BudgetError
 from test_placement import layer_params
-from test_placement_experts import moe_toy
+from headeronly import moe_toy
 
 
 def test_rules_that_offload_are_not_reported_as_nothing_offloaded():

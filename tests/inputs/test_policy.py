@@ -96,7 +96,7 @@ def test_schema_violations_are_all_located_with_key_paths(tmp_path):
         f"{path}:1:17: format_version: must be 1, not 2",
         f"{path}:9:3: prefetch.group_sise: unknown key; did you mean 'group_size'?",
         f"{path}:10:9: prefetch.step: must be a whole number, not 'two'",
-        f"{path}:13:12: rules[0].place: 'disk' is not one of gpu, uva, prefetch",
+        f"{path}:13:12: rules[0].place: 'disk' is not one of gpu, uva, prefetch, cpu",
         f"{path}:14:5: rules[1]: 'match' is required",
         f"{path}:6:16: uva.offload_gib: must be at least 0, not -1",
         f"{path}:7:11: uva.params: must be a list, not 'mlp'",

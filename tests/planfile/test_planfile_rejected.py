@@ -34,7 +34,7 @@ def test_schema_violations_are_located(built):
         "params)",
         f"p.plan.yaml:{line('backend: gpu')}:10: backend: 'gpu' is not one of none, uva, prefetch, mixed",
         f"p.plan.yaml:{line(': disk')}:40: params.model.layers.2.mlp.down_proj.weight: 'disk' is not one "
-        "of gpu, uva, prefetch",
+        "of gpu, uva, prefetch, cpu",
     ]
 
 

@@ -1,0 +1,65 @@
+"""Routed experts on cpu (issue 24, the planner's half): rules place them, the plan counts them apart from the GPU
+and the link, the cost model overlaps the host's work with the GPU's, and nothing else may go there."""
+from __future__ import annotations
+
+import pytest
+
+from headeronly import GPU, UVA, experts_of, mib, moe_toy, placed, plan_of, policy
+from planner.errors import PolicyError
+from planner.inputs.hardware import H100
+from planner.plan import Placement
+
+CPU = Placement.CPU
+MIB = 2**20
+
+
+def test_a_rule_puts_experts_on_cpu_and_the_plan_counts_them_off_the_gpu_and_the_link():
+    d, t = plan_of(moe_toy(3), policy(rules=[(["experts"], "cpu")]))
+    assert placed(d, CPU) == experts_of(0, 1, 2)
+    assert [l.cpu for l in d.layers] == [0, 6 * MIB, 6 * MIB, 6 * MIB, 0]
+    s = d.summary
+    assert (s.cpu_bytes, s.uva_bytes, s.prefetch_bytes) == (18 * MIB, 0, 0)
+    assert s.gpu_footprint_bytes == s.gpu_bytes == sum(i.nbytes for i in t.values()) - 18 * MIB
+    assert s.predicted_h2d_bytes_per_step == 0  # the host computes them: nothing crosses the link
+    assert d.cost.cpu_threads == H100.cpu_threads
+    assert any("of routed experts on cpu" in n and "runtime does not compute them yet" in n for n in d.notes)
+
+
+def test_a_layer_with_experts_on_cpu_ends_when_the_later_of_the_host_and_the_gpu_does():
+    """Without a top-k the cost model reads every expert each step: 6 MiB per layer, on the host."""
+    cpu, _ = plan_of(moe_toy(3), policy(rules=[(["experts"], "cpu")]))
+    gpu, _ = plan_of(moe_toy(3), policy())
+    host = H100.moe_layer_gpu_us + 6 * MIB / (H100.cpu_expert_gbps * 1e3) + H100.cpu_expert_sync_us
+    assert cpu.layers[1].us == round(host) > gpu.layers[1].us
+    assert [l.us for l in cpu.layers[1:4]] == [round(host)] * 3
+    assert cpu.layers[0].us == gpu.layers[0].us  # the embedding: no experts, no change
+
+
+def test_some_experts_on_cpu_others_on_uva_and_gpu_in_one_layer():
+    d, _ = plan_of(moe_toy(2, experts=4), policy(rules=[(["re:experts\\.[01]\\."], "cpu"),
+                                                          (["re:experts\\.2\\."], "uva")]))
+    assert d.layers[1].experts == "mlp.experts: cpu 0-1, gpu 3, uva 2"
+    assert (d.layers[1].cpu, d.layers[1].uva, d.summary.cpu_bytes) == (6 * MIB, 3 * MIB, 12 * MIB)
+    assert placed(d, GPU)[-1] == "lm_head.weight" and placed(d, UVA) == experts_of(0, 1, experts=4)[6:9] + \
+        experts_of(0, 1, experts=4)[18:21]
+
+
+@pytest.mark.parametrize("match, named", [
+    (["o_proj"], "rules[0] (place: cpu) selects model.layers.0.self_attn.o_proj.weight, "
+                 "model.layers.1.self_attn.o_proj.weight, model.layers.2.self_attn.o_proj.weight, which are not "
+                 "routed experts"),
+    (["lm_head"], "rules[0] (place: cpu) selects lm_head.weight, which is not a routed expert"),
+])
+def test_cpu_on_what_is_no_routed_expert_is_refused_naming_it(match, named):
+    with pytest.raises(PolicyError) as e:
+        plan_of(moe_toy(3), policy(rules=[(match, "cpu")]))
+    assert str(e.value).splitlines()[0] == "test.policy.yaml: place: cpu on tensors that are not routed experts"
+    assert len(e.value.problems) == 1 and e.value.problems[0].startswith(named)
+    assert "narrow the rule's match to the experts" in e.value.problems[0]
+
+
+def test_a_budget_walk_leaves_experts_on_cpu_where_the_rule_put_them():
+    d, _ = plan_of(moe_toy(3), policy(budget_gib=mib(10), rules=[(["re:layers\\.0\\.mlp\\.experts"], "cpu")]))
+    assert placed(d, CPU) == experts_of(0)
+    assert d.summary.gpu_footprint_bytes <= mib(10) * 2**30  # the walk fits the rest with uva
+    assert placed(d, UVA)
