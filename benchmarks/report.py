@@ -57,9 +57,14 @@ def main() -> int:
              "python benchmarks/prefill.py --model qwen3-30b-a3b --layers 8",
              "python benchmarks/prefill.py --model qwen3-30b-a3b --layers 8 --spread 2",
              "python benchmarks/quantized.py --layers 8",
-             "python benchmarks/front_door.py --layers 8",
-             "python benchmarks/parallel.py --model qwen3-30b-a3b --layers 8 --gpus 1 2 4 --batches 1 8",
-             "python benchmarks/parallel.py --model llama-8b --gpus 1 2 4",
+             "python benchmarks/front_door.py --layers 8 --strategies gpu experts-uva experts-uva-fp8 uva --label a",
+             "python benchmarks/front_door.py --layers 8 --strategies gpu prefetch mixed --label b   # it ran out of "
+             "time after gpu",
+             "python benchmarks/parallel.py --model qwen3-30b-a3b --layers 8 --gpus 1 2 --batches 1 8   # then: mv "
+             "results/parallel-qwen3-30b-a3b-8layers.jsonl results/parallel-qwen3-30b-a3b-4xh200-run1.jsonl; with "
+             "--gpus 1 4: -run2; on two H200s: -2xh200",
+             "python benchmarks/parallel.py --model llama-8b --gpus 1 2   # then: mv results/parallel-llama-8b.jsonl "
+             "results/parallel-llama-8b-2xh200.jsonl",
              "PYTHONPATH=CHECKOUT_OF_MAIN python benchmarks/plan_speed.py --profile -n 3 --label before "
              "--note 'main at COMMIT'   # on a CPU machine, as the next",
              "python benchmarks/plan_speed.py --profile --label after --note 'this tree'",

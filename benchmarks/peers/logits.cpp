@@ -5,6 +5,7 @@
 #include <cstdlib>
 #include <vector>
 int main(int argc, char ** argv) {
+    if (argc < 3) { fprintf(stderr, "usage: logits MODEL.gguf ID...\n"); return 1; }
     llama_backend_init();
     auto mp = llama_model_default_params();
     mp.n_gpu_layers = 0;
@@ -13,6 +14,7 @@ int main(int argc, char ** argv) {
     auto cp = llama_context_default_params();
     cp.n_ctx = 256; cp.n_batch = 256; cp.n_threads = 2; cp.n_threads_batch = 2;
     llama_context * ctx = llama_init_from_model(model, cp);
+    if (!ctx) return 1;
     std::vector<llama_token> ids;
     for (int i = 2; i < argc; i++) ids.push_back(atoi(argv[i]));
     if (llama_decode(ctx, llama_batch_get_one(ids.data(), ids.size()))) return 2;

@@ -36,7 +36,7 @@ parts=()
 for part in CMakeLists.txt cmake common ggml include src tools vendor gguf-py licenses; do
     [ -e "$src/$part" ] && parts+=("$part")
 done
-tar -C "$src" -cJf "$OUT/llama.cpp.tar.xz.tmp" "${parts[@]}"
-mv "$OUT/llama.cpp.tar.xz.tmp" "$OUT/llama.cpp.tar.xz"
+tar -C "$src" -cJf "$work/llama.cpp.tar.xz" "${parts[@]}"
+mv "$work/llama.cpp.tar.xz" "$OUT/llama.cpp.tar.xz"
 echo "llama.cpp ${commit:-unknown} (vendored by llama-cpp-python $version)" > "$OUT/COMMIT"
 echo "staged $OUT/llama.cpp.tar.xz ($(du -h "$OUT/llama.cpp.tar.xz" | cut -f1)): $(cat "$OUT/COMMIT")"

@@ -2,8 +2,9 @@
 
     python benchmarks/peers/to_gguf.py CHECKPOINT OUT.gguf [--type bf16|q8_0]
 
-It writes with the `gguf` package of the llama.cpp tree that runs it (its gguf-py; on PyPI as `gguf`), as
-llama.cpp's convert_hf_to_gguf.py does for Qwen3-MoE (`qwen3moe`), which is the one architecture it takes:
+It writes with the `gguf` package (llama.cpp's gguf-py: on PyPI as `gguf`, 0.19 here and in the llama.cpp tree
+that stage.sh packs), as llama.cpp's convert_hf_to_gguf.py does for Qwen3-MoE (`qwen3moe`), the one architecture it
+takes, with its experts stored one per tensor as Qwen3-MoE checkpoints ship them:
 
 - names from gguf's own map (`TensorNameMap`): `model.layers.N.self_attn.q_proj.weight` -> `blk.N.attn_q.weight`;
   each layer's per-expert `experts.E.gate_proj` (and up, down) stacked into one `blk.N.ffn_gate_exps.weight`
@@ -21,8 +22,9 @@ llama.cpp's qwen3moe always normalizes each token's top-k routing weights, as Qw
 random checkpoints keep) is written all the same, with a warning: the same weights and the same work per token,
 but not the same outputs.
 
-Tensors are streamed: the header and tensor table first, then one tensor's data at a time, so a checkpoint of any
-size converts in the memory of its largest layer's experts. The file is written beside OUT and renamed.
+Tensors are streamed: the header and tensor table first, then one tensor's data at a time (a layer's experts
+stacked), so memory holds a few copies of the largest such tensor (the embedding or head, or a layer's stacked
+experts; Q8_0 works in float32), not the checkpoint. The file is written beside OUT and renamed; a failure removes it.
 """
 from __future__ import annotations
 
@@ -91,7 +93,10 @@ def gguf_tensors(names, layers: int, experts: int):
     for name in names:
         if EXPERT in name:  # model.layers.N.mlp.experts.E.gate_proj.weight
             head, rest = name.split(EXPERT)
-            projection = rest.split(".", 1)[1]
+            number, _, projection = rest.partition(".")
+            if not number.isdigit() or not projection:
+                raise SystemExit(f"error: {name}: experts stored fused (not one tensor per expert, as Qwen3-MoE "
+                                 "checkpoints ship them); to_gguf.py writes per-expert checkpoints only")
             key = f"{head}{EXPERT}{projection}"
             if key in seen:
                 continue
@@ -130,7 +135,21 @@ def write_gguf(checkpoint: Path, out: Path, kind: str = "bf16", device: str | No
             return t.to(torch.bfloat16).view(torch.uint8)
         return q8_0(t.to(device)).cpu()
 
+    odd = [name for name, parts, f32 in tensors if not f32 and kind == "q8_0" and source.shape(parts[0])[-1] % 32]
+    if odd:
+        raise SystemExit(f"error: {odd[0]}: its rows are not whole blocks of 32 values, which Q8_0 needs; write it "
+                         "as bf16 (--type bf16)")
     tmp = out.with_name(out.name + ".tmp")
+    try:
+        _write(gguf, tmp, config, tensors, source, kind, qtype, layers, experts, data)
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return out
+
+
+def _write(gguf, tmp: Path, config: dict, tensors, source: Source, kind: str, qtype, layers: int, experts: int,
+           data) -> None:
     writer = gguf.GGUFWriter(tmp, ARCH)
     writer.add_block_count(layers)
     writer.add_context_length(config["max_position_embeddings"])
@@ -163,8 +182,6 @@ def write_gguf(checkpoint: Path, out: Path, kind: str = "bf16", device: str | No
     for name, parts, f32 in tensors:
         writer.write_tensor_data(data(parts, f32).numpy())
     writer.close()
-    os.replace(tmp, out)
-    return out
 
 
 def _order(name: str):

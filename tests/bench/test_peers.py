@@ -43,8 +43,8 @@ def test_q8_0_is_gguf_s_bit_for_bit():
     g = torch.Generator().manual_seed(0)
     x = torch.randn(96, 256, generator=g) * 3
     x[0, :32] = 0  # a block of zeros: scale 0
-    x[1, :32] = torch.arange(32) / 127 * 5  # values on .5 after scaling: rounding half away from zero
-    x[2, :32] = -x[1, :32]
+    x[1, :32] = torch.tensor([127.0] + [h - 15.5 for h in range(31)])  # scale 1: the others on .5
+    x[2, :32] = -x[1, :32]  # rounding half away from zero, as ggml (not to even, as torch.round)
     ours = to_gguf.q8_0(x).numpy()
     theirs = gguf.quants.quantize(x.numpy(), gguf.GGMLQuantizationType.Q8_0)
     assert ours.shape == theirs.shape == (96, 256 // 32 * 34)

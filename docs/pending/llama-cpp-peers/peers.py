@@ -42,7 +42,9 @@ import torch
 
 from harness.checkpoints import config_for, make_checkpoint
 from harness.loops import prompts
+from front_door import EXPERTS_UVA
 from harness.plans import make_plan
+from planner.inputs.hardware import H100, dumps_hardware
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE / "peers"))
@@ -50,7 +52,6 @@ sys.path.insert(0, str(HERE.parent / "tests"))
 from quantized_models import write_fp8  # noqa: E402  (the published FP8 layout's writer)
 from to_gguf import write_gguf  # noqa: E402
 
-EXPERTS_UVA = "rules:\n  - {match: [experts], place: uva}\n"
 GPU_BUFFER = re.compile(r"CUDA\d+ model buffer size\s*=\s*([\d.]+) MiB")
 
 
@@ -60,7 +61,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--model", default="qwen3-30b-a3b", choices=["qwen3-30b-a3b", "tiny"])
     ap.add_argument("--layers", type=int, default=8, help="decoder layers (default: 8)")
     ap.add_argument("--llama-cpp", type=Path, help="the folder of llama-bench and llama-batched-bench")
-    ap.add_argument("--build", action="store_true", help="build llama.cpp from .peers/ first (peers/build.sh)")
+    ap.add_argument("--build", action="store_true",
+                    help="build llama.cpp from .peers/ into build/llama.cpp first (peers/build.sh)")
     ap.add_argument("--threads", type=int, default=os.cpu_count(), help="llama.cpp's threads (default: all)")
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--prompts", type=int, nargs="+", default=[2048, 8192], help="prefill lengths")
@@ -77,6 +79,20 @@ class LlamaCpp:
     def __init__(self, bin_dir: Path, threads: int, cuda: bool):
         self.bin, self.threads, self.cuda = bin_dir, threads, cuda
 
+    def _gpu(self, cpu_moe: int) -> list[str]:
+        return ["-ngl", "99", "--n-cpu-moe", str(cpu_moe)] if self.cuda else ["-ngl", "0"]
+
+    def build_facts(self, gguf: Path) -> dict:
+        """The build's commit, backends and flash attention, from one short run; a build without CUDA on a GPU
+        machine is refused (its -ngl would be ignored, and its rows would be the CPU's)."""
+        rows, _, _ = self._run("llama-bench", ["-m", str(gguf), *self._gpu(0), "-p", "0", "-n", "1", "-r", "1",
+                                               "-o", "jsonl"])
+        facts = {k: rows[0].get(k) for k in ("build_commit", "backends", "flash_attn", "cpu_info", "gpu_info")}
+        if self.cuda and "CUDA" not in str(facts["backends"]):
+            raise SystemExit(f"{self.bin}: llama.cpp built without CUDA (backends {facts['backends']!r}) on a GPU "
+                             "machine: build it with CUDA (benchmarks/peers/build.sh, LLAMA_CUDA=ON)")
+        return facts
+
     def _run(self, tool: str, args: list[str], tries: int = 1) -> tuple[list[dict], str, str]:
         """(its JSON rows, its command line, its log). `tries`: llama-batched-bench prints its rows through
         llama.cpp's logger thread, which at exit sometimes has not written them (seen at 0c1e57098, about one
@@ -86,7 +102,10 @@ class LlamaCpp:
             done = subprocess.run(cmd, capture_output=True, text=True)
             if done.returncode != 0:
                 raise SystemExit(f"{shlex.join(cmd)} failed:\n{done.stderr[-3000:]}")
-            rows = [json.loads(l) for l in done.stdout.splitlines() if l.startswith("{")]
+            try:
+                rows = [json.loads(l) for l in done.stdout.splitlines() if l.startswith("{")]
+            except json.JSONDecodeError:  # a row cut short by the same logger
+                rows = []
             if rows:
                 break
         else:
@@ -94,15 +113,13 @@ class LlamaCpp:
         return rows, shlex.join([tool, *args, "-t", str(self.threads)]), done.stderr
 
     def bench(self, gguf: Path, cpu_moe: int, extra: list[str]) -> tuple[list[dict], str]:
-        gpu = ["-ngl", "99", "--n-cpu-moe", str(cpu_moe)] if self.cuda else ["-ngl", "0"]
-        rows, cmd, _ = self._run("llama-bench", ["-m", str(gguf), *gpu, "-o", "jsonl", *extra])
+        rows, cmd, _ = self._run("llama-bench", ["-m", str(gguf), *self._gpu(cpu_moe), "-o", "jsonl", *extra])
         return rows, cmd
 
     def batched(self, gguf: Path, cpu_moe: int, batch: int, new: int) -> tuple[float, str]:
         """Decode steps per second of `batch` sequences (text-generation tokens/s over the batch)."""
-        gpu = ["-ngl", "99", "--n-cpu-moe", str(cpu_moe)] if self.cuda else ["-ngl", "0"]
         rows, cmd, _ = self._run("llama-batched-bench", [
-            "-m", str(gguf), *gpu, "-c", str(batch * (16 + new) + 64), "-npp", "16", "-ntg", str(new),
+            "-m", str(gguf), *self._gpu(cpu_moe), "-c", str(batch * (16 + new) + 64), "-npp", "16", "-ntg", str(new),
             "-npl", str(batch), "--output-format", "jsonl"], tries=8)
         return rows[-1]["speed_tg"] / batch, cmd
 
@@ -158,10 +175,10 @@ def main(argv=None) -> int:
         with log.open("a") as f:
             f.write(json.dumps(r) + "\n")
         print(json.dumps(r), flush=True)
-    work = args.dir / args.model
-    work.mkdir(parents=True, exist_ok=True)
     shape = "tiny-128" if args.model == "tiny" else args.model
     config = config_for(shape, args.layers)
+    work = args.dir / f"{shape}-{config.num_hidden_layers}layers"  # a checkpoint of another shape is not reused
+    work.mkdir(parents=True, exist_ok=True)
     layers = config.num_hidden_layers
     start = time.perf_counter()
     ckpt = make_checkpoint(shape, args.layers, work / "ckpt", args.device)
@@ -171,6 +188,11 @@ def main(argv=None) -> int:
     for kind, path in ggufs.items():
         if not path.is_file():
             write_gguf(ckpt, path, kind, device=args.device)
+    if cuda:  # the budget plans are planned with this machine's figures, as front_door.py's
+        from runtime.measure.calibrate import calibrate
+        (work / "hw.yaml").write_text(dumps_hardware(calibrate().hardware))
+    else:
+        (work / "hw.yaml").write_text(dumps_hardware(H100))
     llama = None
     if args.build:
         built = subprocess.run(["bash", str(HERE / "peers" / "build.sh")], capture_output=True, text=True,
@@ -178,19 +200,18 @@ def main(argv=None) -> int:
         if built.returncode != 0:
             raise SystemExit(f"peers/build.sh failed:\n{built.stderr[-3000:]}")
         args.llama_cpp = Path(built.stdout.strip().splitlines()[-1])
-    commit = HERE.parent / ".peers" / "COMMIT"
+    if args.llama_cpp is not None:
+        llama = LlamaCpp(args.llama_cpp, args.threads, cuda)
     record(kind="run", model=args.model, layers=layers, device=torch.cuda.get_device_name() if cuda else "cpu",
            torch=torch.__version__, threads=args.threads, setup_seconds=round(time.perf_counter() - start, 1),
-           llama_cpp=commit.read_text().strip() if commit.is_file() else None, new_tokens=args.new_tokens)
-    if args.llama_cpp is None:
+           llama_cpp=llama.build_facts(ggufs["bf16"]) if llama else None, new_tokens=args.new_tokens)
+    if llama is None:
         record(kind="skipped", what="llama.cpp rows", why="no llama.cpp build: give --llama-cpp DIR or --build")
-    else:
-        llama = LlamaCpp(args.llama_cpp, args.threads, cuda)
     ours = Offplan(args.device, config.vocab_size)
     new = args.new_tokens
 
     def plan(name: str, body: str, checkpoint: str = "ckpt") -> Path:
-        return make_plan(work, name, f"format_version: 1\ncheckpoint: {checkpoint}\n{body}")
+        return make_plan(work, name, f"format_version: 1\ncheckpoint: {checkpoint}\nhardware: hw.yaml\n{body}")
 
     def row(what: str, batch_or_tokens: int, offplan_rate: float | None, llama_rate: float | None, **extra):
         record(kind="row", what=what, n=batch_or_tokens, offplan=offplan_rate, llama_cpp=llama_rate,
