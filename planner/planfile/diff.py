@@ -31,7 +31,7 @@ from ..plan import Plan
 from ..units import human, ms, plural, signed
 from . import parallel_review
 from .diff_buffers import change, schedule, schedule_lines, some, staging, staging_lines
-from .show import kinds, table, units_of
+from .show import KINDS, kinds, table, units_of
 
 
 def _resolved(plan: Plan, where: Path) -> Plan:
@@ -238,8 +238,7 @@ def _table(d: dict):
         nbytes = f" {human(u['bytes'])}" if u["bytes"] is not None else ""
         moves.setdefault(u["layer"], []).append(f"{u['from']} -> {u['to']}{nbytes}: {what}")
     names = list(dict.fromkeys([*moves, *deltas]))
-    shown = [k for k in ("gpu", "uva", "prefetch", "cpu") if any(k in l for l in d["layers"])] or ["gpu", "uva",
-                                                                                                "prefetch"]
+    shown = [k for k in KINDS if any(k in l for l in d["layers"])] or list(KINDS[:3])  # cpu where a plan has it
     rows = [[n, "\n".join(moves.get(n, ["(tensor sizes changed)"])),
              *(signed(deltas[n][k]) if n in deltas else "0" for k in shown)] for n in names]
     return table(["layer", "moved", *shown], rows, align="ll" + "r" * len(shown))
