@@ -25,6 +25,15 @@ from reporting.records import HERE
 
 def main() -> int:
     models = load()
+    plotted = plot(models, HERE / "decode.png")
+    write_atomic(HERE / "RESULTS.md", render(models, plotted or (HERE / "decode.png").is_file()), "results")
+    print(f"wrote {HERE / 'RESULTS.md'}")
+    return 0
+
+
+def render(models: dict, with_plot: bool) -> str:
+    """RESULTS.md from the records (`models`: reporting.dense `load()`); `with_plot`: link decode.png (kept when
+    matplotlib is missing and an earlier run drew it)."""
     lines = ["# Decode benchmark results", "",
              "Produced by `benchmarks/decode.py` and `benchmarks/moe.py` on the project's H100 (PCIe Gen5) machine "
              "and summarised by "
@@ -85,11 +94,9 @@ def main() -> int:
     lines += front_door_tables()
     lines += parallel_tables()
     lines += plan_speed_tables()
-    if plot(models, HERE / "decode.png") or (HERE / "decode.png").is_file():  # without matplotlib: the last plot
+    if with_plot:
         lines += ["![decode tokens/s against the offloaded fraction](decode.png)", ""]
-    write_atomic(HERE / "RESULTS.md", "\n".join(lines) + "\n", "results")
-    print(f"wrote {HERE / 'RESULTS.md'}")
-    return 0
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

@@ -1,0 +1,76 @@
+"""benchmarks/reporting/front_door.py and parallel.py: their RESULTS.md sections, from synthetic records in a scratch
+results folder (each run's eager rows against its own all-GPU eager rate; batch-8 rows of plans with host experts
+not set against a prediction that assumes other routing; each GPU count against the floor and one GPU)."""
+from __future__ import annotations
+
+import json
+import sys
+
+from decode_bench import ROOT
+
+if str(ROOT / "benchmarks") not in sys.path:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import reporting.front_door as front_door  # noqa: E402
+import reporting.parallel as parallel  # noqa: E402
+
+RUN = dict(kind="run", model="qwen3-30b-a3b", layers=8, device="NVIDIA H200", torch="2.11.0", new_tokens=32,
+           prompt="The capital", hardware={"uva_read_gbps": 50.0, "h2d_copy_gbps": 55.0})
+
+
+def decode(strategy, path, batch, rate, loop, mode="graph", floor=None, predicted=None, uva=0, same=True):
+    return dict(kind="decode", strategy=strategy, path=path, batch=batch, mode=mode, steps_per_s=rate,
+                ratio_to_loop=rate / loop, same_tokens_as_loop=same, floor_steps_per_s=floor,
+                predicted_steps_per_s=predicted, gpu_bytes=1, uva_bytes=uva, prefetch_bytes=0)
+
+
+def write(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_each_front_door_run_is_its_own_table_with_its_own_bounds(tmp_path, monkeypatch):
+    monkeypatch.setattr(front_door, "RESULTS", tmp_path)
+    write(tmp_path / "front-door-qwen3-30b-a3b-a.jsonl", [
+        RUN, decode("gpu", "generate --eager", 1, 80.0, 400.0, "eager", predicted=100.0),
+        decode("experts-uva", "loop", 1, 78.0, 78.0, floor=84.0, predicted=75.0, uva=9),
+        decode("experts-uva", "generate --eager", 1, 70.0, 78.0, "eager", floor=84.0, predicted=75.0, uva=9),
+        decode("experts-uva", "apply", 8, 69.0, 70.0, predicted=12.6, uva=9, same=False)])
+    write(tmp_path / "front-door-qwen3-30b-a3b-b.jsonl", [
+        RUN, decode("gpu", "generate --eager", 1, 60.0, 400.0, "eager", predicted=100.0)])
+    lines = front_door.front_door_tables()
+    assert [l for l in lines if l.startswith("## ")] == ["## qwen3-30b-a3b: through the front door (gpu, experts-uva)",
+                                                         "## qwen3-30b-a3b: through the front door (gpu)"]
+    rows = [l for l in lines if l.startswith("| ") and not l.startswith("| plan")]
+    assert rows[0] == "| gpu | 1 | generate --eager | eager | 80.0 | 0.200 | 1.00 | - | 100.0 | 0.80 | True |"
+    # run a's eager experts row against min(its all-GPU eager 80, the floor 84): 70 / 80
+    assert rows[2] == "| experts-uva | 1 | generate --eager | eager | 70.0 | 0.897 | 0.88 | 0.83 | 75.0 | 0.93 | True |"
+    # batch 8 of copies of one prompt: no measured / predicted
+    assert rows[3] == "| experts-uva | 8 | apply | graph | 69.0 | 0.986 | - | - | 12.6 | - | False |"
+    assert rows[4] == "| gpu | 1 | generate --eager | eager | 60.0 | 0.150 | 1.00 | - | 100.0 | 0.60 | True |"
+
+
+def test_the_parallel_section_sets_each_gpu_count_against_the_floor_and_one_gpu(tmp_path, monkeypatch):
+    monkeypatch.setattr(parallel, "RESULTS", tmp_path)
+    base = dict(kind="decode", batch=1, new_tokens=32, link="uva", footprint_bytes=2**30, h2d_copy_gbps=[55.0],
+                tokens_equal_across_ranks=True)
+    write(tmp_path / "parallel-qwen3-30b-a3b-x.jsonl", [
+        dict(kind="run", model="qwen3-30b-a3b", layers=8, device="NVIDIA H200", gpus_on_host=4, torch="2.11.0"),
+        {**base, "gpus": 1, "steps_per_s": 80.0, "ratio_to_floor": 0.95, "speedup": 1.0,
+         "predicted_steps_per_s": 73.3, "uva_read_gbps": [50.6], "tokens_agree_steps": 32,
+         "load_peak_bytes": [2**30 + 91 * 2**20]},
+        {**base, "gpus": 2, "steps_per_s": 145.0, "ratio_to_floor": 0.86, "speedup": 1.81,
+         "predicted_steps_per_s": None, "uva_read_gbps": [51.1, 51.0], "tokens_agree_steps": 9,
+         "load_peak_bytes": [2**30 + 45 * 2**20, 2**30 + 40 * 2**20]}])
+    lines = parallel.parallel_tables()
+    assert lines[0] == "## qwen3-30b-a3b: tensor parallelism over 2 GPUs of one host"
+    assert "Every routed expert in pinned memory (uva)" in lines[2]
+    assert lines[-3:] == ["| 1 | 1 | 80.0 | 0.95 | 1.00 | 73.3 | 50.6 | 32 of 32 steps | +91 MiB |",
+                          "| 2 | 1 | 145.0 | 0.86 | 1.81 | - | 51.1, 51.0 | 9 of 32 steps | +45 MiB |", ""]
+
+
+def test_results_md_is_what_report_py_makes_of_the_committed_records():
+    """RESULTS.md may not drift from benchmarks/results/: rerun `python benchmarks/report.py` after adding records."""
+    import report
+    from reporting.dense import load
+    results = ROOT / "benchmarks" / "RESULTS.md"
+    assert report.render(load(), (ROOT / "benchmarks" / "decode.png").is_file()) == results.read_text()
