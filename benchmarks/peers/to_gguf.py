@@ -39,6 +39,8 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
+from planner.units import human
+
 ARCH = "qwen3moe"
 EXPERT = ".mlp.experts."
 
@@ -112,46 +114,38 @@ def gguf_tensors(names, layers: int, experts: int):
 
 
 def write_gguf(checkpoint: Path, out: Path, kind: str = "bf16", device: str | None = None) -> Path:
-    import gguf
     config = json.loads((checkpoint / "config.json").read_text())
     if config.get("model_type") != "qwen3_moe":
         raise SystemExit(f"error: {checkpoint}/config.json: model_type {config.get('model_type')!r}; to_gguf.py "
                          "writes qwen3_moe checkpoints (llama.cpp's qwen3moe) only")
-    device = device or "cpu"
     if not config.get("norm_topk_prob", False):
         print(f"warning: {checkpoint}/config.json: norm_topk_prob is false; llama.cpp's {ARCH} normalizes the "
               "routing weights all the same (module doc): same weights and work, other outputs", file=sys.stderr)
-    qtype = {"bf16": gguf.GGMLQuantizationType.BF16, "q8_0": gguf.GGMLQuantizationType.Q8_0}[kind]
     source = Source(checkpoint)
-    layers = config["num_hidden_layers"]
-    experts = config.get("num_experts") or config["num_local_experts"]  # transformers 5 writes the latter
-    tensors = gguf_tensors(sorted(source.where, key=_order), layers, experts)
-
-    def data(parts: list[str], f32: bool) -> torch.Tensor:
-        t = torch.stack([source[p] for p in parts]) if len(parts) > 1 else source[parts[0]]
-        if f32:
-            return t.float()
-        if kind == "bf16":
-            return t.to(torch.bfloat16).view(torch.uint8)
-        return q8_0(t.to(device)).cpu()
-
+    tensors = gguf_tensors(sorted(source.where, key=_order), config["num_hidden_layers"], _experts(config))
     odd = [name for name, parts, f32 in tensors if not f32 and kind == "q8_0" and source.shape(parts[0])[-1] % 32]
     if odd:
         raise SystemExit(f"error: {odd[0]}: its rows are not whole blocks of 32 values, which Q8_0 needs; write it "
                          "as bf16 (--type bf16)")
     tmp = out.with_name(out.name + ".tmp")
     try:
-        _write(gguf, tmp, config, tensors, source, kind, qtype, layers, experts, data)
+        _write(tmp, config, tensors, source, kind, device or "cpu")
         os.replace(tmp, out)
     finally:
         tmp.unlink(missing_ok=True)
     return out
 
 
-def _write(gguf, tmp: Path, config: dict, tensors, source: Source, kind: str, qtype, layers: int, experts: int,
-           data) -> None:
+def _experts(config: dict) -> int:
+    return config.get("num_experts") or config["num_local_experts"]  # transformers 5 writes the latter
+
+
+def _write(tmp: Path, config: dict, tensors, source: Source, kind: str, device: str) -> None:
+    """The header, the tensor table (shapes from the headers, no data read), then each tensor's data."""
+    import gguf
+    qtype = {"bf16": gguf.GGMLQuantizationType.BF16, "q8_0": gguf.GGMLQuantizationType.Q8_0}[kind]
     writer = gguf.GGUFWriter(tmp, ARCH)
-    writer.add_block_count(layers)
+    writer.add_block_count(config["num_hidden_layers"])
     writer.add_context_length(config["max_position_embeddings"])
     writer.add_embedding_length(config["hidden_size"])
     writer.add_feed_forward_length(config["intermediate_size"])
@@ -159,7 +153,7 @@ def _write(gguf, tmp: Path, config: dict, tensors, source: Source, kind: str, qt
     writer.add_head_count_kv(config["num_key_value_heads"])
     writer.add_rope_freq_base(float(config.get("rope_theta") or config.get("rope_parameters", {})["rope_theta"]))
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    writer.add_expert_count(experts)
+    writer.add_expert_count(_experts(config))
     writer.add_expert_used_count(config["num_experts_per_tok"])
     writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
     writer.add_key_length(config["head_dim"])
@@ -167,7 +161,7 @@ def _write(gguf, tmp: Path, config: dict, tensors, source: Source, kind: str, qt
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_BF16 if kind == "bf16" else gguf.LlamaFileType.MOSTLY_Q8_0)
     writer.add_vocab_size(config["vocab_size"])
     writer.add_tokenizer_model("none")
-    for name, parts, f32 in tensors:  # the table: shapes from the headers, no data read
+    for name, parts, f32 in tensors:
         shape = source.shape(parts[0])
         shape = [len(parts), *shape] if len(parts) > 1 else shape
         rows = math.prod(shape[:-1])
@@ -180,7 +174,9 @@ def _write(gguf, tmp: Path, config: dict, tensors, source: Source, kind: str, qt
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
     for name, parts, f32 in tensors:
-        writer.write_tensor_data(data(parts, f32).numpy())
+        t = torch.stack([source[p] for p in parts]) if len(parts) > 1 else source[parts[0]]
+        t = t.float() if f32 else t.to(torch.bfloat16).view(torch.uint8) if kind == "bf16" else q8_0(t.to(device)).cpu()
+        writer.write_tensor_data(t.numpy())
     writer.close()
 
 
@@ -198,7 +194,7 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cpu", help="where Q8_0 is computed (default: cpu)")
     args = ap.parse_args(argv)
     write_gguf(args.checkpoint, args.out, args.type, args.device)
-    print(f"wrote {args.out} ({args.out.stat().st_size / 2**30:.2f} GiB, {args.type})")
+    print(f"wrote {args.out} ({human(args.out.stat().st_size)}, {args.type})")
     return 0
 
 
