@@ -31,17 +31,6 @@ checkpoint (harness/checkpoints.py `make_checkpoint`, a layer at a time). One ru
    would not fit the H100), over the UVA read bandwidth of step 1. Nothing can
    read them faster.
 
-With `--cpu-fractions F...`, experts on cpu (runtime/execute/host_experts.py):
-for each F, the first F of every layer's experts (by number: under uniform
-routing, that share of the touched ones) are computed by the host CPU, the
-rest read over uva, with `--cpu-threads` host threads each (the plan's
-`cpu_threads`); F = 1 puts every expert on cpu. Eager HF `generate` only:
-such a plan is not captured in CUDA graphs yet. Each row carries the plan's
-prediction (of a graph-replayed step, so optimistic for eager) and its ratio
-to the UVA floor, and the host's median time per module forward, and the
-tokens are compared with the all-GPU model's as above (the host sums each
-GEMV in another order: a near tie between two tokens can break the other way).
-
 With `--skew S`, every model of the run routes as real MoE models do, a few
 experts taking most tokens (RouterSkew: random weights alone route uniformly),
 and the run goes on to placements under a GPU budget:
@@ -68,7 +57,6 @@ are printed last.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import gc
 import json
 import sys
@@ -80,8 +68,7 @@ from harness import loops
 from harness.budgets import budget_table, measure_budgets, record_profile
 from harness.checkpoints import checkpoint_and_hardware, config_for
 from harness.loops import prompts
-from harness.plans import make_plan, predicted_us
-from planner.inputs.hardware import dumps_hardware, load_hardware
+from harness.plans import make_plan
 from harness.routers import RouterSkew, RouterSpread, touched_experts
 from runtime.execute.experts import arithmetic
 from runtime.execute.generation import PlainHandle
@@ -123,10 +110,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--profile-prompts", type=int, default=64, help="with --skew: prompts to record routing on")
     ap.add_argument("--lookahead-ab", action="store_true", help="also every expert in pinned memory at batch 1 "
                     "without the experts lookahead (runtime/execute/lookahead.py), in the same run")
-    ap.add_argument("--cpu-fractions", type=float, nargs="*", default=[],
-                    help="shares of every layer's experts on cpu, the rest on uva (module doc)")
-    ap.add_argument("--cpu-threads", type=int, nargs="+", help="host threads for experts on cpu (default: the "
-                    "hardware profile's cpu_threads)")
     ap.add_argument("--budget-batches", type=int, nargs="+", default=[1, 8],
                     help="with --skew: batches the budget placements decode at (and are predicted at)")
     return ap.parse_args(argv)
@@ -170,23 +153,9 @@ class Run:
             f.write(json.dumps(r) + "\n")
         print(json.dumps(r), flush=True)
 
-    def plan(self, name: str, body: str, hardware: str = "hw.yaml") -> Path:
-        text = f"format_version: 1\ncheckpoint: ckpt\nhardware: {hardware}\n{body}"
+    def plan(self, name: str, body: str) -> Path:
+        text = f"format_version: 1\ncheckpoint: ckpt\nhardware: hw.yaml\n{body}"
         return make_plan(self.work, name, text)
-
-    def measure_cpu(self, fraction: float, threads: int | None) -> None:
-        """Experts on cpu (module doc): the first `fraction` of every layer's experts on the host's `threads`."""
-        hardware = "hw.yaml"
-        if threads is not None:
-            hardware = f"hw-t{threads}.yaml"
-            (self.work / hardware).write_text(dumps_hardware(dataclasses.replace(self.hw, cpu_threads=threads)))
-        count = round(fraction * self.experts)
-        name = f"experts-cpu{fraction:g}" + ("" if threads is None else f"-t{threads}")
-        plan = self.plan(name, cpu_rules(count, self.experts), hardware)
-        hw = load_hardware(self.work / hardware)
-        predicted = {b: 1e6 / predicted_us(plan, hw, b) for b in self.args.batches}
-        self.measure(name, plan, None, ["eager"], offloaded=True, predicted=predicted, cpu_fraction=fraction,
-                     cpu_threads=hw.cpu_threads)  # eager: not captured in CUDA graphs yet (host_experts.py)
 
     def load(self, plan: Path | None, implementation: str | None, lookahead: bool = True):
         """`plan` applied by offplan's runtime; None: the checkpoint loaded by transformers alone. `lookahead`
@@ -215,10 +184,9 @@ class Run:
             model.set_experts_implementation(implementation)
         return model, handle
 
-    def decode(self, model, handle, mode: str, batch: int, prepared=None) -> tuple[float, list]:
+    def decode(self, model, handle, mode: str, batch: int) -> tuple[float, list]:
         if mode in REPLAYED:
-            return loops.decode_static(model, handle, self.ids, self.args.new_tokens, mode, batch,
-                                       prepared or (lambda: None))
+            return loops.decode_static(model, handle, self.ids, self.args.new_tokens, mode, batch)
         return loops.decode(model, self.ids, batch, self.args.new_tokens, self.args.device)
 
     def measure(self, name: str, plan: Path | None, implementation: str | None, modes: list[str], offloaded: bool,
@@ -239,22 +207,7 @@ class Run:
                 if mode in REPLAYED and (not self.cuda or used == "eager"):
                     continue  # the eager loop syncs on the host: it cannot be captured
                 for b in batches or self.args.batches:
-                    host = getattr(handle, "host_experts", None)
-                    counts = []  # experts on cpu: the host's calls and seconds before the timed call (replayed:
-                    # once the step is captured; eager: all of the call, its warm-up included)
-
-                    def prepared():
-                        counts.append((len(host.durations), host.host_calls, host.kernel.seconds))
-                    if host is not None and mode not in REPLAYED:
-                        prepared()
-                    rate, tokens = self.decode(model, handle, mode, b, prepared if host is not None else None)
-                    if counts:  # the timed call: its prefill's calls, then a call per layer and step
-                        first, calls, kernel = counts[0]
-                        took = sorted(host.durations[first:])
-                        extra.update(host_median_us=1e6 * took[len(took) // 2] if took else None,
-                                     kernel_us_per_call=1e6 * (host.kernel.seconds - kernel) / max(1, host.host_calls
-                                                                                                  - calls),
-                                     kernel_compiled=host.kernel.compiled, kernel_misses=host.kernel.misses)
+                    rate, tokens = self.decode(model, handle, mode, b)
                     key = (mode, b)
                     if not offloaded:
                         self.reference.setdefault((used, mode, b), tokens)  # the first: transformers alone
@@ -267,7 +220,7 @@ class Run:
                         self.failures.append(f"{name} {mode} b={b}")
                     limit = self.floor.get(b) if offloaded and floor else None
                     best = self.best_gpu.get(key, (None, None))
-                    guess = predicted.get(b) if mode in REPLAYED or "cpu_fraction" in extra else None
+                    guess = predicted.get(b) if mode in REPLAYED else None
                     self.record(kind="decode", name=name, implementation=used, mode=mode, batch=b, steps_per_s=rate,
                                 offloaded=offloaded, floor_steps_per_s=limit,
                                 ratio_to_floor=rate / limit if limit else None,
@@ -293,14 +246,6 @@ class Run:
         finally:
             handle.remove(restore=False)
 
-def cpu_rules(count: int, experts: int) -> str:
-    """Rules putting experts 0 .. count-1 of every layer on cpu and the rest on uva."""
-    if count >= experts:
-        return "rules:\n  - {match: [experts], place: cpu}\n"
-    numbers = "|".join(map(str, range(count)))
-    return f"rules:\n  - {{match: ['re:experts\\.({numbers})\\.'], place: cpu}}\n" + EXPERTS_HOST.split("\n", 1)[1]
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
     run = Run(args)
@@ -318,9 +263,6 @@ def main(argv=None) -> int:
     if args.lookahead_ab and "offplan" in args.host_implementations:
         run.measure("experts-host-offplan-no-lookahead", host, None, args.modes, offloaded=True, lookahead=False,
                     batches=[1])
-    for threads in args.cpu_threads or [None]:
-        for fraction in args.cpu_fractions:
-            run.measure_cpu(fraction, threads)
     if run.skew is not None:
         measure_budgets(run, record_profile(run, gpu))
     rows = [json.loads(line) for line in run.log.read_text().splitlines()]

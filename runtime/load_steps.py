@@ -28,14 +28,12 @@ releases all of it before the error propagates.
 """
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import torch
 
 from planner.errors import ModelMismatchError, OffplanError, PlanFileError
 from planner.inputs.checkpoint import Checkpoint, open_checkpoint
-from planner.inputs.hardware import H100
 from planner.layers.groups import FusedGroups
 from planner.plan import Placement, Plan, Runs
 from planner.planfile import load_plan
@@ -43,7 +41,6 @@ from planner.planfile.staleness import require_current
 
 from .execute import experts
 from .execute.handle import OffloadHandle
-from .execute.host_experts import HostExperts, HostSlot, gated_like
 from .execute.lookahead import LOOKAHEAD, Lookahead
 from .execute.prefetch import PrefetchEngine
 from .execute.prefill import PrefillStager
@@ -127,7 +124,6 @@ def _run(model, plan: Plan, ckpt: Checkpoint, device, uva: bool, progress, *, fr
     else:
         targets, quantized = map_tensors(model, {n: (ckpt.tensors[n].shape, p) for n, p in plan.params.items()}), {}
     try:
-        _check_on_cpu(plan, targets, quantized, uva, device)
         split = [t.name for t in targets if t.resident]
         if split and not uva and device.type == "cuda":
             more = f" (and {len(split) - 1} more)" if len(split) > 1 else ""
@@ -144,7 +140,6 @@ def _run(model, plan: Plan, ckpt: Checkpoint, device, uva: bool, progress, *, fr
     handle.quantized_names = {f"{path}.{name}".lstrip(".") for path, m in model.named_modules() if m in quantized
                               for q in quantized[m].values() for name in (q.data, q.scale)}
     try:
-        handle.host_experts = _host_experts(plan, targets, model, device)  # compiling its kernel meanwhile
         with torch.no_grad():
             placed = _allocate_and_fill(handle, from_checkpoint, progress)  # steps 4 and 5
             _bind(handle, placed, staged=handle.cuda and not uva)  # step 6
@@ -276,16 +271,13 @@ def _bind_experts(h: OffloadHandle) -> None:
     h.bound_experts += [m for m in quantized if m not in h.bound_experts]
     h.experts_before = h.model.config._experts_implementation
     h.model.set_experts_implementation("offplan")
-    _bind_host_experts(h, host)
-    on_host = {m for m, _ in h.host_bound}
-    h.lookahead = lookahead(h.model, [m for m in h.bound_experts if m not in on_host], h.device)
+    h.lookahead = lookahead(h.model, h.bound_experts, h.device)
 
 
 def lookahead(model: torch.nn.Module, bound: list[torch.nn.Module], device: torch.device,
               count: int = LOOKAHEAD) -> Lookahead | None:
     """The lookahead over the experts modules with experts in pinned memory (lookahead.py), in forward order;
-    None where fewer than two have them. Modules with experts on cpu take no part: a guess would read the
-    host's experts over the link."""
+    None where fewer than two have them."""
     order = {m: (i, p) for i, (p, m) in enumerate(model.named_modules())}
     names = {order[m][1]: [n for n in experts.stored_params(m) if experts.slot_of(m, n) is not None] for m in bound}
     paths = sorted((p for p, n in names.items() if n), key=lambda p: order[model.get_submodule(p)][0])
@@ -299,80 +291,10 @@ def _experts_module(model: torch.nn.Module, t: Target) -> torch.nn.Module | None
     module = model.get_submodule(t.name.rpartition(".")[0])
     if experts.supports(module) and t.name.rpartition(".")[2] in experts.stored_params(module):
         return module
-    if t.resident or t.on_cpu:
-        where = "on the GPU" if t.resident else "on cpu (the host computes them)"
-        raise ModelMismatchError(f"{t.name}: the plan puts experts {list(t.resident or t.on_cpu)[:4]}... of it {where} and "
+    if t.resident:
+        raise ModelMismatchError(f"{t.name}: the plan keeps experts {list(t.resident)[:4]}... of it on the GPU and "
                                  f"the rest in pinned memory, but {type(module).__name__} does not dispatch through "
                                  "transformers' experts interface (`use_experts_implementation`), which offplan "
                                  "needs to read them apart; place the whole group together (rebuild the plan with a "
                                  "rule for its experts)")
     return None
-
-
-def _check_on_cpu(plan: Plan, targets: list[Target], quantized: dict, uva: bool, device: torch.device) -> None:
-    """Refuse what the runtime cannot do with experts on cpu, before anything is allocated: quantized experts
-    there, `uva=False`, or more host threads than this process may run on."""
-    on_cpu = [t.name for t in targets if t.on_cpu]
-    if not on_cpu:
-        return
-    if quantized:
-        raise OffplanError(f"{on_cpu[0]}: the plan puts experts of a quantized checkpoint on cpu, and the host "
-                           "kernel computes bf16/fp16/fp32 experts only; place them on uva (rebuild the plan)")
-    if not uva and device.type == "cuda":
-        raise OffplanError(f"uva=False copies each uva parameter to the GPU whole, but the plan computes experts "
-                           f"of {on_cpu[0]} on the host CPU from pinned memory: load it with uva=True (the default)")
-    cores = len(os.sched_getaffinity(0))
-    if plan.cost.cpu_threads > cores:
-        raise OffplanError(f"the plan computes experts on cpu with {plan.cost.cpu_threads} host threads "
-                           f"(cost.cpu_threads), but this process may run on {cores} cores: rebuild it with "
-                           f"`cpu_threads: {cores}` in the hardware profile (`plan calibrate` measures it)")
-
-
-def _host_experts(plan: Plan, targets: list[Target], model: torch.nn.Module, device: torch.device):
-    """The host's engine for the plan's experts on cpu (host_experts.py), its kernel compiling on a thread
-    while the load fills the arena; None when the plan puts none there."""
-    on_cpu = [t for t in targets if t.on_cpu]
-    if not on_cpu:
-        return None
-    above = plan.prefill.above_tokens if plan.prefill is not None else H100.stage_above_tokens
-    engine = HostExperts(device, plan.cost.cpu_threads, above)
-    top_k = getattr(model.config.get_text_config(), "num_experts_per_tok", None)
-    shapes = {}
-    for t in on_cpu:  # the compiled kernel's shapes: uninitialized tensors, whose pages are mapped when touched
-        module = model.get_submodule(t.name.rpartition(".")[0])
-        if gated_like(module) and t.name.endswith(".gate_up_proj"):
-            down = next(d for d in targets if d.name == t.name.rpartition(".")[0] + ".down_proj")
-            shapes[t.shape, down.shape, t.dtype] = top_k or module.num_experts
-    engine.kernel.start([(torch.empty(gate_up, dtype=dtype), torch.empty(down, dtype=dtype), k)
-                         for (gate_up, down, dtype), k in shapes.items()])
-    return engine
-
-
-def _bind_host_experts(h: OffloadHandle, host: list[Target]) -> None:
-    """Each experts module with experts on cpu, given to the host's engine with its fused parameters' host
-    tensors (the arena's CPU views); every fused parameter of it must put the same experts there."""
-    engine = h.host_experts
-    if engine is None:
-        return
-    by_module: dict[torch.nn.Module, dict[str, Target]] = {}
-    for t in host:
-        by_module.setdefault(_experts_module(h.model, t), {})[t.name.rpartition(".")[2]] = t
-    config = h.model.config.get_text_config()
-    top_k = getattr(config, "num_experts_per_tok", None)
-    for module, params in by_module.items():
-        wanted = experts.fused_params(module)
-        on_cpu = {params[p].on_cpu if p in params else () for p in wanted}
-        if on_cpu == {()}:
-            continue
-        if len(on_cpu) > 1:
-            name = next(iter(params.values())).name.rpartition(".")[0]
-            raise ModelMismatchError(f"{name}: its fused parameters put different experts on cpu, but the host "
-                                     "computes an expert whole; rebuild the plan (the planner keeps an expert's "
-                                     "tensors together)")
-        weights = {p: typed(h.arena.host_view(h.layout.host_offset[params[p].name], params[p].nbytes),
-                            params[p].dtype, params[p].shape) for p in wanted}
-        index = engine.add(module, weights, list(on_cpu.pop()), top_k or module.num_experts)
-        module._offplan_host = HostSlot(engine, engine.key, index)
-        h.host_bound.append((module, index))
-    engine.finish()
-    engine.ready()

@@ -13,7 +13,6 @@ loop the benchmarks time instead, and the benchmarks time it:
    cache position [1], the mask): on CUDA, captured once in a CUDA graph
    through the handle (`OffloadHandle.capture`: prefetch copies and lookahead
    reads joined into the capture) and replayed; on the CPU, or `eager=True`,
-   or for a plan with experts on cpu (not captured yet: host_experts.py),
    run as it is. `compile=True` runs the step under torch.compile (Inductor's
    fused kernels), captured too unless eager;
 3. the next token is the argmax of the step's logits, or a sample (`temperature`,
@@ -150,8 +149,7 @@ class Generator:
         self.model = model
         self.handle = handle
         self.device = handle.device
-        # experts on cpu run eagerly: not captured in CUDA graphs yet (host_experts.py)
-        self.replay = handle.cuda and not eager and getattr(handle, "host_experts", None) is None
+        self.replay = handle.cuda and not eager
         if self.replay:
             self.mode = "compiled-graph" if compile else "graph"
         else:
