@@ -70,7 +70,7 @@ with the default 192 (measured on the H100: 2.1x a copy), 43 at 8192 (measured
 
 Experts on cpu: the host computes its touched ones beside the GPU, which sums both (no link traffic; GEMVs bound
 by memory reads): layer gpu = max(its GPU time, layer GPU time + cpu bytes / cpu_expert_gbps + cpu_expert_sync_us).
-Prefill: above stage_above_tokens copied and computed on the GPU, as staged uva experts; below, the CPU reads add.
+Prefill: where the plan stages them (staging.py) copied and computed on the GPU as uva ones; else the host's reads add.
 
 Tensor parallelism (layers/shards.py): the tensors are one GPU's share, so
 every figure above is each GPU's, over its own link, at once. A layer whose
@@ -273,7 +273,7 @@ class CostModel:
             flops += f
             if p is CPU:  # the host computes it (module doc); a long prompt: copied and computed on the GPU
                 read_cpu += b
-                pre_copied, pre_hbm, pre_cpu = ((pre_copied + size, pre_hbm + pre, pre_cpu) if self.stages
+                pre_copied, pre_hbm, pre_cpu = ((pre_copied + size, pre_hbm + pre, pre_cpu) if n in self.staged
                                                 else (pre_copied, pre_hbm, pre_cpu + pre))
                 continue
             if stages and routed:

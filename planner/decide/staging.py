@@ -53,7 +53,13 @@ link, more than twice what a layer of Qwen3-30B-A3B computes at 8192 tokens
 of room. (512 MiB left the link idle for part of each layer at 8192 tokens:
 1.16x the floor where whole-layer slots reached 1.09x.)
 
-A staged layer holds at least one such tensor on uva. Its `bytes` are those
+Routed experts on cpu are staged as uva ones are: the host computes them for
+a few tokens (decode), but over a long prompt a GEMM on the GPU over the
+copied experts is faster than the host's GEMV per (token, expert) pair, so
+above `above_tokens` they go through the ring too (the cost model predicts
+the prefill so).
+
+A staged layer holds at least one such tensor on uva (or routed experts on cpu). Its `bytes` are those
 tensors' bytes but the routed experts', each rounded up to ALIGN (256,
 slots.py) as they lie back to back in a slot; `slot_bytes` is the largest
 layer's, `slots` = min(2, staged layers with such bytes), and the pool (`slots x slot_bytes`)
@@ -102,17 +108,21 @@ def stage_experts(touched: float, hw: Hardware) -> bool:
 
 def staged(layer: Layer, names: Collection[str], place: Mapping[str, Placement],
            tensors: Mapping[str, TensorInfo] | None) -> tuple[list[str], int | None]:
-    """`layer`'s staged tensors (those of `names`, stageable, on uva) and the bytes those other than routed
-    experts take in a slot, each rounded up to ALIGN (module doc); None without `tensors`."""
-    mine = [n for n in layer.params if n in names and place[n] is Placement.UVA]
+    """`layer`'s staged tensors (those of `names`, stageable, on uva; routed experts on cpu too) and the bytes
+    those other than routed experts take in a slot, each rounded up to ALIGN (module doc); None without
+    `tensors`."""
+    mine = [n for n in layer.params if n in names and place[n] in _STAGED]
     if tensors is None or not mine:
         return mine, None if tensors is None else 0
     routed = layer.expert_tensors
     return mine, sum(align(tensors[n].nbytes) for n in mine if n not in routed)
 
 
+_STAGED = (Placement.UVA, Placement.CPU)  # cpu: routed experts only (a rule puts nothing else there)
+
+
 def ring_bytes(host_experts: Iterable[int]) -> int:
-    """The expert ring for staged layers holding these bytes of routed experts on uva (module doc)."""
+    """The expert ring for staged layers holding these bytes of routed experts on uva or cpu (module doc)."""
     return min(RING_BYTES, max(host_experts, default=0))
 
 

@@ -284,7 +284,7 @@ def _prefill(plan: Plan, graph: LayerGraph, at, tensors) -> list[str]:
     if tensors and p.ring_bytes != (ring := ring_bytes(sum(tensors[n].nbytes for n in ns if is_expert(n))
                                                        for _, ns, _ in staged)):
         problems.append(f"{at('prefill', 'ring_bytes')} is {p.ring_bytes} but the staged layers' routed experts on "
-                        f"uva give {ring} (the largest layer's, at most {RING_BYTES})")
+                        f"uva or cpu give {ring} (the largest layer's, at most {RING_BYTES})")
     largest = max(s.bytes for s in p.layers)
     if p.slot_bytes != largest:
         problems.append(f"{at('prefill', 'slot_bytes')} is {p.slot_bytes} but the largest staged layer is {largest}")

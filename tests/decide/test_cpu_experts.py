@@ -63,3 +63,14 @@ def test_a_budget_walk_leaves_experts_on_cpu_where_the_rule_put_them():
     assert placed(d, CPU) == experts_of(0)
     assert d.summary.gpu_footprint_bytes <= mib(10) * 2**30  # the walk fits the rest with uva
     assert placed(d, UVA)
+
+
+def test_a_long_prompt_stages_the_experts_on_cpu_through_the_ring_and_costs_no_footprint():
+    """Above the threshold a GEMM on the GPU beats the host's GEMV per pair: the plan lists the layers, their
+    experts streamed through the ring (no slot, no GPU footprint), as the cost model predicts the prefill."""
+    d, _ = plan_of(moe_toy(3), policy(rules=[(["experts"], "cpu")]))
+    assert [(l.layer, l.bytes) for l in d.prefill.layers] == [(f"model.layers.{i}", 0) for i in range(3)]
+    assert (d.prefill.above_tokens, d.prefill.slots, d.prefill.ring_bytes) == (H100.stage_above_tokens, 0, 6 * MIB)
+    assert d.summary.stage_buffer_bytes == 0 and d.summary.gpu_footprint_bytes == d.summary.gpu_bytes
+    unstaged, _ = plan_of(moe_toy(3), policy(rules=[(["experts"], "cpu")], stage_experts=False))
+    assert unstaged.prefill is None  # `stage_experts: false`: the host computes the prompt's pairs too
