@@ -14,10 +14,9 @@ with top-k routing, T <= `max_tokens`:
 4. `end`: `y` is copied to the GPU (T*k*H*2 bytes, 32 KiB a token at
    Qwen3-30B-A3B's shape), and per pair the GPU takes the host's output where
    the expert is on cpu and its own elsewhere (`torch.where`); the module then
-   weights and sums the pairs as batched_mm does. Copies, not kernels that
-   write and read pinned memory in place: a kernel's reads of host memory that
-   the host has just rewritten are not ordered by the stream the way the copy
-   engine's are (read in place, a replayed batch-2 step took stale outputs).
+   weights and sums the pairs as batched_mm does. (An earlier version wrote and
+   read the pinned buffers in place through zero-copy views, and failed the
+   same way: see ../README.md.)
 
 How the GPU hands the work to the host and takes it back:
 - in a step captured in a CUDA graph (decode's fast path): on a side stream
