@@ -54,12 +54,13 @@ of room. (512 MiB left the link idle for part of each layer at 8192 tokens:
 1.16x the floor where whole-layer slots reached 1.09x.)
 
 Routed experts on cpu are staged as uva ones are: the host computes them for
-a few tokens (decode), but over a long prompt a GEMM on the GPU over the
-copied experts is faster than the host's GEMV per (token, expert) pair, so
+a few tokens (decode), but over a long prompt it would read each expert once
+per token routed to it (a GEMV per pair), where the copy moves it once, so
 above `above_tokens` they go through the ring too (the cost model predicts
 the prefill so).
 
-A staged layer holds at least one such tensor on uva (or routed experts on cpu). Its `bytes` are those
+A staged layer holds at least one such tensor on uva (or a routed expert on
+cpu). Its `bytes` are those
 tensors' bytes but the routed experts', each rounded up to ALIGN (256,
 slots.py) as they lie back to back in a slot; `slot_bytes` is the largest
 layer's, `slots` = min(2, staged layers with such bytes), and the pool (`slots x slot_bytes`)
