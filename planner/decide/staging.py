@@ -85,6 +85,7 @@ from ..plan import LayerKind, Placement, PrefillStaging, Runs, StagedLayer
 
 STAGE_SLOTS = 2  # one slot runs while the next layer's copy fills the other
 RING_BYTES = 2**30  # the expert ring's most (module doc)
+_STAGED = (Placement.UVA, Placement.CPU)  # cpu: routed experts only (a rule puts nothing else there)
 
 
 def stageable(layers: Iterable[Layer], quantized: Collection[str] = (), experts: bool = False) -> frozenset[str]:
@@ -117,9 +118,6 @@ def staged(layer: Layer, names: Collection[str], place: Mapping[str, Placement],
         return mine, None if tensors is None else 0
     routed = layer.expert_tensors
     return mine, sum(align(tensors[n].nbytes) for n in mine if n not in routed)
-
-
-_STAGED = (Placement.UVA, Placement.CPU)  # cpu: routed experts only (a rule puts nothing else there)
 
 
 def ring_bytes(host_experts: Iterable[int]) -> int:
