@@ -17,6 +17,7 @@ from reporting.dense import align_table, load, model_tables, plot
 from reporting.front_door import front_door_tables
 from reporting.moe import moe_tables
 from reporting.parallel import parallel_tables
+from reporting.peers import peers_tables
 from reporting.plan_speed import plan_speed_tables
 from reporting.prefill import prefill_tables, staging_ab
 from reporting.quantized import quantized_tables
@@ -77,6 +78,8 @@ def render(models: dict, with_plot: bool) -> str:
              "PYTHONPATH=CHECKOUT_OF_MAIN python benchmarks/plan_speed.py --profile -n 3 --label before "
              "--note 'main at COMMIT'   # on a CPU machine, as the next",
              "python benchmarks/plan_speed.py --profile --label after --note 'this tree'",
+             "benchmarks/peers/stage.sh   # here; then on the GPU machine, carrying .peers: python "
+             "benchmarks/peers.py --layers 8 --build",
              "python benchmarks/report.py",
              "```", "",
              "Random bf16 weights in the real shapes. Dense tables: HF transformers eager decode (`generate`, "
@@ -93,6 +96,7 @@ def render(models: dict, with_plot: bool) -> str:
     lines += quantized_tables()
     lines += front_door_tables()
     lines += parallel_tables()
+    lines += peers_tables()
     lines += plan_speed_tables()
     if with_plot:
         lines += ["![decode tokens/s against the offloaded fraction](decode.png)", ""]

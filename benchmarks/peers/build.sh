@@ -6,7 +6,9 @@
 #
 #   benchmarks/peers/build.sh [STAGED] [BUILD]   # STAGED defaults to .peers, BUILD to build/llama.cpp
 #                                                # (git-ignored, not carried); prints the binaries' folder last
-# The source is unpacked into BUILD/source (same_model.py compiles against it).
+# The source is unpacked into BUILD/source (same_model.py compiles against it), and STAGED/COMMIT copied to
+# BUILD/COMMIT: the build's own commit field (llama-bench's `build_commit`) comes from git, which would otherwise
+# answer with the commit of a repository around BUILD (this project's), so git is kept from looking above BUILD.
 set -euo pipefail
 STAGED=${1:-.peers}
 BUILD=${2:-build/llama.cpp}
@@ -14,6 +16,9 @@ BUILD=${2:-build/llama.cpp}
     echo "error: $STAGED/llama.cpp.tar.xz is missing: run benchmarks/peers/stage.sh first" >&2; exit 1; }
 src="$BUILD/source"
 rm -rf "$src" && mkdir -p "$src" && tar -xJf "$STAGED/llama.cpp.tar.xz" -C "$src"
+cp "$STAGED/COMMIT" "$BUILD/COMMIT" 2>/dev/null || echo "llama.cpp (unknown commit: no $STAGED/COMMIT)" > "$BUILD/COMMIT"
+export GIT_CEILING_DIRECTORIES
+GIT_CEILING_DIRECTORIES=$(cd "$BUILD" && pwd)
 cuda=${LLAMA_CUDA:-}  # ON or OFF; unset: ON where a GPU answers nvidia-smi
 if [ -z "$cuda" ]; then cuda=OFF; nvidia-smi >/dev/null 2>&1 && cuda=ON; fi
 generator=()

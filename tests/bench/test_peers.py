@@ -135,3 +135,30 @@ def test_stage_refuses_a_missing_sdist(tmp_path):
                            str(tmp_path / "out")], capture_output=True, text=True)
     assert done.returncode == 1 and "nope.tar.gz: no such sdist" in done.stderr
     assert not (tmp_path / "out").exists()
+
+
+def run_peers(tmp_path, *args: str) -> list[dict]:
+    peers = load_benchmark("peers")
+    assert peers.main(["--model", "tiny", "--layers", "2", "--prompts", "64", "--new-tokens", "4", "--threads", "2",
+                       "--dir", str(tmp_path / "work"), "--out", str(tmp_path / "out"), *args]) == 0
+    return [json.loads(line) for line in (tmp_path / "out" / "peers-tiny.jsonl").read_text().splitlines()]
+
+
+def offplan_rows(records: list[dict]) -> dict[tuple[str, int], dict]:
+    """The rows by (what, n); each holds offplan's measured rate."""
+    rows = {(r["what"], r["n"]): r for r in records if r["kind"] == "row"}
+    assert all(r["offplan"] > 0 for r in rows.values()), rows
+    return rows
+
+
+def test_without_llama_cpp_offplan_s_rows_are_measured_and_llama_cpp_s_skipped_saying_why(tmp_path):
+    records = run_peers(tmp_path, "--device", "cpu")
+    rows = offplan_rows(records)
+    assert {(what.split(":")[0], n) for what, n in rows} == {
+        ("experts off the GPU", 1), ("experts off the GPU", 8), ("experts off the GPU", 64),
+        ("8 bits, experts off the GPU", 1), ("all on the GPU", 1)}
+    assert all(r["llama_cpp"] is None and r["ratio"] is None and r["command"] is None for r in rows.values())
+    skipped = [r["why"] for r in records if r["kind"] == "skipped"]
+    assert skipped == ["no llama.cpp build: give --llama-cpp DIR or --build",
+                       "no GPU byte count from llama.cpp (no build, or no CUDA)"]
+    assert not list((tmp_path / "work").rglob("*.gguf"))  # no llama.cpp, no GGUF

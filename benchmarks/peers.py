@@ -23,8 +23,12 @@ with its command line (llama.cpp) or plan (offplan) and its thread count:
 offplan decodes through the runtime's generation (each step replayed from a CUDA graph on a GPU, as `plan apply`
 runs), greedy, `--new-tokens` steps after a 16-token prompt (batch 8: 8 distinct prompts); llama.cpp draws its
 own token ids (the GGUF has no tokenizer). Ratios: offplan over llama.cpp, row by row. Without a llama.cpp build
-(no `--llama-cpp`, no `--build`) the llama.cpp rows are skipped, saying why. Records go to OUT/peers-MODEL.jsonl,
-a table is printed last.
+(no `--llama-cpp`, no `--build`) the llama.cpp rows are skipped, saying why, and no GGUF is written. Records go to
+OUT/peers-MODEL.jsonl, a table is printed last (benchmarks/reporting/peers.py puts it in RESULTS.md).
+
+The GGUF writer needs llama.cpp's `gguf` package: installed (the `test` extra), or else it is taken from the source
+that build.sh unpacked beside its `bin` (`--build`, or `--llama-cpp BUILD/bin`), as on the GPU machine, which has
+no registry.
 """
 from __future__ import annotations
 
@@ -44,13 +48,13 @@ from harness.checkpoints import config_for, make_checkpoint
 from harness.loops import prompts
 from front_door import EXPERTS_UVA
 from harness.plans import make_plan
+from reporting.peers import rows_table
 from planner.inputs.hardware import H100, dumps_hardware
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE / "peers"))
 sys.path.insert(0, str(HERE.parent / "tests"))
 from quantized_models import write_fp8  # noqa: E402  (the published FP8 layout's writer)
-from to_gguf import write_gguf  # noqa: E402
 
 GPU_BUFFER = re.compile(r"CUDA\d+ model buffer size\s*=\s*([\d.]+) MiB")
 
@@ -73,6 +77,21 @@ def parse_args(argv=None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
+def gguf_writer(bin_dir: Path | None):
+    """peers/to_gguf.py's `write_gguf`. It needs the `gguf` package (llama.cpp's gguf-py): installed (the `test`
+    extra), or else from the source beside a build.sh build (`BUILD/bin` -> `BUILD/source/gguf-py`)."""
+    try:
+        import gguf  # noqa: F401
+    except ImportError:
+        source = None if bin_dir is None else bin_dir.resolve().parent / "source" / "gguf-py"
+        if source is None or not source.is_dir():
+            raise SystemExit("the gguf package is missing: pip install 'gguf>=0.19,<0.20' (the test extra), or give "
+                             "--build or the --llama-cpp folder of a peers/build.sh build (its source has gguf-py)")
+        sys.path.insert(0, str(source))
+    from to_gguf import write_gguf
+    return write_gguf
+
+
 class LlamaCpp:
     """llama.cpp's benchmarks, run as a user runs them; each row keeps its command line."""
 
@@ -88,6 +107,8 @@ class LlamaCpp:
         rows, _, _ = self._run("llama-bench", ["-m", str(gguf), *self._gpu(0), "-p", "0", "-n", "1", "-r", "1",
                                                "-o", "jsonl"])
         facts = {k: rows[0].get(k) for k in ("build_commit", "backends", "flash_attn", "cpu_info", "gpu_info")}
+        staged = self.bin.resolve().parent / "COMMIT"  # build.sh's: the source's commit, as stage.sh found it
+        facts["source"] = staged.read_text().strip() if staged.is_file() else None
         if self.cuda and "CUDA" not in str(facts["backends"]):
             raise SystemExit(f"{self.bin}: llama.cpp built without CUDA (backends {facts['backends']!r}) on a GPU "
                              "machine: build it with CUDA (benchmarks/peers/build.sh, LLAMA_CUDA=ON)")
@@ -181,27 +202,27 @@ def main(argv=None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     layers = config.num_hidden_layers
     start = time.perf_counter()
+    llama = None
+    if args.build:  # first: the build's source holds the gguf writer, where the package is not installed
+        built = subprocess.run(["bash", str(HERE / "peers" / "build.sh")], capture_output=True, text=True,
+                               cwd=HERE.parent)
+        if built.returncode != 0:
+            raise SystemExit(f"peers/build.sh failed:\n{built.stderr[-3000:]}")
+        args.llama_cpp = HERE.parent / built.stdout.strip().splitlines()[-1]  # relative to the root it ran in
+    if args.llama_cpp is not None:
+        llama = LlamaCpp(args.llama_cpp, args.threads, cuda)
     ckpt = make_checkpoint(shape, args.layers, work / "ckpt", args.device)
     if not (work / "fp8" / "model.safetensors.index.json").is_file():
         write_fp8(ckpt, work / "fp8", device=args.device)
     ggufs = {kind: work / f"model-{kind}.gguf" for kind in ("bf16", "q8_0")}
-    for kind, path in ggufs.items():
+    for kind, path in ggufs.items() if llama else ():  # without llama.cpp, no GGUF
         if not path.is_file():
-            write_gguf(ckpt, path, kind, device=args.device)
+            gguf_writer(args.llama_cpp)(ckpt, path, kind, device=args.device)
     if cuda:  # the budget plans are planned with this machine's figures, as front_door.py's
         from runtime.measure.calibrate import calibrate
         (work / "hw.yaml").write_text(dumps_hardware(calibrate().hardware))
     else:
         (work / "hw.yaml").write_text(dumps_hardware(H100))
-    llama = None
-    if args.build:
-        built = subprocess.run(["bash", str(HERE / "peers" / "build.sh")], capture_output=True, text=True,
-                               cwd=HERE.parent)
-        if built.returncode != 0:
-            raise SystemExit(f"peers/build.sh failed:\n{built.stderr[-3000:]}")
-        args.llama_cpp = Path(built.stdout.strip().splitlines()[-1])
-    if args.llama_cpp is not None:
-        llama = LlamaCpp(args.llama_cpp, args.threads, cuda)
     record(kind="run", model=args.model, layers=layers, device=torch.cuda.get_device_name() if cuda else "cpu",
            torch=torch.__version__, threads=args.threads, setup_seconds=round(time.perf_counter() - start, 1),
            llama_cpp=llama.build_facts(ggufs["bf16"]) if llama else None, new_tokens=args.new_tokens)
@@ -264,22 +285,8 @@ def main(argv=None) -> int:
             rows, cmd = llama.bench(gguf, cpu_moe, ["-p", "0", "-n", str(new)])
             lc = rows[0]["avg_ts"]
         row(what, 1, rate, lc, plan=name, command=cmd)
-    print("\n" + "\n".join(table([json.loads(l) for l in log.read_text().splitlines()])))
+    print("\n" + "\n".join(rows_table([json.loads(l) for l in log.read_text().splitlines()])))
     return 0
-
-
-def table(records: list[dict]) -> list[str]:
-    out = ["| row | batch or prompt tokens | offplan | llama.cpp | offplan / llama.cpp | llama.cpp command |",
-           "|---|---|---|---|---|---|"]
-    for r in records:
-        if r["kind"] == "row":
-            out.append(f"| {r['what']} | {r['n']} | {r['offplan']:.1f} | "
-                       f"{'-' if r['llama_cpp'] is None else format(r['llama_cpp'], '.1f')} | "
-                       f"{'-' if r['ratio'] is None else format(r['ratio'], '.2f')} | "
-                       f"{'`' + r['command'] + '`' if r.get('command') else '-'} |")
-        elif r["kind"] == "skipped":
-            out.append(f"| skipped: {r['what']} ({r['why']}) | | | | | |")
-    return out
 
 
 if __name__ == "__main__":
