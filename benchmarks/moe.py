@@ -31,6 +31,9 @@ checkpoint (harness/checkpoints.py `make_checkpoint`, a layer at a time). One ru
    would not fit the H100), over the UVA read bandwidth of step 1. Nothing can
    read them faster.
 
+With `--cpu-fractions F...` (and `--cpu-threads N...`), rows with the first F
+of every layer's experts on cpu, the rest on uva (harness/host_rows.py).
+
 With `--skew S`, every model of the run routes as real MoE models do, a few
 experts taking most tokens (RouterSkew: random weights alone route uniformly),
 and the run goes on to placements under a GPU budget:
@@ -68,6 +71,7 @@ from harness import loops
 from harness.budgets import budget_table, measure_budgets, record_profile
 from harness.checkpoints import checkpoint_and_hardware, config_for
 from harness.loops import prompts
+from harness.host_rows import HostTiming, measure_cpu
 from harness.plans import make_plan
 from harness.routers import RouterSkew, RouterSpread, touched_experts
 from runtime.execute.experts import arithmetic
@@ -110,6 +114,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--profile-prompts", type=int, default=64, help="with --skew: prompts to record routing on")
     ap.add_argument("--lookahead-ab", action="store_true", help="also every expert in pinned memory at batch 1 "
                     "without the experts lookahead (runtime/execute/lookahead.py), in the same run")
+    ap.add_argument("--cpu-fractions", type=float, nargs="*", default=[],
+                    help="shares of every layer's experts on cpu, the rest on uva (module doc)")
+    ap.add_argument("--cpu-threads", type=int, nargs="+", help="host threads for experts on cpu (default: the "
+                    "hardware profile's cpu_threads)")
     ap.add_argument("--budget-batches", type=int, nargs="+", default=[1, 8],
                     help="with --skew: batches the budget placements decode at (and are predicted at)")
     return ap.parse_args(argv)
@@ -153,9 +161,8 @@ class Run:
             f.write(json.dumps(r) + "\n")
         print(json.dumps(r), flush=True)
 
-    def plan(self, name: str, body: str) -> Path:
-        text = f"format_version: 1\ncheckpoint: ckpt\nhardware: hw.yaml\n{body}"
-        return make_plan(self.work, name, text)
+    def plan(self, name: str, body: str, hardware: str = "hw.yaml") -> Path:
+        return make_plan(self.work, name, f"format_version: 1\ncheckpoint: ckpt\nhardware: {hardware}\n{body}")
 
     def load(self, plan: Path | None, implementation: str | None, lookahead: bool = True):
         """`plan` applied by offplan's runtime; None: the checkpoint loaded by transformers alone. `lookahead`
@@ -184,9 +191,10 @@ class Run:
             model.set_experts_implementation(implementation)
         return model, handle
 
-    def decode(self, model, handle, mode: str, batch: int) -> tuple[float, list]:
+    def decode(self, model, handle, mode: str, batch: int, prepared=None) -> tuple[float, list]:
         if mode in REPLAYED:
-            return loops.decode_static(model, handle, self.ids, self.args.new_tokens, mode, batch)
+            return loops.decode_static(model, handle, self.ids, self.args.new_tokens, mode, batch,
+                                       prepared or (lambda: None))
         return loops.decode(model, self.ids, batch, self.args.new_tokens, self.args.device)
 
     def measure(self, name: str, plan: Path | None, implementation: str | None, modes: list[str], offloaded: bool,
@@ -207,7 +215,11 @@ class Run:
                 if mode in REPLAYED and (not self.cuda or used == "eager"):
                     continue  # the eager loop syncs on the host: it cannot be captured
                 for b in batches or self.args.batches:
-                    rate, tokens = self.decode(model, handle, mode, b)
+                    timing = HostTiming(handle)  # experts on cpu: the host's figures over the timed call
+                    if timing.host is not None and mode not in REPLAYED:
+                        timing.mark()
+                    rate, tokens = self.decode(model, handle, mode, b, timing.mark if timing.host else None)
+                    extra.update(timing.figures())
                     key = (mode, b)
                     if not offloaded:
                         self.reference.setdefault((used, mode, b), tokens)  # the first: transformers alone
@@ -216,7 +228,7 @@ class Run:
                     like = arithmetic(b * self.top_k) if used == "offplan" else used
                     ref = self.reference.get((like, mode, b))
                     same = None if ref is None else tokens == ref
-                    if same is False and used != "eager":
+                    if same is False and used != "eager" and timing.host is None:  # the host's GEMVs round apart
                         self.failures.append(f"{name} {mode} b={b}")
                     limit = self.floor.get(b) if offloaded and floor else None
                     best = self.best_gpu.get(key, (None, None))
@@ -263,6 +275,9 @@ def main(argv=None) -> int:
     if args.lookahead_ab and "offplan" in args.host_implementations:
         run.measure("experts-host-offplan-no-lookahead", host, None, args.modes, offloaded=True, lookahead=False,
                     batches=[1])
+    for threads in args.cpu_threads or [None]:
+        for fraction in args.cpu_fractions:
+            measure_cpu(run, fraction, threads)
     if run.skew is not None:
         measure_budgets(run, record_profile(run, gpu))
     rows = [json.loads(line) for line in run.log.read_text().splitlines()]

@@ -15,6 +15,7 @@ import sys
 from planner.files import write_atomic
 from reporting.dense import align_table, load, model_tables, plot
 from reporting.front_door import front_door_tables
+from reporting.host_experts import host_experts_tables
 from reporting.moe import moe_tables
 from reporting.parallel import parallel_tables
 from reporting.peers import peers_tables
@@ -80,6 +81,10 @@ def render(models: dict, with_plot: bool) -> str:
              "python benchmarks/plan_speed.py --profile --label after --note 'this tree'",
              "benchmarks/peers/stage.sh   # here; then on the GPU machine, carrying .peers: python "
              "benchmarks/peers.py --layers 8 --build",
+             "python benchmarks/moe.py --layers 8 --batches 1 4 8 --modes graph --baselines batched_mm "
+             "--transformers-baselines --host-implementations offplan --cpu-fractions 0.3 0.5 --cpu-threads 8 15   "
+             "# then: mv results/moe-qwen3-30b-a3b.jsonl results/moe-cpu-qwen3-30b-a3b-run1.jsonl; run2: --batches 1 "
+             "4 --cpu-threads 8, on another machine",
              "python benchmarks/report.py",
              "```", "",
              "Random bf16 weights in the real shapes. Dense tables: HF transformers eager decode (`generate`, "
@@ -91,6 +96,7 @@ def render(models: dict, with_plot: bool) -> str:
     for name, m in sorted(models.items()):
         lines += model_tables(name, m)
     lines += moe_tables()
+    lines += host_experts_tables()
     lines += prefill_tables()
     lines += staging_ab()
     lines += quantized_tables()

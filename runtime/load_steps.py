@@ -32,16 +32,16 @@ from pathlib import Path
 
 import torch
 
-from planner.errors import ModelMismatchError, OffplanError, PlanFileError
+from planner.errors import OffplanError, PlanFileError
 from planner.inputs.checkpoint import Checkpoint, open_checkpoint
 from planner.layers.groups import FusedGroups
 from planner.plan import Placement, Plan, Runs
 from planner.planfile import load_plan
 from planner.planfile.staleness import require_current
 
-from .execute import experts
+from .bind_experts import bind_experts
 from .execute.handle import OffloadHandle
-from .execute.lookahead import LOOKAHEAD, Lookahead
+from .execute.host import bind as host
 from .execute.prefetch import PrefetchEngine
 from .execute.prefill import PrefillStager
 from .execute.staging import UvaStaging
@@ -124,6 +124,7 @@ def _run(model, plan: Plan, ckpt: Checkpoint, device, uva: bool, progress, *, fr
     else:
         targets, quantized = map_tensors(model, {n: (ckpt.tensors[n].shape, p) for n, p in plan.params.items()}), {}
     try:
+        host.check(plan, targets, quantized, uva, device)
         split = [t.name for t in targets if t.resident]
         if split and not uva and device.type == "cuda":
             more = f" (and {len(split) - 1} more)" if len(split) > 1 else ""
@@ -140,6 +141,7 @@ def _run(model, plan: Plan, ckpt: Checkpoint, device, uva: bool, progress, *, fr
     handle.quantized_names = {f"{path}.{name}".lstrip(".") for path, m in model.named_modules() if m in quantized
                               for q in quantized[m].values() for name in (q.data, q.scale)}
     try:
+        handle.host_experts = host.engine_for(plan, targets, model, device)  # compiling its kernel meanwhile
         with torch.no_grad():
             placed = _allocate_and_fill(handle, from_checkpoint, progress)  # steps 4 and 5
             _bind(handle, placed, staged=handle.cuda and not uva)  # step 6
@@ -232,7 +234,7 @@ def _bind(h: OffloadHandle, placed: dict[str, torch.Tensor], staged: bool) -> No
     if h.parallel is not None:
         h.parallel.install(h.model)
     dequant.bind(h.quantized)
-    _bind_experts(h)
+    bind_experts(h)
     if h.plan.prefill is not None and h.staging is None:
         # quantized tensors are read once per access by their dequantization: never staged
         quantized = {p.source for t in h.targets if t.name in h.quantized_names for p in t.pieces}
@@ -245,56 +247,3 @@ def _bind(h: OffloadHandle, placed: dict[str, torch.Tensor], staged: bool) -> No
             torch.cuda.current_stream(h.device).wait_stream(h.engine.copy_stream)
         torch.cuda.synchronize(h.device)
         h.peak_gpu_bytes = torch.cuda.max_memory_allocated(h.device) - h.start_alloc
-
-
-def _bind_experts(h: OffloadHandle) -> None:
-    """Experts in pinned memory, or quantized, run through offplan's experts implementation (experts.py):
-    each such fused parameter's resident rows (the experts the plan keeps on the GPU) copied to HBM and
-    bound to its module; quantized experts are dequantized only where touched, wherever they are."""
-    host = [t for t in h.targets if t.placement is UVA and not h.staging and _experts_module(h.model, t) is not None]
-    quantized = [m for m in h.quantized if experts.supports(m)]
-    if not host and not quantized:
-        return
-    experts.register()
-    for t in host:
-        module = _experts_module(h.model, t)
-        param = t.name.rpartition(".")[2]
-        rows = torch.empty((max(1, len(t.resident)), *t.shape[1:]), dtype=t.dtype, device=h.device)
-        if t.resident:
-            index = torch.tensor(t.resident)
-            rows.copy_(typed(h.arena.host_view(h.layout.host_offset[t.name], t.nbytes), t.dtype, t.shape)[index])
-        slot = torch.full((t.shape[0],), -1, dtype=torch.int32)
-        slot[list(t.resident)] = torch.arange(len(t.resident), dtype=torch.int32)
-        experts.bind(module, param, rows, slot.to(h.device))
-        if module not in h.bound_experts:
-            h.bound_experts.append(module)
-    h.bound_experts += [m for m in quantized if m not in h.bound_experts]
-    h.experts_before = h.model.config._experts_implementation
-    h.model.set_experts_implementation("offplan")
-    h.lookahead = lookahead(h.model, h.bound_experts, h.device)
-
-
-def lookahead(model: torch.nn.Module, bound: list[torch.nn.Module], device: torch.device,
-              count: int = LOOKAHEAD) -> Lookahead | None:
-    """The lookahead over the experts modules with experts in pinned memory (lookahead.py), in forward order;
-    None where fewer than two have them."""
-    order = {m: (i, p) for i, (p, m) in enumerate(model.named_modules())}
-    names = {order[m][1]: [n for n in experts.stored_params(m) if experts.slot_of(m, n) is not None] for m in bound}
-    paths = sorted((p for p, n in names.items() if n), key=lambda p: order[model.get_submodule(p)][0])
-    return Lookahead(model, paths, names, count, device) if len(paths) > 1 and count else None
-
-
-def _experts_module(model: torch.nn.Module, t: Target) -> torch.nn.Module | None:
-    """The module of a fused expert parameter that takes offplan's experts implementation, else None.
-
-    A parameter split between the GPU and pinned memory needs one: an error names the class that lacks it."""
-    module = model.get_submodule(t.name.rpartition(".")[0])
-    if experts.supports(module) and t.name.rpartition(".")[2] in experts.stored_params(module):
-        return module
-    if t.resident:
-        raise ModelMismatchError(f"{t.name}: the plan keeps experts {list(t.resident)[:4]}... of it on the GPU and "
-                                 f"the rest in pinned memory, but {type(module).__name__} does not dispatch through "
-                                 "transformers' experts interface (`use_experts_implementation`), which offplan "
-                                 "needs to read them apart; place the whole group together (rebuild the plan with a "
-                                 "rule for its experts)")
-    return None

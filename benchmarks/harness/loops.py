@@ -41,12 +41,15 @@ def decode(model, ids: torch.Tensor, batch: int, new: int, device) -> tuple[floa
     return new / max(tn - t1, 1e-9), out[:, PROMPT_LEN:].tolist()
 
 
-def decode_static(model, handle, ids: torch.Tensor, new: int, mode: str, batch: int = 1) -> tuple[float, list]:
+def decode_static(model, handle, ids: torch.Tensor, new: int, mode: str, batch: int = 1,
+                  prepared=lambda: None) -> tuple[float, list]:
     """Greedy decode of `batch` sequences through the runtime's generation (runtime/execute/generation.py: static
     KV cache, the loop `plan apply` runs): `graph` replays one captured decode step (CUDA graph), `compiled` runs a
     torch.compile'd step, `compiled-graph` replays one captured step of it (Inductor's fused kernels). `prepare`
-    captures and warms up; the call is timed. Returns (decode steps per second, the first `new` tokens)."""
+    captures and warms up (then `prepared()` is called); the call is timed. Returns (decode steps per second, the
+    first `new` tokens)."""
     generator = handle.generator(eager=mode == "compiled", compile=mode in ("compiled", "compiled-graph"))
     generator.prepare(ids[:batch], new + 1)  # capture (and compile), warm-up
+    prepared()
     got = generator(ids[:batch], new + 1)
     return got.decode_tokens_per_s, [t[:new] for t in got.tokens]

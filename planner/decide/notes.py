@@ -87,8 +87,8 @@ def notes(o: Outcome) -> tuple[str, ...]:
         out.append(f"rules place {_amounts(by_rules)} ({plural(ruled, 'tensor')})")
     if by_rules[CPU]:
         out.append(f"{human(by_rules[CPU])} of routed experts on cpu: the host CPU computes them beside the GPU, as "
-                   "the hardware profile's cpu figures predict; this offplan plans and reviews them, but its runtime "
-                   "does not compute them yet (`plan apply` and runtime.load refuse the plan)")
+                   "the hardware profile's cpu figures predict (cpu_threads host threads; the runtime refuses the "
+                   "plan where fewer cores are free)")
     out.append(_backend_note(o, by_backend, any(by_rules.values()), sum(map(_NBYTES, o.tensors.values()))))
     out += o.mixed
     out += _rarely_run(o)

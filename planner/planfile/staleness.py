@@ -36,7 +36,7 @@ from ..inputs.checkpoint import Checkpoint, open_checkpoint
 from ..inputs.policy import load_policy, policy_fingerprint
 from ..inputs.routing import profile_fingerprint
 from ..nogc import no_gc
-from ..plan import Placement, Plan
+from ..plan import Plan
 from .file import dumps
 
 
@@ -49,15 +49,7 @@ def checkpoint_change(plan: Plan, ckpt: Checkpoint, where: Path) -> str | None:
 
 
 def require_current(plan: Plan, ckpt: Checkpoint, where: Path) -> None:
-    """Raise StalePlanError if the checkpoint changed since the plan was built; the runtime asks before it loads.
-
-    A plan with routed experts on cpu is refused here too: this offplan builds, checks, shows and diffs such
-    plans, but its runtime does not compute experts on the host CPU yet."""
-    if plan.summary.cpu_bytes:
-        on_cpu = sum(p is Placement.CPU for p in plan.params.values())
-        raise OffplanError(f"the plan places {on_cpu} tensors of routed experts on cpu: this offplan plans and "
-                           "reviews them, but its runtime does not compute experts on the host CPU yet; to run the "
-                           "model, place them on uva (`place: uva` in the policy's rule) and build the plan again")
+    """Raise StalePlanError if the checkpoint changed since the plan was built; the runtime asks before it loads."""
     change = checkpoint_change(plan, ckpt, where)
     if change:
         raise StalePlanError(f"the plan is stale: {change}; rebuild it with `plan build POLICY`")

@@ -54,6 +54,12 @@ them), step 2 gathers only the rows held in HBM, and the rows in pinned
 memory come from the expert ring (ring.py: copied ahead of the layer, over
 the link, while earlier layers computed), through `offplan::expert_fill`.
 
+Experts on cpu (host/engine.py) lie in the pinned parameter as uva ones do. In
+a forward of at most the plan's prefill threshold in tokens, step 2 leaves
+their rows out, the host's outputs replace their pairs' before the pairs are
+weighted and summed, and the lookahead leaves such modules alone. Above it, and
+in a staged prefill, they are read as uva experts.
+
 A module whose fused parameters are all in HBM (on the GPU, or prefetched into
 a slot) has nothing to deduplicate: it runs transformers' own implementation
 whose arithmetic `arithmetic` picks for its pairs (`batched_mm` or
@@ -202,9 +208,10 @@ def _grouped(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, b: torch.T
 
 
 def _batched(self: torch.nn.Module, hidden_states: torch.Tensor, rows: dict[str, torch.Tensor],
-             weights: torch.Tensor, k: int, pos: torch.Tensor | None = None) -> torch.Tensor:
+             weights: torch.Tensor, k: int, pos: torch.Tensor | None = None, merge=None) -> torch.Tensor:
     """batched_mm's arithmetic: one GEMV per (token, expert) pair. `pos` [T*k] picks each pair's staged row (a
-    copy per pair); None: the rows already lie in pair order."""
+    copy per pair); None: the rows already lie in pair order. `merge`: the pair outputs [T*k, H] -> those with
+    the host's where it computed (host/engine.py), before they are weighted and summed."""
     first = "gate_up_proj" if self.has_gate else "up_proj"
 
     def pick(name: str) -> torch.Tensor | None:
@@ -214,6 +221,7 @@ def _batched(self: torch.nn.Module, hidden_states: torch.Tensor, rows: dict[str,
     up = _linear(hidden_states.repeat_interleave(k, dim=0), pick(first), pick(f"{first}_bias"), self.is_transposed)
     up = self._apply_gate(up) if self.has_gate else self.act_fn(up)
     out = _linear(up, pick("down_proj"), pick("down_proj_bias"), self.is_transposed)
+    out = out if merge is None else merge(out)
     return (out * weights.unsqueeze(-1)).view(-1, k, out.shape[-1]).sum(dim=1).to(hidden_states.dtype)
 
 
@@ -230,7 +238,14 @@ def offplan_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, 
     weights = top_k_weights.reshape(-1)
     first = "gate_up_proj" if self.has_gate else "up_proj"
     ring = getattr(self, "_offplan_ring", None)  # set by prefill.py on the experts modules it stages
-    if ring is not None and ring.state.staged:  # every expert, in order: HBM rows gathered, host rows from the ring
+    host = getattr(self, "_offplan_host", None)  # set by host/bind.py where the plan puts experts on cpu
+    staged = ring is not None and ring.state.staged
+    merge = None
+    if host is not None and not staged and host.engine.takes(num_tokens):  # the host computes its experts
+        ids = ops.host_begin(ids, hidden_states, host.key, host.index)
+        mine = host.engine.modules[host.index].on_cpu_device  # [E] bool
+        merge = lambda out, x=hidden_states, ids=ids: ops.host_end(out, x, ids, host.key, host.index)  # noqa: E731
+    if staged:  # every expert, in order: HBM rows gathered, host rows from the ring
         size, order, pos = experts, torch.arange(experts, device=ids.device), ids
         rows = {p: _stage(self, p, order, _in_hbm(self, p)) for p in fused_params(self)}
         ops.expert_fill(list(rows.values()), ring.key, ring.unit)
@@ -239,24 +254,27 @@ def offplan_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, 
         if use is not None and (use.reads or use.guesses):  # this module's guessed experts joined, the next guessed
             ids = ops.ahead_begin(ids, hidden_states, use.key, use.index)
         ahead = use.key if use is not None and use.reads else 0
-        valid = torch.ones_like(ids, dtype=torch.int32)
+        valid = torch.ones_like(ids, dtype=torch.int32) if merge is None else \
+            mine.index_select(0, ids).logical_not().to(torch.int32)  # the host's experts: not read here
         rows = {p: _stage(self, p, ids, valid, ahead, hidden_states) for p in fused_params(self)}
         if use is not None:  # every gather enqueued before any GEMV; then the next module's guess read ahead
             gathered = [r.data if isinstance(r, Fp8Rows) else r for r in rows.values()]
             hidden_states = ops.ahead_read(hidden_states, gathered, use.key, use.index)
-        return _batched(self, hidden_states, rows, weights, k)
+        return _batched(self, hidden_states, rows, weights, k, merge=merge)
     else:
         size = min(experts, pairs)
         hit = torch.zeros(experts, dtype=torch.int32, device=ids.device).index_fill_(0, ids, 1)
         order = torch.sort(hit, descending=True, stable=True).indices[:size]  # hit experts first, by number
         valid = hit.index_select(0, order)
+        if merge is not None:  # the host's experts: not read here
+            valid = valid * mine.index_select(0, order).logical_not().to(torch.int32)
         slot_of = torch.zeros(experts, dtype=torch.long, device=ids.device).index_copy_(
             0, order, torch.arange(size, device=ids.device))
         pos = slot_of.index_select(0, ids)  # [T*k]: each pair's slot
         rows = {p: _stage(self, p, order, valid) for p in fused_params(self)}
     bias = (lambda p: rows[f"{p}_bias"]) if self.has_bias else (lambda p: None)
     if arithmetic(pairs) == "batched_mm":  # one weight copy per pair, from HBM
-        return _batched(self, hidden_states, rows, weights, k, pos)
+        return _batched(self, hidden_states, rows, weights, k, pos, merge)
     # grouped_mm's arithmetic over the staged experts, pairs sorted by slot
     pos_sorted, perm = torch.sort(pos)
     x = hidden_states[perm // k]
@@ -268,10 +286,12 @@ def offplan_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, 
     up = self._apply_gate(up) if self.has_gate else self.act_fn(up)
     down = bias("down_proj")
     out = _grouped(up, rows["down_proj"], offsets, None if down is None else down[pos_sorted], self.is_transposed)
-    out = out * weights[perm].unsqueeze(-1)
     inverse = torch.empty_like(perm)
     inverse[perm] = torch.arange(perm.numel(), device=perm.device)
-    return out[inverse].view(num_tokens, k, -1).sum(dim=1).to(hidden_states.dtype)
+    out = out[inverse]  # pair order (then weighted: the same products as weighting first, then reordering)
+    if merge is not None:
+        out = merge(out)
+    return (out * weights.unsqueeze(-1)).view(num_tokens, k, -1).sum(dim=1).to(hidden_states.dtype)
 
 
 def register() -> None:

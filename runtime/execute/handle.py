@@ -3,8 +3,9 @@
 Lifecycle: created by `load`/`apply` (load_steps.py) -> use the model (`generate`) -> `remove()`.
 It owns the pinned arena, the prefetch engine (slots, copy stream, hooks), the
 prefill stager (its slots and staged module classes), the uva staging buffer and
-the generators' static caches and captured decode steps (generation.py); nothing
-else in the runtime keeps GPU state.
+the generators' static caches and captured decode steps (generation.py), and
+the host's engine for experts on cpu (host/engine.py: its exchange buffers,
+side stream and host function); nothing else in the runtime keeps GPU state.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from ..place.names import Target
 from ..place.quant import Quant
 from . import experts
 from .generation import Generating, Generator, capture_graph
+from .host.engine import HostExperts
 from .lookahead import Lookahead
 from .prefetch import PrefetchEngine
 from .prefill import PrefillStager
@@ -82,6 +84,8 @@ class OffloadHandle(Generating):
         self.quantized_names: set[str] = set()  # their stored tensors' model names
         self.bound_experts: list[torch.nn.Module] = []  # experts modules given resident rows (experts.py)
         self.lookahead: Lookahead | None = None  # their next experts read ahead at decode (lookahead.py)
+        self.host_experts: HostExperts | None = None  # the plan's experts on cpu (host/engine.py)
+        self.host_bound: list[tuple[torch.nn.Module, int]] = []  # the modules it computes experts of
         self.experts_before: str | None = None  # the experts implementation before "offplan"
         self.generators: dict[tuple[bool, bool], Generator] = {}  # `generate`'s, by (eager, compile)
         self.parallel = None  # tensor parallelism: this process's place and collectives (distributed/collectives.py)
@@ -165,6 +169,12 @@ class OffloadHandle(Generating):
         if self.lookahead is not None:
             self.lookahead.remove()
             self.lookahead = None
+        for module, _ in self.host_bound:
+            del module._offplan_host
+        self.host_bound = []
+        if self.host_experts is not None:
+            self.host_experts.close()
+            self.host_experts = None
         for module in self.bound_experts:
             experts.unbind(module)
         if self.bound_experts:

@@ -6,7 +6,8 @@ stages the layer and starts the next one's copy. It adds a third:
 host rows from the expert ring (ring.py) into `rows`, the rows its experts
 forward gathered (experts.py), which it mutates. The lookahead (lookahead.py)
 adds two more, for decode of one token: `offplan::ahead_begin` and
-`offplan::ahead_read`.
+`offplan::ahead_read`. Experts on cpu (host/engine.py) add `offplan::host_begin`
+and `offplan::host_end`, and their kernel `offplan::host_gated` (host/kernel.py).
 
 `offplan::prefetch_wait(x, engine, layer)`: make the current stream wait for
 `layer`'s copy, then return a copy of `x` (the layer's input activations).
@@ -122,3 +123,38 @@ def ahead_read(x: torch.Tensor, gathered: list[torch.Tensor], engine: int, index
 @ahead_read.register_fake
 def _(x, gathered, engine, index):
     return torch.empty_like(x)
+
+
+@torch.library.custom_op("offplan::host_begin", mutates_args=())
+def host_begin(ids: torch.Tensor, x: torch.Tensor, engine: int, index: int) -> torch.Tensor:
+    """At experts module `index` with experts on cpu (host/engine.py): hand the tokens `x` and their routed
+    experts `ids` to the host. Returns a copy of `ids`, which the module's gathers read: the hand-over is
+    enqueued before the GPU's experts, which it overlaps."""
+    _engine(engine).begin(index, x, ids)
+    return ids.clone()
+
+
+@host_begin.register_fake
+def _(ids, x, engine, index):
+    return torch.empty_like(ids)
+
+
+@torch.library.custom_op("offplan::host_end", mutates_args=())
+def host_end(out: torch.Tensor, x: torch.Tensor, ids: torch.Tensor, engine: int, index: int) -> torch.Tensor:
+    """The pair outputs `out` [T*k, H] of the GPU, with the host's where the expert is on cpu
+    (host/engine.py): taken after the GPU's experts, which its input is."""
+    return _engine(engine).end(index, out, x, ids)
+
+
+@host_end.register_fake
+def _(out, x, ids, engine, index):
+    return torch.empty_like(out)
+
+
+@torch.library.custom_op("offplan::host_gated", mutates_args=())
+def host_gated(x: torch.Tensor, tokens: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+               experts: torch.Tensor, kernel: int) -> torch.Tensor:
+    """host/kernel.py's compiled kernel, always called through this op: Dynamo guards on the thread's dispatch
+    state, which a custom op's implementation sets alike wherever it is called from (a host function's thread,
+    another op's implementation)."""
+    return _engine(kernel).compiled_gated(x, tokens, gate_up, down, experts)

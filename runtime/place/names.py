@@ -43,9 +43,11 @@ class Target:
     dtype: torch.dtype
     pieces: list[Piece] = field(default_factory=list)
     placement: Placement | None = None
-    # A fused expert parameter split between the GPU and uva (planner/layers/groups.py): placement is UVA (the whole
-    # parameter in pinned memory), and these experts are also resident in HBM (runtime/execute/experts.py).
+    # A fused expert parameter split between the GPU, uva and cpu (planner/layers/groups.py): placement is UVA (the
+    # whole parameter in pinned memory), these experts are also resident in HBM (runtime/execute/experts.py),
     resident: tuple[int, ...] = ()
+    # and these the host CPU computes (runtime/execute/host/).
+    on_cpu: tuple[int, ...] = ()
 
     @property
     def nbytes(self) -> int:
@@ -183,14 +185,17 @@ def map_tensors(model: torch.nn.Module, checkpoint: Mapping[str, tuple[tuple[int
         if covered != total:
             problems.append(f"{tgt.name}: the checkpoint fills {covered} of its {total} elements")
         places = {checkpoint[p.source][1] for p in tgt.pieces}
-        if len(places) == 1:
+        if len(places) == 1 and Placement.CPU not in places:
             tgt.placement = places.pop()
+            continue
+        if places == {Placement.CPU} and len(tgt.pieces) == 1 and not tgt.pieces[0].index:  # fused as stored
+            tgt.placement, tgt.on_cpu = Placement.UVA, tuple(range(tgt.shape[0]))
             continue
         split = _split_experts(tgt, {p.source: checkpoint[p.source][1] for p in tgt.pieces})
         if isinstance(split, str):
             problems.append(split)
             continue
-        tgt.placement, tgt.resident = Placement.UVA, split
+        tgt.placement, (tgt.resident, tgt.on_cpu) = Placement.UVA, split
     problems = [f"model tensor {n} is missing from the plan (no checkpoint tensor fills it)" for n in fold(missing)] \
         + [f"plan entry {n} is missing from the model" for n in fold(unused)] + problems
     if problems:
@@ -201,9 +206,9 @@ def map_tensors(model: torch.nn.Module, checkpoint: Mapping[str, tuple[tuple[int
     return unique
 
 
-def _split_experts(tgt: Target, place: Mapping[str, Placement]) -> tuple[int, ...] | str:
-    """The experts on the GPU of a fused parameter whose experts are split between the GPU and uva,
-    or why the split cannot be applied: an expert's pieces disagree, or part of it is prefetched."""
+def _split_experts(tgt: Target, place: Mapping[str, Placement]) -> tuple[tuple[int, ...], tuple[int, ...]] | str:
+    """(the experts on the GPU, those on cpu) of a fused parameter whose experts are placed apart (gpu, uva,
+    cpu), or why the split cannot be applied: an expert's pieces disagree, or part of it is prefetched."""
     by_expert: dict[int, set[Placement]] = {}
     for p in tgt.pieces:
         if not p.index:
@@ -216,7 +221,8 @@ def _split_experts(tgt: Target, place: Mapping[str, Placement]) -> tuple[int, ..
     if any(Placement.PREFETCH in ps for ps in by_expert.values()):
         return (f"{tgt.name}: part of it is prefetched; a prefetched parameter is a view of one slot, so all of "
                 "it must be (rebuild the plan)")
-    return tuple(sorted(e for e, ps in by_expert.items() if Placement.GPU in ps))
+    return tuple(sorted(e for e, ps in by_expert.items() if Placement.GPU in ps)), \
+        tuple(sorted(e for e, ps in by_expert.items() if Placement.CPU in ps))
 
 
 _NUMBER = re.compile(r"(?<=\.)\d+(?=\.|$)")

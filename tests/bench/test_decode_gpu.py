@@ -119,3 +119,24 @@ def test_front_door_benchmark_runs_on_cuda(tmp_path):
     assert all(decoded[s, "generate --eager"]["predicted_steps_per_s"] > 0 for s in strategies)  # the plan's own workload
     assert decoded["experts-uva", "apply"]["floor_steps_per_s"] > 0
     assert decoded["experts-uva-fp8", "loop"]["uva_bytes"] < decoded["experts-uva", "loop"]["uva_bytes"]
+
+
+def test_moe_benchmark_measures_experts_on_cpu_replayed_and_eager(tmp_path):
+    """moe.py --cpu-fractions (harness/host_rows.py) on a tiny Qwen3-MoE: rows with half and all of every layer's
+    experts on cpu, in graph replay and eagerly, each with the host's time per module forward, every call of the
+    compiled kernel."""
+    import json
+    profile = tmp_path / "h100.yaml"
+    profile.write_text(dumps_hardware(H100))
+    code = load_benchmark("moe").main([
+        "--model", "tiny", "--layers", "2", "--batches", "1", "4", "--new-tokens", "4", "--hardware", str(profile),
+        "--dir", str(tmp_path / "work"), "--out", str(tmp_path / "out"), "--modes", "graph", "eager",
+        "--baselines", "batched_mm", "--transformers-baselines", "--host-implementations", "offplan",
+        "--cpu-fractions", "0.5", "1", "--cpu-threads", "2"])
+    assert code == 0
+    rows = [json.loads(l) for l in (tmp_path / "out" / "moe-tiny.jsonl").read_text().splitlines()]
+    host = {(r["name"], r["mode"], r["batch"]): r for r in rows if r["kind"] == "decode" and "cpu_fraction" in r}
+    assert set(host) == {(f"experts-cpu{f}-t2", m, b) for f in ("0.5", "1") for m in ("graph", "eager")
+                         for b in (1, 4)}
+    assert all(r["steps_per_s"] > 0 and r["host_median_us"] > 0 and r["kernel_compiled"] and r["kernel_misses"] == 0
+               and r["cpu_threads"] == 2 for r in host.values())

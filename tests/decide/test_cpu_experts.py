@@ -22,7 +22,7 @@ def test_a_rule_puts_experts_on_cpu_and_the_plan_counts_them_off_the_gpu_and_the
     assert s.gpu_footprint_bytes == s.gpu_bytes == sum(i.nbytes for i in t.values()) - 18 * MIB
     assert s.predicted_h2d_bytes_per_step == 0  # the host computes them: nothing crosses the link
     assert d.cost.cpu_threads == H100.cpu_threads
-    assert any("of routed experts on cpu" in n and "runtime does not compute them yet" in n for n in d.notes)
+    assert any("of routed experts on cpu: the host CPU computes them beside the GPU" in n for n in d.notes)
 
 
 def test_a_layer_with_experts_on_cpu_ends_when_the_later_of_the_host_and_the_gpu_does():

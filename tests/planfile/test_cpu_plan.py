@@ -7,13 +7,12 @@ import pytest
 
 from headeronly import moe_toy, write_policy
 from planner.decide.build import build
-from planner.errors import OffplanError, PlanFileError
+from planner.errors import PlanFileError
 from planner.inputs.checkpoint import open_checkpoint
 from planner.inputs.policy import load_policy
 from planner.planfile import dumps, loads
 from planner.planfile.diff import diff_data, diff_text
 from planner.planfile.show import print_to, show, show_data
-from planner.planfile.staleness import require_current
 from planner.plan import Placement
 from synthetic import write_header_only
 
@@ -86,14 +85,3 @@ def test_a_hand_edit_putting_a_dense_tensor_on_cpu_is_refused_naming_it(plans):
         loads(bad, "p.plan.yaml")
     assert any("params.model.layers.1.self_attn.o_proj.weight: cpu holds routed experts only" in p
                for p in e.value.problems)
-
-
-def test_this_runtime_refuses_to_apply_a_plan_with_experts_on_cpu(plans, tmp_path):
-    (_, _), (plan, _) = plans[0]
-    with pytest.raises(OffplanError, match="places 18 tensors of routed experts on cpu: this offplan plans and "
-                                           "reviews them, but its runtime does not compute experts on the host "
-                                           "CPU yet; to run the model, place them on uva"):
-        require_current(plan, plans[1], tmp_path)
-    (uva, _), _ = plans[0]
-    require_current(uva, plans[1], tmp_path)  # the same plan on uva applies
-    assert sum(p is Placement.CPU for p in plan.params.values()) == 18

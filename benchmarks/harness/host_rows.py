@@ -1,0 +1,65 @@
+"""moe.py's rows with experts on cpu (runtime/execute/host/): the plans, and the host's figures over a timed decode.
+
+With `--cpu-fractions F...`, for each F the first F of every layer's experts (by number: under uniform routing,
+that share of the touched ones) are computed by the host CPU, the rest read over uva, with `--cpu-threads` host
+threads each (the plan's `cpu_threads`); F = 1 puts every expert on cpu. They decode in the run's `graph` and
+`eager` modes (not under torch.compile). Each row carries the plan's prediction and its ratio to the UVA floor,
+the host's median time per module forward and the kernel's share of it, and the tokens are compared with the
+all-GPU model's as moe.py's other rows (the host sums each GEMV in another order: a near tie between two tokens
+can break the other way).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from planner.inputs.hardware import dumps_hardware, load_hardware
+
+from .plans import predicted_us
+
+UVA_REST = "  - {match: [experts], place: uva}\n"
+
+
+def cpu_rules(count: int, experts: int) -> str:
+    """Rules putting experts 0 .. count-1 of every layer on cpu and the rest on uva."""
+    if count >= experts:
+        return "rules:\n  - {match: [experts], place: cpu}\n"
+    numbers = "|".join(map(str, range(count)))
+    return f"rules:\n  - {{match: ['re:experts\\.({numbers})\\.'], place: cpu}}\n" + UVA_REST
+
+
+def measure_cpu(run, fraction: float, threads: int | None) -> None:
+    """The first `fraction` of every layer's experts on cpu, on the host's `threads` (None: the profile's), the
+    rest on uva: measured by `run` (moe.py's Run) in its graph and eager modes, with the plan's predictions."""
+    hardware = "hw.yaml"
+    if threads is not None:
+        hardware = f"hw-t{threads}.yaml"
+        (run.work / hardware).write_text(dumps_hardware(dataclasses.replace(run.hw, cpu_threads=threads)))
+    name = f"experts-cpu{fraction:g}" + ("" if threads is None else f"-t{threads}")
+    plan = run.plan(name, cpu_rules(round(fraction * run.experts), run.experts), hardware)
+    hw = load_hardware(run.work / hardware)
+    predicted = {b: 1e6 / predicted_us(plan, hw, b) for b in run.args.batches}
+    modes = [m for m in run.args.modes if m in ("graph", "eager")]  # the engine is not traced by torch.compile
+    run.measure(name, plan, None, modes, offloaded=True, predicted=predicted, cpu_fraction=fraction,
+                cpu_threads=hw.cpu_threads)
+
+
+class HostTiming:
+    """The host's figures over one timed decode of a plan with experts on cpu: `mark()` where timing starts
+    (replayed: once the step is captured and warmed up; eager: before the whole call), `figures()` after."""
+
+    def __init__(self, handle):
+        self.host = getattr(handle, "host_experts", None)
+        self.start = None
+
+    def mark(self) -> None:
+        self.start = (len(self.host.durations), self.host.host_calls, self.host.kernel.seconds)
+
+    def figures(self) -> dict:
+        """The median time of the host's work per module forward, and the compiled kernel's share of it."""
+        if self.start is None:
+            return {}
+        first, calls, kernel = self.start
+        took = sorted(self.host.durations[first:])
+        return dict(host_median_us=1e6 * took[len(took) // 2] if took else None,
+                    kernel_us_per_call=1e6 * (self.host.kernel.seconds - kernel) / max(1, self.host.host_calls - calls),
+                    kernel_compiled=self.host.kernel.compiled, kernel_misses=self.host.kernel.misses)

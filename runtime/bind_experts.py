@@ -1,0 +1,79 @@
+"""Step 6 of load_steps.py for MoE experts: experts in pinned memory, quantized, or on cpu, bound to offplan's
+experts implementation (execute/experts.py), with the lookahead over them (execute/lookahead.py) and the host's
+engine for those on cpu (execute/host/).
+"""
+from __future__ import annotations
+
+import torch
+
+from planner.errors import ModelMismatchError
+from planner.plan import Placement
+
+from .execute import experts
+from .execute.handle import OffloadHandle
+from .execute.host import bind as host
+from .execute.lookahead import LOOKAHEAD, Lookahead
+from .place.arena import typed
+from .place.names import Target
+
+UVA = Placement.UVA
+
+
+def bind_experts(h: OffloadHandle) -> None:
+    """Experts in pinned memory, or quantized, run through offplan's experts implementation (experts.py):
+    each such fused parameter's resident rows (the experts the plan keeps on the GPU) copied to HBM and
+    bound to its module; quantized experts are dequantized only where touched, wherever they are."""
+    pinned = [t for t in h.targets if t.placement is UVA and not h.staging and _experts_module(h.model, t) is not None]
+    quantized = [m for m in h.quantized if experts.supports(m)]
+    if not pinned and not quantized:
+        return
+    experts.register()
+    by_module: dict[torch.nn.Module, dict[str, Target]] = {}
+    for t in pinned:
+        module = _experts_module(h.model, t)
+        param = t.name.rpartition(".")[2]
+        by_module.setdefault(module, {})[param] = t
+        rows = torch.empty((max(1, len(t.resident)), *t.shape[1:]), dtype=t.dtype, device=h.device)
+        if t.resident:
+            index = torch.tensor(t.resident)
+            rows.copy_(typed(h.arena.host_view(h.layout.host_offset[t.name], t.nbytes), t.dtype, t.shape)[index])
+        slot = torch.full((t.shape[0],), -1, dtype=torch.int32)
+        slot[list(t.resident)] = torch.arange(len(t.resident), dtype=torch.int32)
+        experts.bind(module, param, rows, slot.to(h.device))
+        if module not in h.bound_experts:
+            h.bound_experts.append(module)
+    h.bound_experts += [m for m in quantized if m not in h.bound_experts]
+    h.experts_before = h.model.config._experts_implementation
+    h.model.set_experts_implementation("offplan")
+    host.bind(h, by_module)  # those with experts on cpu: their engine
+    on_host = {m for m, _ in h.host_bound}
+    h.lookahead = lookahead(h.model, [m for m in h.bound_experts if m not in on_host], h.device)
+
+
+def lookahead(model: torch.nn.Module, bound: list[torch.nn.Module], device: torch.device,
+              count: int = LOOKAHEAD) -> Lookahead | None:
+    """The lookahead over the experts modules with experts in pinned memory (lookahead.py), in forward order;
+    None where fewer than two have them. Modules with experts on cpu take no part: a guess would read the
+    host's experts over the link."""
+    order = {m: (i, p) for i, (p, m) in enumerate(model.named_modules())}
+    names = {order[m][1]: [n for n in experts.stored_params(m) if experts.slot_of(m, n) is not None] for m in bound}
+    paths = sorted((p for p, n in names.items() if n), key=lambda p: order[model.get_submodule(p)][0])
+    return Lookahead(model, paths, names, count, device) if len(paths) > 1 and count else None
+
+
+def _experts_module(model: torch.nn.Module, t: Target) -> torch.nn.Module | None:
+    """The module of a fused expert parameter that takes offplan's experts implementation, else None.
+
+    A parameter split between the GPU and pinned memory needs one: an error names the class that lacks it."""
+    module = model.get_submodule(t.name.rpartition(".")[0])
+    if experts.supports(module) and t.name.rpartition(".")[2] in experts.stored_params(module):
+        return module
+    if t.resident or t.on_cpu:
+        where = "on the GPU" if t.resident else "on cpu (the host computes them)"
+        raise ModelMismatchError(f"{t.name}: the plan puts experts {list(t.resident or t.on_cpu)[:4]}... of it {where} and "
+                                 f"the rest in pinned memory, but {type(module).__name__} does not dispatch through "
+                                 "transformers' experts interface (`use_experts_implementation`), which offplan "
+                                 "needs to read them apart; place the whole group together (rebuild the plan with a "
+                                 "rule for its experts)")
+    return None
+

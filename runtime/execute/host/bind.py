@@ -1,0 +1,85 @@
+"""At load: the checks, the engine and the binding of a plan's experts on cpu (engine.py), for load_steps.py.
+
+`check` runs before anything is allocated; `engine_for` before the arena is filled (the kernel compiles on a
+thread meanwhile); `bind` once the experts modules are bound to offplan's experts implementation.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from planner.errors import ModelMismatchError, OffplanError
+from planner.inputs.hardware import H100
+from planner.plan import Plan
+
+from ...place.arena import typed
+from ...place.names import Target
+from .. import experts
+from .engine import HostExperts, HostSlot, gated_like
+
+
+def check(plan: Plan, targets: list[Target], quantized: dict, uva: bool, device: torch.device) -> None:
+    """Refuse what the runtime cannot do with experts on cpu: quantized experts there, `uva=False`, or more host
+    threads than this process may run on."""
+    on_cpu = [t.name for t in targets if t.on_cpu]
+    if not on_cpu:
+        return
+    if quantized:
+        raise OffplanError(f"{on_cpu[0]}: the plan puts experts of a quantized checkpoint on cpu, and the host "
+                           "kernel computes bf16/fp16/fp32 experts only; place them on uva (rebuild the plan)")
+    if not uva and device.type == "cuda":
+        raise OffplanError(f"uva=False copies each uva parameter to the GPU whole, but the plan computes experts "
+                           f"of {on_cpu[0]} on the host CPU from pinned memory: load it with uva=True (the default)")
+    cores = len(os.sched_getaffinity(0))
+    if plan.cost.cpu_threads > cores:
+        raise OffplanError(f"the plan computes experts on cpu with {plan.cost.cpu_threads} host threads "
+                           f"(cost.cpu_threads), but this process may run on {cores} cores: rebuild it with "
+                           f"`cpu_threads: {cores}` in the hardware profile (`plan calibrate` measures it)")
+
+
+def engine_for(plan: Plan, targets: list[Target], model: torch.nn.Module, device: torch.device):
+    """The engine for the plan's experts on cpu, its kernel compiling on a thread while the load fills the
+    arena; None when the plan puts none there."""
+    on_cpu = [t for t in targets if t.on_cpu]
+    if not on_cpu:
+        return None
+    above = plan.prefill.above_tokens if plan.prefill is not None else H100.stage_above_tokens
+    engine = HostExperts(device, plan.cost.cpu_threads, above)
+    top_k = getattr(model.config.get_text_config(), "num_experts_per_tok", None)
+    shapes = {}
+    for t in on_cpu:  # the compiled kernel's shapes: uninitialized tensors, whose pages are mapped when touched
+        module = model.get_submodule(t.name.rpartition(".")[0])
+        if gated_like(module) and t.name.endswith(".gate_up_proj"):
+            down = next(d for d in targets if d.name == t.name.rpartition(".")[0] + ".down_proj")
+            shapes[t.shape, down.shape, t.dtype] = top_k or module.num_experts
+    engine.kernel.start([(torch.empty(gate_up, dtype=dtype), torch.empty(down, dtype=dtype), k)
+                         for (gate_up, down, dtype), k in shapes.items()])
+    return engine
+
+
+def bind(handle, modules: dict[torch.nn.Module, dict[str, Target]]) -> None:
+    """Each experts module with experts on cpu (`modules`: its stored parameters' targets by name) given to the
+    handle's engine with its fused parameters' host tensors (the arena's CPU views); every fused parameter of it
+    must put the same experts there. Then the engine's buffers and worker, and the compiled kernel awaited."""
+    engine = handle.host_experts
+    if engine is None:
+        return
+    top_k = getattr(handle.model.config.get_text_config(), "num_experts_per_tok", None)
+    for module, params in modules.items():
+        wanted = experts.fused_params(module)
+        on_cpu = {params[p].on_cpu if p in params else () for p in wanted}
+        if on_cpu == {()}:
+            continue
+        if len(on_cpu) > 1:
+            name = next(iter(params.values())).name.rpartition(".")[0]
+            raise ModelMismatchError(f"{name}: its fused parameters put different experts on cpu, but the host "
+                                     "computes an expert whole; rebuild the plan (the planner keeps an expert's "
+                                     "tensors together)")
+        weights = {p: typed(handle.arena.host_view(handle.layout.host_offset[params[p].name], params[p].nbytes),
+                            params[p].dtype, params[p].shape) for p in wanted}
+        index = engine.add(module, weights, list(on_cpu.pop()), top_k or module.num_experts)
+        module._offplan_host = HostSlot(engine, engine.key, index)
+        handle.host_bound.append((module, index))
+    engine.finish()
+    engine.ready()

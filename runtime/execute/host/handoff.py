@@ -1,0 +1,85 @@
+"""A hand-off between a CUDA stream and one thread of ours that needs no GIL: two POSIX barriers of two, met by
+libc's own `pthread_barrier_wait`, enqueued on the stream as host functions.
+
+    handoff = Handoff()
+    handoff.enqueue(stream)    # on the stream: meet `start`, then meet `finish` (the stream waits there)
+    # the thread of ours, in a loop:  handoff.start(); ...work...; handoff.finish()
+    # or from Python, in place of a stream:  handoff.start(); handoff.finish()
+
+A host function (`cuLaunchHostFunc`; a host node when the stream is being
+captured in a CUDA graph) runs on a thread of the CUDA driver's once the work
+before it on the stream is done, and the stream goes on when it returns. Here
+the two host functions are `pthread_barrier_wait` itself, with a barrier as
+its argument (its signature is a host function's: one pointer). The first
+releases our thread, the second holds the stream until our thread has done
+its work. A host function written in Python would take the GIL in the driver's
+thread, and wait for whatever Python thread holds it (the one launching the
+work, say): these take nothing. A barrier rather than a semaphore: a signal
+delivered to the waiting thread does not end a barrier's wait (`sem_wait`
+returns early, with EINTR), and a wait that ended early would let the stream
+read the work's output before it is written.
+
+Limits: Linux (glibc's `pthread_barrier_*`). The driver runs a context's host
+functions on one thread, so while the stream waits at `finish`, host functions
+of other streams wait too (the runtime enqueues none). Our thread must keep
+meeting the barriers as long as a stream or a captured graph may enqueue them:
+a replay with no thread to meet it stalls its stream for good (`close` says
+when that is safe).
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+
+_SERIAL = -1  # PTHREAD_BARRIER_SERIAL_THREAD in glibc: what one of the two meeting threads gets back
+_BARRIER_BYTES = 128  # sizeof(pthread_barrier_t) is 32 on x86-64 and aarch64 glibc; room to spare
+
+
+class Handoff:
+    """Two barriers of two (`start`, `finish`) and the ways to meet them (module doc)."""
+
+    def __init__(self):
+        self._libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        self._memory = ctypes.create_string_buffer(2 * _BARRIER_BYTES)  # malloc'd: aligned for the barriers
+        base = ctypes.addressof(self._memory)
+        self._barriers = (ctypes.c_void_p(base), ctypes.c_void_p(base + _BARRIER_BYTES))
+        wait = self._libc.pthread_barrier_wait
+        wait.argtypes, wait.restype = [ctypes.c_void_p], ctypes.c_int
+        self._wait = wait
+        for barrier in self._barriers:
+            if self._libc.pthread_barrier_init(barrier, None, ctypes.c_uint(2)) != 0:
+                raise OSError(ctypes.get_errno(), "offplan: pthread_barrier_init failed")
+        self._driver = None
+
+    def start(self) -> None:
+        """Meet `start` (ctypes releases the GIL while this thread waits)."""
+        self._meet(0)
+
+    def finish(self) -> None:
+        """Meet `finish`."""
+        self._meet(1)
+
+    def enqueue(self, stream: int) -> None:
+        """On CUDA stream `stream` (its handle), meet `start` and then `finish`, as host functions."""
+        if self._driver is None:
+            driver = ctypes.CDLL("libcuda.so.1")
+            driver.cuLaunchHostFunc.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+            driver.cuLaunchHostFunc.restype = ctypes.c_int
+            self._driver = driver
+        function = ctypes.cast(self._wait, ctypes.c_void_p)
+        for barrier in self._barriers:
+            status = self._driver.cuLaunchHostFunc(ctypes.c_void_p(stream), function, barrier)
+            if status != 0:
+                raise RuntimeError(f"offplan: cuLaunchHostFunc failed (CUresult {status})")
+
+    def _meet(self, which: int) -> None:
+        status = self._wait(self._barriers[which])
+        if status not in (0, _SERIAL):
+            raise OSError(status, "offplan: pthread_barrier_wait failed")
+
+    def close(self) -> None:
+        """Destroy the barriers: call only once nothing can meet them again."""
+        for barrier in self._barriers:
+            self._libc.pthread_barrier_destroy(barrier)
+        self._barriers = ()
+
