@@ -70,7 +70,8 @@ with the default 192 (measured on the H100: 2.1x a copy), 43 at 8192 (measured
 
 Experts on cpu: the host computes its touched ones beside the GPU, which sums both (no link traffic; GEMVs bound
 by memory reads): layer gpu = max(its GPU time, layer GPU time + cpu bytes / cpu_expert_gbps + cpu_expert_sync_us).
-Prefill: where the plan stages them (staging.py) copied and computed on the GPU as uva ones; else the host's reads add.
+Prefill: staged (staging.py), copied and computed on the GPU; unstaged above the threshold, gathered over uva as
+uva experts are (the runtime's host takes at most stage_above_tokens tokens); up to it, the host's reads add.
 
 Tensor parallelism (layers/shards.py): the tensors are one GPU's share, so
 every figure above is each GPU's, over its own link, at once. A layer whose
@@ -164,11 +165,9 @@ class CostModel:
         token) under tensor parallelism (shards.py `collectives`). The per-tensor facts are reads.py's."""
         self.graphs = graphs  # steps replayed from a CUDA graph: no CPU launch time
         self.graph = graph
-        # batched_mm's arithmetic at this batch: every experts forward stages its touched experts
-        self.batched = top_k is not None and batch * top_k <= BATCHED_PAIRS
+        self.batched = top_k is not None and batch * top_k <= BATCHED_PAIRS  # batched_mm's: touched ones staged
         self.hw = hw
-        self.batch = batch
-        self.tokens = prompt_tokens
+        self.batch, self.tokens = batch, prompt_tokens
         self.facts = facts = reads(graph, tensors, groups, top_k, roles, routing, batch, prompt_tokens)
         self.experts = facts.experts  # layer -> its routed tensors (staged by the experts forward)
         self.tensors = tensors
@@ -271,10 +270,11 @@ class CostModel:
             p, size = place[n], self.tensors[n].nbytes
             b, pre = size * frac, size * pre_frac
             flops += f
-            if p is CPU:  # the host computes it (module doc); a long prompt: copied and computed on the GPU
+            if p is CPU:  # the host computes it (module doc); a long prompt: staged, or gathered over uva
                 read_cpu += b
-                pre_copied, pre_hbm, pre_cpu = ((pre_copied + size, pre_hbm + pre, pre_cpu) if n in self.staged
-                                                else (pre_copied, pre_hbm, pre_cpu + pre))
+                at = 0 if n in self.staged else 1 if self.tokens > hw.stage_above_tokens else 2
+                pre_copied, pre_hbm = pre_copied + size * (at == 0), pre_hbm + pre * (at == 0)
+                pre_uva, pre_cpu = pre_uva + pre * (at == 1), pre_cpu + pre * (at == 2)
                 continue
             if stages and routed:
                 staged += 2 * b  # written to HBM and read back by the GEMVs

@@ -74,3 +74,14 @@ def test_a_long_prompt_stages_the_experts_on_cpu_through_the_ring_and_costs_no_f
     assert d.summary.stage_buffer_bytes == 0 and d.summary.gpu_footprint_bytes == d.summary.gpu_bytes
     unstaged, _ = plan_of(moe_toy(3), policy(rules=[(["experts"], "cpu")], stage_experts=False))
     assert unstaged.prefill is None  # `stage_experts: false`: the host computes the prompt's pairs too
+
+
+@pytest.mark.parametrize("stage_experts", [False, True])
+def test_a_long_prompt_costs_the_experts_on_cpu_as_uva_ones_staged_or_not(stage_experts):
+    """Above stage_above_tokens the runtime's host computes nothing (runtime/execute/host/engine.py `takes`): the
+    GPU takes the experts on cpu as uva ones, streamed through the ring where the plan stages them and gathered
+    over the link where it does not (`stage_experts: false`), and the prefill prediction is the uva plan's."""
+    cpu, _ = plan_of(moe_toy(3), policy(rules=[(["experts"], "cpu")], stage_experts=stage_experts))
+    uva, _ = plan_of(moe_toy(3), policy(rules=[(["experts"], "uva")], stage_experts=stage_experts))
+    assert cpu.cost.prompt_tokens > H100.stage_above_tokens
+    assert cpu.cost.prefill_us == uva.cost.prefill_us > 0
