@@ -24,7 +24,8 @@ SPLIT = "rules:\n  - {match: ['re:experts\\.[01]\\.'], place: cpu}\n  - {match: 
 # A bf16 GEMV summed in another order rounds to the same bf16 value, or one unit in the last place (2^-8
 # relative) off. Through three layers that moves the logits (bf16, up to about 5.6 here, where a unit is 2^-5) by a
 # few of their own units: on CUDA, against cuBLAS's sums, up to 0.078 (2.5 units) over 12 steps of two sequences on
-# the H200 machine (docs/host-experts/lockstep.py); on the CPU they agree bitwise. The tolerance is 4 units.
+# the H200 machine (docs/host-experts/lockstep.py); on the 2-CPU VM the CPU's agreed bitwise in that script's run,
+# which other CPUs need not. The tolerance is 4 units.
 # Weights are drawn with std 0.2, so that the experts weigh in the logits: the logits spread by 1.6, and a host that
 # computes nothing moves them by about 2.
 TOLERANCE = dict(rtol=0, atol=0.125)
@@ -79,8 +80,8 @@ def test_the_host_computes_its_experts_and_the_logits_are_transformers(tmp_path,
     ours, theirs = logits(model, tokens, batch), logits(ref, tokens, batch)
     assert engine.host_calls == calls + 3 and engine.kernel.misses == 0, engine.kernel.last_miss  # all compiled
     torch.testing.assert_close(ours, theirs, **TOLERANCE)
-    monkeypatch.setattr(engine, "_compute", lambda *a: None)  # the host computes nothing: the GPU reads none of them
-    assert not torch.allclose(logits(model, tokens, batch), theirs, **TOLERANCE)
+    monkeypatch.setattr(engine, "_compute", lambda m, x, ids, y: y.zero_())  # the host's outputs zero: the GPU
+    assert not torch.allclose(logits(model, tokens, batch), theirs, **TOLERANCE)  # reads none of those experts
     stats = handle.stats()
     assert stats.uva_bytes > 0
 
@@ -135,7 +136,9 @@ def test_transposed_experts_with_biases_and_every_expert_of_a_layer_on_cpu(tmp_p
     assert [(m.on_cpu.all().item(), m.gated) for m in handle.host_experts.modules] == [(True, False)]  # eager
     ref = reference(ckpt)
     ref.set_experts_implementation("batched_mm")
+    calls = handle.host_experts.host_calls
     torch.testing.assert_close(logits(model, 1), logits(ref, 1), **TOLERANCE)
+    assert handle.host_experts.host_calls == calls + 1  # layer 1's experts, by the host
     handle.remove()
     assert not hasattr(model.get_submodule("model.layers.1.mlp.experts"), "_offplan_host")
 
