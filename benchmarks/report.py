@@ -79,8 +79,8 @@ def render(models: dict, with_plot: bool) -> str:
              "PYTHONPATH=CHECKOUT_OF_MAIN python benchmarks/plan_speed.py --profile -n 3 --label before "
              "--note 'main at COMMIT'   # on a CPU machine, as the next",
              "python benchmarks/plan_speed.py --profile --label after --note 'this tree'",
-             "benchmarks/peers/stage.sh   # here; then on the GPU machine, carrying .peers: python "
-             "benchmarks/peers.py --layers 8 --build",
+             "benchmarks/peers/stage.sh   # here; then on the GPU machine, carrying .peers: bash "
+             "benchmarks/peers/build.sh; python benchmarks/peers.py --layers 8 --llama-cpp build/llama.cpp/bin",
              "python benchmarks/moe.py --layers 8 --batches 1 4 8 --modes graph --baselines batched_mm "
              "--transformers-baselines --host-implementations offplan --cpu-fractions 0.3 0.5 --cpu-threads 8 15   "
              "# then: mv results/moe-qwen3-30b-a3b.jsonl results/moe-cpu-qwen3-30b-a3b-run1.jsonl; run2: --batches 1 "
