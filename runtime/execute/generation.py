@@ -30,9 +30,7 @@ tokens once, at the end. A plan with experts on cpu is the exception: each repla
 hands work to the engine's worker, which runs Python and needs the GIL
 (host/engine.py), and a loop queuing replays holds it. So the loop keeps at
 most two steps in flight and sleeps on a blocking event until the older one is
-done (a thread spinning in the wait would take a core from the host's). When
-the replays ran Python host functions and the loop ran ahead, 8 layers with
-every expert on cpu decoded at 10 steps/s on the H200 machine.
+done (a thread spinning in the wait would take a core from the host's).
 
 Greedy tokens are those of transformers' `generate` on the same model and
 prompts with a static cache of the same length, eager on the CPU
@@ -45,6 +43,7 @@ benchmarks time); decoder-only text models; the cache's dtype is the model's.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -185,7 +184,7 @@ class Generator:
         host = getattr(self.handle, "host_experts", None)  # experts on cpu (host/engine.py)
         # at most two replays in flight, this thread asleep otherwise (module doc)
         in_flight = [torch.cuda.Event(blocking=True) for _ in range(2)] if host is not None and self.replay else None
-        with torch.no_grad():
+        with torch.no_grad(), self._host_failures(host):
             self._sync()
             start = time.perf_counter()
             token = sample(self._prefill(step, ids)[:, -1])  # [B]
@@ -224,6 +223,18 @@ class Generator:
         tokens = torch.stack(out, dim=1).tolist()
         return Generation([until_stop(t, stop) for t in tokens], length, self.mode, first - start, end - first,
                           steps)
+
+    @contextlib.contextmanager
+    def _host_failures(self, host):
+        """A call that fails with experts on cpu (host/engine.py) waits for its replays in flight, whose failures
+        are its own, raised now: the next call does not inherit them."""
+        try:
+            yield
+        except BaseException:
+            if host is not None:
+                self._sync()
+                host.error = None
+            raise
 
     def _shape(self, prompts, max_new_tokens: int, pad_id: int) -> tuple[torch.Tensor, torch.Tensor | None, _Step]:
         """(ids [B, T], their mask or None, the decode step of this shape with its mask set)."""
