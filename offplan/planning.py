@@ -136,7 +136,8 @@ def validate_command(args) -> int:
 
 def check_command(args) -> int:
     plan_path = Path(args.plan)
-    current = up_to_date(plan_path)  # the common answer, from one build; any other: the full checks say why
+    # the common answer, from the plan's stamp or one build; any other: the full checks say why
+    current = up_to_date(plan_path, rebuild=args.rebuild)
     if current is not None:
         return _current(args, plan_path, current.checkpoint, current.policy, current.routing)
     try:

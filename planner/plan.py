@@ -216,6 +216,17 @@ class Cost:
 
 
 @dataclass(frozen=True)
+class Built:
+    """How a plan was built (planfile/stamp.py): the offplan version, a fingerprint of the inputs the plan names
+    no fingerprint of (the hardware profile and config.json), and a digest of the plan's own text, which
+    `plan check` compares instead of building the plan again."""
+
+    offplan: str
+    inputs: str
+    digest: str = field(default="", compare=False)  # of the text: `dumps` writes it, "" until then
+
+
+@dataclass(frozen=True)
 class RoutingRef:
     """The routing profile a plan was built with (planner/inputs/routing.py): path relative to the plan
     file's directory, and the fingerprint of its bytes, which staleness compares."""
@@ -270,6 +281,7 @@ class Plan:
     routing: RoutingRef | None = None  # None: routing assumed uniform (no `workload.routing`)
     prefill: PrefillStaging | None = None  # None: nothing staged (no uva layer, or `uva.stage_prefill: false`)
     parallel: Parallel | None = None  # None: one GPU; else every figure above is each GPU's share
+    built: Built | None = None  # None: offplan's version unknown, or a plan from before stamps
 
     def checkpoint_dir(self, plan_file: str | Path) -> Path:
         return Path(plan_file).parent / self.checkpoint_path

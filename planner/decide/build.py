@@ -18,7 +18,8 @@ from ..inputs.routing import load_profile
 from ..layers.graph import build_graph
 from ..layers.shards import collectives, find_split, local_tensors
 from ..nogc import no_gc
-from ..plan import Parallel, Plan, RoutingRef
+from ..plan import Built, Parallel, Plan, RoutingRef
+from ..provenance import inputs_fingerprint, version
 from .notes import parallel_notes
 from .placement import decide
 
@@ -110,6 +111,7 @@ def _build(policy: Policy, plan_dir: Path, checkpoint: Checkpoint | None) -> Pla
     else:
         ckpt_file = ckpt.root if ckpt.index.name == INDEX_NAME else ckpt.index
     ckpt_path = relpath(ckpt_file, plan_dir)
+    offplan = version()
     return Plan(
         checkpoint_path=ckpt_path,
         checkpoint_fingerprint=ckpt.fingerprint,
@@ -130,6 +132,7 @@ def _build(policy: Policy, plan_dir: Path, checkpoint: Checkpoint | None) -> Pla
         routing=None if routing is None else RoutingRef(relpath(routing.path, plan_dir), routing.fingerprint),
         prefill=d.prefill,
         parallel=parallel,
+        built=None if offplan is None else Built(offplan, inputs_fingerprint(offplan, policy.hardware, ckpt.root)),
     )
 
 

@@ -11,7 +11,8 @@ index does not list.
 
 The fingerprint is a sha256 over the index bytes and, for every shard in name
 order, its name, size and header bytes. Any change to names, dtypes, shapes or
-layout changes it; rewriting weight values in place does not.
+layout changes it; rewriting weight values in place does not. `fingerprint`
+computes it alone, parsing no shard header (`plan check`'s quick answer).
 
 One shard's header, read, typed and checked, is shard_header.py (`TensorInfo`
 lives there, and is this module's too).
@@ -27,7 +28,7 @@ from pathlib import Path
 
 from ..errors import CheckpointError
 from ..nogc import no_gc
-from .shard_header import TensorInfo, parse_tensors, read_header
+from .shard_header import TensorInfo, parse_tensors, read_header, read_raw
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -81,6 +82,32 @@ def resolve(path: str | os.PathLike) -> tuple[Path, Path | None, list[str]]:
         f"{path}: not a safetensors checkpoint (expected a directory, a .safetensors file "
         f"or a {INDEX_NAME})"
     )
+
+
+def _shard_part(shard: str, size: int, raw: bytes) -> bytes:
+    """What a shard adds to the fingerprint (module doc): its name, file size and header bytes."""
+    return f"shard\0{shard}\0{size}\0".encode() + raw
+
+
+def fingerprint(path: str | os.PathLike) -> str | None:
+    """The checkpoint's fingerprint as `open_checkpoint` computes it, from the index and the shards' header
+    bytes alone (no header parsed, nothing checked); None where any of them cannot be read."""
+    try:
+        root, index, shards = resolve(path)
+        digest = hashlib.sha256()
+        if index is not None:
+            raw, weight_map = _read_index(index)
+            digest.update(b"index\0" + raw)
+            shards = sorted(set(weight_map.values()))
+    except CheckpointError:
+        return None
+    problems: list[str] = []
+    for shard in shards:
+        got = read_raw(root / shard, problems)
+        if got is None:
+            return None
+        digest.update(_shard_part(shard, got[1], got[0]))
+    return "sha256:" + digest.hexdigest()
 
 
 def _read_index(index: Path) -> tuple[bytes, dict[str, str]]:
@@ -148,7 +175,7 @@ def _open_checkpoint(path: str | os.PathLike) -> Checkpoint:
         if got is None:
             continue
         raw, size, header = got
-        digest.update(f"shard\0{shard}\0{size}\0".encode() + raw)
+        digest.update(_shard_part(shard, size, raw))
         meta = header.get("__metadata__")
         if isinstance(meta, dict) and index is None:
             metadata = {str(k): str(v) for k, v in meta.items()}

@@ -33,6 +33,23 @@ class TensorInfo(NamedTuple):
 
 def read_header(file: Path, problems: list[str]) -> tuple[bytes, int, dict] | None:
     """Read one shard's header: (header bytes, file size, parsed JSON), or None on error."""
+    got = read_raw(file, problems)
+    if got is None:
+        return None
+    raw, size = got
+    try:
+        header = json.loads(raw)
+    except ValueError as e:
+        problems.append(f"{file.name}: header is not valid JSON: {e}")
+        return None
+    if not isinstance(header, dict):
+        problems.append(f"{file.name}: header is not a JSON object")
+        return None
+    return raw, size, header
+
+
+def read_raw(file: Path, problems: list[str]) -> tuple[bytes, int] | None:
+    """One shard's header bytes, unparsed, and the file's size; None on error (`problems` says why)."""
     try:
         with open(file, "rb") as f:
             size = os.fstat(f.fileno()).st_size
@@ -55,15 +72,7 @@ def read_header(file: Path, problems: list[str]) -> tuple[bytes, int, dict] | No
     except OSError as e:
         problems.append(f"{file.name}: cannot read: {e.strerror}")
         return None
-    try:
-        header = json.loads(raw)
-    except ValueError as e:
-        problems.append(f"{file.name}: header is not valid JSON: {e}")
-        return None
-    if not isinstance(header, dict):
-        problems.append(f"{file.name}: header is not a JSON object")
-        return None
-    return raw, size, header
+    return raw, size
 
 
 def parse_tensors(shard: str, header: dict, header_len: int, size: int,

@@ -69,7 +69,7 @@ def diff_data(old: Plan, new: Plan, sizes: Mapping[str, int] | None = None,
                (*(f"{k}_bytes" for k in shown), "prefetch_buffer_bytes", "stage_buffer_bytes",
                 "gpu_footprint_bytes")}
     return {
-        "same": a == b,
+        "same": dataclasses.replace(a, built=None) == dataclasses.replace(b, built=None),  # the stamp: provenance
         "moved": {k: v for k, v in sorted(moved.items())},
         "moved_bytes": None if sizes is None else {
             k: sum(sizes.get(n, 0) for n in v) for k, v in sorted(moved.items())},

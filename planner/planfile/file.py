@@ -1,7 +1,8 @@
 """The plan file: deterministic YAML on disk, typed (plan.py) in memory.
 
 `dumps(loads(text)) == text` byte for byte, and the same inputs give the same
-bytes (no timestamps, no dict-order surprises). Paths inside a plan are
+bytes (no timestamps, no dict-order surprises). A plan's `built:` stamp ends in
+the digest of the text around it (planner/provenance.py): `dumps` writes it last. Paths inside a plan are
 relative to the plan file's directory, so a plan committed next to its policy
 stays valid in any clone.
 
@@ -21,8 +22,9 @@ from ..inputs import yamlio
 from ..inputs.checkpoint import Checkpoint, TensorInfo, open_checkpoint
 from ..inputs.schema import validate
 from ..nogc import no_gc
-from ..plan import (Backend, Buffer, Cost, LayerBytes, Layout, Parallel, Placement, Plan, PrefetchSchedule,
+from ..plan import (Backend, Buffer, Built, Cost, LayerBytes, Layout, Parallel, Placement, Plan, PrefetchSchedule,
                     PrefillStaging, RoutingRef, Runs, StagedLayer, Summary, Transfer)
+from ..provenance import PLACEHOLDER, sign
 from .consistency import inconsistencies
 
 FORMAT_VERSION = 2  # 2: slot layouts with offsets, module paths, `runs`
@@ -71,7 +73,10 @@ def dumps(plan: Plan) -> str:
 
 def _dumps(plan: Plan) -> str:
     s = plan.summary
+    b = plan.built
     out = [HEADER, f"format_version: {FORMAT_VERSION}\n",
+           *([] if b is None else  # absent where the version is unknown, as in plans before stamps
+             ["built:\n", f"  offplan: {_s(b.offplan)}\n", f"  inputs: {_s(b.inputs)}\n", f"  digest: {_s(PLACEHOLDER)}\n"]),
            "checkpoint:\n",
            f"  path: {_s(plan.checkpoint_path)}\n",
            f"  fingerprint: {_s(plan.checkpoint_fingerprint)}\n",
@@ -132,7 +137,7 @@ def _dumps(plan: Plan) -> str:
         out += [f"    - {_flow(layer=l.layer, module=l.module, bytes=l.bytes)}\n" for l in st.layers]
     out.append("params:\n")
     out += _params(plan.params)
-    return "".join(out)
+    return "".join(out) if b is None else sign("".join(out))
 
 
 def _parallel(par: Parallel | None) -> list[str]:
@@ -268,5 +273,7 @@ def _parse(text: str, path: Path) -> tuple[Plan, yamlio.Located]:
         routing=None if d.get("routing") is None else RoutingRef(d["routing"]["path"], d["routing"]["fingerprint"]),
         prefill=prefill,
         parallel=parallel,
+        built=None if d.get("built") is None else Built(d["built"]["offplan"], d["built"]["inputs"],
+                                                       d["built"]["digest"]),
     )
     return plan, doc

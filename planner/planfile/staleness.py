@@ -20,9 +20,13 @@ build` makes of its inputs now? If so, the plan is current, and every check
 `read_plan` and `stale_reasons` would run passes: a plan `plan build` makes
 passes the schema and consistency checks (tests/planfile/test_up_to_date.py
 holds this for the plans the tests build), and its fingerprints are its
-inputs'. That answer reads the checkpoint's headers once and builds once, and
-validates no 90k-line document; any other answer ("no", or an input that
-cannot be read) leaves it to the full checks, which say what is wrong.
+inputs'. The plan's stamp answers it from the inputs' bytes alone
+(planner/provenance.py: built by this offplan version, not edited, every
+input's fingerprint the recorded one), reading each shard's header bytes and
+parsing none. Without a stamp that answers yes (none, another version, a
+changed input), or with `rebuild`, one header read and one build answer it.
+Any other answer ("no", or an input that cannot be read) leaves it to the
+full checks, which say what is wrong.
 """
 from __future__ import annotations
 
@@ -32,11 +36,12 @@ from pathlib import Path
 from ..decide.build import build
 from ..errors import OffplanError, PlanFileError, PolicyError, RoutingProfileError, StalePlanError
 from ..inputs import yamlio
-from ..inputs.checkpoint import Checkpoint, open_checkpoint
+from ..inputs.checkpoint import Checkpoint, fingerprint, open_checkpoint, resolve
 from ..inputs.policy import load_policy, policy_fingerprint
 from ..inputs.routing import profile_fingerprint
 from ..nogc import no_gc
 from ..plan import Plan
+from ..provenance import inputs_fingerprint, signed, version
 from .file import dumps
 
 
@@ -96,24 +101,48 @@ class Inputs:
     routing: Path | None
 
 
-def up_to_date(plan_path: Path) -> Inputs | None:
+def up_to_date(plan_path: Path, rebuild: bool = False) -> Inputs | None:
     """The plan's inputs when the file at `plan_path` is byte for byte what `plan build` makes of them now
-    (module doc); None when it is not, or when something cannot be read: the full checks then say why.
+    (module doc): by its stamp, or (`rebuild`, or no stamp that says so) by building it again; None when it
+    is not, or when something cannot be read: the full checks then say why.
 
     The plan's head (before `notes:`) names the inputs; a head that misnames them gives another plan,
     which is then not the file."""
     with no_gc():
-        return _up_to_date(plan_path)
+        try:
+            text = plan_path.read_text(encoding="utf-8")
+            cut = text.find("\nnotes:")
+            head = yamlio.parse(plan_path, text[:cut], PlanFileError).data if cut > 0 else None
+            where = Inputs(plan_path.parent / head["checkpoint"]["path"], plan_path.parent / head["policy"]["path"],
+                           None if head.get("routing") is None else plan_path.parent / head["routing"]["path"])
+            if not rebuild and _stamp_holds(head, text, where):
+                return where
+            fresh = build(load_policy(where.policy), plan_path.parent, open_checkpoint(where.checkpoint))
+        except (OffplanError, OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError):
+            return None
+        return where if dumps(fresh) == text else None
 
 
-def _up_to_date(plan_path: Path) -> Inputs | None:
-    try:
-        text = plan_path.read_text(encoding="utf-8")
-        cut = text.find("\nnotes:")
-        head = yamlio.parse(plan_path, text[:cut], PlanFileError).data if cut > 0 else None
-        where = Inputs(plan_path.parent / head["checkpoint"]["path"], plan_path.parent / head["policy"]["path"],
-                       None if head.get("routing") is None else plan_path.parent / head["routing"]["path"])
-        fresh = build(load_policy(where.policy), plan_path.parent, open_checkpoint(where.checkpoint))
-    except (OffplanError, OSError, UnicodeDecodeError, ValueError, KeyError, TypeError):
-        return None
-    return where if dumps(fresh) == text else None
+def _stamp_holds(head: dict, text: str, where: Inputs) -> bool:
+    """Whether the plan's stamp says it is what `plan build` makes now (planner/provenance.py): this version
+    built it, no edit since, and every input where the plan names it, with the recorded fingerprint."""
+    built, offplan = head.get("built"), version()
+    if not built or offplan is None or built["offplan"] != offplan or not signed(text):
+        return False
+    policy = load_policy(where.policy)
+    routing = policy.workload.routing
+    root = _resolved(where.checkpoint)
+    return (policy.fingerprint == head["policy"]["fingerprint"]
+            and _resolved(policy.checkpoint) == root  # the policy names the plan's checkpoint
+            and (routing is None) == (where.routing is None)
+            and (routing is None or (routing.resolve() == where.routing.resolve()
+                                     and profile_fingerprint(yamlio.read(routing, RoutingProfileError, "routing "
+                                                                         "profile")) == head["routing"]["fingerprint"]))
+            and inputs_fingerprint(offplan, policy.hardware, root[0]) == built["inputs"]
+            and fingerprint(where.checkpoint) == head["checkpoint"]["fingerprint"])
+
+
+def _resolved(path: Path) -> tuple:
+    """A checkpoint's (directory, index, shards) as `resolve` finds them, the paths made absolute and real."""
+    root, index, shards = resolve(path)
+    return root.resolve(), None if index is None else index.resolve(), shards

@@ -29,7 +29,7 @@ def test_schema_violations_are_located(built):
     assert e.headline == "p.plan.yaml: the plan is invalid"
     line = lambda s: bad[:bad.index(s)].count("\n") + 1  # noqa: E731
     assert e.problems == [
-        f"p.plan.yaml:{line('extra')}:1: extra: unknown key (allowed: format_version, checkpoint, policy, "
+        f"p.plan.yaml:{line('extra')}:1: extra: unknown key (allowed: format_version, built, checkpoint, policy, "
         "routing, backend, budget_bytes, stacks, tied_embeddings, parallel, summary, cost, notes, layers, prefetch, prefill, "
         "params)",
         f"p.plan.yaml:{line('backend: gpu')}:10: backend: 'gpu' is not one of none, uva, prefetch, mixed",
