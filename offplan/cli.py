@@ -98,7 +98,8 @@ def _parser() -> argparse.ArgumentParser:
     p = cmd("validate", "check a policy (schema, patterns against the checkpoint), a plan, a hardware profile or "
                         "a routing profile")
     p.add_argument("file", metavar="FILE")
-    p = cmd("check", "is the plan stale? exit 0 if current, 2 if its checkpoint, policy or routing profile changed")
+    p = cmd("check", "is the plan stale? exit 0 if current, 2 if an input changed (checkpoint, config.json, policy, "
+                     "hardware or routing profile) or the plan is not what `plan build` makes of them")
     p.add_argument("plan", metavar="PLAN")
     p.add_argument("--rebuild", action="store_true",
                    help="build the plan again and compare bytes, even where its `built:` stamp says it is current "
