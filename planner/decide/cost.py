@@ -62,14 +62,13 @@ implementation gathers each touched expert once, wherever it lives. An
 embedding reads T rows and computes nothing. The uva tensors that prefill
 stages (staging.py: not embeddings; routed experts only when the touched share
 computed here reaches `stage_experts`'s) are copied once when T >
-stage_above_tokens; otherwise a GEMM reads them in place and re-reads them
-once per tile of output rows, which the model approximates as
-ceil(T / stage_above_tokens) reads: 1 up to the threshold, 3 at 512 tokens
-with the default 192 (measured on the H100: 2.1x a copy), 43 at 8192 (measured
-24x: long prompts read in place are predicted pessimistic).
+stage_above_tokens; otherwise a GEMM reads them in place and re-reads them once per tile of output rows, which
+the model approximates as ceil(T / stage_above_tokens) reads: 1 up to the threshold, 3 at 512 tokens with the
+default 192 (measured on the H100: 2.1x a copy), 43 at 8192 (measured 24x: predicted pessimistic).
 
-Experts on cpu: the host computes its touched ones beside the GPU, which sums both (no link traffic; GEMVs bound
-by memory reads): layer gpu = max(its GPU time, layer GPU time + cpu bytes / cpu_expert_gbps + cpu_expert_sync_us).
+Experts on cpu: the host reads an expert once per (token, expert) pair, T x its share, beside the GPU, which sums
+both: layer gpu = max(its GPU time, layer GPU time + host), host = those bytes / cpu_expert_gbps + cpu_expert_sync_us;
+at one token their sum, as measured (the runtime's one-token path does not overlap them: docs/host-experts/).
 Prefill: staged (staging.py), copied and computed on the GPU; unstaged above the threshold, gathered over uva as
 uva experts are (the runtime's host takes at most stage_above_tokens tokens); up to it, the host's reads add.
 
@@ -271,7 +270,7 @@ class CostModel:
             b, pre = size * frac, size * pre_frac
             flops += f
             if p is CPU:  # the host computes it (module doc); a long prompt: staged, or gathered over uva
-                read_cpu += b
+                read_cpu += size * self.batch * (1 - (1 - frac) ** (1 / self.batch))  # per pair: frac's share x T
                 at = 0 if n in self.staged else 1 if self.tokens > hw.stage_above_tokens else 2
                 pre_copied, pre_hbm = pre_copied + size * (at == 0), pre_hbm + pre * (at == 0)
                 pre_uva, pre_cpu = pre_uva + pre * (at == 1), pre_cpu + pre * (at == 2)
@@ -292,8 +291,9 @@ class CostModel:
                     copied += size
                     pre_copied += size
         gpu = latency + (read_hbm + staged) / hbm + read_uva / uva
-        if read_cpu:  # the GPU sums the CPU's outputs: the layer ends when the later side does
-            gpu = max(gpu, latency + read_cpu / (hw.cpu_expert_gbps * 1e3) + hw.cpu_expert_sync_us)
+        if read_cpu:  # the GPU sums the CPU's outputs: the layer ends when the later side does; one token: after both
+            host = read_cpu / (hw.cpu_expert_gbps * 1e3) + hw.cpu_expert_sync_us  # (module doc)
+            gpu = gpu + host if self.batch == 1 else max(gpu, latency + host)
         link = read_uva / uva + copied / h2d
         prefill = (max(flops / flops_us + pre_hbm / hbm, pre_copied / h2d) + pre_uva / uva
                    + pre_cpu / (hw.cpu_expert_gbps * 1e3))

@@ -44,12 +44,14 @@ class Hardware:
     allreduce_us: float = 9.7
     allreduce_gbps: float = 240.0
     parallel_h2d_copy_gbps: float = 49.0
-    # routed experts on cpu: the bytes the host computes per second while the GPU reads others over UVA (the
-    # H100 machine's 16 cores read 67 GB/s beside 47 GB/s of UVA reads, and a torch bf16 bmm of 8 experts 69 GB/s
-    # alone: 60 assumed), its threads, and the handoff of a layer's tokens and outputs (an estimate)
-    cpu_expert_gbps: float = 60.0
+    # routed experts on cpu, as the runtime computes them (runtime/execute/host/): an expert's bytes per second
+    # for each (token, expert) pair, its threads, and a fixed cost per MoE layer's call. Fitted to the host's
+    # time per call in the recorded decode runs, 12 rows on the H200 machine's 16-vCPU host: 596 us + 187 us a
+    # pair, 50.5 GB/s (a second machine: 1947 us + 206 us; docs/host-experts/predict_recorded.py). Not yet
+    # measured by `plan calibrate`: calibrated profiles carry these figures too.
+    cpu_expert_gbps: float = 50.0
     cpu_threads: int = 16
-    cpu_expert_sync_us: float = 30.0
+    cpu_expert_sync_us: float = 600.0
     measured: str = ""
 
 

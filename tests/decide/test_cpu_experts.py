@@ -1,12 +1,16 @@
 """Routed experts on cpu (issue 24, the planner's half): rules place them, the plan counts them apart from the GPU
-and the link, the cost model overlaps the host's work with the GPU's, and nothing else may go there."""
+and the link, the cost model times the host's work beside the GPU's (after it at one token, as the runtime runs),
+and nothing else may go there."""
 from __future__ import annotations
 
 import pytest
 
-from headeronly import GPU, UVA, experts_of, mib, moe_toy, placed, plan_of, policy
+from headeronly import GPU, UVA, experts_of, infos, mib, moe_toy, placed, plan_of, policy
+from planner.decide.cost import CostModel
 from planner.errors import PolicyError
 from planner.inputs.hardware import H100
+from planner.layers.graph import build_graph
+from planner.layers.groups import FusedGroups
 from planner.plan import Placement
 
 CPU = Placement.CPU
@@ -25,14 +29,33 @@ def test_a_rule_puts_experts_on_cpu_and_the_plan_counts_them_off_the_gpu_and_the
     assert any("of routed experts on cpu: the host CPU computes them beside the GPU" in n for n in d.notes)
 
 
-def test_a_layer_with_experts_on_cpu_ends_when_the_later_of_the_host_and_the_gpu_does():
-    """Without a top-k the cost model reads every expert each step: 6 MiB per layer, on the host."""
+def test_a_layer_with_experts_on_cpu_costs_the_host_its_reads_and_its_call():
+    """Without a top-k the cost model reads every expert each step: 6 MiB per layer, on the host, after the
+    layer's 1 MiB of attention read from HBM (one token)."""
     cpu, _ = plan_of(moe_toy(3), policy(rules=[(["experts"], "cpu")]))
     gpu, _ = plan_of(moe_toy(3), policy())
-    host = H100.moe_layer_gpu_us + 6 * MIB / (H100.cpu_expert_gbps * 1e3) + H100.cpu_expert_sync_us
+    host = (H100.moe_layer_gpu_us + MIB / (H100.hbm_read_gbps * 1e3) + 6 * MIB / (H100.cpu_expert_gbps * 1e3)
+            + H100.cpu_expert_sync_us)
     assert cpu.layers[1].us == round(host) > gpu.layers[1].us
     assert [l.us for l in cpu.layers[1:4]] == [round(host)] * 3
     assert cpu.layers[0].us == gpu.layers[0].us  # the embedding: no experts, no change
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_the_host_reads_an_expert_per_pair_after_the_gpu_at_one_token_beside_it_at_more(batch):
+    """Top-1 of 4 experts, 0-1 on cpu, 2-3 on uva. The host's kernel reads an expert once per (token, expert)
+    pair routed to it: T/4 of its 3 MiB, where the GPU reads each touched expert once, 1 - (3/4)^T of it. At one
+    token the runtime's host work and the GPU's run one after the other (measured, docs/host-experts/)."""
+    t = infos(moe_toy(2, experts=4))
+    graph = build_graph(t, None)
+    groups = FusedGroups.find(n for layer in graph.stack_layers() for n in layer.params)
+    place = {n: CPU if ".experts.0." in n or ".experts.1." in n else UVA if ".experts." in n else GPU for n in t}
+    layer = CostModel(graph, t, H100, batch, groups, 1).predict(place).layers[1]
+    touched = 2 * 3 * MIB * (1 - (3 / 4) ** batch)  # the uva experts' bytes a step reads, staged in HBM
+    gpu = (H100.moe_layer_gpu_us + (1 * MIB + 2 * touched) / (H100.hbm_read_gbps * 1e3)
+           + touched / (H100.uva_read_gbps * 1e3))
+    host = 2 * 3 * MIB * batch / 4 / (H100.cpu_expert_gbps * 1e3) + H100.cpu_expert_sync_us
+    assert layer.gpu_us == round(gpu + host if batch == 1 else max(gpu, H100.moe_layer_gpu_us + host))
 
 
 def test_some_experts_on_cpu_others_on_uva_and_gpu_in_one_layer():
