@@ -64,22 +64,44 @@ def check_roles(groups: FusedGroups, as_experts: list[set[str]], policy: Policy)
 
 
 def check_cpu(groups: FusedGroups, won: list[set[str]], policy: Policy) -> None:
-    """`place: cpu` holds routed experts only: the host CPU computes an expert's contribution to the tokens
-    routed to it, which the GPU sums with the others'; any other tensor would have the CPU run a part of
-    the model's every step. One line per rule, naming up to three of its tensors that are not."""
+    """`place: cpu` holds routed experts only, each whole: the host CPU computes an expert's contribution to the
+    tokens routed to it (its gate, up and down), which the GPU sums with the others'; any other tensor would
+    have the CPU run a part of the model's every step, and part of an expert, the rest of it on the GPU's
+    side (the runtime refuses such a plan at load). One line per rule, naming up to three tensors."""
     problems = []
+    on_cpu = set().union(*(mine for rule, mine in zip(policy.rules, won) if rule.place is CPU))
     for i, (rule, mine) in enumerate(zip(policy.rules, won)):
         if rule.place is not CPU:
             continue
         wrong = sorted(n for n in mine if not groups.routed(n))
         if wrong:
-            more = f" and {len(wrong) - 3} more" if len(wrong) > 3 else ""
-            problems.append(f"rules[{i}] (place: cpu) selects {', '.join(wrong[:3])}{more}, which "
+            problems.append(f"rules[{i}] (place: cpu) selects {_few(wrong)}, which "
                             f"{'is not a routed expert' if len(wrong) == 1 else 'are not routed experts'}: "
                             "cpu holds routed experts only (the CPU computes the tokens routed to them); narrow "
                             "the rule's match to the experts (e.g. `experts`)")
+            continue
+        left = sorted({m for n in mine for m in _expert(groups, n)} - on_cpu)
+        if left:
+            problems.append(f"rules[{i}] (place: cpu) puts part of an expert on cpu, leaving out {_few(left)}: "
+                            "the host computes an expert whole (its gate, up and down projections), so select all "
+                            "of its tensors (e.g. `re:experts\\.0\\.` for expert 0, or `experts`)")
     if problems:
-        raise PolicyError(f"{policy.path}: place: cpu on tensors that are not routed experts", problems)
+        raise PolicyError(f"{policy.path}: place: cpu on tensors that are not whole routed experts", problems)
+
+
+def _expert(groups: FusedGroups, name: str) -> list[str]:
+    """Every tensor of `name`'s expert in its experts module: of each fused parameter, the tensors of that
+    expert; a tensor holding every expert (pre-fused): each such tensor of the module."""
+    group = groups.group_of.get(name)
+    if group is None:
+        return [name]
+    if name in groups.index_of:
+        return [m for m in groups.members[group] if groups.index_of.get(m) == groups.index_of[name]]
+    return [m for m in groups.members[group] if m in groups.rows_of]
+
+
+def _few(names: list[str]) -> str:
+    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
 
 
 _WHEN = {Runs.IMAGES: "runs only for prompts with images", Runs.MTP: "runs in no forward of plain decoding"}

@@ -76,9 +76,22 @@ def test_some_experts_on_cpu_others_on_uva_and_gpu_in_one_layer():
 def test_cpu_on_what_is_no_routed_expert_is_refused_naming_it(match, named):
     with pytest.raises(PolicyError) as e:
         plan_of(moe_toy(3), policy(rules=[(match, "cpu")]))
-    assert str(e.value).splitlines()[0] == "test.policy.yaml: place: cpu on tensors that are not routed experts"
+    assert str(e.value).splitlines()[0] == "test.policy.yaml: place: cpu on tensors that are not whole routed experts"
     assert len(e.value.problems) == 1 and e.value.problems[0].startswith(named)
     assert "narrow the rule's match to the experts" in e.value.problems[0]
+
+
+def test_part_of_an_expert_on_cpu_is_refused_naming_what_the_rule_left_out():
+    """The runtime computes an expert whole on the host, and refused such a plan only at load."""
+    with pytest.raises(PolicyError) as e:
+        plan_of(moe_toy(2), policy(rules=[(["re:experts\\.0\\.(gate|up)_proj"], "cpu")]))
+    assert e.value.problems == [
+        "rules[0] (place: cpu) puts part of an expert on cpu, leaving out model.layers.0.mlp.experts.0.down_proj.weight, "
+        "model.layers.1.mlp.experts.0.down_proj.weight: the host computes an expert whole (its gate, up and down "
+        "projections), so select all of its tensors (e.g. `re:experts\\.0\\.` for expert 0, or `experts`)"]
+    d, _ = plan_of(moe_toy(2), policy(rules=[(["re:experts\\.0\\.(gate|up)_proj"], "cpu"),
+                                             (["re:experts\\.0\\.down_proj"], "cpu")]))  # two rules, one expert
+    assert placed(d, CPU) == [n for n in experts_of(0, 1) if ".experts.0." in n]
 
 
 def test_a_budget_walk_leaves_experts_on_cpu_where_the_rule_put_them():
