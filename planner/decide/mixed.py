@@ -45,12 +45,23 @@ pinned memory gathers its touched experts into HBM in each decode step
 (runtime/execute/experts.py), which at large batches costs more HBM traffic. The
 cost model weighs the two.
 
+With `cpu_experts: true` in the policy, the chosen placement is tried again
+with a share of each layer's routed experts on uva moved to cpu, where the
+host computes them beside the GPU (cost.py): a quarter, half, three quarters,
+all, the least-read ones of each layer first (the host reads an expert once
+per pair routed to it, the GPU once per step however many). A share is kept if
+its request is predicted faster than none; a note gives both. cpu needs no
+GPU memory, so the budget holds. Whole experts only (the host computes an
+expert whole), and never quantized ones (the runtime's host computes bf16 and
+f32 weights).
+
 Limits: each strategy is greedy (no search over arbitrary subsets), and the
 prediction is only as good as the hardware profile and the routing (a
 profile's prompts, or uniform: see cost.py).
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -62,7 +73,8 @@ from .cost import CostModel, Prediction
 from .footprint import Footprint
 from .schedule import fewest_layers
 
-GPU, UVA, PREFETCH = Placement.GPU, Placement.UVA, Placement.PREFETCH
+GPU, UVA, PREFETCH, CPU = Placement.GPU, Placement.UVA, Placement.PREFETCH, Placement.CPU
+CPU_SHARES = (0.25, 0.5, 0.75, 1.0)  # of each layer's uva experts, tried on cpu (`cpu_experts`)
 
 
 @dataclass(frozen=True)
@@ -145,7 +157,43 @@ def place_mixed(graph: LayerGraph, policy: Policy, fp: Footprint, fixed: set[str
     others = "; ".join(f"{k}: {said(k)}" for k in fitting if k != best)
     notes = (f"mixed chose {best!r}: predicted {said(best)} (prefill of {preds[best].prompt_tokens} tokens + "
              f"{new} steps at batch {model.batch})" + (f"; others: {others}" if others else ""),)
-    return MixedChoice(strategies[best], preds[best], notes, explain(graph, strategies[best].place, model))
+    chosen, prediction = strategies[best], preds[best]
+    if policy.cpu_experts:
+        chosen, prediction, note = on_cpu(chosen, prediction, groups, model, new)
+        notes += (note,)
+    return MixedChoice(chosen, prediction, notes, explain(graph, chosen.place, model))
+
+
+def on_cpu(fp: Footprint, prediction: Prediction, groups: FusedGroups, model: CostModel,
+           new: int) -> tuple[Footprint, Prediction, str]:
+    """`fp` with the best share of each layer's uva experts on cpu (module doc), or `fp` itself, and a note."""
+    candidates: list[list[tuple[str, ...]]] = []  # per experts module, its whole experts on uva, least read first
+    for members in groups.members.values():
+        by_expert: dict[int, list[str]] = {}
+        for m in members:
+            if m in groups.index_of:
+                by_expert.setdefault(groups.index_of[m], []).append(m)
+        whole = [tuple(ns) for ns in by_expert.values()
+                 if all(fp.place[n] is UVA and n not in model.quantized for n in ns)
+                 and fp.layers[fp.layer_name[ns[0]]].runs is Runs.STEP]
+        if whole:
+            candidates.append(sorted(whole, key=lambda ns: model.frac[ns[0]]))
+    if not candidates:
+        return fp, prediction, "cpu_experts: no whole routed expert of a decode layer on uva to compute on cpu"
+    tried = {}
+    for share in CPU_SHARES:
+        f = fp.copy()
+        f.move([n for experts in candidates for ns in experts[:math.ceil(len(experts) * share)] for n in ns], CPU)
+        tried[share] = f, model.predict(f.place)
+    share = min(tried, key=lambda k: (tried[k][1].request_us(new), tried[k][1].h2d_bytes))
+    f, p = tried[share]
+    ms = lambda p: f"{p.request_us(new) / 1e3:.3f} ms"  # noqa: E731
+    if (p.request_us(new), p.h2d_bytes) >= (prediction.request_us(new), prediction.h2d_bytes):
+        return fp, prediction, (f"cpu_experts: no expert on cpu: predicted request {ms(prediction)}, against "
+                                f"{ms(p)} at best with {share:.0%} of each layer's uva experts there (the host's "
+                                "figures: the hardware profile's cpu_expert_gbps and cpu_expert_sync_us)")
+    return f, p, (f"cpu_experts: {share:.0%} of each layer's uva experts on cpu, the least read first: predicted "
+                  f"request {ms(p)}, against {ms(prediction)} with none")
 
 
 def explain(graph: LayerGraph, place: Mapping[str, Placement], model: CostModel) -> dict[str, str]:

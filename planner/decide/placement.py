@@ -7,7 +7,8 @@ the natural order of tensor names (`graph.natural_key`): that is the
 Steps:
 1. Rules, first match wins, fix a tensor's placement before anything else;
    rules that part a quantized weight from its scales (quantized.py) are an error,
-   and so is `place: cpu` on anything but routed experts (the backends never choose cpu).
+   and so is `place: cpu` on anything but whole routed experts (of the backends only mixed
+   chooses cpu, with `cpu_experts: true`: mixed.py).
 2. Candidates for the backend are the remaining tensors of the layer stacks;
    embeddings, final norms and the head stay on the GPU unless a rule moves them.
    Fused expert groups (groups.py) move by prefetch whole, by vLLM's uva walk

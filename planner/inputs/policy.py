@@ -44,11 +44,10 @@ class Workload:
           prompt_tokens: 2048           # the prefill to predict: the time to first token
           new_tokens: 128               # tokens generated per request
 
-    Without `routing`, the cost model assumes every expert of a layer is equally likely
-    to be picked, and the plan says so; with it, each expert's share of decode tokens
-    comes from the profile (planner/inputs/routing.py), and `backend: mixed` keeps the most-hit
-    experts on the GPU. A request is a prefill of `prompt_tokens` and `new_tokens` decode
-    steps; `backend: mixed` minimises its predicted time, not the step's alone.
+    Without `routing`, the cost model assumes every expert of a layer is equally likely to be picked, and the
+    plan says so; with it, each expert's share of decode tokens comes from the profile (planner/inputs/routing.py),
+    and `backend: mixed` keeps the most-hit experts on the GPU. A request is a prefill of `prompt_tokens` and
+    `new_tokens` decode steps; `backend: mixed` minimises its predicted time, not the step's alone.
     """
 
     batch_size: int = 1  # sequences decoded together
@@ -63,9 +62,7 @@ class Workload:
 @dataclass(frozen=True)
 class UvaPolicy:
     """`uva:` vLLM's zero-copy knobs, and prefill staging. Example: `{offload_gib: 8, params: [mlp]}`,
-    or `{stage_prefill: false}` to read uva tensors in place at prefill too (no staging buffers).
-
-    Staging (planner/decide/staging.py): a forward over more than the hardware profile's
+    or `{stage_prefill: false}` to read uva tensors in place at prefill too (no staging buffers). Staging (planner/decide/staging.py): a forward over more than the hardware profile's
     `stage_above_tokens` tokens copies each layer's uva tensors (embeddings aside) into one
     of 2 GPU slots before the layer runs, since a GEMM reading them in place re-reads them
     per tile. The slots count in the GPU footprint. Routed experts stream through a ring
@@ -119,6 +116,7 @@ class Policy:
     hardware: Path | None = None  # `hardware:` a `plan calibrate` profile, resolved like `checkpoint`
     workload: Workload = Workload()
     gpus: int = 1  # `gpus:` GPUs of one host that share the model (tensor parallelism: layers/shards.py), e.g. 2
+    cpu_experts: bool = False  # `cpu_experts:` backend mixed may put routed experts on cpu (decide/mixed.py)
     # each GPU's budget in GiB when they differ (`gpus: [20, 24]` or `budget_gib: [20, 24]`); None: budget_gib on each
     gpu_budgets_gib: tuple[float, ...] | None = None
     warnings: tuple[str, ...] = field(default=(), compare=False)  # settings that will be ignored, located
@@ -233,6 +231,9 @@ def load_policy(path: str | Path) -> Policy:
     if backend is Backend.MIXED and budgets is None and "budget_gib" not in data:
         problems.append(f"{doc.key_where([], 'backend')}: backend: mixed needs budget_gib: it chooses "
                         "placements to fit a GPU budget")
+    if data.get("cpu_experts") and backend is not Backend.MIXED:
+        warnings.append(f"{doc.key_where([], 'cpu_experts')}: cpu_experts is set but backend is not mixed; it is "
+                        "ignored (rules place experts on cpu with `place: cpu`)")
     if "parallel" in data and gpus == 1:
         warnings.append(f"{doc.key_where([], 'parallel')}: parallel is set but gpus is 1; it is ignored")
     if backend is Backend.MIXED and (uva_set or pre.group_size > 0 or pre.params):
@@ -258,6 +259,7 @@ def load_policy(path: str | Path) -> Policy:
         hardware=hardware,
         workload=workload,
         gpus=gpus,
+        cpu_experts=bool(data.get("cpu_experts", False)),
         gpu_budgets_gib=budgets if budgets and len(set(budgets)) > 1 else None,
         warnings=tuple(warnings),
         locations=locations,

@@ -3,12 +3,16 @@ and the link, the cost model times the host's work beside the GPU's (after it at
 and nothing else may go there."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
-from headeronly import GPU, UVA, experts_of, infos, mib, moe_toy, placed, plan_of, policy
+from headeronly import GPU, UVA, experts_of, infos, mib, moe_toy, placed, plan_of, policy, write_policy
 from planner.decide.cost import CostModel
+from planner.decide.placement import decide
 from planner.errors import PolicyError
 from planner.inputs.hardware import H100
+from planner.inputs.policy import Workload, load_policy
 from planner.layers.graph import build_graph
 from planner.layers.groups import FusedGroups
 from planner.plan import Placement
@@ -121,3 +125,42 @@ def test_a_long_prompt_costs_the_experts_on_cpu_as_uva_ones_staged_or_not(stage_
     uva, _ = plan_of(moe_toy(3), policy(rules=[(["experts"], "uva")], stage_experts=stage_experts))
     assert cpu.cost.prompt_tokens > H100.stage_above_tokens
     assert cpu.cost.prefill_us == uva.cost.prefill_us > 0
+
+
+def _mixed_cpu(cpu_gbps: float, cpu_experts: bool = True, batch: int = 8):
+    """test_cost.py's 4-layer MoE (8 experts of 3 MB per layer, top-2) under a 60 MB budget, mixed, replayed."""
+    from test_cost import HW, moe
+    hw = dataclasses.replace(HW, cpu_expert_gbps=cpu_gbps, cpu_expert_sync_us=50.0)
+    pol = dataclasses.replace(policy("mixed", budget_gib=60 * 10**6 / 2**30, step=2), cpu_experts=cpu_experts,
+                              workload=Workload(batch, cuda_graphs=True))
+    t = infos(moe())
+    return decide(build_graph(t), t, pol, hw, 2)
+
+
+def test_mixed_puts_experts_on_cpu_where_the_host_makes_the_request_faster():
+    without, fast = _mixed_cpu(4.0, cpu_experts=False), _mixed_cpu(4.0)
+    assert CPU not in without.params.values()
+    on_cpu = placed(fast, CPU)
+    assert on_cpu and all(".experts." in n for n in on_cpu)
+    experts = {n.rsplit(".", 2)[0] for n in on_cpu}  # whole experts: gate, up and down together
+    assert on_cpu == sorted(f"{e}.{p}.weight" for e in experts for p in ("down_proj", "gate_proj", "up_proj"))
+    note = next(n for n in fast.notes if n.startswith("cpu_experts: "))
+    assert "of each layer's uva experts on cpu, the least read first: predicted request" in note
+    assert fast.summary.predicted_step_us < without.summary.predicted_step_us
+    assert fast.summary.gpu_footprint_bytes == without.summary.gpu_footprint_bytes <= 60 * 10**6
+    assert fast.cost.cpu_threads == H100.cpu_threads
+
+
+def test_mixed_leaves_the_cpu_alone_where_the_host_is_slower_and_says_so():
+    slow = _mixed_cpu(0.01)
+    assert CPU not in slow.params.values()
+    assert any(n.startswith("cpu_experts: no expert on cpu: predicted request") for n in slow.notes)
+
+
+def test_cpu_experts_is_read_from_the_policy_and_ignored_with_a_warning_outside_mixed(tmp_path):
+    (tmp_path / "ckpt").mkdir()
+    mixed = load_policy(write_policy(tmp_path, "backend: mixed\nbudget_gib: 1\ncpu_experts: true\n"))
+    assert mixed.cpu_experts and not mixed.warnings
+    other = load_policy(write_policy(tmp_path, "cpu_experts: true\n", name="o.policy.yaml"))
+    assert other.warnings == (f"{tmp_path / 'o.policy.yaml'}:3:1: cpu_experts is set but backend is not mixed; "
+                              "it is ignored (rules place experts on cpu with `place: cpu`)",)

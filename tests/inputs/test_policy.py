@@ -91,7 +91,7 @@ def test_schema_violations_are_all_located_with_key_paths(tmp_path):
     assert e.problems == [
         f"{path}:4:1: budget_gb: unknown key; did you mean 'budget_gib'?",
         f"{path}:15:1: zzz: unknown key (allowed: format_version, checkpoint, backend, budget_gib, "
-        "gpus, parallel, hardware, workload, stacks, uva, prefetch, rules)",
+        "gpus, parallel, hardware, cpu_experts, workload, stacks, uva, prefetch, rules)",
         f"{path}:3:10: backend: 'gpu' is not one of auto, uva, prefetch, mixed",
         f"{path}:1:17: format_version: must be 1, not 2",
         f"{path}:9:3: prefetch.group_sise: unknown key; did you mean 'group_size'?",
