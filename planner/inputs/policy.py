@@ -61,14 +61,14 @@ class Workload:
 
 @dataclass(frozen=True)
 class UvaPolicy:
-    """`uva:` vLLM's zero-copy knobs, and prefill staging. Example: `{offload_gib: 8, params: [mlp]}`,
-    or `{stage_prefill: false}` to read uva tensors in place at prefill too (no staging buffers). Staging (planner/decide/staging.py): a forward over more than the hardware profile's
-    `stage_above_tokens` tokens copies each layer's uva tensors (embeddings aside) into one
-    of 2 GPU slots before the layer runs, since a GEMM reading them in place re-reads them
-    per tile. The slots count in the GPU footprint. Routed experts stream through a ring
-    of at most 1 GiB instead, which each staged forward allocates (prefill working
-    memory, not in the footprint), and follow `stage_experts`: unset, the planner stages
-    them where the workload's prompt touches most of them; `true` stages them, `false` never.
+    """`uva:` vLLM's zero-copy knobs, and prefill staging. Example: `{offload_gib: 8, params: [mlp]}`, or
+    `{stage_prefill: false}` to read uva tensors in place at prefill too (no staging buffers). Staging
+    (planner/decide/staging.py): a forward over more than the hardware profile's `stage_above_tokens` tokens
+    copies each layer's uva tensors (embeddings aside) into one of 2 GPU slots before the layer runs, since a
+    GEMM reading them in place re-reads them per tile. The slots count in the GPU footprint. Routed experts
+    stream through a ring of at most 1 GiB instead, which each staged forward allocates (prefill working memory,
+    not in the footprint), and follow `stage_experts`: unset, the planner decides where the workload's prompt
+    touches most of them; `true` stages them, `false` never.
     """
 
     offload_gib: float = 0  # GiB of layer tensors to offload, walking layers in order (vLLM cpu_offload_gb)
