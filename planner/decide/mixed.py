@@ -52,8 +52,9 @@ all, the least-read ones of each layer first (the host reads an expert once
 per pair routed to it, the GPU once per step however many). A share is kept if
 its request is predicted faster than none; a note gives both. cpu needs no
 GPU memory, so the budget holds. Whole experts only (the host computes an
-expert whole), and never quantized ones (the runtime's host computes bf16 and
-f32 weights).
+expert whole), never quantized ones (the runtime's host computes bf16 and
+f32 weights), and not with several GPUs (each one's process would run its
+own host threads on the same cores).
 
 Limits: each strategy is greedy (no search over arbitrary subsets), and the
 prediction is only as good as the hardware profile and the routing (a
@@ -158,7 +159,10 @@ def place_mixed(graph: LayerGraph, policy: Policy, fp: Footprint, fixed: set[str
     notes = (f"mixed chose {best!r}: predicted {said(best)} (prefill of {preds[best].prompt_tokens} tokens + "
              f"{new} steps at batch {model.batch})" + (f"; others: {others}" if others else ""),)
     chosen, prediction = strategies[best], preds[best]
-    if policy.cpu_experts:
+    if policy.cpu_experts and policy.gpus > 1:  # each GPU's process would run its own host threads on one host
+        notes += ("cpu_experts: not with several GPUs yet (each GPU's process would compute its share of the experts "
+                  "on the same host cores; never measured): no expert on cpu",)
+    elif policy.cpu_experts:
         chosen, prediction, note = on_cpu(chosen, prediction, groups, model, new)
         notes += (note,)
     return MixedChoice(chosen, prediction, notes, explain(graph, chosen.place, model))

@@ -157,6 +157,16 @@ def test_mixed_leaves_the_cpu_alone_where_the_host_is_slower_and_says_so():
     assert any(n.startswith("cpu_experts: no expert on cpu: predicted request") for n in slow.notes)
 
 
+def test_mixed_puts_no_expert_on_cpu_with_several_gpus():
+    from test_cost import HW, moe
+    pol = dataclasses.replace(policy("mixed", budget_gib=60 * 10**6 / 2**30, step=2), cpu_experts=True, gpus=2,
+                              workload=Workload(8, cuda_graphs=True))
+    t = infos(moe())
+    d = decide(build_graph(t), t, pol, dataclasses.replace(HW, cpu_expert_gbps=4.0), 2)
+    assert CPU not in d.params.values()
+    assert any(n.startswith("cpu_experts: not with several GPUs yet") for n in d.notes)
+
+
 def test_cpu_experts_is_read_from_the_policy_and_ignored_with_a_warning_outside_mixed(tmp_path):
     (tmp_path / "ckpt").mkdir()
     mixed = load_policy(write_policy(tmp_path, "backend: mixed\nbudget_gib: 1\ncpu_experts: true\n"))
