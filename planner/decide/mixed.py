@@ -172,12 +172,8 @@ def on_cpu(fp: Footprint, prediction: Prediction, groups: FusedGroups, model: Co
            new: int) -> tuple[Footprint, Prediction, str]:
     """`fp` with the best share of each layer's uva experts on cpu (module doc), or `fp` itself, and a note."""
     candidates: list[list[tuple[str, ...]]] = []  # per experts module, its whole experts on uva, least read first
-    for members in groups.members.values():
-        by_expert: dict[int, list[str]] = {}
-        for m in members:
-            if m in groups.index_of:
-                by_expert.setdefault(groups.index_of[m], []).append(m)
-        whole = [tuple(ns) for ns in by_expert.values()
+    for group in groups.members:
+        whole = [ns for ns in groups.by_expert(group).values()
                  if all(fp.place[n] is UVA and n not in model.quantized for n in ns)
                  and fp.layers[fp.layer_name[ns[0]]].runs is Runs.STEP]
         if whole:

@@ -96,7 +96,7 @@ def _expert(groups: FusedGroups, name: str) -> list[str]:
     if group is None:
         return [name]
     if name in groups.index_of:
-        return [m for m in groups.members[group] if groups.index_of.get(m) == groups.index_of[name]]
+        return list(groups.by_expert(group)[groups.index_of[name]])
     return [m for m in groups.members[group] if m in groups.rows_of]
 
 

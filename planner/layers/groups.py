@@ -173,6 +173,15 @@ class FusedGroups:
         its pre-fused ones; 0 when neither is known (pre-fused rows unchecked or not experts)."""
         return self._counts[group]
 
+    def by_expert(self, group: str) -> dict[int, tuple[str, ...]]:
+        """A group's per-expert tensors by expert, each expert's across its fused parameters (an expert on the
+        host CPU is placed whole: placement_errors.py, mixed.py); {} for a group of pre-fused tensors."""
+        out: dict[int, list[str]] = {}
+        for m in self.members[group]:
+            if m in self.index_of:
+                out.setdefault(self.index_of[m], []).append(m)
+        return {e: tuple(ms) for e, ms in out.items()}
+
     def routed(self, name: str) -> bool:
         """Whether routing decides what of `name` a step reads: one expert's tensor, or a pre-fused
         one whose rows are the group's experts (`rows_of`)."""

@@ -77,8 +77,7 @@ def stale_reasons(plan: Plan, plan_path: Path, ckpt: Checkpoint) -> list[str]:
         routing_path = plan_path.parent / plan.routing.path
         if not routing_path.is_file():
             problems.append(f"the routing profile {routing_path} named by the plan is gone")
-        elif profile_fingerprint(yamlio.read(routing_path, RoutingProfileError, "routing profile")) \
-                != plan.routing.fingerprint:
+        elif _profile_fingerprint(routing_path) != plan.routing.fingerprint:
             problems.append(f"the routing profile {routing_path} changed since the plan was built")
     if problems:
         return problems
@@ -130,16 +129,20 @@ def _stamp_holds(head: dict, text: str, where: Inputs) -> bool:
     if not built or offplan is None or built["offplan"] != offplan or not signed(text):
         return False
     policy = load_policy(where.policy)
-    routing = policy.workload.routing
     root = _resolved(where.checkpoint)
-    return (policy.fingerprint == head["policy"]["fingerprint"]
-            and _resolved(policy.checkpoint) == root  # the policy names the plan's checkpoint
-            and (routing is None) == (where.routing is None)
-            and (routing is None or (routing.resolve() == where.routing.resolve()
-                                     and profile_fingerprint(yamlio.read(routing, RoutingProfileError, "routing "
-                                                                         "profile")) == head["routing"]["fingerprint"]))
-            and inputs_fingerprint(offplan, policy.hardware, root[0]) == built["inputs"]
+    if policy.fingerprint != head["policy"]["fingerprint"] or _resolved(policy.checkpoint) != root:
+        return False  # (the policy names the plan's checkpoint)
+    routing = policy.workload.routing
+    if (routing is None) != (where.routing is None) or routing is not None and (
+            routing.resolve() != where.routing.resolve()
+            or _profile_fingerprint(routing) != head["routing"]["fingerprint"]):
+        return False
+    return (inputs_fingerprint(offplan, policy.hardware, root[0]) == built["inputs"]
             and fingerprint(where.checkpoint) == head["checkpoint"]["fingerprint"])
+
+
+def _profile_fingerprint(path: Path) -> str:
+    return profile_fingerprint(yamlio.read(path, RoutingProfileError, "routing profile"))
 
 
 def _resolved(path: Path) -> tuple:
