@@ -119,3 +119,13 @@ def test_plan_apply_starts_the_processes(tmp_path, checkpoints, capsys):
     assert "--gpus 3: the plan was built for 2 GPUs (parallel.gpus: 2)" in err and "Traceback" not in err
     assert main(["apply", str(one), "--device", "cpu", "--gpus", "2"]) == 1
     assert "the plan was built for one GPU" in capsys.readouterr().err
+
+
+def test_each_rank_takes_its_share_of_the_cores(monkeypatch):
+    """Ranks that each started one thread per core would spin against each other in the load's copies."""
+    from runtime.distributed.launch import threads_per_rank
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr("os.cpu_count", lambda: 16)
+    assert [threads_per_rank(n) for n in (1, 2, 4, 32)] == [16, 8, 4, 1]
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert threads_per_rank(2) == 3
