@@ -64,7 +64,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--layers", type=int, help="decoder layers (default: the real count)")
     ap.add_argument("--strategies", nargs="+", choices=STRATEGIES, default=list(STRATEGIES))
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
-    ap.add_argument("--new-tokens", type=int, default=32, help="decode steps timed (default: 32)")
+    ap.add_argument("--new-tokens", type=int, default=64, help="decode steps timed (default: 64)")
     ap.add_argument("--hardware", type=Path, help="a `plan calibrate` profile to use instead of calibrating now")
     ap.add_argument("--label", help="a suffix for the records' file (a part of the table per run)")
     ap.add_argument("--dir", type=Path, default=Path("/tmp/offplan-bench"), help="where checkpoints go")

@@ -219,7 +219,7 @@ class Run:
                     if timing.host is not None and mode not in REPLAYED:
                         timing.mark()
                     rate, tokens = self.decode(model, handle, mode, b, timing.mark if timing.host else None)
-                    extra.update(timing.figures())
+                    extra.update(timing.figures(b))
                     key = (mode, b)
                     if not offloaded:
                         self.reference.setdefault((used, mode, b), tokens)  # the first: transformers alone

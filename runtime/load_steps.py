@@ -9,6 +9,8 @@ or the call fails. The steps:
    error listing everything that does not match; for a quantized checkpoint
    the meta model first made to hold FP8/MXFP4 tensors as stored (quant.py);
    under tensor parallelism the meta model cut to this process's share (place/shards.py);
+   a plan with experts on cpu checked (execute/host/bind.py), and their kernel
+   compiling on a thread from step 4 on;
 3. lay out: the arena and slot offsets, read from the plan (layout.py);
 4. allocate: check free GPU memory, then the pinned arena, resident tensors
    and the prefetch slots;
@@ -18,9 +20,9 @@ or the call fails. The steps:
    buffer (`uva=False`), assigned into the model (`load_state_dict(assign=True)`)
    once the buffers no checkpoint holds are computed (buffers.py), hooks
    registered; quantized tensors read dequantized (dequant.py); experts in
-   pinned memory, or quantized, read through offplan's experts implementation
-   (experts.py), with the resident rows of a split fused parameter copied to
-   HBM; the plan's prefill staging set up (prefill.py: uva layers copied to the
+   pinned memory, quantized, or on cpu, read through offplan's experts implementation
+   (bind_experts.py, experts.py), with the resident rows of a split fused parameter copied to
+   HBM and the host's engine for those on cpu; the plan's prefill staging set up (prefill.py: uva layers copied to the
    GPU before a forward over many tokens); the collectives of tensor parallelism.
 
 From step 4 on an `OffloadHandle` owns what was allocated; on any failure it
@@ -124,7 +126,7 @@ def _run(model, plan: Plan, ckpt: Checkpoint, device, uva: bool, progress, *, fr
     else:
         targets, quantized = map_tensors(model, {n: (ckpt.tensors[n].shape, p) for n, p in plan.params.items()}), {}
     try:
-        host.check(plan, targets, quantized, uva, device)
+        host.check(plan, targets, quantized, uva, device, model)
         split = [t.name for t in targets if t.resident]
         if split and not uva and device.type == "cuda":
             more = f" (and {len(split) - 1} more)" if len(split) > 1 else ""

@@ -4,7 +4,7 @@ With `--cpu-fractions F...`, for each F the first F of every layer's experts (by
 that share of the touched ones) are computed by the host CPU, the rest read over uva, with `--cpu-threads` host
 threads each (the plan's `cpu_threads`); F = 1 puts every expert on cpu. They decode in the run's `graph` and
 `eager` modes (not under torch.compile). Each row carries the plan's prediction and its ratio to the UVA floor,
-the host's median time per module forward and the kernel's share of it, and the tokens are compared with the
+the host's median time per module forward of a decode step, and the tokens are compared with the
 all-GPU model's as moe.py's other rows (the host sums each GEMV in another order: a near tie between two tokens
 can break the other way).
 """
@@ -45,21 +45,20 @@ def measure_cpu(run, fraction: float, threads: int | None) -> None:
 
 class HostTiming:
     """The host's figures over one timed decode of a plan with experts on cpu: `mark()` where timing starts
-    (replayed: once the step is captured and warmed up; eager: before the whole call), `figures()` after."""
+    (replayed: once the step is captured and warmed up; eager: before the whole call), `figures(batch)` after:
+    over the decode steps' forwards only (those of `batch` tokens), not the timed call's prefill."""
 
     def __init__(self, handle):
         self.host = getattr(handle, "host_experts", None)
         self.start = None
 
     def mark(self) -> None:
-        self.start = (len(self.host.durations), self.host.host_calls, self.host.kernel.seconds)
+        self.start = len(self.host.durations)
 
-    def figures(self) -> dict:
-        """The median time of the host's work per module forward, and the compiled kernel's share of it."""
+    def figures(self, batch: int) -> dict:
+        """The median time of the host's work per module forward of a decode step, and how many there were."""
         if self.start is None:
             return {}
-        first, calls, kernel = self.start
-        took = sorted(self.host.durations[first:])
-        return dict(host_median_us=1e6 * took[len(took) // 2] if took else None,
-                    kernel_us_per_call=1e6 * (self.host.kernel.seconds - kernel) / max(1, self.host.host_calls - calls),
+        took = sorted(t for tokens, t in self.host.durations[self.start:] if tokens == batch)
+        return dict(host_median_us=1e6 * took[len(took) // 2] if took else None, host_decode_calls=len(took),
                     kernel_compiled=self.host.kernel.compiled, kernel_misses=self.host.kernel.misses)

@@ -13,9 +13,8 @@ resident copy (`bind`). Per forward, for T tokens with top-k routing over E expe
    hit experts first, by number, then padding. For one token (T = 1: decode
    of one sequence) its k experts are distinct, so they are staged in the
    order of its (token, expert) pairs instead, and step 3 reads them as they
-   lie (batched_mm copies each pair's weight first: at batch 1 that copy is
-   all of the staged bytes again, 60 us per projection at Qwen3-30B-A3B's shape). No host synchronization, so a
-   decode step is captured in a CUDA graph and replayed;
+   lie (batched_mm copies each pair's weight first: at batch 1 that copy is all the staged bytes again,
+   60 us per projection at Qwen3-30B-A3B's shape). No host synchronization: a decode step is captured and replayed;
 2. each fused parameter's rows for those U slots, staged in HBM (`gather`):
    copied from the resident rows for experts on the GPU, read once through the
    zero-copy view for the others, and not read at all for padding, so padding
@@ -155,7 +154,8 @@ def _stage(module, param: str, order: torch.Tensor, valid: torch.Tensor, ahead: 
             return Fp8Rows(data, scale, order, q.block)
         data = _rows(module, q.data, data, order, valid, ahead)
         scale = _rows(module, q.scale, scale, order, valid, ahead)
-        return Fp8Rows(data, scale, None, q.block) if fused else dequantize(q, data, scale)
+        # valid 0: padding or the host's experts, never read (quantized experts are never staged)
+        return Fp8Rows(data, scale, None, q.block) if fused else dequantize(q, data, scale, valid)
     return _rows(module, param, getattr(module, param), order, valid, ahead)
 
 

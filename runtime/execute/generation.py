@@ -26,13 +26,10 @@ steps, a replay costs none. The cache length is the prompt plus the new tokens,
 rounded up to `CACHE_QUANTUM`, so calls of nearby lengths share a graph. The host
 reads each step's tokens only when it must (an `on_token` callback, stop
 tokens): otherwise the CPU queues every replay ahead of the GPU and reads the
-tokens once, at the end. A plan with experts on cpu is the exception: each replay
-hands work to the engine's worker, which runs Python and needs the GIL
-(host/engine.py), and a loop queuing replays holds it. So the loop keeps at
-most two steps in flight and sleeps on a blocking event until the older one is
-done (a thread spinning in the wait would take a core from the host's). When
-the replays ran Python host functions and the loop ran ahead, 8 layers with
-every expert on cpu decoded at 10 steps/s on the H200 machine.
+tokens once, at the end. Experts on cpu are the exception: each replay hands
+work to the engine's worker, which needs the GIL (host/engine.py) that a loop
+queuing replays holds. So the loop keeps at most two steps in flight, asleep on
+a blocking event until the older one is done (a spinning wait takes a core).
 
 Greedy tokens are those of transformers' `generate` on the same model and
 prompts with a static cache of the same length, eager on the CPU
@@ -45,6 +42,7 @@ benchmarks time); decoder-only text models; the cache's dtype is the model's.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -152,9 +150,7 @@ class Generator:
     (the handle's `remove()` does it)."""
 
     def __init__(self, model: torch.nn.Module, handle, *, eager: bool = False, compile: bool = False):
-        self.model = model
-        self.handle = handle
-        self.device = handle.device
+        self.model, self.handle, self.device = model, handle, handle.device
         self.replay = handle.cuda and not eager
         if self.replay:
             self.mode = "compiled-graph" if compile else "graph"
@@ -164,12 +160,11 @@ class Generator:
         self.steps: dict[tuple[int, int, bool], _Step] = {}
 
     def prepare(self, prompts, max_new_tokens: int, *, pad_id: int = 0) -> None:
-        """Pay a call's one-time costs without generating: make (and capture) the decode step of its shape and
-        run its prefill once."""
+        """Pay a call's one-time costs before it is timed: make (and capture) the decode step of its shape, then
+        run the call's loop for its prefill and `WARMUP` decode steps (greedy, tokens dropped). A first replay
+        uploads the graph, and the loop's own small kernels load at their first launch."""
         ids, _, step = self._shape(prompts, max_new_tokens, pad_id)
-        with torch.no_grad():
-            self._prefill(step, ids)
-        self._sync()
+        self._loop(ids, step, min(max_new_tokens, WARMUP + 1), sampler(False, 1.0, None, 0, self.device))
 
     def __call__(self, prompts: torch.Tensor | Sequence[Sequence[int]], max_new_tokens: int, *,
                  pad_id: int = 0, stop: Sequence[int] = (), do_sample: bool = False, temperature: float = 1.0,
@@ -178,21 +173,26 @@ class Generator:
         """Generate `max_new_tokens` tokens after each prompt (fewer after a stop token). `on_token(i, tokens)`
         is called with each step's new token of every sequence, as it comes."""
         ids, _, step = self._shape(prompts, max_new_tokens, pad_id)
+        return self._loop(ids, step, max_new_tokens, sampler(do_sample, temperature, top_k, seed, self.device),
+                          stop, on_token)
+
+    def _loop(self, ids: torch.Tensor, step: _Step, max_new_tokens: int, sample, stop: Sequence[int] = (),
+              on_token: Callable[[int, list[int]], None] | None = None) -> Generation:
+        """Prefill, then the decode steps over `step` (module doc), timed."""
         batch, length = ids.shape
-        sample = sampler(do_sample, temperature, top_k, seed, self.device)
         stops = torch.tensor(list(stop), dtype=torch.long, device=self.device) if stop else None
         eager_host = on_token is not None or stops is not None  # the host reads every step's tokens
         host = getattr(self.handle, "host_experts", None)  # experts on cpu (host/engine.py)
         # at most two replays in flight, this thread asleep otherwise (module doc)
         in_flight = [torch.cuda.Event(blocking=True) for _ in range(2)] if host is not None and self.replay else None
-        with torch.no_grad():
+        with torch.no_grad(), self._host_failures(host):
             self._sync()
             start = time.perf_counter()
             token = sample(self._prefill(step, ids)[:, -1])  # [B]
             out = [token]
             done = hit_stop(token, stops, None)
-            if eager_host:
-                self._emit(on_token, 0, token)
+            if on_token is not None:
+                on_token(0, token.tolist())
             self._sync()
             first = time.perf_counter()
             steps = 0
@@ -215,8 +215,8 @@ class Generator:
                 out.append(token)
                 steps += 1
                 done = hit_stop(token, stops, done)
-                if eager_host:
-                    self._emit(on_token, i, token)
+                if on_token is not None:
+                    on_token(i, token.tolist())
             self._sync()
             end = time.perf_counter()
         if host is not None:
@@ -224,6 +224,18 @@ class Generator:
         tokens = torch.stack(out, dim=1).tolist()
         return Generation([until_stop(t, stop) for t in tokens], length, self.mode, first - start, end - first,
                           steps)
+
+    @contextlib.contextmanager
+    def _host_failures(self, host):
+        """A call that fails with experts on cpu (host/engine.py) waits for its replays in flight, whose failures
+        are its own, raised now: the next call does not inherit them."""
+        try:
+            yield
+        except BaseException:
+            if host is not None:
+                self._sync()
+                host.error = None
+            raise
 
     def _shape(self, prompts, max_new_tokens: int, pad_id: int) -> tuple[torch.Tensor, torch.Tensor | None, _Step]:
         """(ids [B, T], their mask or None, the decode step of this shape with its mask set)."""
@@ -278,11 +290,6 @@ class Generator:
     def _sync(self) -> None:
         if self.handle.cuda:
             torch.cuda.synchronize(self.device)
-
-    @staticmethod
-    def _emit(on_token, i: int, token: torch.Tensor) -> None:
-        if on_token is not None:
-            on_token(i, token.tolist())
 
     def release(self) -> None:
         """Drop the caches and captured graphs (their GPU memory goes back to the allocator)."""

@@ -5,7 +5,7 @@ It owns the pinned arena, the prefetch engine (slots, copy stream, hooks), the
 prefill stager (its slots and staged module classes), the uva staging buffer and
 the generators' static caches and captured decode steps (generation.py), and
 the host's engine for experts on cpu (host/engine.py: its exchange buffers,
-side stream and host function); nothing else in the runtime keeps GPU state.
+side stream and worker); nothing else in the runtime keeps GPU state.
 """
 from __future__ import annotations
 

@@ -155,6 +155,6 @@ def _(out, x, ids, engine, index):
 def host_gated(x: torch.Tensor, tokens: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
                experts: torch.Tensor, kernel: int) -> torch.Tensor:
     """host/kernel.py's compiled kernel, always called through this op: Dynamo guards on the thread's dispatch
-    state, which a custom op's implementation sets alike wherever it is called from (a host function's thread,
+    state, which a custom op's implementation sets alike wherever it is called from (the engine's worker,
     another op's implementation)."""
     return _engine(kernel).compiled_gated(x, tokens, gate_up, down, experts)

@@ -2,7 +2,7 @@
 
 The formats and why they stay quantized: quant.py. Here:
 
-- `dequantize(q, data, scale)`: the tensor the model reads, in its dtype.
+- `dequantize(q, data, scale, valid)`: the tensor the model reads, in its dtype.
   FP8: `(fp8 -> f32) x scale of its block`, rounded once. MXFP4: the E2M1
   value (sign, 2 exponent bits, 1 mantissa bit) x 2^(s - 127), exact in bf16.
   On CUDA, FP8 runs one Triton kernel (`offplan::dequant_fp8`), which reads a
@@ -10,6 +10,11 @@ The formats and why they stay quantized: quant.py. Here:
   arithmetic. Both compute the same f32 product and round it once, so they
   agree bitwise, with each other and with a checkpoint dequantized on the host.
   No tensor is made from host data on the way (a CUDA graph capture forbids it).
+  `valid` [M] (0 or 1 per matrix of a stack) leaves matrices out on CUDA: a
+  gathered stack's padding slots (experts.py), whose rows nothing reads. At
+  batch 8 of Qwen3-30B-A3B's shape a layer stages 64 slots for the 8 experts its
+  tokens touch, so the kernel's work falls 8x; the skipped matrices' values are
+  unset.
 - `bind(found)`: each module holding quantized tensors gets a class property
   per dequantized name (the module's class swapped for a cached subclass, as
   prefill.py does), so `linear.weight` is computed on access and the stored
@@ -30,11 +35,12 @@ from . import fp8_gemv
 from .quant import Quant
 
 
-def dequantize(q: Quant, data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def dequantize(q: Quant, data: torch.Tensor, scale: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
     """`data` [..., R, C] F8 with `scale` [..., ceil(R/b0), ceil(C/b1)] F32 (FP8), or `data` [..., R, G, 16]
-    U8 with `scale` [..., R, G] U8 (MXFP4) -> the model's tensor (MXFP4 transposed if the model holds it so)."""
+    U8 with `scale` [..., R, G] U8 (MXFP4) -> the model's tensor (MXFP4 transposed if the model holds it so).
+    `valid` [M] int32 for a stack of M matrices: those with 0 may be left unset (module doc)."""
     if q.format == "fp8":
-        return dequant_fp8(data, scale, q.block[0], q.block[1], q.dtype)
+        return dequant_fp8(data, scale, q.block[0], q.block[1], q.dtype, valid)
     out = _mxfp4(data, scale, q.dtype)
     return out.transpose(-2, -1).contiguous() if q.transposed else out
 
@@ -64,10 +70,14 @@ except ImportError:  # the CPU build of torch
 
 if triton is not None:
     @triton.jit
-    def _fp8_kernel(out, data, scale, rows, cols, scale_rows, scale_cols, B0: tl.constexpr, B1: tl.constexpr,
-                    BR: tl.constexpr, BC: tl.constexpr):
-        """One BR x BC tile of matrix m: inside one scale block (BR divides B0, BC divides B1), so one scale."""
+    def _fp8_kernel(out, data, scale, valid, rows, cols, scale_rows, scale_cols, B0: tl.constexpr,
+                    B1: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, SKIP: tl.constexpr):
+        """One BR x BC tile of matrix m: inside one scale block (BR divides B0, BC divides B1), so one scale.
+        SKIP: matrices whose `valid` is 0 are left unset."""
         m = tl.program_id(0).to(tl.int64)
+        if SKIP:
+            if tl.load(valid + m) == 0:
+                return
         r0, c0 = tl.program_id(1) * BR, tl.program_id(2) * BC
         r, c = r0 + tl.arange(0, BR), c0 + tl.arange(0, BC)
         mask = (r[:, None] < rows) & (c[None, :] < cols)
@@ -81,31 +91,40 @@ def _power_of_two(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
-def _dequant_fp8(data: torch.Tensor, scale: torch.Tensor, b0: int, b1: int, dtype: torch.dtype) -> torch.Tensor:
+def _dequant_fp8(data: torch.Tensor, scale: torch.Tensor, b0: int, b1: int, dtype: torch.dtype,
+                 valid: torch.Tensor | None = None) -> torch.Tensor:
     if not data.is_cuda or triton is None or not (_power_of_two(b0) and _power_of_two(b1)):
         return _fp8_reference(data, scale, b0, b1, dtype)
+    return _launch_fp8(torch.empty(data.shape, dtype=dtype, device=scale.device), data, scale, b0, b1, valid)
+
+
+def _launch_fp8(out: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, b0: int, b1: int,
+                valid: torch.Tensor | None) -> torch.Tensor:
+    """The kernel over every tile of `data`'s matrices into `out` (the skipped matrices' left as they were)."""
     rows, cols = data.shape[-2:]
-    out = torch.empty(data.shape, dtype=dtype, device=scale.device)
     matrices = data.numel() // max(1, rows * cols)
     br, bc = min(32, b0), min(128, b1)
     _fp8_kernel[(matrices, triton.cdiv(rows, br), triton.cdiv(cols, bc))](
-        out, data, scale, rows, cols, scale.shape[-2], scale.shape[-1], B0=b0, B1=b1, BR=br, BC=bc)
+        out, data, scale, scale if valid is None else valid, rows, cols, scale.shape[-2], scale.shape[-1],
+        B0=b0, B1=b1, BR=br, BC=bc, SKIP=valid is not None)
     return out
 
 
 dequant_fp8_op = torch.library.custom_op("offplan::dequant_fp8", _dequant_fp8, mutates_args=())
 
 
-def dequant_fp8(data: torch.Tensor, scale: torch.Tensor, b0: int, b1: int, dtype: torch.dtype) -> torch.Tensor:
+def dequant_fp8(data: torch.Tensor, scale: torch.Tensor, b0: int, b1: int, dtype: torch.dtype,
+                valid: torch.Tensor | None = None) -> torch.Tensor:
     """FP8 `data` [..., R, C] times its block's `scale` [..., ceil(R/b0), ceil(C/b1)], in `dtype` (module doc).
-    On CUDA with power-of-two blocks, tiles of 32 x 128 (at most a block) each read one scale. An opaque custom
-    op where torch.compile traces the call, the function itself elsewhere (the dispatcher's CPU time)."""
+    On CUDA with power-of-two blocks, tiles of 32 x 128 (at most a block) each read one scale, and the matrices
+    whose `valid` [M] is 0 are skipped. An opaque custom op where torch.compile traces the call, the function
+    itself elsewhere (the dispatcher's CPU time)."""
     run = dequant_fp8_op if torch.compiler.is_compiling() else _dequant_fp8
-    return run(data, scale, b0, b1, dtype)
+    return run(data, scale, b0, b1, dtype, valid)
 
 
 @dequant_fp8_op.register_fake
-def _(data, scale, b0, b1, dtype):
+def _(data, scale, b0, b1, dtype, valid=None):
     return torch.empty(data.shape, dtype=dtype, device=scale.device)
 
 

@@ -140,3 +140,4 @@ def test_moe_benchmark_measures_experts_on_cpu_replayed_and_eager(tmp_path):
                          for b in (1, 4)}
     assert all(r["steps_per_s"] > 0 and r["host_median_us"] > 0 and r["kernel_compiled"] and r["kernel_misses"] == 0
                and r["cpu_threads"] == 2 for r in host.values())
+    assert all(r["host_decode_calls"] >= 2 * 3 for r in host.values())  # 2 layers x the 3 timed steps at least

@@ -128,6 +128,20 @@ def test_a_failure_on_the_host_is_raised_and_the_worker_goes_on(tmp_path, qwen, 
     assert handle.host_experts is None
 
 
+def test_an_engine_dropped_without_remove_is_collected_and_its_worker_stops(tmp_path, qwen):
+    import gc
+    import weakref
+    model, handle = from_pretrained(make_plan(tmp_path, qwen, SPLIT + hardware(tmp_path)), progress=False, device="cpu")
+    handle.generate([[5, 17, 99, 3]], 2)
+    engine = weakref.ref(handle.host_experts)
+    worker = handle.host_experts._worker
+    assert worker.is_alive()
+    del model, handle
+    gc.collect()
+    worker.join(timeout=10)
+    assert engine() is None and not worker.is_alive()
+
+
 def test_transposed_experts_with_biases_and_every_expert_of_a_layer_on_cpu(tmp_path_factory, tmp_path):
     """gpt-oss stores its experts fused and transposed ([E, H, 2I]) with biases, and gates interleaved."""
     ckpt = save_model(gpt_oss_config(num_hidden_layers=2, **LOUD), tmp_path_factory.mktemp("oss") / "m")

@@ -45,6 +45,11 @@ def test_fp8_kernel_reads_pinned_memory_and_equals_the_torch_arithmetic():
             got = dequant.dequant_fp8(view, scale.cuda(), b0, b1, dtype)
             want = dequant._fp8_reference(host, scale, b0, b1, dtype)
             assert got.is_cuda and torch.equal(got.cpu(), want), (b0, b1, dtype)
+            # the matrices `valid` keeps are the same values; the others the kernel does not write
+            sentinel = torch.full(shape, 7.0, dtype=dtype, device="cuda")
+            kept = dequant._launch_fp8(sentinel, view, scale.cuda(), b0, b1,
+                                       torch.tensor([1, 0, 1], dtype=torch.int32, device="cuda"))
+            assert torch.equal(kept[0::2].cpu(), want[0::2]) and bool((kept[1] == 7).all()), (b0, b1, dtype)
     del view
     arena.release()
 

@@ -19,12 +19,25 @@ from .. import experts
 from .engine import HostExperts, HostSlot, gated_like
 
 
-def check(plan: Plan, targets: list[Target], quantized: dict, uva: bool, device: torch.device) -> None:
-    """Refuse what the runtime cannot do with experts on cpu: quantized experts there, `uva=False`, or more host
-    threads than this process may run on."""
+def check(plan: Plan, targets: list[Target], quantized: dict, uva: bool, device: torch.device,
+          model: torch.nn.Module) -> None:
+    """Refuse what the runtime cannot do with experts on cpu, before anything is allocated: a module that does not
+    dispatch through transformers' experts interface, quantized experts there, `uva=False`, a plan without its
+    cost section's thread count, or more host threads than this process may run on."""
     on_cpu = [t.name for t in targets if t.on_cpu]
     if not on_cpu:
         return
+    for name in on_cpu:
+        path, _, param = name.rpartition(".")
+        module = model.get_submodule(path)
+        if not experts.supports(module) or param not in experts.stored_params(module):
+            raise OffplanError(f"{name}: the plan puts it on cpu, but {type(module).__name__} does not dispatch "
+                               "through transformers' experts interface (`use_experts_implementation`), through "
+                               "which the host computes experts; place it on uva (rebuild the plan)")
+    threads = plan.cost.cpu_threads if plan.cost is not None else 0
+    if threads < 1:
+        raise OffplanError(f"the plan puts experts on cpu ({on_cpu[0]}) but names no host threads for them "
+                           "(cost.cpu_threads): rebuild it with `plan build`")
     if quantized:
         raise OffplanError(f"{on_cpu[0]}: the plan puts experts of a quantized checkpoint on cpu, and the host "
                            "kernel computes bf16/fp16/fp32 experts only; place them on uva (rebuild the plan)")

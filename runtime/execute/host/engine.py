@@ -14,9 +14,7 @@ with top-k routing, T <= `max_tokens`:
 4. `end`: `y` is copied to the GPU (T*k*H*2 bytes, 32 KiB a token at
    Qwen3-30B-A3B's shape), and per pair the GPU takes the host's output where
    the expert is on cpu and its own elsewhere (`torch.where`); the module then
-   weights and sums the pairs as batched_mm does. (An earlier version wrote and
-   read the pinned buffers in place through zero-copy views, and failed the
-   same way: see ../README.md.)
+   weights and sums the pairs as batched_mm does.
 
 How the GPU hands the work to the host and takes it back: the engine's own
 thread (its worker) computes step 3, always, woken and awaited through two
@@ -29,8 +27,8 @@ barriers (handoff.py):
   joins the side stream before step 4's `where`. The GPU's experts run on the
   current stream in between, so the two sides overlap. The host nodes are
   libc's barrier wait itself, so the driver's thread takes no GIL; the worker
-  needs it, so the generator waits for each replayed step asleep rather than
-  queue steps from Python (generation.py). Why this and not the others tried:
+  needs it, so the generator keeps at most two replays in flight and sleeps
+  otherwise (generation.py). Why this and not the others tried:
   a host node running the kernel in Python took it 1.58x as long as the main
   thread did in one run (1.17 against 0.74 ms,
   docs/host-experts/host_node_timing.py), and a GPU kernel spinning on
@@ -47,7 +45,13 @@ plan's prefill threshold, above which a GEMM on the GPU over copied weights
 beats a GEMV per pair on the host.
 
 A failure in the worker (which a replay cannot report) fills `y` with NaN,
-so the step's outputs show it, and `end` or `check` raises it.
+so the step's outputs show it, and `end` or `check` raises it. One stream at a
+time hands work over: the barriers are of two, so an eager forward on another
+stream while a replay's host nodes wait would meet the driver's thread
+instead of the worker.
+
+The worker holds the engine weakly: an engine dropped without `close` (its
+model and handle dropped) stops its worker as it is collected.
 
 Lifecycle: `HostExperts(...)` -> `kernel.start` (compiling while the load runs)
 -> `add` per module -> `finish` (the exchange buffers, the worker) -> `ready`
@@ -58,16 +62,17 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 
 import torch
 
 from ...place.arena import PinnedArena, align, typed
 from .. import ops
-from .handoff import Handoff
+from .handoff import Handoff, serve, stop
 from .kernel import Kernel, gated_like
 
-_EAGER, _STOP = -1, -2  # the call slot's values besides a captured call's number (1, 2, ...)
+_EAGER = -1  # the call slot's value for `end`'s own call, besides a captured call's number (1, 2, ...) and STOP
 MAX_CALLS = 1 << 14  # captured calls over the engine's life: host modules x captured steps
 
 
@@ -105,7 +110,7 @@ class HostExperts:
         self.error: BaseException | None = None
         self.host_calls = 0  # step 3 runs, for tests and benchmarks
         self.host_seconds = 0.0  # their time in the host's thread
-        self.durations: list[float] = []  # each one's (the first 100k), for benchmarks
+        self.durations: list[tuple[int, float]] = []  # each one's (tokens, seconds), the first 100k: benchmarks
         self._calls: dict[int, tuple[int, int]] = {}  # a captured call's number -> (module, tokens)
         self._eager = (0, 0)  # the (module, tokens) of the call `end` hands over itself
         self._arena: PinnedArena | None = None
@@ -141,8 +146,10 @@ class HostExperts:
             self._stream = torch.cuda.Stream(self.device)
             self._event = torch.cuda.Event()
         self._handoff = Handoff()
-        self._worker = threading.Thread(target=self._serve, name="offplan-host-experts", daemon=True)
+        self._worker = threading.Thread(target=serve, args=(weakref.ref(self), self._handoff, self._views["call"]),
+                                        name="offplan-host-experts", daemon=True)
         self._worker.start()
+        self._stop = weakref.finalize(self, stop, self._worker, self._handoff, self._views["call"])
 
     def ready(self) -> None:
         """Wait for the kernel's compile (kernel.py)."""
@@ -159,15 +166,16 @@ class HostExperts:
         if not self.cuda:
             return
         tokens, pairs = x.shape[0], ids.numel()
+        capturing = torch.cuda.is_current_stream_capturing()
+        if capturing and len(self._calls) + 1 >= MAX_CALLS:  # before anything is enqueued on the side stream
+            raise RuntimeError(f"offplan: more than {MAX_CALLS - 1} captured calls of experts on cpu: capture "
+                               "fewer steps, or remove the handle and load again")
         self._stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._stream):
             self._views["x"][:tokens].copy_(x, non_blocking=True)  # copies by the copy engine (memcpy)
             self._views["ids"][:pairs].copy_(ids, non_blocking=True)
-            if torch.cuda.is_current_stream_capturing():
+            if capturing:
                 call = len(self._calls) + 1
-                if call >= MAX_CALLS:
-                    raise RuntimeError(f"offplan: more than {MAX_CALLS - 1} captured calls of experts on cpu: "
-                                       "capture fewer steps, or remove the handle and load again")
                 self._calls[call] = (index, tokens)
                 self._views["call"].copy_(self._numbers[call:call + 1], non_blocking=True)
                 self._handoff.enqueue(self._stream.cuda_stream)
@@ -193,7 +201,7 @@ class HostExperts:
         return torch.where(m.on_cpu_device[ids].unsqueeze(1), self._y[:pairs], out)
 
     def check(self) -> None:
-        """Raise the error of a host function that failed (module doc)."""
+        """Raise the worker's error, once (module doc)."""
         if self.error is not None:
             error, self.error = self.error, None
             raise RuntimeError(f"offplan: computing experts on the host CPU failed: {error!r}") from error
@@ -208,28 +216,19 @@ class HostExperts:
         self._handoff.finish()
         self.check()
 
-    def _serve(self) -> None:
-        """The worker: each time the `start` barrier is met, the call in the call slot (a captured call's
-        number, `_EAGER`, or `_STOP`), then `finish`. It must meet `finish` whatever happens: a captured
-        graph's stream waits there."""
-        self.kernel.own()
-        while True:
-            self._handoff.start()
-            call = int(self._views["call"][0])
-            if call == _STOP:
-                return
-            y = self._views["y"]
-            try:
-                index, tokens = self._eager if call == _EAGER else self._calls[call]
-                m = self.modules[index]
-                pairs = tokens * m.top_k
-                y = y[:pairs]
-                self._compute(m, self._views["x"][:tokens], self._views["ids"][:pairs], y)
-            except BaseException as e:  # noqa: BLE001 - a replay cannot take it: the outputs show it, `check` raises it
-                self.error = e
-                y.fill_(float("nan"))
-            finally:
-                self._handoff.finish()
+    def work(self, call: int) -> None:
+        """One call's step 3, on the worker (handoff.py `serve`): a failure fills `y` with NaN and is kept for
+        `check`."""
+        y = self._views["y"]
+        try:
+            self.kernel.own()
+            index, tokens = self._eager if call == _EAGER else self._calls[call]
+            m = self.modules[index]
+            y = y[:tokens * m.top_k]
+            self._compute(m, self._views["x"][:tokens], self._views["ids"][:y.shape[0]], y)
+        except BaseException as e:  # noqa: BLE001 - a replay cannot take it: the outputs show it, `check` raises it
+            self.error = e
+            y.fill_(float("nan"))
 
     def _compute(self, m: _Module, x: torch.Tensor, ids: torch.Tensor, y: torch.Tensor) -> None:
         """y[p] = expert ids[p]'s output for token p // k, for each pair p whose expert is on cpu."""
@@ -241,7 +240,7 @@ class HostExperts:
             took = time.perf_counter() - start
             self.host_seconds += took
             if len(self.durations) < 100_000:
-                self.durations.append(took)
+                self.durations.append((x.shape[0], took))
 
     def _pairs(self, m: _Module, x: torch.Tensor, ids: torch.Tensor, y: torch.Tensor) -> None:
         with torch.no_grad():
@@ -269,11 +268,8 @@ class HostExperts:
         if self._worker is not None:
             if self.cuda:
                 torch.cuda.synchronize(self.device)  # no replay is left to meet the barriers
-            self._views["call"][0] = _STOP
-            self._handoff.start()
-            self._worker.join()
+            self._stop()
             self._worker = None
-            self._handoff.close()
         self._calls.clear()
         self._views = {}
         if self._arena is not None:

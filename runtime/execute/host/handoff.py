@@ -19,6 +19,10 @@ delivered to the waiting thread does not end a barrier's wait (`sem_wait`
 returns early, with EINTR), and a wait that ended early would let the stream
 read the work's output before it is written.
 
+`serve` is the loop of that thread of ours, and `stop` ends it: the loop holds
+its target (the engine) weakly, so that an engine dropped without `close` is
+collected, its finalizer stopping the loop.
+
 Limits: Linux (glibc's `pthread_barrier_*`). The driver runs a context's host
 functions on one thread, so while the stream waits at `finish`, host functions
 of other streams wait too (the runtime enqueues none). Our thread must keep
@@ -30,7 +34,9 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import threading
 
+STOP = -2  # the call slot's value that stops `serve`
 _SERIAL = -1  # PTHREAD_BARRIER_SERIAL_THREAD in glibc: what one of the two meeting threads gets back
 _BARRIER_BYTES = 128  # sizeof(pthread_barrier_t) is 32 on x86-64 and aarch64 glibc; room to spare
 
@@ -83,3 +89,32 @@ class Handoff:
             self._libc.pthread_barrier_destroy(barrier)
         self._barriers = ()
 
+
+def serve(target_ref, handoff: Handoff, call_slot) -> None:
+    """A worker thread's loop: each time `start` is met, `target.work(call)` for the call in `call_slot` (a
+    one-element tensor that the stream or the caller wrote), then `finish`, which it must meet whatever happens
+    (a captured graph's stream waits there); it returns at `STOP`. It holds its target only while it works
+    (`target_ref`: a weak reference), so that a target dropped without being closed is collected, and stopped
+    (`stop`, from its finalizer)."""
+    while True:
+        handoff.start()
+        target = target_ref()
+        call = int(call_slot[0])
+        if target is None or call == STOP:
+            return
+        try:
+            target.work(call)
+        finally:
+            del target
+            handoff.finish()
+
+
+def stop(worker: threading.Thread, handoff: Handoff, call_slot) -> None:
+    """Stop `serve`'s thread: the call slot says so, `start` is met for it; then the barriers go."""
+    if worker is threading.current_thread():
+        return  # the target collected in its own worker, which finds it gone at its next call
+    if worker.is_alive():
+        call_slot[0] = STOP
+        handoff.start()
+        worker.join()
+    handoff.close()

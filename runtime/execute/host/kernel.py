@@ -13,11 +13,12 @@ Why compiled: written as broadcast multiplies and sums, torch.compile's
 Inductor (C++ backend) fuses each gather, product and sum into one loop nest
 over the weights' rows, each weight byte read once from host memory, in
 parallel over rows, the gate between the two. Measured on the H200 machine's
-host (16 cores, Qwen3-30B-A3B's expert shape, the 8 experts of one token):
-2.5x what torch's per-expert `F.linear` (oneDNN) read in the same run (98.6
-against 39.4 GB/s); index_select + bmm copies every row first (4.3 GB/s on a
-2-CPU VM). Each projection compiled on its own ran 15x slower there
-(Inductor tiles the lone reduction otherwise), so the layer is one function.
+host (16 vCPUs, Qwen3-30B-A3B's expert shape, experts not in the cache:
+docs/host-experts/kernel_dram.py): 8 experts at 26-44 GB/s (15 or 8
+threads), against 26-27 for torch's per-expert `F.linear` (oneDNN), and 64 at
+55-62; index_select + bmm copies every row first (4.3 GB/s on a 2-CPU VM).
+Each projection compiled on its own ran 15x slower there (Inductor tiles the
+lone reduction otherwise), so the layer is one function.
 
 `Kernel.project(x, w, experts, transposed)`: one projection by the eager loop
 (`F.linear` per pair, the same rounding), for experts gated otherwise (gpt-oss
@@ -29,8 +30,7 @@ with the system's compiler on first use (35-67 s on the H200 machine cold,
 under a second with its cache warm: TORCHINDUCTOR_CACHE_DIR). `start` does it
 on a thread while the load fills the arena, over every shape the model will
 call it with, and `ready` waits for it; `gated` never compiles (a forward
-would stall on it; and in a CUDA host function, where a later version may run
-it, Dynamo's tracing may not call CUDA): a call the compiled kernel does not
+would stall on it): a call the compiled kernel does not
 cover runs the eager path and counts in `misses`. Dynamo guards on the
 thread's dispatch state, which differs inside a custom op's implementation,
 so the kernel is always called through a custom op of its own
