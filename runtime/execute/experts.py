@@ -10,18 +10,18 @@ place); those the plan keeps on the GPU are also held in HBM, their rows in a
 resident copy (`bind`). Per forward, for T tokens with top-k routing over E experts:
 
 1. the unique experts touched, in a list of static size U = min(E, T*k): the
-   hit experts first, by number, then padding. For one token (T = 1: decode
-   of one sequence) its k experts are distinct, so they are staged in the
-   order of its (token, expert) pairs instead, and step 3 reads them as they
-   lie (batched_mm copies each pair's weight first: at batch 1 that copy is all the staged bytes again,
-   60 us per projection at Qwen3-30B-A3B's shape). No host synchronization: a decode step is captured and replayed;
-2. each fused parameter's rows for those U slots, staged in HBM (`gather`):
+   hit experts first, by number, then padding (gather.py `route`, one launch on
+   CUDA). One token's k experts are distinct, so they are staged in its pairs'
+   order instead, and step 3 reads them as they lie (batched_mm would copy each
+   pair's weight first: 60 us per projection at Qwen3-30B-A3B's shape). No host
+   synchronization: a decode step is captured and replayed;
+2. each fused parameter's rows for those U slots, staged in HBM (gather.py):
    copied from the resident rows for experts on the GPU, read once through the
-   zero-copy view for the others, and not read at all for padding, so padding
-   costs no link bytes. With T*k >= E every expert is staged: each host row
-   still crosses the link once. For one token, the rows of experts that the
-   module before guessed and read ahead come from the lookahead's buffer in
-   HBM instead (lookahead.py);
+   zero-copy view for the others, not at all for padding (no link bytes). With
+   T*k >= E every expert is staged: each host row still crosses the link once.
+   A module's pinned tensors go in one launch (`gather_many`), except for one
+   token where the module before guessed experts and read them ahead: those
+   rows come from the lookahead's buffer in HBM (lookahead.py, `gather`);
 3. the experts' arithmetic over the staged rows, every (token, k) pair routed
    to its slot (`arithmetic` says which): for T*k <= `BATCHED_PAIRS` (one or
    two tokens), transformers' `batched_mm` arithmetic exactly (a GEMV per
@@ -36,8 +36,6 @@ resident copy (`bind`). Per forward, for T tokens with top-k routing over E expe
    or in place when the whole parameter is in HBM), dequantizing in
    registers, so its outputs equal batched_mm's on the dequantized experts
    within one rounding (the kernel sums in another order), not bitwise.
-
-The gather is gather.py's custom op, `offplan::gather_rows`.
 
 The lookahead (step 2) runs where a decode step's kernels are launched ahead
 of the GPU: in a step captured in a CUDA graph or traced by torch.compile.
@@ -66,16 +64,15 @@ whose arithmetic `arithmetic` picks for its pairs (`batched_mm` or
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from planner.layers.groups import BATCHED_PAIRS  # pairs up to which batched_mm's arithmetic runs (1-2 tokens)
 
 from ..place import fp8_gemv
+from ..place.fp8_gemv import Fp8Rows
 from ..place.dequant import dequantize, quantized, stored
 from . import ops
-from .gather import gather
+from .gather import gather, gather_many, route
 
 _PREFIX = "offplan_"  # non-persistent buffers bound on an experts module: `offplan_slot_<param>`, `offplan_rows_<param>`
 
@@ -127,36 +124,35 @@ def arithmetic(pairs: int) -> str:
     return "batched_mm" if pairs <= BATCHED_PAIRS else "grouped_mm"
 
 
-@dataclass(frozen=True)
-class Fp8Rows:
-    """An FP8 parameter's experts for the pairs of one token, read by fp8_gemv.py's kernel as they lie: expert
-    `ids[p]` of `data` and `scale` for pair p (None: expert p, the rows gathered in pair order)."""
-
-    data: torch.Tensor
-    scale: torch.Tensor
-    ids: torch.Tensor | None
-    block: tuple[int, int]
-
-
-def _stage(module, param: str, order: torch.Tensor, valid: torch.Tensor, ahead: int = 0,
-           x: torch.Tensor | None = None) -> torch.Tensor | Fp8Rows:
-    """`param`'s rows for the slots `order`, in HBM; a quantized parameter's gathered quantized, then
-    dequantized (only the touched experts: dequant.py). `ahead`: the key of the lookahead whose buffer
-    holds some of them (lookahead.py), 0 for none. `x`: the pairs' activations when `order` is one token's
+def _stage(module, params: list[str], order: torch.Tensor, valid: torch.Tensor, ahead: int = 0,
+           x: torch.Tensor | None = None) -> dict[str, torch.Tensor | Fp8Rows]:
+    """`params`' rows for the slots `order`, in HBM, in `params`' order; a quantized parameter's gathered
+    quantized, then dequantized (only the touched experts: dequant.py). `ahead`: the key of the lookahead whose
+    buffer holds some of them (lookahead.py), 0 for none. `x`: the pairs' activations when `order` is one token's
     pairs: an FP8 parameter that fp8_gemv.py multiplies is then not dequantized (`Fp8Rows`), and one held
     whole in HBM is not gathered either."""
-    q = quantized(module).get(param)
-    if q is not None:
+    quants, out, need = quantized(module), {}, {}  # need: param -> (its stored tensors by name, fused)
+    for p in params:
+        q = quants.get(p)
+        if q is None:
+            need[p] = ({p: getattr(module, p)}, False)
+            continue
         data, scale = stored(module, q.data), stored(module, q.scale)
         fused = (x is not None and q.format == "fp8" and not module.is_transposed
                  and fp8_gemv.applies(x, data, q.block, 1))
         if fused and slot_of(module, q.data) is None:  # all in HBM: read in place
-            return Fp8Rows(data, scale, order, q.block)
-        data = _rows(module, q.data, data, order, valid, ahead)
-        scale = _rows(module, q.scale, scale, order, valid, ahead)
-        # valid 0: padding or the host's experts, never read (quantized experts are never staged)
-        return Fp8Rows(data, scale, None, q.block) if fused else dequantize(q, data, scale, valid)
-    return _rows(module, param, getattr(module, param), order, valid, ahead)
+            out[p] = Fp8Rows(data, scale, order, q.block)
+        else:
+            need[p] = ({q.data: data, q.scale: scale}, fused)
+    rows = _rows(module, {n: t for tensors, _ in need.values() for n, t in tensors.items()}, order, valid, ahead)
+    for p, (tensors, fused) in need.items():
+        q = quants.get(p)
+        if q is None:
+            out[p] = rows[p]
+        else:  # valid 0: padding or the host's experts, never read (quantized experts are never staged)
+            data, scale = rows[q.data], rows[q.scale]
+            out[p] = Fp8Rows(data, scale, None, q.block) if fused else dequantize(q, data, scale, valid)
+    return {p: out[p] for p in params}
 
 
 def _in_hbm(module, param: str) -> torch.Tensor:
@@ -173,13 +169,20 @@ def slot_of(module, name: str) -> torch.Tensor | None:
     return getattr(module, f"{_PREFIX}slot_{name}", None)
 
 
-def _rows(module, name: str, full: torch.Tensor, order: torch.Tensor, valid: torch.Tensor,
-          ahead: int = 0) -> torch.Tensor:
-    slot = slot_of(module, name)
-    if slot is None:  # all of it in HBM
-        return full.index_select(0, order)
-    index = module._offplan_ahead.index if ahead else -1
-    return gather(full, getattr(module, f"{_PREFIX}rows_{name}"), slot, order, valid, ahead, name, index)
+def _rows(module, full: dict[str, torch.Tensor], order: torch.Tensor, valid: torch.Tensor,
+          ahead: int = 0) -> dict[str, torch.Tensor]:
+    """The rows for `order` of each stored tensor in `full` (by name): those bound (`bind`) by gather.py, in
+    one launch where no lookahead holds rows; the others, all in HBM, by `index_select`."""
+    pinned = [n for n in full if slot_of(module, n) is not None]
+    rows = {n: t.index_select(0, order) for n, t in full.items() if n not in pinned}
+    resident = {n: getattr(module, f"{_PREFIX}rows_{n}") for n in pinned}
+    if ahead:
+        index = module._offplan_ahead.index
+        rows |= {n: gather(full[n], resident[n], slot_of(module, n), order, valid, ahead, n, index) for n in pinned}
+    elif pinned:
+        rows |= dict(zip(pinned, gather_many([full[n] for n in pinned], list(resident.values()),
+                                             [slot_of(module, n) for n in pinned], order, valid)))
+    return rows
 
 
 def _ahead_pays(ids: torch.Tensor) -> bool:
@@ -247,7 +250,9 @@ def offplan_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, 
         merge = lambda out, x=hidden_states, ids=ids: ops.host_end(out, x, ids, host.key, host.index)  # noqa: E731
     if staged:  # every expert, in order: HBM rows gathered, host rows from the ring
         size, order, pos = experts, torch.arange(experts, device=ids.device), ids
-        rows = {p: _stage(self, p, order, _in_hbm(self, p)) for p in fused_params(self)}
+        rows = {}
+        for p in fused_params(self):  # each parameter's own valid slots: its experts in HBM
+            rows |= _stage(self, [p], order, _in_hbm(self, p))
         ops.expert_fill(list(rows.values()), ring.key, ring.unit)
     elif num_tokens == 1:  # one token's k experts are distinct: staged in pair order, no weight copy per pair
         use = getattr(self, "_offplan_ahead", None) if _ahead_pays(ids) else None  # set by lookahead.py
@@ -256,22 +261,17 @@ def offplan_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, 
         ahead = use.key if use is not None and use.reads else 0
         valid = torch.ones_like(ids, dtype=torch.int32) if merge is None else \
             mine.index_select(0, ids).logical_not().to(torch.int32)  # the host's experts: not read here
-        rows = {p: _stage(self, p, ids, valid, ahead, hidden_states) for p in fused_params(self)}
+        rows = _stage(self, fused_params(self), ids, valid, ahead, hidden_states)
         if use is not None:  # every gather enqueued before any GEMV; then the next module's guess read ahead
             gathered = [r.data if isinstance(r, Fp8Rows) else r for r in rows.values()]
             hidden_states = ops.ahead_read(hidden_states, gathered, use.key, use.index)
         return _batched(self, hidden_states, rows, weights, k, merge=merge)
     else:
         size = min(experts, pairs)
-        hit = torch.zeros(experts, dtype=torch.int32, device=ids.device).index_fill_(0, ids, 1)
-        order = torch.sort(hit, descending=True, stable=True).indices[:size]  # hit experts first, by number
-        valid = hit.index_select(0, order)
+        order, valid, pos = route(ids, experts)  # hit experts first, by number; pos [T*k]: each pair's slot
         if merge is not None:  # the host's experts: not read here
             valid = valid * mine.index_select(0, order).logical_not().to(torch.int32)
-        slot_of = torch.zeros(experts, dtype=torch.long, device=ids.device).index_copy_(
-            0, order, torch.arange(size, device=ids.device))
-        pos = slot_of.index_select(0, ids)  # [T*k]: each pair's slot
-        rows = {p: _stage(self, p, order, valid) for p in fused_params(self)}
+        rows = _stage(self, fused_params(self), order, valid)
     bias = (lambda p: rows[f"{p}_bias"]) if self.has_bias else (lambda p: None)
     if arithmetic(pairs) == "batched_mm":  # one weight copy per pair, from HBM
         return _batched(self, hidden_states, rows, weights, k, pos, merge)

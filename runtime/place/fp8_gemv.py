@@ -36,6 +36,8 @@ more rows, modules dequantize and run the model's own GEMM.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 ROWS = 16  # rows of activations one program multiplies (tl.dot's smallest tile): the largest M fp8_linear takes
@@ -156,3 +158,15 @@ def fp8_pairs(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, ids: tor
     """x [P, K], row p times expert `ids[p]` of FP8 `data` [E, N, K] (None: expert p) -> [P, N]."""
     run = fp8_pairs_op if torch.compiler.is_compiling() else _fp8_pairs
     return run(x, data, scale, ids, *block)
+
+
+@dataclass(frozen=True)
+class Fp8Rows:
+    """An FP8 parameter's experts for the pairs of one token, as `fp8_pairs` reads them where they lie (the
+    experts' forward, runtime/execute/experts.py): expert `ids[p]` of `data` and `scale` for pair p (None:
+    expert p, the rows gathered in pair order)."""
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    ids: torch.Tensor | None
+    block: tuple[int, int]

@@ -42,6 +42,48 @@ def test_gather_rows_reads_pinned_rows_in_place_and_resident_rows_from_hbm():
     arena.release()
 
 
+def test_gather_many_moves_five_tensors_of_three_dtypes_as_gather_does():
+    """Two launches (four tensors, then one): each tensor's valid rows as the reference gives them, from HBM where
+    the slot says so, through the zero-copy view otherwise."""
+    e = 12
+    shapes = [((64, 96), torch.bfloat16), ((32, 64), torch.float8_e4m3fn), ((3, 5), torch.float32),
+              ((96, 64), torch.bfloat16), ((7,), torch.bfloat16)]
+    arenas, fulls, residents, slots = [], [], [], []
+    for i, (shape, dtype) in enumerate(shapes):
+        size = torch.empty((), dtype=dtype).element_size() * e * torch.Size(shape).numel()
+        arenas.append(PinnedArena(size, cuda=True))
+        host = typed(arenas[-1].host_view(0, size), dtype, (e, *shape))
+        host.copy_(torch.randn(e, *shape).to(dtype))
+        fulls.append(typed(arenas[-1].device_view(0, size), dtype, (e, *shape)))
+        ids = [i, i + 3]  # each tensor keeps other experts in HBM, marked by their value
+        residents.append((host[ids].float() + 1).to(dtype).cuda())
+        slot = torch.full((e,), -1, dtype=torch.int32)
+        slot[ids] = torch.arange(2, dtype=torch.int32)
+        slots.append(slot.cuda())
+    order = torch.tensor([3, 0, 11, 4, 1, 7, 2, 5], device="cuda")
+    valid = torch.tensor([1, 1, 1, 1, 1, 1, 0, 0], dtype=torch.int32, device="cuda")
+    got = gather.gather_many(fulls, residents, slots, order, valid)
+    for f, r, s, rows in zip(fulls, residents, slots, got):
+        want = gather._gather_reference(f, r, s, order, valid)
+        assert rows.shape == want.shape and rows.dtype == want.dtype
+        assert torch.equal(rows[:6].view(torch.uint8), want[:6].view(torch.uint8))
+    del fulls, got
+    for a in arenas:
+        a.release()
+
+
+@pytest.mark.parametrize("experts", [16, 128, 384])
+def test_route_kernel_gives_the_slots_of_torchs_ops(experts):
+    """The one-launch route equals the nine torch ops on every output, pairs sharing experts, more pairs than the
+    kernel's chunk (64) and than experts."""
+    g = torch.Generator().manual_seed(experts)
+    for tokens in (2, 3, 8, 40, 100):
+        k = min(8, experts)
+        ids = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(tokens)]).reshape(-1).cuda()
+        for got, want in zip(gather.route(ids, experts), gather._route_reference(ids, experts)):
+            assert got.dtype == want.dtype and torch.equal(got, want), (experts, tokens)
+
+
 @pytest.mark.parametrize("name", ["qwen3-moe", "mixtral", "qwen2-moe"])
 def test_split_experts_on_cuda_equal_transformers_bitwise(tmp_path, models, name):
     plan = make_plan(tmp_path, models[name], SPLIT)
