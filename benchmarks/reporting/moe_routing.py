@@ -15,7 +15,10 @@ def kernel_tables() -> list[str]:
     steps = [r for r in rows if r["kind"] == "step"]
     if not steps:
         return []
-    gather = {r["name"]: r["us"] for r in rows if r["kind"] == "kernel" and r["kernel"] == "_gather_kernel"}
+    gather = {}  # the experts' gathers: with the lookahead (one tensor a launch), and without (a module's at once)
+    for r in rows:
+        if r["kind"] == "kernel" and r["kernel"] in ("_gather_kernel", "_gather_many_kernel"):
+            gather[r["name"]] = gather.get(r["name"], 0) + r["us"]
     out = ["### Where a batch-1 step's time goes", "",
            f"`{path.name}` (`python benchmarks/moe_kernels.py --layers 8 --skew 0.7 --resident 0.25 0.5 "
            "--compiled`): one decode step replayed 50 times under `torch.profiler`; every kernel's GPU time summed. "
