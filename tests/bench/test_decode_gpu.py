@@ -65,7 +65,7 @@ def test_moe_kernels_benchmark_runs_on_cuda(tmp_path, capsys):
     at most the step, and with experts in pinned memory the gather is among them."""
     import json
     code = load_benchmark("moe_kernels").main([
-        "--model", "tiny", "--layers", "2", "--steps", "5", "--skew", "0.7", "--resident", "0.5", "--compiled",
+        "--model", "tiny", "--layers", "2", "--steps", "5", "--skew", "0.7", "--resident", "0.5", "--compiled", "--top", "1000",
         "--dir", str(tmp_path / "work"), "--out", str(tmp_path / "out")])
     assert code == 0
     rows = [json.loads(l) for l in (tmp_path / "out" / "moe-kernels-tiny.jsonl").read_text().splitlines()]
