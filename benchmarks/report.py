@@ -68,9 +68,11 @@ def render(models: dict, with_plot: bool) -> str:
              "python benchmarks/prefill.py --model qwen3-30b-a3b --layers 8",
              "python benchmarks/prefill.py --model qwen3-30b-a3b --layers 8 --spread 2",
              "python benchmarks/quantized.py --layers 8",
-             "python benchmarks/front_door.py --layers 8 --strategies gpu experts-uva experts-uva-fp8 uva --label a",
-             "python benchmarks/front_door.py --layers 8 --strategies gpu prefetch mixed --label b   # it ran out of "
-             "time after gpu",
+             "python benchmarks/front_door.py --layers 8 --strategies gpu experts-uva experts-uva-fp8 --label a   # "
+             "a and b: two H200s, before the one-launch route and gather",
+             "python benchmarks/front_door.py --layers 8 --strategies gpu prefetch mixed uva --label b",
+             "python benchmarks/front_door.py --layers 8 --strategies gpu experts-uva experts-uva-fp8 mixed --label c"
+             "   # an H100, with them",
              "python benchmarks/parallel.py --model qwen3-30b-a3b --layers 8 --gpus 1 2 --batches 1 8   # then: mv "
              "results/parallel-qwen3-30b-a3b-8layers.jsonl results/parallel-qwen3-30b-a3b-4xh200-run1.jsonl; with "
              "--gpus 1 4: -run2; on two H200s: -2xh200",

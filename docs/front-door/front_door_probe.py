@@ -1,7 +1,9 @@
-"""Kept as it ran, from probe/front_door_probe.py in the checkout (`cd benchmarks; python ../probe/front_door_probe.py MODE ...`): why `plan apply` on the all-GPU plan is 0.90x the loop; where the eager FP8 b8 step goes."""
+"""Kept as it ran (`cd benchmarks; python ../docs/front-door/front_door_probe.py MODE ...`, MODE: setup first, then
+inproc, first_call, eager_split, fp8_skip, profile or steps): why `plan apply` on the all-GPU plan was 0.90x the loop;
+where the eager FP8 batch-8 step goes."""
 import json, os, subprocess, sys, time
 from pathlib import Path
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks")); sys.path.insert(0, str(ROOT / "tests"))
 import torch
 
@@ -137,8 +139,9 @@ def annotate():
             with record_function("offplan." + name):
                 return f(*a, **k)
         setattr(mod, name, g)
+    import runtime.place.fp8_gemv as fg
     for mod, name in ((ex, "_stage"), (ex, "_grouped"), (ex, "offplan_experts_forward"), (ex, "dequantize"),
-                      (ex, "gather"), (dq, "_dequant_fp8")):
+                      (ex, "gather"), (ex, "gather_many"), (ex, "route"), (dq, "_dequant_fp8"), (fg, "_fp8_linear")):
         wrap(mod, name)
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
     ALL_EXPERTS_FUNCTIONS.register("offplan", ex.offplan_experts_forward)
@@ -153,6 +156,12 @@ def profile(plan, batch, eager, steps=8):
     x = ids(batch)
     gen.prepare(x, steps + 1)
     r = gen(x, steps + 1).decode_tokens_per_s
+    m0 = torch.cuda.memory_stats()
+    r2 = gen(x, steps + 1).decode_tokens_per_s
+    m1 = torch.cuda.memory_stats()
+    mem = {k: m1.get(k, 0) - m0.get(k, 0) for k in ("num_alloc_retries", "num_device_alloc", "num_device_free",
+                                                   "num_sync_all_streams")}
+    print(json.dumps({"probe": "mem", "plan": plan, "batch": batch, "rate2": r2, **mem}), flush=True)
     with prof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
         gen(x, steps + 1)
     name = f"{Path(plan).stem}-b{batch}-{'eager' if eager else 'graph'}"
@@ -177,3 +186,38 @@ if __name__ == "__main__":
         fp8_skip(sys.argv[2])
     elif what == "profile":
         profile(sys.argv[2], int(sys.argv[3]), sys.argv[4] == "1")
+
+
+def steps_probe(plan, batch=8, new=65):
+    """Eager: three timed calls after prepare, then one manual loop's per-step wall times (synced), tokens fed
+    back, and the same with the token held fixed."""
+    from runtime.hf import from_pretrained
+    model, handle = from_pretrained(plan, device="cuda", progress=False)
+    gen = handle.generator(eager=True)
+    x = ids(batch)
+    gen.prepare(x, new)
+    rates = [gen(x, new).decode_tokens_per_s for _ in range(3)]
+    _, _, st = gen._shape(x, new, 0)
+    out = {"plan": Path(plan).stem, "batch": batch, "rates": rates}
+    with torch.no_grad():
+        for feed in (True, False):
+            logits = gen._prefill(st, gen._shape(x, new, 0)[0])
+            token = logits[:, -1].argmax(-1)
+            times = []
+            for i in range(1, new):
+                torch.cuda.synchronize()
+                t = time.perf_counter()
+                st.ids.copy_(token.view(batch, 1))
+                st.pos.fill_(x.shape[1] + i - 1)
+                logits = gen._run(st)
+                nt = logits[:, -1].argmax(-1)
+                if feed:
+                    token = nt
+                torch.cuda.synchronize()
+                times.append(1e3 * (time.perf_counter() - t))
+            out["feed" if feed else "fixed"] = [round(v, 2) for v in times]
+    print(json.dumps({"probe": "steps", **out}), flush=True)
+
+
+if __name__ == "__main__" and sys.argv[1] == "steps":
+    steps_probe(sys.argv[2], int(sys.argv[3]))
