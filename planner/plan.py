@@ -190,6 +190,15 @@ class Summary:
     predicted_step_us: int = 0
     stage_buffer_bytes: int = 0  # the prefill staging pool (PrefillStaging.pool_bytes)
     cpu_bytes: int = 0  # routed experts the host CPU computes, in host memory (no GPU memory)
+    # what the experts allocate as the model runs, not in the footprint yet (decide/working.py): at a decode
+    # step of the workload's batch, at a prefill of its prompt, and buffers allocated at load
+    working_decode_bytes: int = 0
+    working_prefill_bytes: int = 0
+    working_buffer_bytes: int = 0
+
+    @property
+    def working_peak_bytes(self) -> int:
+        return self.working_buffer_bytes + max(self.working_decode_bytes, self.working_prefill_bytes)
 
     @property
     def gpu_footprint_bytes(self) -> int:

@@ -96,12 +96,14 @@ from ..layers.alike import select
 from ..layers.graph import LayerGraph
 from ..layers.groups import FusedGroups, experts_map
 from ..plan import Backend, Cost, LayerBytes, Placement, PrefetchSchedule, PrefillStaging, Role, Runs, Summary
+from ..units import human
 from .backends import place_backend
 from .cost import CostModel
 from .notes import Outcome, notes
 from .placement_errors import check_cpu, check_groups, check_roles, check_streamed_runs, over_budget
 from .schedule import make_schedule
 from .staging import make_staging
+from .working import working
 
 GPU, UVA, PREFETCH, CPU = Placement.GPU, Placement.UVA, Placement.PREFETCH, Placement.CPU
 _NBYTES = itemgetter(3)  # of a TensorInfo
@@ -212,8 +214,12 @@ def decide(graph: LayerGraph, tensors: Mapping[str, TensorInfo], policy: Policy,
         split = experts_map(l.params, place.__getitem__, l.name + ".", l.expert_tensors)
         layers.append(LayerBytes(l.name, mine[GPU], mine[UVA], mine[PREFETCH], c.h2d_bytes, c.gpu_us,
                                  reasons.get(l.name), l.runs, split, mine[CPU]))
+    ring = {g: staging.ring_bytes for g in moe for s in (staging.layers if staging and staging.experts else ())
+            if g.startswith(s.layer + ".")}
+    runs = working(groups.members, moe if policy.gpus == 1 else {}, tensors, place, top_k, work.batch_size,
+                   work.prompt_tokens, ring)  # a GPU's share under tensor parallelism: not sized yet
     summary = Summary(by[GPU], by[UVA], by[PREFETCH], fp.pool, prediction.h2d_bytes, prediction.step_us,
-                      fp.stage_pool, by[CPU])
+                      fp.stage_pool, by[CPU], runs.decode_bytes, runs.prefill_bytes, runs.buffer_bytes)
     cost = Cost(hardware.name, prediction.batch_size, prediction.cpu_us, prediction.gpu_us, prediction.link_us,
                 work.cuda_graphs, prediction.prompt_tokens, prediction.prefill_us,
                 hardware.cpu_threads if by[CPU] else 0)
@@ -221,5 +227,13 @@ def decide(graph: LayerGraph, tensors: Mapping[str, TensorInfo], policy: Policy,
                       mixed_notes, bool(groups.members) and top_k is None and routing is None,
                       routing, bool(moe) and top_k is not None and routing is None, checkpoint_fingerprint, staging,
                       groups.not_experts)
-    return Decision(backend, place, schedule, tuple(layers), notes(outcome), summary, cost, staging,
+    said = notes(outcome)
+    if budget is not None and summary.gpu_footprint_bytes + runs.peak_bytes > budget:
+        phase = "prefill" if runs.prefill_bytes > runs.decode_bytes else "decode step"
+        at = next((i for i, n in enumerate(said) if n.startswith("warning:")), len(said))  # the first warning
+        said = (*said[:at], f"warning: over budget as the model runs: the experts' working memory (decide/working.py),"
+                f" not in the budget walk yet, adds up to {human(runs.peak_bytes)} at a {phase}: "
+                f"{human(summary.gpu_footprint_bytes + runs.peak_bytes)} against a budget of {human(budget)}",
+                *said[at:])
+    return Decision(backend, place, schedule, tuple(layers), said, summary, cost, staging,
                     (prediction.collectives, prediction.collectives_us))

@@ -102,7 +102,10 @@ def _dumps(plan: Plan) -> str:
            *([f"  stage_buffer_bytes: {s.stage_buffer_bytes}\n"] if s.stage_buffer_bytes else []),
            f"  gpu_footprint_bytes: {s.gpu_footprint_bytes}\n",
            f"  predicted_h2d_bytes_per_step: {s.predicted_h2d_bytes_per_step}\n",
-           f"  predicted_step_us: {s.predicted_step_us}\n"]
+           f"  predicted_step_us: {s.predicted_step_us}\n",
+           *[f"  working_{k}_bytes: {v}\n" for k, v in (("decode", s.working_decode_bytes),
+                                                        ("prefill", s.working_prefill_bytes),
+                                                        ("buffer", s.working_buffer_bytes)) if v]]
     c = plan.cost
     if c is None:
         out.append("cost: null\n")
@@ -264,7 +267,8 @@ def _parse(text: str, path: Path) -> tuple[Plan, yamlio.Located]:
         tied_embeddings=d["tied_embeddings"],
         summary=Summary(s["gpu_bytes"], s["uva_bytes"], s["prefetch_bytes"], s["prefetch_buffer_bytes"],
                         s["predicted_h2d_bytes_per_step"], s["predicted_step_us"], s.get("stage_buffer_bytes", 0),
-                        s.get("cpu_bytes", 0)),
+                        s.get("cpu_bytes", 0), s.get("working_decode_bytes", 0),
+                        s.get("working_prefill_bytes", 0), s.get("working_buffer_bytes", 0)),
         layers=tuple(LayerBytes(**{**l, "runs": Runs(l.get("runs", "step"))}) for l in d["layers"]),
         prefetch=prefetch,
         params={k: Placement(v) for k, v in d["params"].items()},

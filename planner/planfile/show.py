@@ -89,7 +89,9 @@ def show_data(plan: Plan) -> dict:
                     "prefetch_buffer_bytes": s.prefetch_buffer_bytes, "stage_buffer_bytes": s.stage_buffer_bytes,
                     "gpu_footprint_bytes": s.gpu_footprint_bytes, "budget_bytes": plan.budget_bytes,
                     "predicted_h2d_bytes_per_step": s.predicted_h2d_bytes_per_step,
-                    "predicted_step_us": s.predicted_step_us},
+                    "predicted_step_us": s.predicted_step_us,
+                    **{f"working_{k}_bytes": getattr(s, f"working_{k}_bytes")
+                       for k in ("decode", "prefill", "buffer")}},
         "cost": None if plan.cost is None else {
             "hardware": plan.cost.hardware, "batch_size": plan.cost.batch_size,
             "cpu_us": plan.cost.cpu_us, "gpu_us": plan.cost.gpu_us, "link_us": plan.cost.link_us,
@@ -177,6 +179,14 @@ def _footprint(plan: Plan) -> list[str]:
     parts = f"{human(s.gpu_bytes)} resident{parts} = " if parts else ""
     per = " per GPU" if plan.parallel else ""
     out = [f"GPU footprint{per}: {parts}{human(s.gpu_footprint_bytes)} ({verdict})"]
+    if s.working_peak_bytes:  # decide/working.py
+        peak = s.gpu_footprint_bytes + s.working_peak_bytes
+        verdict = "" if budget is None or each else f"; against the budget: {_verdict(peak, budget)}"
+        runs = ", ".join(f"{what} {human(b)}" for what, b in (
+            (f"a decode step at batch {plan.cost.batch_size if plan.cost else 1}", s.working_decode_bytes),
+            ("a prefill", s.working_prefill_bytes), ("buffers", s.working_buffer_bytes)) if b)
+        out.append(f"experts' working memory{per}, not in the footprint yet: {runs}; footprint + the most of it = "
+                   f"{human(peak)}{verdict}")
     if s.cpu_bytes:
         threads = f" with {plan.cost.cpu_threads} threads" if plan.cost and plan.cost.cpu_threads else ""
         out.append(f"host CPU{per}: computes {human(s.cpu_bytes)} of routed experts{threads}, kept in host memory")

@@ -119,7 +119,9 @@ def test_mixed_keeps_the_most_hit_experts_on_the_gpu(work):
     assert plan.notes[2] == ("routing from the profile r.routing.yaml (workload.routing): 100 decode tokens of 4 "
                              "prompts (prompts.txt); each layer's most-hit expert (of 8) takes 32.5% of decode hits "
                              "(12.5% if uniform)")
-    assert not any(n.startswith("warning:") for n in plan.notes)
+    # the one warning: the experts' working memory at a prefill, which the budget walk does not count yet
+    assert [n[:60] for n in plan.notes if n.startswith("warning:")] == [
+        "warning: over budget as the model runs: the experts' working"]
     text = dumps(plan)
     assert f"routing:\n  path: r.routing.yaml\n  fingerprint: \"{plan.routing.fingerprint}\"\nbackend: mixed\n" in text
     (work / "m.plan.yaml").write_text(text)

@@ -1,0 +1,92 @@
+"""The GPU memory offplan's experts allocate while the model runs, beyond the resident tensors and the pools.
+
+footprint.py counts what a plan holds for its whole life: the resident
+tensors, the prefetch slots and the prefill staging pool. An experts module
+whose routed experts are not all resident (runtime/execute/experts.py) also
+stages, in each forward, its fused parameters' rows for the experts the
+forward touches: U slots, each one expert's rows of every fused parameter,
+freed when the module returns (so a forward holds one module's at a time),
+and for quantized experts their dequantized copy too. This module sizes them
+from the headers, per phase, for the largest such module:
+
+    decode  = U x (one expert's stored bytes + its dequantized bytes)
+              U = k at batch 1 (one token's pairs); min(E, batch x k) above;
+              FP8 at batch 1 is multiplied where it lies: no dequantized copy
+    prefill = U x (the same), U = min(E, prompt tokens x k), or E in a staged
+              layer (every expert in order), plus the expert ring there
+    buffers = LOOKAHEAD experts' rows of the two largest fused parameters
+              (gate_up_proj and down_proj: an expert's weights), where two or
+              more modules read experts over the link (lookahead.py)
+
+Not sized yet: a GPU's share under tensor parallelism (0 there), the host
+engine's output buffer (pairs x hidden, 6.4 MB at Qwen3-30B-A3B's shape), and
+what transformers' own forward allocates (activations, the KV cache). These are not in the budget walk yet: `plan show`
+prints them beside the footprint, and `plan build` notes a budget they exceed.
+Worked example, 8 layers of Qwen3-30B-A3B (E 128, k 8, one expert's bf16 rows
+9.4 MB), every expert on uva, a 512-token prompt: decode 75.5 MB at batch 1
+and 604 MB at batch 8, prefill 2.28 GB (a layer's 128 experts, 1.21 GB, and the
+1 GiB ring of a staged layer), buffers 18.9 MB. Where config.json gives no k
+(and the policy no `workload.experts_per_token`), every expert counts: k = E.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from ..inputs.checkpoint import TensorInfo
+from ..plan import Placement
+
+LOOKAHEAD = 2  # experts the lookahead reads ahead; runtime/execute/lookahead.py LOOKAHEAD (a test holds them equal)
+_DEQUANTIZED = {"F8_E4M3": 2, "F8_E5M2": 2}  # bf16 bytes per stored byte; MXFP4 blocks: `_per_byte`
+
+
+@dataclass(frozen=True)
+class Working:
+    """Bytes the experts allocate as the model runs (module doc): at a decode step, at a prefill, and at load."""
+
+    decode_bytes: int = 0
+    prefill_bytes: int = 0
+    buffer_bytes: int = 0
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.buffer_bytes + max(self.decode_bytes, self.prefill_bytes)
+
+
+def _per_byte(t: TensorInfo) -> int:
+    """The dequantized (bf16) bytes per stored byte of an expert tensor; 0 for one read as stored."""
+    if t.dtype in _DEQUANTIZED:
+        return _DEQUANTIZED[t.dtype]
+    return 4 if t.name.endswith("_blocks") and t.dtype == "U8" else 0  # two E2M1 values a byte, 2 bytes each
+
+
+def _scale(name: str) -> bool:
+    return name.endswith(("_scale_inv", "_scales", "_scale"))
+
+
+def working(members: Mapping[str, tuple[str, ...]], experts: Mapping[str, int], tensors: Mapping[str, TensorInfo],
+            place: Mapping[str, Placement], top_k: int | None, batch: int, prompt_tokens: int,
+            staged: Mapping[str, int]) -> Working:
+    """`members`: each fused experts group's tensors; `experts`: the decode step's groups and their expert
+    counts; `staged`: the groups a staged prefill streams, each with its ring's bytes (0: not staged)."""
+    decode = prefill = 0
+    over_link: list[int] = []  # per group read over the link: one expert's weights (gate_up_proj and down_proj)
+    for group, count in experts.items():
+        names = members[group]
+        where = {place[n] for n in names}
+        quantized = any(_per_byte(tensors[n]) for n in names)
+        if where == {Placement.GPU} and not quantized or Placement.PREFETCH in where:
+            continue  # transformers' own experts implementation: nothing staged (experts.py)
+        stored = sum(tensors[n].nbytes for n in names) // count
+        dequantized = sum(tensors[n].nbytes * _per_byte(tensors[n]) for n in names) // count
+        fp8 = any(tensors[n].dtype in _DEQUANTIZED for n in names)
+        k = top_k or count
+        slots = k if batch == 1 else min(count, batch * k)
+        decode = max(decode, slots * (stored + (0 if batch == 1 and fp8 else dequantized)))
+        ring = staged.get(group)
+        slots = count if ring is not None else min(count, max(1, prompt_tokens) * k)
+        prefill = max(prefill, slots * (stored + dequantized) + (ring or 0))
+        if Placement.UVA in where and Placement.CPU not in where:  # the lookahead's modules (bind_experts.py)
+            over_link.append(sum(tensors[n].nbytes for n in names if not _scale(n) and "bias" not in n) // count)
+    buffers = LOOKAHEAD * max(over_link) if len(over_link) > 1 else 0
+    return Working(decode, prefill, buffers)
