@@ -228,12 +228,13 @@ def decide(graph: LayerGraph, tensors: Mapping[str, TensorInfo], policy: Policy,
                       routing, bool(moe) and top_k is not None and routing is None, checkpoint_fingerprint, staging,
                       groups.not_experts)
     said = notes(outcome)
-    if budget is not None and summary.gpu_footprint_bytes + runs.peak_bytes > budget:
+    peak = summary.gpu_footprint_bytes + summary.working_peak_bytes
+    if budget is not None and peak > budget:
         phase = "prefill" if runs.prefill_bytes > runs.decode_bytes else "decode step"
         at = next((i for i, n in enumerate(said) if n.startswith("warning:")), len(said))  # the first warning
         said = (*said[:at], f"warning: over budget as the model runs: the experts' working memory (decide/working.py),"
-                f" not in the budget walk yet, adds up to {human(runs.peak_bytes)} at a {phase}: "
-                f"{human(summary.gpu_footprint_bytes + runs.peak_bytes)} against a budget of {human(budget)}",
+                f" not in the budget walk yet, adds up to {human(summary.working_peak_bytes)} at a {phase}: "
+                f"{human(peak)} against a budget of {human(budget)}",
                 *said[at:])
     return Decision(backend, place, schedule, tuple(layers), said, summary, cost, staging,
                     (prediction.collectives, prediction.collectives_us))

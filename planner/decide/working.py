@@ -11,7 +11,8 @@ from the headers, per phase, for the largest such module:
 
     decode  = U x (one expert's stored bytes + its dequantized bytes)
               U = k at batch 1 (one token's pairs); min(E, batch x k) above;
-              FP8 at batch 1 is multiplied where it lies: no dequantized copy
+              FP8 at batch 1 is multiplied where it lies: no dequantized copy,
+              and nothing staged where every expert is in HBM
     prefill = U x (the same), U = min(E, prompt tokens x k), or E in a staged
               layer (every expert in order), plus the expert ring there
     buffers = LOOKAHEAD experts' rows of the two largest fused parameters
@@ -32,11 +33,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from operator import itemgetter
 
 from ..inputs.checkpoint import TensorInfo
 from ..plan import Placement
 
 LOOKAHEAD = 2  # experts the lookahead reads ahead; runtime/execute/lookahead.py LOOKAHEAD (a test holds them equal)
+_NBYTES = itemgetter(3)  # of a TensorInfo
 _DEQUANTIZED = {"F8_E4M3": 2, "F8_E5M2": 2}  # bf16 bytes per stored byte; MXFP4 blocks: `_per_byte`
 
 
@@ -47,10 +50,6 @@ class Working:
     decode_bytes: int = 0
     prefill_bytes: int = 0
     buffer_bytes: int = 0
-
-    @property
-    def peak_bytes(self) -> int:
-        return self.buffer_bytes + max(self.decode_bytes, self.prefill_bytes)
 
 
 def _per_byte(t: TensorInfo) -> int:
@@ -73,20 +72,26 @@ def working(members: Mapping[str, tuple[str, ...]], experts: Mapping[str, int], 
     over_link: list[int] = []  # per group read over the link: one expert's weights (gate_up_proj and down_proj)
     for group, count in experts.items():
         names = members[group]
-        where = {place[n] for n in names}
-        quantized = any(_per_byte(tensors[n]) for n in names)
-        if where == {Placement.GPU} and not quantized or Placement.PREFETCH in where:
-            continue  # transformers' own experts implementation: nothing staged (experts.py)
-        stored = sum(tensors[n].nbytes for n in names) // count
-        dequantized = sum(tensors[n].nbytes * _per_byte(tensors[n]) for n in names) // count
-        fp8 = any(tensors[n].dtype in _DEQUANTIZED for n in names)
+        where = set(map(place.__getitem__, names))
+        if Placement.PREFETCH in where:
+            continue  # all in HBM, in a slot: transformers' own experts implementation (experts.py)
+        infos = list(map(tensors.__getitem__, names))
+        quantized = [t for t in infos if t.dtype in _DEQUANTIZED or t.dtype == "U8"]
+        dequantized = sum(t.nbytes * _per_byte(t) for t in quantized) // count
+        if where == {Placement.GPU} and not dequantized:
+            continue  # likewise: nothing staged
+        stored = sum(map(_NBYTES, infos)) // count
+        fp8 = any(t.dtype in _DEQUANTIZED for t in quantized)
         k = top_k or count
         slots = k if batch == 1 else min(count, batch * k)
-        decode = max(decode, slots * (stored + (0 if batch == 1 and fp8 else dequantized)))
+        if batch == 1 and fp8:  # multiplied where it lies: gathered from pinned memory, in place if all in HBM
+            decode = max(decode, 0 if where == {Placement.GPU} else slots * stored)
+        else:
+            decode = max(decode, slots * (stored + dequantized))
         ring = staged.get(group)
         slots = count if ring is not None else min(count, max(1, prompt_tokens) * k)
         prefill = max(prefill, slots * (stored + dequantized) + (ring or 0))
         if Placement.UVA in where and Placement.CPU not in where:  # the lookahead's modules (bind_experts.py)
-            over_link.append(sum(tensors[n].nbytes for n in names if not _scale(n) and "bias" not in n) // count)
+            over_link.append(sum(t.nbytes for t in infos if not _scale(t.name) and "bias" not in t.name) // count)
     buffers = LOOKAHEAD * max(over_link) if len(over_link) > 1 else 0
     return Working(decode, prefill, buffers)

@@ -50,6 +50,7 @@ def test_fp8_experts_add_their_dequantized_copy_except_at_batch_1():
     assert _working(t, UVA) == Working(2 * stored, 4 * (stored + dequantized), 0)  # batch 1: multiplied in place
     assert _working(t, UVA, batch=2) == Working(4 * (stored + dequantized), 4 * (stored + dequantized), 0)
     assert _working(t, GPU, batch=2).decode_bytes == 4 * (stored + dequantized)  # quantized: staged even on the GPU
+    assert _working(t, GPU).decode_bytes == 0  # batch 1, every expert in HBM: multiplied in place
 
 
 def test_the_lookahead_is_the_runtimes():
