@@ -44,7 +44,8 @@ def build_command(args) -> int:
     data = {"plan": str(out), **show_data(plan)}
     s = plan.summary
     pools = [(human(b), what) for b, what in ((s.prefetch_buffer_bytes, "prefetch buffers"),
-                                              (s.stage_buffer_bytes, "prefill staging buffers")) if b]
+                                              (s.stage_buffer_bytes, "prefill staging buffers"),
+                                              (s.working_peak_bytes, "experts' working memory")) if b]
     buffers = (" (" + ", ".join(f"{b} of it {what}" if i == 0 else f"{b} {what}" for i, (b, what) in enumerate(pools))
                + ")" if pools else "")
     host = human(s.uva_bytes + s.prefetch_bytes) if s.uva_bytes + s.prefetch_bytes else "nothing offloaded"

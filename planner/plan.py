@@ -160,7 +160,7 @@ class PrefillStaging:
     where `ring_bytes` is set (staging.py says when the planner sets it), and
     not through the slots: their rows stream through a ring of `ring_bytes`
     that each staged forward allocates and frees (runtime/execute/ring.py), prefill
-    working memory like the activations. Otherwise offplan's experts
+    working memory (decide/working.py, in the footprint). Otherwise offplan's experts
     implementation reads each touched expert once per forward, after the router.
     """
 
@@ -176,7 +176,7 @@ class PrefillStaging:
 
     @property
     def pool_bytes(self) -> int:
-        """The slots, held from load on (the ring is allocated per staged forward: not counted)."""
+        """The slots, held from load on (the ring is allocated per staged forward: working memory, in `Summary`)."""
         return self.slots * self.slot_bytes
 
 
@@ -190,8 +190,8 @@ class Summary:
     predicted_step_us: int = 0
     stage_buffer_bytes: int = 0  # the prefill staging pool (PrefillStaging.pool_bytes)
     cpu_bytes: int = 0  # routed experts the host CPU computes, in host memory (no GPU memory)
-    # what the experts allocate as the model runs, not in the footprint yet (decide/working.py): at a decode
-    # step of the workload's batch, at a prefill of its prompt, and buffers allocated at load
+    # what the experts allocate as the model runs (decide/working.py), in the footprint: at a decode step of
+    # the workload's batch, at a prefill of its prompt, and buffers allocated at load
     working_decode_bytes: int = 0
     working_prefill_bytes: int = 0
     working_buffer_bytes: int = 0
@@ -202,7 +202,8 @@ class Summary:
 
     @property
     def gpu_footprint_bytes(self) -> int:
-        return self.gpu_bytes + self.prefetch_buffer_bytes + self.stage_buffer_bytes
+        """Every byte offplan holds on the GPU at once: resident tensors, the pools, and the most working memory."""
+        return self.gpu_bytes + self.prefetch_buffer_bytes + self.stage_buffer_bytes + self.working_peak_bytes
 
 
 @dataclass(frozen=True)

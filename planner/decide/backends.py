@@ -7,7 +7,7 @@ plan's prefill (staging routed experts or not: staging.py `stage_experts`).
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from itertools import chain
 
@@ -38,23 +38,29 @@ class Placed:
     notes: tuple[str, ...]
     reasons: dict[str, str]
 
+    total = property(lambda self: self.fp.total)  # working.py `within`
+    place = property(lambda self: self.fp.place)
+
 
 def place_backend(model: CostModel, graph: LayerGraph, tensors: Mapping[str, TensorInfo], place: dict[str, Placement],
                   stage: bool, policy: Policy, backend: Backend, stack, fixed, groups: FusedGroups,
-                  selected) -> Placed:
+                  selected, budget: int | None, room: Callable[[Mapping[str, Placement]], int] = lambda p: 0,
+                  most: int = 0) -> Placed:
     """The backend's placement over `place` (which it changes), prefill staging experts as `model` says
-    (placement.py, steps 4-6 and 8)."""
+    (placement.py, steps 4-6 and 8), its walks stopping within `budget`: the policy's, less the room that
+    placement.py keeps for the experts' working memory. mixed.py keeps each strategy's own room free
+    (`room(place)`, at most `most`: working.py `within`)."""
     fp = Footprint(graph, tensors, place, policy.prefetch.step, stage, partner=model.quantized,
                    stageable_names=model.unstaged_experts)
-    budget, skipped, prediction, notes, reasons = policy.budget_bytes, None, None, (), {}
-    if backend is not Backend.NONE and budget is not None and fp.total <= budget:
+    skipped, prediction, notes, reasons = None, None, (), {}
+    if backend is not Backend.NONE and budget is not None and fp.total + room(fp.place) <= budget:
         skipped, backend = backend, Backend.NONE  # offloading more would only cost speed
     elif backend is Backend.UVA:
-        _uva(stack, fixed, fp, policy, groups, selected["uva"], graph.rarely_run())
+        _uva(stack, fixed, fp, policy, groups, selected["uva"], graph.rarely_run(), budget)
     elif backend is Backend.PREFETCH:
-        _prefetch(stack, fixed, fp, policy, graph, selected["prefetch"], groups)
+        _prefetch(stack, fixed, fp, policy, graph, selected["prefetch"], groups, budget)
     elif backend is Backend.MIXED:
-        choice = place_mixed(graph, policy, fp, fixed, groups, model)
+        choice = place_mixed(graph, policy, fp, fixed, groups, model, budget, room, most)
         fp, prediction, notes, reasons = choice.footprint, choice.prediction, choice.notes, choice.why
     return Placed(fp, prediction or model.predict(fp.place), backend, skipped, notes, reasons)
 
@@ -69,7 +75,8 @@ def _rarely_run_first(rare: list[Layer], fixed, fp: Footprint, groups: FusedGrou
                 yield groups.expert(n)
 
 
-def _uva(stack, fixed, fp: Footprint, policy: Policy, groups: FusedGroups, selected, rare: list[Layer]) -> None:
+def _uva(stack, fixed, fp: Footprint, policy: Policy, groups: FusedGroups, selected, rare: list[Layer],
+         budget: int | None) -> None:
     """The per-tensor walk. With an amount, vLLM's walk over the stacks in order, in vLLM's units (a layer's
     fused w13 or w2 whole); with a budget, rarely-run layers first, then one expert of one fused parameter
     at a time. Neither moves what rules fixed or `uva.params` left out."""
@@ -100,11 +107,11 @@ def _uva(stack, fixed, fp: Footprint, policy: Policy, groups: FusedGroups, selec
             fp.move(unit, UVA)  # with any quantization scales
             done += resident - fp.resident
         return
-    fp.fit(chain(_rarely_run_first(rare, fixed, fp, groups, selected), units(groups.expert)), UVA,
-           policy.budget_bytes)
+    fp.fit(chain(_rarely_run_first(rare, fixed, fp, groups, selected), units(groups.expert)), UVA, budget)
 
 
-def _prefetch(stack, fixed, fp: Footprint, policy: Policy, graph: LayerGraph, selected, groups: FusedGroups) -> None:
+def _prefetch(stack, fixed, fp: Footprint, policy: Policy, graph: LayerGraph, selected, groups: FusedGroups,
+              budget: int | None) -> None:
     pre = policy.prefetch
 
     def chosen(layer: Layer) -> list[str]:
@@ -138,6 +145,6 @@ def _prefetch(stack, fixed, fp: Footprint, policy: Policy, graph: LayerGraph, se
     rare = graph.rarely_run()
     if not eligible and not rare and selected is not None:
         raise PolicyError(nothing_left(policy, "prefetch", stack, selected))
-    if not fp.fit(_rarely_run_first(rare, fixed, fp, groups, selected), UVA, policy.budget_bytes):
-        for layer, names in fewest_layers(eligible, fp, policy.budget_bytes):
+    if not fp.fit(_rarely_run_first(rare, fixed, fp, groups, selected), UVA, budget):
+        for layer, names in fewest_layers(eligible, fp, budget):
             fp.move(names, PREFETCH)

@@ -7,7 +7,8 @@ Computed here only.
     stage slots = min(2, staged layers); stage slot bytes = the largest staged layer (staging.py)
 
 Routed experts staged at prefill stream through the expert ring, which each
-staged forward allocates and frees (staging.py): it is not counted here.
+staged forward allocates and frees (staging.py): working memory, which
+working.py sizes and placement.py adds to the plan's footprint, not here.
 
 The placement pipeline builds one `Footprint` over the live placement and
 moves tensors through it (`move`), so every step of a backend sees the

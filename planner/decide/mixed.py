@@ -51,7 +51,8 @@ host computes them beside the GPU (cost.py): a quarter, half, three quarters,
 all, the least-read ones of each layer first (the host reads an expert once
 per pair routed to it, the GPU once per step however many). A share is kept if
 its request is predicted faster than none; a note gives both. cpu needs no
-GPU memory, so the budget holds. Whole experts only (the host computes an
+GPU memory but the host engine's output buffer (working.py), and a share is
+tried only where that fits the budget. Whole experts only (the host computes an
 expert whole), never quantized ones (the runtime's host computes bf16 and
 f32 weights), and not with several GPUs (each one's process would run its
 own host threads on the same cores).
@@ -63,7 +64,7 @@ profile's prompts, or uniform: see cost.py).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from ..inputs.policy import Policy
@@ -73,6 +74,7 @@ from ..plan import LayerKind, Placement, Runs
 from .cost import CostModel, Prediction
 from .footprint import Footprint
 from .schedule import fewest_layers
+from .working import within
 
 GPU, UVA, PREFETCH, CPU = Placement.GPU, Placement.UVA, Placement.PREFETCH, Placement.CPU
 CPU_SHARES = (0.25, 0.5, 0.75, 1.0)  # of each layer's uva experts, tried on cpu (`cpu_experts`)
@@ -95,9 +97,10 @@ class MixedChoice:
 
 
 def place_mixed(graph: LayerGraph, policy: Policy, fp: Footprint, fixed: set[str], groups: FusedGroups,
-                model: CostModel) -> MixedChoice:
-    """Try the five strategies of the module doc on copies of `fp`; keep the fastest request that fits."""
-    budget = policy.budget_bytes
+                model: CostModel, budget: int, room: Callable[[Mapping[str, Placement]], int], most: int
+                ) -> MixedChoice:
+    """Try the five strategies of the module doc on copies of `fp`; keep the fastest request that fits
+    `budget` with its own working memory, `room(place)` (working.py `within`: at most `most`)."""
     units: list[Unit] = []
     seen: set[str] = set()
     for layer in graph.layers:
@@ -117,36 +120,40 @@ def place_mixed(graph: LayerGraph, policy: Policy, fp: Footprint, fixed: set[str
     spread = sorted(sparse, key=lambda u: (u.frac, rank[id(u)]))
     dense = [u for u in units if u.frac >= 1]
 
-    def to_uva(f: Footprint, seq) -> Footprint:
-        f.fit((u.names for u in seq), UVA, budget)
+    def to_uva(f: Footprint, seq, b: int) -> Footprint:
+        f.fit((u.names for u in seq), UVA, b)
         return f
 
-    def to_prefetch(f: Footprint, seq) -> Footprint:
+    def to_prefetch(f: Footprint, seq, b: int) -> Footprint:
         by_layer: dict[str, list[str]] = {}
         for u in seq:
             if u.layer.kind is LayerKind.LAYER and u.layer.runs is Runs.STEP and f.place[u.names[0]] is GPU:
                 by_layer.setdefault(u.layer.name, []).extend(u.names)
         eligible = [(l, names) for l in graph.stack_layers() if l.name in by_layer
                     for names in [whole_groups(by_layer[l.name], groups)] if names]
-        for _, names in fewest_layers(eligible, f, budget):
+        for _, names in fewest_layers(eligible, f, b):
             f.move(names, PREFETCH)
         return f
 
-    first, around = to_uva(fp.copy(), sparse), to_uva(fp.copy(), spread)
-    first = first if first.total <= budget else to_prefetch(first, dense)
-    around = around if around.total <= budget else to_prefetch(around, dense)
-    strategies = {
-        "sparse->uva, dense->prefetch": first,
-        "sparse round the layers->uva, dense->prefetch": around,
-        "sparse->uva, dense->uva": to_uva(fp.copy(), sparse + dense),
-        "prefetch only": to_prefetch(fp.copy(), units),
-        "uva only": to_uva(fp.copy(), units),
+    def then_prefetch(f: Footprint, b: int) -> Footprint:
+        return f if f.total <= b else to_prefetch(f, dense, b)
+
+    walks = {
+        "sparse->uva, dense->prefetch": lambda b: then_prefetch(to_uva(fp.copy(), sparse, b), b),
+        "sparse round the layers->uva, dense->prefetch": lambda b: then_prefetch(to_uva(fp.copy(), spread, b), b),
+        "sparse->uva, dense->uva": lambda b: to_uva(fp.copy(), sparse + dense, b),
+        "prefetch only": lambda b: to_prefetch(fp.copy(), units, b),
+        "uva only": lambda b: to_uva(fp.copy(), units, b),
     }
+    strategies = {k: within(walk, budget, room, most) for k, walk in walks.items()}  # each with its own room
+    first, around = (strategies[k][0] for k in list(walks)[:2])
     if around.place == first.place:  # no ties to take otherwise (a dense model's)
         del strategies["sparse round the layers->uva, dense->prefetch"]
-    fitting = [k for k, f in strategies.items() if f.total <= budget]
+    fitting = [k for k, (f, need) in strategies.items() if f.total + need <= budget]
     if not fitting:  # decide() raises the budget error with the smallest footprint
-        return MixedChoice(min(strategies.values(), key=lambda f: f.total), None, (), {})
+        return MixedChoice(min((f for f, _ in strategies.values()), key=lambda f: f.total + room(f.place)), None, (),
+                           {})
+    strategies = {k: f for k, (f, _) in strategies.items()}
     preds = {k: model.predict(strategies[k].place) for k in fitting}
     new = policy.workload.new_tokens
     best = min(fitting, key=lambda k: (preds[k].request_us(new), preds[k].h2d_bytes))
@@ -163,14 +170,16 @@ def place_mixed(graph: LayerGraph, policy: Policy, fp: Footprint, fixed: set[str
         notes += ("cpu_experts: not with several GPUs yet (each GPU's process would compute its share of the experts "
                   "on the same host cores; never measured): no expert on cpu",)
     elif policy.cpu_experts:
-        chosen, prediction, note = on_cpu(chosen, prediction, groups, model, new)
+        chosen, prediction, note = on_cpu(chosen, prediction, groups, model, new,
+                                          lambda f: f.total + room(f.place) <= budget)
         notes += (note,)
     return MixedChoice(chosen, prediction, notes, explain(graph, chosen.place, model))
 
 
 def on_cpu(fp: Footprint, prediction: Prediction, groups: FusedGroups, model: CostModel,
-           new: int) -> tuple[Footprint, Prediction, str]:
-    """`fp` with the best share of each layer's uva experts on cpu (module doc), or `fp` itself, and a note."""
+           new: int, fits: Callable[[Footprint], bool]) -> tuple[Footprint, Prediction, str]:
+    """`fp` with the best share of each layer's uva experts on cpu (module doc) that `fits` the budget, or `fp`
+    itself, and a note."""
     candidates: list[list[tuple[str, ...]]] = []  # per experts module, its whole experts on uva, least read first
     for group in groups.members:
         whole = [ns for ns in groups.by_expert(group).values()
@@ -184,7 +193,11 @@ def on_cpu(fp: Footprint, prediction: Prediction, groups: FusedGroups, model: Co
     for share in CPU_SHARES:
         f = fp.copy()
         f.move([n for experts in candidates for ns in experts[:math.ceil(len(experts) * share)] for n in ns], CPU)
-        tried[share] = f, model.predict(f.place)
+        if fits(f):
+            tried[share] = f, model.predict(f.place)
+    if not tried:
+        return fp, prediction, ("cpu_experts: no expert on cpu: the host engine's output buffer (working memory) "
+                                "does not fit the budget")
     share = min(tried, key=lambda k: (tried[k][1].request_us(new), tried[k][1].h2d_bytes))
     f, p = tried[share]
     ms = lambda p: f"{p.request_us(new) / 1e3:.3f} ms"  # noqa: E731

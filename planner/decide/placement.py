@@ -57,9 +57,15 @@ Steps:
    through the expert ring, which each staged forward allocates. The slots
    count in the footprint like the prefetch pool, so every budget-driven walk
    sees them grow as it moves tensors to uva (footprint.py `fit`).
-9. A budget that the result exceeds is an error quoting the smallest
-   budget_gib that this policy fits (exact to the byte: see
-   `smallest_budget_gib`), and what is pinned to the GPU outside the stacks.
+9. The experts' working memory (working.py: their touched rows per forward,
+   the ring, the lookahead's and the host engine's buffers) is in the
+   plan's footprint, and the budget walks leave room for it: the walk is
+   repeated with the room its last placement needs kept free, the last
+   time with the room of every movable expert on uva (working.py `within`;
+   mixed.py per strategy). A budget that the result exceeds is an error
+   quoting the smallest budget_gib that this policy fits (exact to the byte
+   where no working memory moves with the walk: see `smallest_budget_gib`),
+   and what is pinned to the GPU outside the stacks.
    It is the real minimum because whether a policy fits is monotonic in the
    budget: the fixed amounts (offload_gib, group_size) do not depend on it,
    and the budget-driven walks only decide where to stop. The footprint is not
@@ -96,14 +102,13 @@ from ..layers.alike import select
 from ..layers.graph import LayerGraph
 from ..layers.groups import FusedGroups, experts_map
 from ..plan import Backend, Cost, LayerBytes, Placement, PrefetchSchedule, PrefillStaging, Role, Runs, Summary
-from ..units import human
 from .backends import place_backend
 from .cost import CostModel
 from .notes import Outcome, notes
 from .placement_errors import check_cpu, check_groups, check_roles, check_streamed_runs, over_budget
 from .schedule import make_schedule
 from .staging import make_staging
-from .working import working
+from .working import within, working
 
 GPU, UVA, PREFETCH, CPU = Placement.GPU, Placement.UVA, Placement.PREFETCH, Placement.CPU
 _NBYTES = itemgetter(3)  # of a TensorInfo
@@ -191,18 +196,41 @@ def decide(graph: LayerGraph, tensors: Mapping[str, TensorInfo], policy: Policy,
     if (backend is Backend.PREFETCH or PREFETCH in place.values()) and step < 1:
         raise PolicyError(f"{policy.path}: prefetch.step must be >= 1: rules place tensors on prefetch")
     want = policy.uva.stage_experts  # None: the planner decides (policy.py UvaPolicy)
-    experts = model.favours_staged_experts if want is None else want  # their ring is no footprint: staging.py
-    chosen = place_backend(model.staging_experts(experts), graph, tensors, dict(place), stage, policy, backend,
-                           stack, fixed, groups, selected)
-    if budget is not None and chosen.fp.total > budget:
-        raise BudgetError(over_budget(policy, chosen.backend, chosen.fp.total, chosen.fp.place, tensors, graph,
-                                      chosen.fp.stage_pool))
+    experts = model.favours_staged_experts if want is None else want  # their ring: working memory (working.py)
+    staged = model.staged_experts if experts else model.unstaged_experts
+
+    def running(place: Mapping[str, Placement]):
+        """The prefill staging of `place` and its experts' working memory (working.py)."""
+        staging = make_staging(graph, place, tensors, hardware.stage_above_tokens, staged) if stage else None
+        ring = {g: staging.ring_bytes for g in moe for s in (staging.layers if staging and staging.experts else ())
+                if g.startswith(s.layer + ".")}
+        host = staging.above_tokens if staging else H100.stage_above_tokens  # runtime/execute/host/bind.py
+        return staging, working(groups.members, moe if policy.gpus == 1 else {}, tensors, place, top_k,
+                                work.batch_size, work.prompt_tokens, ring, host)  # a GPU's share: not sized yet
+
+    room = lambda p: running(p)[1].peak_bytes  # noqa: E731
+    most = room({**place, **{n: UVA for g in moe for n in groups.members[g] if n not in fixed}}) if (
+        budget is not None and moe) else 0
+
+    def walk(b: int | None):
+        return place_backend(model.staging_experts(experts), graph, tensors, dict(place), stage, policy, backend,
+                             stack, fixed, groups, selected, b, room, most)
+
+    # mixed leaves each strategy its own room (mixed.py); the other walks theirs, as working.py `within` says
+    chosen = walk(budget) if budget is None or backend is Backend.MIXED else within(walk, budget, room, most)[0]
+    staging, runs = running(chosen.fp.place)
+    if budget is not None and chosen.fp.total + runs.peak_bytes > budget:
+        # the smallest budget that fits: the walk's least, or the rules' placement alone where working memory makes
+        # offloading cost more than it saves (a budget that holds it offloads nothing: backends.py)
+        rules = place_backend(model, graph, tensors, dict(place), stage, policy, Backend.NONE, stack, fixed, groups,
+                              selected, None).fp
+        least = min((chosen.fp, runs.peak_bytes), (rules, room(rules.place)), key=lambda f: f[0].total + f[1])
+        raise BudgetError(over_budget(policy, chosen.backend, least[0].total + least[1], least[0].place, tensors,
+                                      graph, least[0].stage_pool, least[1]))
     fp, prediction, backend, skipped = chosen.fp, chosen.prediction, chosen.backend, chosen.skipped
     mixed_notes, reasons = chosen.notes, chosen.reasons
     place = fp.place
     schedule = make_schedule(graph, place, tensors, step)
-    staging = make_staging(graph, place, tensors, hardware.stage_above_tokens,
-                           model.staged_experts if experts else model.unstaged_experts) if stage else None
     if (staging.pool_bytes if staging else 0) != fp.stage_pool:  # one rule, two sums: a bug, not an input error
         raise AssertionError(f"staging pool {staging} against the footprint's {fp.stage_pool}")
     by = {GPU: 0, UVA: 0, PREFETCH: 0, CPU: 0}
@@ -214,10 +242,6 @@ def decide(graph: LayerGraph, tensors: Mapping[str, TensorInfo], policy: Policy,
         split = experts_map(l.params, place.__getitem__, l.name + ".", l.expert_tensors)
         layers.append(LayerBytes(l.name, mine[GPU], mine[UVA], mine[PREFETCH], c.h2d_bytes, c.gpu_us,
                                  reasons.get(l.name), l.runs, split, mine[CPU]))
-    ring = {g: staging.ring_bytes for g in moe for s in (staging.layers if staging and staging.experts else ())
-            if g.startswith(s.layer + ".")}
-    runs = working(groups.members, moe if policy.gpus == 1 else {}, tensors, place, top_k, work.batch_size,
-                   work.prompt_tokens, ring)  # a GPU's share under tensor parallelism: not sized yet
     summary = Summary(by[GPU], by[UVA], by[PREFETCH], fp.pool, prediction.h2d_bytes, prediction.step_us,
                       fp.stage_pool, by[CPU], runs.decode_bytes, runs.prefill_bytes, runs.buffer_bytes)
     cost = Cost(hardware.name, prediction.batch_size, prediction.cpu_us, prediction.gpu_us, prediction.link_us,
@@ -228,13 +252,5 @@ def decide(graph: LayerGraph, tensors: Mapping[str, TensorInfo], policy: Policy,
                       routing, bool(moe) and top_k is not None and routing is None, checkpoint_fingerprint, staging,
                       groups.not_experts)
     said = notes(outcome)
-    peak = summary.gpu_footprint_bytes + summary.working_peak_bytes
-    if budget is not None and peak > budget:
-        phase = "prefill" if runs.prefill_bytes > runs.decode_bytes else "decode step"
-        at = next((i for i, n in enumerate(said) if n.startswith("warning:")), len(said))  # the first warning
-        said = (*said[:at], f"warning: over budget as the model runs: the experts' working memory (decide/working.py),"
-                f" not in the budget walk yet, adds up to {human(summary.working_peak_bytes)} at a {phase}: "
-                f"{human(peak)} against a budget of {human(budget)}",
-                *said[at:])
     return Decision(backend, place, schedule, tuple(layers), said, summary, cost, staging,
                     (prediction.collectives, prediction.collectives_us))

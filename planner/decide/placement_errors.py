@@ -155,9 +155,11 @@ def nothing_left(policy: Policy, key: str, layers, selected, head: str = "") -> 
     return f"{policy.path}: backend {key} has nothing to offload: {head}{why}"
 
 
-def over_budget(policy: Policy, backend: Backend, need: int, place, tensors, graph, stage_pool: int = 0) -> str:
+def over_budget(policy: Policy, backend: Backend, need: int, place, tensors, graph, stage_pool: int = 0,
+                working: int = 0) -> str:
     """The budget error: the smallest budget that fits, what is pinned, the key to change; `stage_pool`
-    (the prefill staging buffers, part of `need`) is named with the key that drops it."""
+    (the prefill staging buffers) and `working` (the experts' working memory), both part of `need`, are named
+    with the keys that lower them."""
     pinned: dict[str, int] = {}
     stack_names = {l.name for l in graph.stack_layers()}
     for l in graph.layers:
@@ -184,4 +186,8 @@ def over_budget(policy: Policy, backend: Backend, need: int, place, tensors, gra
     staging = (f"\n  {gib(stage_pool)} of it are the prefill staging buffers: `uva: {{stage_prefill: false}}` "
                "drops them (uva tensors are then read in place at prefill too, slower past a few hundred "
                "tokens)." if stage_pool else "")
-    return f"{head}\n  Pinned to the GPU outside the layer stacks: {pinned_text}.\n  {fix}{staging}"
+    work = policy.workload
+    running = (f"\n  {gib(working)} of it are the experts' working memory as the model runs (their touched rows at a "
+               f"decode step of batch {work.batch_size} or a prefill of {work.prompt_tokens} tokens): a smaller "
+               "workload.batch_size or workload.prompt_tokens lowers it." if working else "")
+    return f"{head}\n  Pinned to the GPU outside the layer stacks: {pinned_text}.\n  {fix}{staging}{running}"

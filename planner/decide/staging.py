@@ -44,8 +44,8 @@ Staged experts do not go through the slots. Offplan's experts implementation
 gathers a forward's expert rows into a tensor of its own (runtime/execute/experts.py),
 so a host row is free again once gathered: the rows stream through a ring of
 `ring_bytes` (runtime/execute/ring.py) that each staged forward allocates and frees,
-prefill working memory like the activations (and the gathered rows, which
-hold all of a layer's experts), so the footprint does not count it. It holds
+prefill working memory (with the gathered rows, which hold all of a layer's
+experts), which working.py sizes and the plan's footprint counts. It holds
 one layer's host experts (the largest staged layer's: the copies then run a
 whole layer ahead), up to RING_BYTES: 1 GiB streams 19.5 ms of the H100's
 link, more than twice what a layer of Qwen3-30B-A3B computes at 8192 tokens

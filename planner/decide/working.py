@@ -18,11 +18,15 @@ from the headers, per phase, for the largest such module:
     buffers = LOOKAHEAD experts' rows of the two largest fused parameters
               (gate_up_proj and down_proj: an expert's weights), where two or
               more modules read experts over the link (lookahead.py)
+              + the host engine's outputs where the host computes experts
+              (runtime/execute/host/engine.py): host_tokens x k x hidden
+              of the experts' dtype, 6.3 MB at Qwen3-30B-A3B's shape
 
-Not sized yet: a GPU's share under tensor parallelism (0 there), the host
-engine's output buffer (pairs x hidden, 6.4 MB at Qwen3-30B-A3B's shape), and
-what transformers' own forward allocates (activations, the KV cache). These are not in the budget walk yet: `plan show`
-prints them beside the footprint, and `plan build` notes a budget they exceed.
+The plan's footprint counts buffers plus the larger of decode and prefill
+(`peak_bytes`), and the budget walks leave room for it (`within`). Not sized:
+a GPU's share under tensor parallelism (0 there), and what transformers'
+own forward allocates (activations, the KV cache), which the budget never
+covered.
 Worked example, 8 layers of Qwen3-30B-A3B (E 128, k 8, one expert's bf16 rows
 9.4 MB), every expert on uva, a 512-token prompt: decode 75.5 MB at batch 1
 and 604 MB at batch 8, prefill 2.28 GB (a layer's 128 experts, 1.21 GB, and the
@@ -31,13 +35,16 @@ and 604 MB at batch 8, prefill 2.28 GB (a layer's 128 experts, 1.21 GB, and the
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
+import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from operator import itemgetter
+from typing import Protocol, TypeVar
 
 from ..inputs.checkpoint import TensorInfo
 from ..plan import Placement
 
+TRIES = 3  # walks per budget-driven placement (`within`)
 LOOKAHEAD = 2  # experts the lookahead reads ahead; runtime/execute/lookahead.py LOOKAHEAD (a test holds them equal)
 _NBYTES = itemgetter(3)  # of a TensorInfo
 _DEQUANTIZED = {"F8_E4M3": 2, "F8_E5M2": 2}  # bf16 bytes per stored byte; MXFP4 blocks: `_per_byte`
@@ -50,6 +57,11 @@ class Working:
     decode_bytes: int = 0
     prefill_bytes: int = 0
     buffer_bytes: int = 0
+
+    @property
+    def peak_bytes(self) -> int:
+        """The most held at once: the buffers, and a decode step or a prefill (one runs at a time)."""
+        return self.buffer_bytes + max(self.decode_bytes, self.prefill_bytes)
 
 
 def _per_byte(t: TensorInfo) -> int:
@@ -65,10 +77,11 @@ def _scale(name: str) -> bool:
 
 def working(members: Mapping[str, tuple[str, ...]], experts: Mapping[str, int], tensors: Mapping[str, TensorInfo],
             place: Mapping[str, Placement], top_k: int | None, batch: int, prompt_tokens: int,
-            staged: Mapping[str, int]) -> Working:
+            staged: Mapping[str, int], host_tokens: int = 0) -> Working:
     """`members`: each fused experts group's tensors; `experts`: the decode step's groups and their expert
-    counts; `staged`: the groups a staged prefill streams, each with its ring's bytes (0: not staged)."""
-    decode = prefill = 0
+    counts; `staged`: the groups a staged prefill streams, each with its ring's bytes (0: not staged);
+    `host_tokens`: the most tokens a forward hands the host engine (the plan's stage_above_tokens)."""
+    decode = prefill = host = 0
     over_link: list[int] = []  # per group read over the link: one expert's weights (gate_up_proj and down_proj)
     for group, count in experts.items():
         names = members[group]
@@ -76,13 +89,17 @@ def working(members: Mapping[str, tuple[str, ...]], experts: Mapping[str, int], 
         if Placement.PREFETCH in where:
             continue  # all in HBM, in a slot: transformers' own experts implementation (experts.py)
         infos = list(map(tensors.__getitem__, names))
+        k = top_k or count
+        if Placement.CPU in where:  # one engine for every module: its outputs sized by the widest
+            down = next(t for t in infos if "down" in t.name and not _scale(t.name) and "bias" not in t.name)
+            hidden = {3: down.shape[-1], 2: down.shape[0]}.get(len(down.shape), 0)  # [E, I, H] stored fused; [H, I]
+            host = max(host, host_tokens * k * hidden * (down.nbytes // math.prod(down.shape)))
         quantized = [t for t in infos if t.dtype in _DEQUANTIZED or t.dtype == "U8"]
         dequantized = sum(t.nbytes * _per_byte(t) for t in quantized) // count
         if where == {Placement.GPU} and not dequantized:
             continue  # likewise: nothing staged
         stored = sum(map(_NBYTES, infos)) // count
         fp8 = any(t.dtype in _DEQUANTIZED for t in quantized)
-        k = top_k or count
         slots = k if batch == 1 else min(count, batch * k)
         if batch == 1 and fp8:  # multiplied where it lies: gathered from pinned memory, in place if all in HBM
             decode = max(decode, 0 if where == {Placement.GPU} else slots * stored)
@@ -94,4 +111,32 @@ def working(members: Mapping[str, tuple[str, ...]], experts: Mapping[str, int], 
         if Placement.UVA in where and Placement.CPU not in where:  # the lookahead's modules (bind_experts.py)
             over_link.append(sum(t.nbytes for t in infos if not _scale(t.name) and "bias" not in t.name) // count)
     buffers = LOOKAHEAD * max(over_link) if len(over_link) > 1 else 0
-    return Working(decode, prefill, buffers)
+    return Working(decode, prefill, buffers + host)
+
+
+class _Placed(Protocol):
+    total: int  # the footprint.py total: resident bytes and pools
+    place: Mapping[str, Placement]
+
+
+P = TypeVar("P", bound=_Placed)
+
+
+def within(walk: Callable[[int], P], budget: int, room: Callable[[Mapping[str, Placement]], int], most: int
+           ) -> tuple[P, int]:
+    """A budget-driven placement that leaves room for its own working memory, and that memory's peak.
+
+    `walk(b)` places within b bytes (footprint.py `fit`); `room(place)` is a placement's working peak, which
+    grows as experts leave the GPU (a ring as large as a layer's host experts, the lookahead once two modules
+    read over the link), so the walk is repeated with the room the last one needed kept free: the first walk
+    with none, the second with the first's room. The last walk keeps `most` free, the room with every
+    movable routed expert on uva, which no placement exceeds; one that still does not fit is returned for the
+    caller's budget error (its total + room being the least it reached)."""
+    reserve = 0
+    for left in reversed(range(TRIES)):
+        placed = walk(budget - reserve)
+        need = room(placed.place)
+        if placed.total + need <= budget or need <= reserve or not left:
+            return placed, need
+        reserve = need if left > 1 else max(need, most)
+    raise AssertionError("unreachable")

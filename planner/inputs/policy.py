@@ -67,7 +67,7 @@ class UvaPolicy:
     copies each layer's uva tensors (embeddings aside) into one of 2 GPU slots before the layer runs, since a
     GEMM reading them in place re-reads them per tile. The slots count in the GPU footprint. Routed experts
     stream through a ring of at most 1 GiB instead, which each staged forward allocates (prefill working memory,
-    not in the footprint), and follow `stage_experts`: unset, the planner decides where the workload's prompt
+    in the footprint: decide/working.py), and follow `stage_experts`: unset, the planner decides where the workload's prompt
     touches most of them; `true` stages them, `false` never.
     """
 

@@ -94,8 +94,8 @@ def _totals(plan: Plan, at, footprint: int | None) -> list[str]:
     if plan.parallel is None and sum(totals.values()) != plan.total_bytes:  # else a share: parallel.py
         problems.append(f"{at('checkpoint', 'bytes')} is {plan.total_bytes} but the layers add up to {sum(totals.values())}")
     if footprint is not None and footprint != s.gpu_footprint_bytes:
-        problems.append(f"{at('summary', 'gpu_footprint_bytes')} is {footprint} but gpu_bytes + "
-                        f"prefetch_buffer_bytes + stage_buffer_bytes is {s.gpu_footprint_bytes}")
+        problems.append(f"{at('summary', 'gpu_footprint_bytes')} is {footprint} but the pools, gpu_bytes and the "
+                        f"working memory's peak (plan.py Summary) add up to {s.gpu_footprint_bytes}")
     h2d = sum(l.h2d for l in plan.layers)
     if h2d != s.predicted_h2d_bytes_per_step:
         problems.append(f"{at('summary', 'predicted_h2d_bytes_per_step')} is {s.predicted_h2d_bytes_per_step} "

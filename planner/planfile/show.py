@@ -142,7 +142,7 @@ def show(plan: Plan, unchecked: str | None = None) -> list[RenderableType | str]
         out.append(f"prefill staging: {plural(len(st.layers), 'layer')} {slots} when a forward carries more than "
                    f"{plural(st.above_tokens, 'token')}"
                    + (f"; routed experts stream through a ring of {human(st.ring_bytes)}, allocated by each such "
-                      "forward (working memory, like its activations)" if st.experts else ""))
+                      "forward (working memory: in the footprint)" if st.experts else ""))
     out += _footprint(plan)
     if plan.cost:
         c = plan.cost
@@ -174,19 +174,17 @@ def _footprint(plan: Plan) -> list[str]:
     verdict = "no budget set" if budget is None else f"budget {human(budget)}: {_verdict(used, budget)}"
     if each:
         verdict = "; ".join(f"GPU {i} budget {human(b)}: {_verdict(used, b)}" for i, b in enumerate(each))
-    pools = [(s.prefetch_buffer_bytes, "prefetch buffers"), (s.stage_buffer_bytes, "prefill staging buffers")]
+    pools = [(s.prefetch_buffer_bytes, "prefetch buffers"), (s.stage_buffer_bytes, "prefill staging buffers"),
+             (s.working_peak_bytes, "experts' working memory")]
     parts = "".join(f" + {human(b)} {what}" for b, what in pools if b)
     parts = f"{human(s.gpu_bytes)} resident{parts} = " if parts else ""
     per = " per GPU" if plan.parallel else ""
     out = [f"GPU footprint{per}: {parts}{human(s.gpu_footprint_bytes)} ({verdict})"]
     if s.working_peak_bytes:  # decide/working.py
-        peak = s.gpu_footprint_bytes + s.working_peak_bytes
-        verdict = "" if budget is None or each else f"; against the budget: {_verdict(peak, budget)}"
         runs = ", ".join(f"{what} {human(b)}" for what, b in (
             (f"a decode step at batch {plan.cost.batch_size if plan.cost else 1}", s.working_decode_bytes),
             ("a prefill", s.working_prefill_bytes), ("buffers", s.working_buffer_bytes)) if b)
-        out.append(f"experts' working memory{per}, not in the footprint yet: {runs}; footprint + the most of it = "
-                   f"{human(peak)}{verdict}")
+        out.append(f"experts' working memory{per}: {runs}; the footprint counts the buffers and the larger phase")
     if s.cpu_bytes:
         threads = f" with {plan.cost.cpu_threads} threads" if plan.cost and plan.cost.cpu_threads else ""
         out.append(f"host CPU{per}: computes {human(s.cpu_bytes)} of routed experts{threads}, kept in host memory")

@@ -175,20 +175,23 @@ def test_show_tensors_and_diff_split_a_group_by_placement(tmp_path, monkeypatch,
                                                    kv_heads=2, head_dim=16, vocab=128), single=True)
     total = sum(i.nbytes for i in open_checkpoint(tmp_path / "ckpt").tensors.values())
     expert = 3 * 64 * 32 * 2  # gate, up and down of one expert in bf16: 12 KiB
-    for name, shed in (("one", 1), ("three", 3)):  # shed 1, then 3 experts' bytes (layer 0's come first)
-        # without staging: its slot for the layer norm the walk moves first would cost one more expert
-        write_policy(tmp_path, f"budget_gib: {(total - shed * expert) / 2**30!r}\nuva: {{stage_prefill: false}}\n",
-                     name=f"{name}.policy.yaml")
+    for name, shed in (("two", 2), ("three", 3)):  # shed 2, then 3 experts' bytes (layer 0's come first)
+        # without staging: its slot for the layer norm the walk moves first would cost one more expert; the
+        # footprint counts the experts' working memory: the one expert a token touches at top 1 and a 1-token prompt
+        write_policy(tmp_path, f"budget_gib: {(total - shed * expert + expert) / 2**30!r}\nuva: {{stage_prefill: "
+                     "false}\nworkload: {experts_per_token: 1, prompt_tokens: 1}\n", name=f"{name}.policy.yaml")
         run(capsys, "build", f"{name}.policy.yaml")
+        s = load_plan(tmp_path / f"{name}.plan.yaml").summary
+        assert (s.working_decode_bytes, s.working_prefill_bytes, s.working_buffer_bytes) == (expert, expert, 0)
     lines = run(capsys, "show", "three.plan.yaml", "--tensors", "--json")[1]
     units = [u for u in json.loads(lines)["units"] if u["layer"] == "model.layers.0" and "experts" in u["name"]]
     assert [(u["name"], u["placement"], u["tensors"], u["bytes"]) for u in units] == [
         ("model.layers.0.mlp.experts [experts 0-2]", "uva", 9, 3 * expert),
         ("model.layers.0.mlp.experts [experts 3]", "gpu", 3, expert)]
-    code, out, _ = run(capsys, "diff", "one.plan.yaml", "three.plan.yaml", "--json")
+    code, out, _ = run(capsys, "diff", "two.plan.yaml", "three.plan.yaml", "--json")
     moves = json.loads(out)["units"]
     assert [(m["layer"], m["from"], m["to"], m["units"], m["bytes"]) for m in moves] == [
-        ("model.layers.0", "gpu", "uva", ["mlp.experts [experts 1-2]"], 2 * expert)]
+        ("model.layers.0", "gpu", "uva", ["mlp.experts [experts 2]"], expert)]
 
 
 def test_build_warns_on_stderr_when_a_plan_saves_little(work, capsys):
@@ -214,8 +217,9 @@ def test_the_tiny_example_is_told_its_real_smallest_budget(tmp_path, monkeypatch
     need, text = re.search(r"needs \S+ KiB \(([\d,]+) bytes\).* is budget_gib: (\S+) \(", err).groups()
     need = int(need.replace(",", ""))
     # lm_head and the final norm stay on the GPU: 64.1 KiB, not the 0.01 GiB it once said; the layers'
-    # attention and norms on uva are staged at prefill through 2 slots of 26.0 KiB
-    assert (need, text) == (65664 + 2 * 26624, "0.000110746")
+    # attention and norms on uva are staged at prefill through 2 slots of 26.0 KiB; the experts' working memory
+    # (8 experts of 12 KiB, top 2): the lookahead's 2, and a staged prefill's 8 gathered and the ring of 8
+    assert (need, text) == (65664 + 2 * 26624 + (2 + 8 + 8) * 3 * 64 * 32 * 2, "0.00031674")
     write_policy(tmp_path, f"budget_gib: {text}\n" + rules, name="small.policy.yaml", head=head)
     assert run(capsys, "build", "small.policy.yaml")[0] == 0
     assert load_plan(tmp_path / "small.plan.yaml").summary.gpu_footprint_bytes == need

@@ -20,11 +20,15 @@ ATTN = "model.layers.*.self_attn"
 
 @pytest.fixture
 def work(tmp_path, monkeypatch, capsys):
-    """cwd = tmp_path holding ckpt/ (headeronly.TP_MOE) and, built: one.plan.yaml (one GPU, 160,000 bytes) and
-    two.plan.yaml (2 GPUs, 80,000 and 160,000 bytes)."""
+    """cwd = tmp_path holding ckpt/ (headeronly.TP_MOE) and, built: one.plan.yaml (one GPU: layer 0's norm and
+    experts 0-1 on uva) and two.plan.yaml (2 GPUs, 80,000 and 160,000 bytes)."""
     monkeypatch.chdir(tmp_path)
     tp_checkpoint(tmp_path / "ckpt")
-    write_policy(tmp_path, f"budget_gib: {2 * B!r}\n", name="one.policy.yaml", head=HEAD)
+    # 182,016 bytes less the norm (128 B) and 2 experts (12 KiB each), plus the norm's staging slot (256 B) and the
+    # experts' working memory on one GPU: the one expert a token touches at top 1 and a one-token prompt
+    one = (182016 - 128 - 2 * 12288 + 256 + 12288) / 2**30
+    write_policy(tmp_path, f"budget_gib: {one!r}\nworkload: {{experts_per_token: 1, prompt_tokens: 1}}\n",
+                 name="one.policy.yaml", head=HEAD)
     write_policy(tmp_path, f"gpus: [{B!r}, {2 * B!r}]\n", name="two.policy.yaml", head=HEAD)
     for name in ("one", "two"):
         assert run(capsys, "build", f"{name}.policy.yaml")[0] == 0

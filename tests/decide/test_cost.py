@@ -23,13 +23,14 @@ HW = Hardware("test", h2d_copy_gbps=1.0, uva_read_gbps=0.5, hbm_read_gbps=10.0, 
 
 
 def moe(layers=4, experts=8) -> list:
-    """Per layer: a dense 1 MB attention tensor and `experts` experts of 3 x 1 MB; embedding 1000 x 500 BF16."""
+    """Per layer: a dense 1 MB attention tensor and `experts` experts of 3 x 1 MB (1000 x 1000 bytes: the host
+    engine sizes its outputs by down_proj's rows, planner/decide/working.py); embedding 1000 x 500 BF16."""
     out = [("model.embed_tokens.weight", "BF16", (1000, 500))]  # 1 MB
     for i in range(layers):
         out.append((f"model.layers.{i}.self_attn.o_proj.weight", "U8", (10**6,)))
         for e in range(experts):
             for proj in ("down_proj", "gate_proj", "up_proj"):
-                out.append((f"model.layers.{i}.mlp.experts.{e}.{proj}.weight", "U8", (10**6,)))
+                out.append((f"model.layers.{i}.mlp.experts.{e}.{proj}.weight", "U8", (1000, 1000)))
     out.append(("lm_head.weight", "U8", (10**6,)))
     return out
 
@@ -123,53 +124,42 @@ def mixed(tensors, budget_mb, batch=1, step=2, top_k=2, rules=(), stage=True):
 
 
 def test_mixed_puts_sparse_experts_on_uva_at_batch_1():
-    d = mixed(moe(), budget_mb=60)  # 103 MB in all: 43 MB to shed; experts are 3 MB each, 24 MB a layer
+    d = mixed(moe(), budget_mb=84)  # 102 MB in all; experts are 3 MB each, 24 MB a layer
     uva = {n for n, p in d.params.items() if p is UVA}
-    # least read first, one expert of one fused parameter at a time: the embedding rows, then the experts, read
-    # alike, round the layers (each layer's first unit, then its second...) until 42 MB are off: 4 experts'
-    # down_proj (1 MB) and gate_up (2 MB) in layer 0, 4 down_proj and 3 gate_up in each of the others
-    down, gate_up = range(4), range(3)
-    assert uva == {"model.embed_tokens.weight"} | {n for n in d.params if ".experts." in n and (
-        n.startswith("model.layers.0.") and int(n.split(".")[5]) < 4
-        or n.endswith("down_proj.weight") and int(n.split(".")[5]) in down
-        or n.endswith(("gate_proj.weight", "up_proj.weight")) and int(n.split(".")[5]) in gate_up)}
+    # Experts on uva cost working memory (planner/decide/working.py): a decode step's 2 (6 MB), a staged prefill's
+    # whole layer (24 MB) and its ring of the layer's host experts, the lookahead's 2 (6 MB). Each walk is repeated
+    # with the room the last one needed kept free, the last keeping the most any placement needs (every expert on
+    # uva: 6 + 24 + a 24 MB ring = 54 MB): 30 MB for the tensors. Least read first, one expert of one fused
+    # parameter at a time: the embedding rows, then the experts, read alike, round the layers (each layer's first
+    # unit, then its second...) until 29 MB are left: lm_head, the attention, and 2 experts in each layer
+    assert uva == {"model.embed_tokens.weight"} | {n for n in d.params if ".experts." in n and int(n.split(".")[5]) < 6}
     assert PREFETCH not in d.params.values()
-    # the same step as taking layer 0's experts, then six of layer 1's (27.652 ms), but a faster prefill: each
-    # layer's copy of its host experts hides behind other layers' compute (43.126 ms against 48.147)
+    # their working memory: the lookahead's 6 MB and a prefill's 24 MB layer and ring of 6 host experts (18 MB)
+    assert (d.summary.uva_bytes, d.summary.working_peak_bytes, d.summary.gpu_footprint_bytes) == (
+        73 * 10**6, 48 * 10**6, 77 * 10**6)
+    # the same step as taking layers 0-2's experts whole (41.902 ms), but a faster prefill: each layer's copy of
+    # its host experts hides behind other layers' compute (73.126 ms against 75.636)
     assert d.notes[1].startswith("mixed chose 'sparse round the layers->uva, dense->prefetch': predicted step "
-                                 "27.652 ms, prefill 43.126 ms, request 7122.038 ms")
-    assert "sparse->uva, dense->prefetch: step 27.652 ms, prefill 48.147 ms" in d.notes[1]
+                                 "41.902 ms, prefill 73.126 ms, request 10800.038 ms")
+    assert "sparse->uva, dense->prefetch: step 41.902 ms, prefill 75.636 ms" in d.notes[1]
     rows = {l.name: l for l in d.layers}
     assert rows["model.layers.0"].why == "expert -> uva (25.0% read per step)"
-    assert rows["model.layers.0"].experts == "mlp.experts: gpu 4-7, uva 0-3"
-    assert rows["model.layers.3"].experts == ("mlp.experts.down_proj.weight: gpu 4-7, uva 0-3; "
-                                              "mlp.experts.gate_up_proj.weight: gpu 3-7, uva 0-2")
-    assert d.summary.uva_bytes == 43 * 10**6
+    assert [rows[f"model.layers.{i}"].experts for i in range(4)] == ["mlp.experts: gpu 6-7, uva 0-5"] * 4
 
 
 def test_mixed_at_batch_64_offloads_no_more_than_it_must():
-    # At batch 64 nearly every expert is touched, so reading one through UVA costs what copying it does.
-    # Streaming whole layers must offload more than the 43 MB to shed (and pay for slots); one expert at a
-    # time, uva moves just enough: it is predicted faster, though the experts it reads through UVA are
-    # staged in HBM (written and read back: the GPU term, not the link, sets its step). (Moving attention to uva too, as 'uva only' does,
-    # costs a prefill staging slot per layer moved, so it must move two experts more.)
+    # At batch 64 nearly every expert is touched: experts on uva would gather all a step touches into HBM (24 MB a
+    # layer), a prefill a layer and its ring (48 MB), and the lookahead 6 MB: 54 MB of working memory, more than the
+    # 2 slots of 25 MB that streaming whole layers costs. So the uva strategies must offload nearly all (every
+    # expert read through UVA each step: 211.828 ms) and 'prefetch only' is predicted fastest: the fewest layers
+    # that fit, all 4 (lm_head and the embedding stay: 2 MB), copied at 1 MB/us (100 ms a step)
     d = mixed(moe(), budget_mb=60, batch=64)
-    assert d.notes[1] == (
-        "mixed chose 'sparse->uva, dense->prefetch': predicted step 99.628 ms, prefill 48.147 ms, request "
-        "25552.915 ms (prefill of 512 tokens + 256 steps at batch 64); others: sparse round the layers->uva, "
-        "dense->prefetch: step 109.228 ms, prefill 43.126 ms, request 28005.494 ms; sparse->uva, dense->uva: step "
-        "99.628 ms, prefill 48.147 ms, request 25552.915 ms; prefetch only: step 100.000 ms, prefill 100.153 ms, "
-        "request 25700.153 ms; uva only: step 101.528 ms, prefill 49.147 ms, request 26040.315 ms")
-    # Round the layers, all four layers would hold experts in pinned memory and gather their touched experts
-    # into HBM each step (at batch 64 nearly all 24 MB of a layer's, written and read back): a slower step.
-    # 512 tokens touch every expert, so prefill streams the experts on uva through the ring, which costs no
-    # footprint: layer 0's 24 MB and layer 1's 18 MB copied at 1 MB/ms, 42 ms that hide those layers' compute
-    # (0.822 ms), where reading them in place after the router would take 84 ms at 0.5 MB/ms (90.969 ms)
-    assert d.summary.uva_bytes == 43 * 10**6  # the embedding and 42 MB of experts: just what it must shed
-    assert d.prefill == PrefillStaging(HW.stage_above_tokens, 0, 0, (
-        StagedLayer("model.layers.0", "model.layers.0", 0), StagedLayer("model.layers.1", "model.layers.1", 0)),
-        ring_bytes=24 * 10**6)  # embeddings are never staged; the ring holds layer 0's experts
-    assert d.summary.stage_buffer_bytes == 0
+    assert d.notes[1].startswith(
+        "mixed chose 'prefetch only': predicted step 100.000 ms, prefill 100.153 ms, request 25700.153 ms (prefill "
+        "of 512 tokens + 256 steps at batch 64); others: sparse->uva, dense->prefetch: step 211.828 ms")
+    assert (d.summary.uva_bytes, d.summary.prefetch_bytes, d.summary.working_peak_bytes) == (0, 100 * 10**6, 0)
+    assert (d.prefetch.slots, d.summary.gpu_footprint_bytes) == (2, 2 * 10**6 + 2 * (25 * 10**6 + 192))  # 256-aligned
+    assert d.prefill is None  # nothing on uva to stage
 
 
 def test_mixed_respects_rules_and_budget_check():
@@ -177,11 +167,17 @@ def test_mixed_respects_rules_and_budget_check():
     d = mixed(moe(), budget_mb=60, rules=rules)
     assert d.params["lm_head.weight"] is UVA
     from planner.errors import BudgetError
-    with pytest.raises(BudgetError, match=r"the plan needs 976.6 KiB \(1,000,000 bytes\) of GPU memory"):
-        mixed(moe(), budget_mb=0.5, stage=False)  # lm_head (1 MB) stays on the GPU unless a rule moves it
-    # staged at prefill, the attention tensors on uva take 2 slots of 1 MB (each rounded up to 256 bytes)
-    with pytest.raises(BudgetError, match=r"the plan needs 2.9 MiB \(3,000,384 bytes\) of GPU memory"):
+    # lm_head (1 MB) stays on the GPU unless a rule moves it, with the working memory of every expert on uva read in
+    # place: a decode step's 2 experts (6 MB), a prefill's whole layer (24 MB: 512 tokens touch all 8), the
+    # lookahead's 2 (6 MB): 30 MB
+    with pytest.raises(BudgetError, match=r"the plan needs 29.6 MiB \(31,000,000 bytes\) of GPU memory(.|\n)*28.6 MiB of "
+                                          r"it are the experts' working memory"):
+        mixed(moe(), budget_mb=0.5, stage=False)
+    # staged at prefill, the uva plans would add 2 slots of 1 MB and a 24 MB ring: streaming whole layers (2 slots
+    # of 25 MB, 256-aligned; the embedding and lm_head stay) needs the least, and no working memory
+    with pytest.raises(BudgetError, match=r"the plan needs 49.6 MiB \(52,000,384 bytes\) of GPU memory") as e:
         mixed(moe(), budget_mb=0.5)
+    assert "working memory" not in str(e.value)
 
 
 def test_rule_roles_feed_the_model():

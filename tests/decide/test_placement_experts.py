@@ -2,10 +2,15 @@
 naming the key."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
-from headeronly import GPU, UVA, experts_of, mib, moe_toy, placed, plan_of, policy, toy
+from headeronly import GPU, UVA, MiB, experts_of, infos, mib, moe_toy, placed, plan_of, policy, toy
+from planner.decide.placement import decide
 from planner.errors import PolicyError
+from planner.inputs.policy import Workload
+from planner.layers.graph import build_graph
 from synthetic import gpt_oss
 from test_placement_prefetch import dense_then_moe
 
@@ -19,10 +24,17 @@ def test_uva_walk_offloads_a_fused_parameter_whole_as_vllm():
 
 
 def test_uva_budget_walk_moves_one_expert_of_one_parameter_at_a_time():
-    t = moe_toy()  # 2 + 3 * 7 = 23 MiB
-    d, _ = plan_of(t, policy(budget_gib=mib(20)))  # 3 MiB to shed: expert 0's down (1), then its gate+up (2)
-    assert placed(d, UVA) == [f"model.layers.0.mlp.experts.0.{p}.weight" for p in ("down_proj", "gate_proj", "up_proj")]
-    assert d.layers[1].experts == "mlp.experts: gpu 1, uva 0"  # the layer row says which experts are where
+    t = infos(moe_toy())  # 2 + 3 * 7 = 23 MiB; an expert 3 MiB: down_proj 1, gate_up 2
+    # at top 1 and a one-token prompt the experts' working memory is the one expert a token touches (3 MiB), so
+    # 22 MiB leaves 19 for the tensors: 4 MiB to shed: expert 0's down (1), its gate+up (2), then expert 1's down (1)
+    pol = dataclasses.replace(policy(budget_gib=mib(22)), workload=Workload(prompt_tokens=1))
+    d = decide(build_graph(t), t, pol, top_k=1)
+    assert placed(d, UVA) == [f"model.layers.0.mlp.experts.0.{p}.weight" for p in ("down_proj", "gate_proj", "up_proj")
+                              ] + ["model.layers.0.mlp.experts.1.down_proj.weight"]
+    # the layer row says which experts of which fused parameter are where
+    assert d.layers[1].experts == "mlp.experts.down_proj.weight: uva 0-1; mlp.experts.gate_up_proj.weight: gpu 1, uva 0"
+    assert (d.summary.gpu_bytes, d.summary.working_peak_bytes, d.summary.gpu_footprint_bytes) == (
+        19 * MiB, 3 * MiB, 22 * MiB)
 
 
 @pytest.mark.parametrize("pol, where", [

@@ -117,6 +117,7 @@ def test_a_uva_walk_that_never_fits_stops_where_the_footprint_was_smallest():
     (uneven_layers(), dict(backend="prefetch", step=2)),      # footprint not monotonic in the layer count
     (toy(8), dict(group_size=4, num_in_group=2, step=2)),     # group: the budget is a check
     (moe_toy(4), dict(backend="mixed", step=2)),
+    (moe_toy(2), dict()),  # offloading experts costs more working memory than it saves: the least is all on the GPU
     (toy(4), dict(rules=[(["lm_head"], "prefetch")], step=2)),
 ])
 def test_the_suggested_budget_builds_and_one_byte_less_does_not(tensors, kw):
@@ -124,7 +125,8 @@ def test_the_suggested_budget_builds_and_one_byte_less_does_not(tensors, kw):
     assert int(float(text) * 2**30) == need
     d, t = plan_of(tensors, policy(budget_gib=float(text), **kw))
     gpu = sum(t[n].nbytes for n, p in d.params.items() if p is GPU)
-    assert gpu + (d.prefetch.pool_bytes if d.prefetch else 0) + (d.prefill.pool_bytes if d.prefill else 0) == need
+    pools = (d.prefetch.pool_bytes if d.prefetch else 0) + (d.prefill.pool_bytes if d.prefill else 0)
+    assert gpu + pools + d.summary.working_peak_bytes == need  # the experts' working memory counts too
     with pytest.raises(BudgetError):
         plan_of(tensors, policy(budget_gib=(need - 1) / 2**30, **kw))
 

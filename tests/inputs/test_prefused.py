@@ -181,8 +181,13 @@ def test_mixed_moves_pre_fused_experts_whole_and_first():
     tensors = tiny_gpt_oss()
     t = infos(tensors)
     total = sum(i.nbytes for i in t.values())  # 228,784 bytes
-    pol = dataclasses.replace(policy("mixed", budget_gib=(total - 85_000) / 2**30), workload=Workload(1))
+    # the experts' working memory, in the footprint: MXFP4 experts dequantize the touched ones, on the GPU too, so
+    # it is the same wherever they lie (planner/decide/working.py): the all-GPU plan's
+    working = decide(build_graph(t), t, policy(), H100, 2, num_experts=8).summary.working_peak_bytes
+    assert working > 0
+    pol = dataclasses.replace(policy("mixed", budget_gib=(total - 85_000 + working) / 2**30), workload=Workload(1))
     d = decide(build_graph(t), t, pol, H100, 2, num_experts=8)
+    assert d.summary.working_peak_bytes == working
     uva = ["model.embed_tokens.weight"] + experts_of(0)
     assert d.params == {n: UVA if n in uva else GPU for n, _, _ in tensors}
     assert [dataclasses.replace(l, us=0) for l in d.layers] == [

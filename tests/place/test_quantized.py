@@ -21,7 +21,9 @@ POLICIES = {
     "gpu": "",
     "uva": "backend: uva\nuva: {offload_gib: 100}",
     "prefetch": "prefetch: {group_size: 2, num_in_group: 1, step: 1}",
-    "mixed": "backend: mixed\nbudget_gib: BUDGET\nprefetch: {step: 1}",  # 60% of the checkpoint
+    # 80% of the checkpoint and a one-token prompt: room for the experts' working memory (planner/decide/working.py:
+    # FP8 and MXFP4 experts dequantize theirs), where mixed still puts experts on uva
+    "mixed": "backend: mixed\nbudget_gib: BUDGET\nprefetch: {step: 1}\nworkload: {prompt_tokens: 1}",
 }
 
 
@@ -68,7 +70,7 @@ def test_the_writers_follow_the_published_layouts(checkpoints):
 @pytest.mark.parametrize("policy", list(POLICIES))
 def test_quantized_loads_match_the_dequantized_reference(tmp_path, checkpoints, expected, name, policy):
     quantized, ref = checkpoints[name]
-    body = POLICIES[policy].replace("BUDGET", str(open_checkpoint(quantized).total_bytes * 0.6 / 2**30))
+    body = POLICIES[policy].replace("BUDGET", str(open_checkpoint(quantized).total_bytes * 0.8 / 2**30))
     plan_path = make_plan(tmp_path, quantized, body)
     plan = load_plan(plan_path)
     pairs = partners(open_checkpoint(quantized).tensors)

@@ -68,7 +68,8 @@ HEADLINE = ("p.plan.yaml: the plan is inconsistent (edited by hand?): params: co
     ("uva", ("  bytes: 22020096\n", "  bytes: 22020095\n"), ("bytes: 22020095", 10),
      "checkpoint.bytes is 22020095 but the layers add up to 22020096"),
     ("uva", ("  gpu_footprint_bytes: 22020096\n", "  gpu_footprint_bytes: 1\n"), ("gpu_footprint_bytes: 1\n", 24),
-     "summary.gpu_footprint_bytes is 1 but gpu_bytes + prefetch_buffer_bytes + stage_buffer_bytes is 22020096"),
+     "summary.gpu_footprint_bytes is 1 but the pools, gpu_bytes and the working memory's peak (plan.py Summary) add up "
+     "to 22020096"),
     ("prefetch", ("  prefetch_buffer_bytes: 6291456\n", "  prefetch_buffer_bytes: 3145728\n"),
      ("prefetch_buffer_bytes: 3145728", 26),
      "summary.prefetch_buffer_bytes is 3145728 but the prefetch section sizes the pool at 6291456"),

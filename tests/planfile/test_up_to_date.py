@@ -28,7 +28,9 @@ CHECKPOINTS = {
 POLICIES = {
     "none": "",
     "uva": "backend: uva\nuva: {offload_gib: 0.0005}\n",
-    "budget": "budget_gib: BUDGET\n",
+    # a one-token prompt read in place: the experts' working memory, in the footprint (planner/decide/working.py),
+    # stays below what the walk saves in checkpoints this small (a long prompt's prefill gathers a layer's experts)
+    "budget": "budget_gib: BUDGET\nuva: {stage_prefill: false}\nworkload: {prompt_tokens: 1}\n",
     "prefetch": "prefetch: {group_size: 2, num_in_group: 1, step: 2, params: [experts]}\n"
                 "rules:\n  - match: [embed_tokens]\n    place: uva\n",
     "prefetch-budget": "backend: prefetch\nbudget_gib: BUDGET\nprefetch: {step: 1}\n",
