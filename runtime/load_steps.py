@@ -161,7 +161,7 @@ def _allocate_and_fill(h: OffloadHandle, from_checkpoint: bool, progress) -> dic
         resident = sum(t.nbytes for t in h.targets if t.placement is GPU) + sum(
             t.nbytes // t.shape[0] * len(t.resident) for t in h.targets if t.resident)
         pools = (h.plan.prefetch.pool_bytes if h.plan.prefetch else 0) + (
-            h.plan.prefill.pool_bytes if h.plan.prefill else 0)
+            h.plan.prefill.pool_bytes if h.plan.prefill else 0) + h.plan.summary.working_peak_bytes
         check_gpu_memory(h.device, resident, pools)
         torch.cuda.synchronize(h.device)
         torch.cuda.reset_peak_memory_stats(h.device)

@@ -45,7 +45,7 @@ shape, every expert in pinned memory, batch 1, count 2, off and on in the same
 run): with 8 of its layers, 0.86x -> 0.93x the link floor under graph replay,
 0.92x -> 0.948x compiled and replayed; with all 48, 0.875x -> 0.970x and
 0.914x -> 0.963x. The buffer holds 2 experts' rows (19 MB); it counts in
-`LoadStats.gpu_buffer_bytes`, not in the plan's GPU footprint.
+`LoadStats.gpu_buffer_bytes`, and in the plan's GPU footprint as working memory (planner/decide/working.py).
 
 Limits. The link still idles between steps: from the last layer's gathers,
 through the head, to the next step's first router (measured with kernel

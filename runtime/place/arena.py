@@ -9,7 +9,7 @@ with `cudaHostRegister`: pinned bytes = offloaded bytes + alignment padding.
 Why the base is aligned: on the H100, bf16 GEMVs through a zero-copy view of
 memory that starts 64 bytes past a page boundary (where `torch.empty` put the
 arena before) read 42 GB/s; starting on a page, or 256 or 2048 bytes past one,
-they read 50.8 GB/s, as fast as `cudaHostAlloc` memory (benchmarks/uva_align.py,
+they read 50.8 GB/s, as fast as `cudaHostAlloc` memory (docs/uva-align/uva_align.py,
 benchmarks/RESULTS.md). What counts is that every tensor starts on a 256-byte
 boundary: a page-aligned base and `ALIGN` between tensors give that. A 2 MiB
 base with transparent huge pages measured the same as a page, so the arena
@@ -44,7 +44,7 @@ from planner.errors import OffplanError
 
 PAGE = mmap.PAGESIZE
 HUGE_PAGE = 2 * 2**20
-BASE_ALIGN = PAGE  # where the arena starts (benchmarks/uva_align.py measured a page and 2 MiB alike)
+BASE_ALIGN = PAGE  # where the arena starts (docs/uva-align/uva_align.py measured a page and 2 MiB alike)
 BASE_OFFSET = 0  # bytes past that boundary: 0, except to measure what alignment buys (benchmarks/decode.py)
 ALIGN = 256  # bytes between tensors: UVA reads of a tensor starting 64 B past that run 16% slower
 

@@ -149,5 +149,5 @@ def check_gpu_memory(device: torch.device, resident: int, pool: int) -> None:
         gib = 2**30
         raise OffplanError(
             f"the plan needs {need / gib:.2f} GiB of GPU memory ({resident / gib:.2f} GiB resident + "
-            f"{pool / gib:.2f} GiB prefetch and prefill buffers) but only {free / gib:.2f} GiB of {total / gib:.2f} GiB "
+            f"{pool / gib:.2f} GiB buffers and the experts' working memory) but only {free / gib:.2f} GiB of {total / gib:.2f} GiB "
             f"is free on {device}; rebuild the plan with budget_gib <= {free / gib * 0.95:.1f}")
