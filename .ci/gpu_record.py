@@ -1,7 +1,7 @@
 """The record of the last full GPU run, and the CI guard that keeps untested GPU code off main.
 
 CI has no GPU. Code that runs on the GPU (GPU_PATHS: the runtime, the GPU
-tests, the decode, front-door, MoE, MoE-kernel, parallel, peers, prefill and quantized benchmarks with the
+tests, the decode, front-door, memory, MoE, MoE-kernel, parallel, peers, prefill and quantized benchmarks with the
 harness they share, the quantized checkpoint writer the front-door and quantized ones use, and what each process of the
 tensor-parallel GPU tests runs) therefore lands only with a
 record, committed in
@@ -50,7 +50,7 @@ ROOT = Path(__file__).resolve().parent.parent
 RECORD = ".ci/gpu-run.json"  # relative to the root
 GPU_PATHS = ("runtime", "benchmarks/harness", "benchmarks/decode.py", "benchmarks/front_door.py",
              "benchmarks/moe.py", "benchmarks/moe_kernels.py", "benchmarks/parallel.py", "benchmarks/prefill.py",
-             "benchmarks/quantized.py", "benchmarks/peers.py", "benchmarks/peers", "tests/parallel_ranks.py", "tests/quantized_models.py", "tests/**/*_gpu.py")  # globs relative to the root; `**/`: any folders, none included
+             "benchmarks/quantized.py", "benchmarks/memory.py", "benchmarks/peers.py", "benchmarks/peers", "tests/parallel_ranks.py", "tests/quantized_models.py", "tests/**/*_gpu.py")  # globs relative to the root; `**/`: any folders, none included
 SUITE = ["-m", "pytest", "-m", "gpu", "-v", "-s", "-p", "no:cacheprovider", "tests"]
 SUMMARY = re.compile(r"^=+ (.* in [\d.]+s.*?) =+$")
 

@@ -49,7 +49,7 @@ import torch
 
 from harness.checkpoints import checkpoint_and_hardware, config_for
 from harness.loops import decode, decode_static, prompts
-from harness.plans import make_plan, offloaded_layers, policy_text, predicted_us
+from harness.plans import experts_working_bytes, make_plan, offloaded_layers, policy_text, predicted_us
 from planner.inputs.config import read_config
 from planner.layers.graph import build_graph
 from planner.planfile import load_plan
@@ -198,7 +198,8 @@ class Bench:
     def experts_on_host(self) -> None:
         """A mixed plan whose budget holds everything but the experts."""
         experts = sum(self.info.tensors[n].nbytes for n in self.info.tensors if ".experts." in n)
-        budget = (self.info.total_bytes - experts) / GIB * 1.02
+        working = experts_working_bytes(self.work, policy_text("gpu", 0, [], self.hw_path, None))  # in the budget
+        budget = ((self.info.total_bytes - experts) * 1.02 + working) / GIB
         plan = make_plan(self.work, "mixed-experts-host",
                          policy_text("mixed-experts-host", 1.0, [], self.hw_path, budget))
         s = load_plan(plan).summary

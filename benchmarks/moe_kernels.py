@@ -122,14 +122,17 @@ def main(argv=None) -> int:
     cases = [("gpu-batched_mm", gpu, "batched_mm", False), ("experts-host-offplan", run.plan("experts-host",
              moe.EXPERTS_HOST), None, False)]
     if args.resident:
+        from harness.plans import experts_working_bytes
         from planner.planfile import load_plan
         profile = record_profile(run, gpu)
         layer_experts = run.experts * run.expert_bytes
         dense = run.info.total_bytes - run.layers * layer_experts
+        workload = f"workload: {{batch_size: 1, routing: {profile.name}, cuda_graphs: true}}\n"
+        working = experts_working_bytes(run.work, "format_version: 1\ncheckpoint: ckpt\nhardware: hw.yaml\n",
+                                        workload)  # the budget counts it (planner/decide/working.py)
         for f in args.resident:
-            budget = (dense + f * run.layers * layer_experts) / 2**30
-            plan = run.plan(f"budget-per-expert-{f:g}", f"backend: mixed\nbudget_gib: {budget!r}\n"
-                            f"workload: {{batch_size: 1, routing: {profile.name}, cuda_graphs: true}}\n")
+            budget = (dense + f * run.layers * layer_experts + working) / 2**30
+            plan = run.plan(f"budget-per-expert-{f:g}", f"backend: mixed\nbudget_gib: {budget!r}\n{workload}")
             load_plan(plan)
             cases.append((f"budget-per-expert-{f:g}", plan, None, False))
     if args.compiled:

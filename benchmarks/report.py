@@ -15,6 +15,7 @@ import sys
 from planner.files import write_atomic
 from reporting.dense import align_table, load, model_tables, plot
 from reporting.front_door import front_door_tables
+from reporting.memory import memory_tables
 from reporting.host_experts import host_experts_tables
 from reporting.moe import moe_tables
 from reporting.parallel import parallel_tables
@@ -41,7 +42,7 @@ def render(models: dict, with_plot: bool) -> str:
              "and summarised by "
              "`python benchmarks/report.py` from the raw records in `benchmarks/results/`. Commands:", "",
              "```sh",
-             "python benchmarks/uva_align.py",
+             "python docs/uva-align/uva_align.py",
              "python benchmarks/decode.py --model llama-8b --fractions 0.5 --batches 1 8 --accelerate-batches 1 8 "
              "--strategies accelerate uva uva-64b prefetch mixed",
              "python benchmarks/moe.py --layers 8",
@@ -73,6 +74,10 @@ def render(models: dict, with_plot: bool) -> str:
              "python benchmarks/front_door.py --layers 8 --strategies gpu prefetch mixed uva --label b",
              "python benchmarks/front_door.py --layers 8 --strategies gpu experts-uva experts-uva-fp8 mixed --label c"
              "   # an H100, with them",
+             "python benchmarks/front_door.py --layers 8 --strategies gpu experts-uva experts-uva-fp8 mixed --label d"
+             "   # an H100, the budget counting working memory, generate timed as the median of 3 calls",
+             "python benchmarks/memory.py --model qwen3-30b-a3b --layers 8",
+             "python benchmarks/memory.py --model llama-8b --layers 8 --strategies gpu uva prefetch mixed",
              "python benchmarks/parallel.py --model qwen3-30b-a3b --layers 8 --gpus 1 2 --batches 1 8   # then: mv "
              "results/parallel-qwen3-30b-a3b-8layers.jsonl results/parallel-qwen3-30b-a3b-4xh200-run1.jsonl; with "
              "--gpus 1 4: -run2; on two H200s: -2xh200",
@@ -103,6 +108,7 @@ def render(models: dict, with_plot: bool) -> str:
     lines += staging_ab()
     lines += quantized_tables()
     lines += front_door_tables()
+    lines += memory_tables()
     lines += parallel_tables()
     lines += peers_tables()
     lines += plan_speed_tables()

@@ -47,7 +47,8 @@ def scratch_repo(tmp_path: Path) -> Path:
                       "benchmarks/decode.py": "decode", "benchmarks/front_door.py": "front door",
                       "benchmarks/moe.py": "moe", "benchmarks/moe_kernels.py": "kernels",
                       "benchmarks/parallel.py": "parallel", "benchmarks/prefill.py": "prefill",
-                      "benchmarks/quantized.py": "quantized", "benchmarks/peers.py": "peers",
+                      "benchmarks/quantized.py": "quantized", "benchmarks/memory.py": "memory",
+                      "benchmarks/peers.py": "peers",
                       "benchmarks/peers/build.sh": "build", "tests/parallel_ranks.py": "ranks",
                       "tests/quantized_models.py": "writer",
                       "tests/test_x_gpu.py": "gpu test", "tests/a/b/test_y_gpu.py": "deeper gpu test",
@@ -88,7 +89,8 @@ def test_ids_from_files_follow_gits_order_modes_and_ignores(tmp_path):
     ids = gpu_record.ids_from_files(root)
     assert list(ids) == ["runtime", "benchmarks/harness", "benchmarks/decode.py", "benchmarks/front_door.py",
                          "benchmarks/moe.py", "benchmarks/moe_kernels.py", "benchmarks/parallel.py",
-                         "benchmarks/prefill.py", "benchmarks/quantized.py", "benchmarks/peers.py",
+                         "benchmarks/prefill.py", "benchmarks/quantized.py", "benchmarks/memory.py",
+                         "benchmarks/peers.py",
                          "benchmarks/peers", "tests/parallel_ranks.py",
                          "tests/quantized_models.py", "tests/a/b/test_y_gpu.py", "tests/test_x_gpu.py"]
     assert ids == gpu_record.ids_at_head(root) == {rel: git(root, "rev-parse", f"HEAD:{rel}") for rel in ids}

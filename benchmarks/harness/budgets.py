@@ -40,6 +40,8 @@ def measure_budgets(run, profile: Path) -> None:
     """Per `--resident` fraction: per-expert placement under a budget (the profile ranks the experts)
     against whole layers' experts on uva, with the same bytes resident."""
     from planner.planfile import load_plan
+
+    from .plans import experts_working_bytes
     layer_experts = run.experts * run.expert_bytes
     dense = run.info.total_bytes - run.layers * layer_experts
     workload = f"workload: {{{{batch_size: {{batch}}, routing: {profile.name}, cuda_graphs: true}}}}\n"
@@ -50,9 +52,11 @@ def measure_budgets(run, profile: Path) -> None:
         run.record(kind="prediction", name="gpu", batch=b,
                     predicted_steps_per_s=1e6 / max(1, p.summary.predicted_step_us),
                     best_gpu_steps_per_s=best[0], best_gpu_implementation=best[1])
+    working = experts_working_bytes(run.work, "format_version: 1\ncheckpoint: ckpt\nhardware: hw.yaml\n",
+                                    workload.format(batch=1))  # the budget counts it (planner/decide/working.py)
     for fraction in run.args.resident:
         host = round((1 - fraction) * run.layers)  # layers whose experts whole layers put on uva
-        resident = dense + (run.layers - host) * layer_experts
+        resident = dense + (run.layers - host) * layer_experts + working
         whole = "|".join(map(str, range(host)))
         plans = {
             f"budget-per-expert-{fraction:g}":

@@ -50,6 +50,14 @@ def make_plan(work: Path, name: str, text: str) -> Path:
     return out
 
 
+def experts_working_bytes(work: Path, head: str, workload: str = "") -> int:
+    """The experts' working memory at its peak (planner/decide/working.py) with every routed expert on uva under
+    `workload` (a `workload:` line, or none): what a budget that holds a share of the weights adds, since the
+    plan's footprint counts it. `head`: the policy's format_version, checkpoint and hardware lines."""
+    path = make_plan(work, "experts-working", f"{head}rules:\n  - {{match: [experts], place: uva}}\n{workload}")
+    return load_plan(path).summary.working_peak_bytes
+
+
 @functools.lru_cache(maxsize=None)
 def plan_facts(plan_path: Path):
     """The plan, its checkpoint's layer graph, tensors, expert groups and top-k: read once per plan."""

@@ -1,4 +1,4 @@
-"""The dense decode section (decode-*.jsonl, benchmarks/decode.py; uva-align.jsonl, benchmarks/uva_align.py):
+"""The dense decode section (decode-*.jsonl, benchmarks/decode.py; uva-align.jsonl, docs/uva-align/uva_align.py):
 steps/s per strategy against the limit, load figures, UVA bandwidth by where pinned memory starts, and the plot.
 
 The limit at batch b for a plan offloading B bytes is 1 / max(B / H2D floor of
@@ -131,7 +131,7 @@ def model_tables(name: str, m: dict) -> list[str]:
 
 
 def align_table() -> list[str]:
-    """The arena alignment measurement (benchmarks/uva_align.py): median over its rounds."""
+    """The arena alignment measurement (docs/uva-align/uva_align.py): median over its rounds."""
     path = RESULTS / "uva-align.jsonl"
     if not path.is_file():
         return []

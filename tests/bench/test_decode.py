@@ -35,9 +35,11 @@ def test_moe_benchmark_runs_on_the_cpu(tmp_path):
     budget = {r["name"]: r for r in rows if r["kind"] == "decode" and "resident_fraction" in r}
     assert set(budget) == {"budget-per-expert-0.5", "whole-layers-uva-0.5"}
     per_expert, whole = budget["budget-per-expert-0.5"], budget["whole-layers-uva-0.5"]
-    assert per_expert["uva_bytes"] >= whole["uva_bytes"] > 0
-    assert per_expert["predicted_h2d_bytes_per_step"]["1"] < whole["predicted_h2d_bytes_per_step"]["1"]
-    assert per_expert["observed_h2d_bytes_per_step"] < whole["observed_h2d_bytes_per_step"]
+    # the budget also holds the experts' working memory, which at a prefill is a whole layer's experts and their
+    # ring: more than this tiny model saves by offloading, so the mixed plan keeps every expert on the GPU
+    # (on Qwen3-30B-A3B's shapes it keeps the most-hit ones: RESULTS.md)
+    assert whole["uva_bytes"] > 0 and whole["observed_h2d_bytes_per_step"] > 0
+    assert per_expert["uva_bytes"] == per_expert["prefetch_bytes"] == per_expert["observed_h2d_bytes_per_step"] == 0
     runs = {(r["name"], r["implementation"], r["batch"]) for r in rows if r["kind"] == "decode"}
     assert ("experts-host-offplan", "offplan", 2) in runs and ("gpu-grouped_mm", "grouped_mm", 1) in runs
     assert all(r["same_tokens"] for r in rows if r["kind"] == "decode" and r["implementation"] != "eager")

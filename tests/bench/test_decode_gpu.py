@@ -1,4 +1,4 @@
-"""benchmarks/decode.py, moe.py, moe_kernels.py and prefill.py on CUDA (marked `gpu`): every strategy and placement,
+"""benchmarks/decode.py, moe.py, moe_kernels.py, prefill.py, front_door.py and memory.py on CUDA (marked `gpu`): every
 eager and graph replay, same tokens as all-GPU."""
 from __future__ import annotations
 
@@ -141,3 +141,22 @@ def test_moe_benchmark_measures_experts_on_cpu_replayed_and_eager(tmp_path):
     assert all(r["steps_per_s"] > 0 and r["host_median_us"] > 0 and r["kernel_compiled"] and r["kernel_misses"] == 0
                and r["cpu_threads"] == 2 for r in host.values())
     assert all(r["host_decode_calls"] >= 2 * 3 for r in host.values())  # 2 layers x the 3 timed steps at least
+
+
+def test_memory_benchmark_measures_every_plan_against_its_footprint(tmp_path):
+    """memory.py on a tiny Qwen3-MoE, a prompt above the staging threshold: every strategy loaded and generated
+    from, its peak recorded beside a footprint that holds its experts' working memory (the 1% target is judged on
+    the real shapes of RESULTS.md: at this size the allocator's workspaces outweigh every plan's bytes)."""
+    import json
+    code = load_benchmark("memory").main(["--model", "tiny", "--layers", "4", "--prompt-tokens", "200",
+                                          "--new-tokens", "4", "--dir", str(tmp_path / "work"),
+                                          "--out", str(tmp_path / "out")])
+    rows = [json.loads(l) for l in (tmp_path / "out" / "memory-tiny.jsonl").read_text().splitlines()]
+    assert code == (1 if any(r.get("ratio_to_footprint", 0) > 1.01 for r in rows) else 0)
+    memory = {r["strategy"]: r for r in rows if r["kind"] == "memory"}
+    assert set(memory) == set(load_benchmark("memory").STRATEGIES)
+    for name, r in memory.items():
+        working = r["working_buffer_bytes"] + max(r["working_decode_bytes"], r["working_prefill_bytes"])
+        assert r["footprint_bytes"] == r["gpu_bytes"] + r["pool_bytes"] + working and r["peak_bytes"] > 0
+        assert (working > 0) == (name not in ("gpu", "prefetch")), name
+        assert r["mode"] == "graph" and r["load_peak_bytes"] <= r["peak_bytes"]

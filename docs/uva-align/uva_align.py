@@ -1,6 +1,9 @@
 """Where pinned host memory starts, and how fast the GPU reads it in place: UVA GEMV and H2D copy GB/s.
 
-    python benchmarks/uva_align.py --out benchmarks/results     # on the GPU machine
+    python docs/uva-align/uva_align.py --out benchmarks/results     # on the GPU machine
+
+Kept as it ran: it decided where the runtime's arena starts (runtime/place/arena.py), and its record stays in
+benchmarks/results/uva-align.jsonl and RESULTS.md.
 
 The same bytes (eight bf16 [14336, 4096] weights, 0.94 GB: an LLM's MLP shape)
 in host memory allocated several ways, read by bf16 GEMVs through a zero-copy
