@@ -9,7 +9,8 @@ block-scaled FP8 copy (tests/quantized_models.py) for `experts-uva-fp8`, the har
 per strategy, built as a user builds it (default workload: batch 1, eager):
 
 - `gpu`: everything on the GPU;  `uva`: every other decoder layer on uva;  `prefetch`: every other decoder layer
-  streamed (group 2, step 2);  `mixed`: `backend: mixed` under a budget of half the checkpoint's bytes;
+  streamed (group 2, step 2);  `mixed`: `backend: mixed` under a budget of half the checkpoint's bytes and the
+  experts' working memory with every expert on uva (planner/decide/working.py);
 - `experts-uva`: every routed expert on uva (the README's main job);  `experts-uva-fp8`: the same, FP8 weights.
 
 At each `--batches` B (B copies of the prompt `PROMPT`, its UTF-8 bytes as token ids, as `plan apply` takes it
@@ -42,7 +43,7 @@ import torch
 
 from harness.checkpoints import config_for, make_checkpoint
 from harness.loops import decode_static
-from harness.plans import make_plan, offloaded_layers
+from harness.plans import experts_working_bytes, make_plan, offloaded_layers
 from planner.decide.build import build
 from planner.inputs.checkpoint import open_checkpoint
 from planner.inputs.hardware import dumps_hardware, load_hardware
@@ -75,13 +76,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def policy(strategy: str, layers: int, total_bytes: int) -> str:
+def policy(strategy: str, layers: int, budget_bytes: int) -> str:
+    """`budget_bytes`: mixed's budget."""
     head = f"format_version: 1\ncheckpoint: {'fp8' if strategy.endswith('fp8') else 'ckpt'}\nhardware: hw.yaml\n"
     if strategy == "uva":
         alternation = "|".join(map(str, offloaded_layers(layers, 0.5)))
         return head + f"rules:\n  - match: ['re:^model\\.layers\\.({alternation})\\.']\n    place: uva\n"
     return head + {"gpu": "", "prefetch": "prefetch: {group_size: 2, num_in_group: 1, step: 2}\n",
-                   "mixed": f"backend: mixed\nbudget_gib: {total_bytes / 2 / 2**30!r}\nprefetch: {{step: 2}}\n",
+                   "mixed": f"backend: mixed\nbudget_gib: {budget_bytes / 2**30!r}\nprefetch: {{step: 2}}\n",
                    "experts-uva": EXPERTS_UVA, "experts-uva-fp8": EXPERTS_UVA}[strategy]
 
 
@@ -169,13 +171,14 @@ def main(argv=None) -> int:
     hw = load_hardware(args.hardware) if args.hardware else calibrate().hardware
     (work / "hw.yaml").write_text(dumps_hardware(hw))
     total = open_checkpoint(ckpt).total_bytes
+    budget = total // 2 + experts_working_bytes(work, "format_version: 1\ncheckpoint: ckpt\nhardware: hw.yaml\n")
     record(kind="run", model=args.model, layers=config.num_hidden_layers, top_k=config.num_experts_per_tok,
            checkpoint_bytes=total, device=torch.cuda.get_device_name(), torch=torch.__version__,
            new_tokens=args.new_tokens, prompt=PROMPT, hardware=hw.__dict__)
     ids = torch.tensor([[b % config.vocab_size for b in PROMPT.encode()]], device="cuda")
     new, failures = args.new_tokens, []
     for strategy in args.strategies:
-        text = policy(strategy, config.num_hidden_layers, total)
+        text = policy(strategy, config.num_hidden_layers, budget)
         plan = make_plan(work, strategy, text)
         applied = load_plan(plan)
         floor = None

@@ -29,8 +29,9 @@ POLICIES = {
     "split experts": "uva: {stage_experts: true}\nrules:\n  - {match: [self_attn], place: uva}\n"
                      "  - {match: ['re:experts\\.[02]\\.'], place: uva}\n",
 }
-# budgets under which mixed puts dense tensors on uva (the MoE's experts go first, through the ring)
-MIXED_BUDGET_GIB = {"llama": 0.0003, "moe": 0.0001}
+# budgets under which mixed puts dense tensors on uva (the MoE's experts go first, through the ring; the budget
+# holds their working memory too: 208,000 bytes at the least)
+MIXED_BUDGET_GIB = {"llama": 0.0003, "moe": 0.0002}
 
 
 @pytest.fixture(scope="module")
