@@ -130,8 +130,8 @@ def within(walk: Callable[[int], P], budget: int, room: Callable[[Mapping[str, P
     grows as experts leave the GPU (a ring as large as a layer's host experts, the lookahead once two modules
     read over the link), so the walk is repeated with the room the last one needed kept free: the first walk
     with none, the second with the first's room. The last walk keeps `most` free, the room with every
-    movable routed expert on uva, which no placement exceeds; one that still does not fit is returned for the
-    caller's budget error (its total + room being the least it reached)."""
+    movable routed expert on uva, which the walks' placements do not exceed; one that still does not fit is
+    returned for the caller's budget error."""
     reserve = 0
     for left in reversed(range(TRIES)):
         placed = walk(budget - reserve)

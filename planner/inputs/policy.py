@@ -66,9 +66,9 @@ class UvaPolicy:
     (planner/decide/staging.py): a forward over more than the hardware profile's `stage_above_tokens` tokens
     copies each layer's uva tensors (embeddings aside) into one of 2 GPU slots before the layer runs, since a
     GEMM reading them in place re-reads them per tile. The slots count in the GPU footprint. Routed experts
-    stream through a ring of at most 1 GiB instead, which each staged forward allocates (prefill working memory,
-    in the footprint: decide/working.py), and follow `stage_experts`: unset, the planner decides where the workload's prompt
-    touches most of them; `true` stages them, `false` never.
+    stream through a ring of at most 1 GiB instead, which each staged forward allocates (working memory, in the
+    footprint: decide/working.py), and follow `stage_experts`: unset, the planner decides where the workload's
+    prompt touches most of them; `true` stages them, `false` never.
     """
 
     offload_gib: float = 0  # GiB of layer tensors to offload, walking layers in order (vLLM cpu_offload_gb)
@@ -108,7 +108,7 @@ class Policy:
     checkpoint: Path  # `checkpoint:` resolved against the policy's directory, `~` expanded
     checkpoint_text: str  # as written in the policy, e.g. "./Qwen3-30B-A3B"
     backend: Backend = Backend.AUTO  # `backend:` auto | uva | prefetch | mixed
-    budget_gib: float | None = None  # `budget_gib:` GPU memory the weights may take, buffers included, e.g. 24
+    budget_gib: float | None = None  # `budget_gib:` GiB offplan may take: weights, buffers, working memory; e.g. 24
     stacks: tuple[str, ...] | None = None  # `stacks:` layer-stack prefixes when detection is wrong, e.g. (model.layers,)
     uva: UvaPolicy = UvaPolicy()
     prefetch: PrefetchPolicy = PrefetchPolicy()
