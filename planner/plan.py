@@ -180,6 +180,10 @@ class PrefillStaging:
         return self.slots * self.slot_bytes
 
 
+def working_peak(decode: int, prefill: int, buffers: int) -> int:
+    return buffers + max(decode, prefill)  # the experts' working memory at its most: a decode step or a prefill
+
+
 @dataclass(frozen=True)
 class Summary:
     gpu_bytes: int
@@ -190,15 +194,14 @@ class Summary:
     predicted_step_us: int = 0
     stage_buffer_bytes: int = 0  # the prefill staging pool (PrefillStaging.pool_bytes)
     cpu_bytes: int = 0  # routed experts the host CPU computes, in host memory (no GPU memory)
-    # what the experts allocate as the model runs (decide/working.py), in the footprint: at a decode step of
-    # the workload's batch, at a prefill of its prompt, and buffers allocated at load
+    # the experts' working memory (decide/working.py), in the footprint: a decode step, a prefill, buffers
     working_decode_bytes: int = 0
     working_prefill_bytes: int = 0
     working_buffer_bytes: int = 0
 
     @property
     def working_peak_bytes(self) -> int:
-        return self.working_buffer_bytes + max(self.working_decode_bytes, self.working_prefill_bytes)
+        return working_peak(self.working_decode_bytes, self.working_prefill_bytes, self.working_buffer_bytes)
 
     @property
     def gpu_footprint_bytes(self) -> int:

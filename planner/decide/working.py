@@ -42,7 +42,7 @@ from operator import itemgetter
 from typing import Protocol, TypeVar
 
 from ..inputs.checkpoint import TensorInfo
-from ..plan import Placement
+from ..plan import Placement, working_peak
 
 TRIES = 3  # walks per budget-driven placement (`within`)
 LOOKAHEAD = 2  # experts the lookahead reads ahead; runtime/execute/lookahead.py LOOKAHEAD (a test holds them equal)
@@ -60,8 +60,7 @@ class Working:
 
     @property
     def peak_bytes(self) -> int:
-        """The most held at once: the buffers, and a decode step or a prefill (one runs at a time)."""
-        return self.buffer_bytes + max(self.decode_bytes, self.prefill_bytes)
+        return working_peak(self.decode_bytes, self.prefill_bytes, self.buffer_bytes)
 
 
 def _per_byte(t: TensorInfo) -> int:
