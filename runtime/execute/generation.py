@@ -234,7 +234,7 @@ class Generator:
         except BaseException:
             if host is not None:
                 self._sync()
-                host.error = None
+                host.clear()
             raise
 
     def _shape(self, prompts, max_new_tokens: int, pad_id: int) -> tuple[torch.Tensor, torch.Tensor | None, _Step]:

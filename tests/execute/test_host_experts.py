@@ -15,6 +15,7 @@ from planner.errors import OffplanError  # noqa: E402
 from planner.inputs.hardware import H100, dumps_hardware  # noqa: E402
 from runtime.execute import experts  # noqa: E402
 from runtime.execute.host import kernel as host_kernel  # noqa: E402
+from runtime.execute.host import native  # noqa: E402
 from runtime.hf import from_pretrained  # noqa: E402
 from test_generation import transformers_greedy  # noqa: E402
 from tiny_models import gpt_oss_config, make_plan, qwen3_moe_config, reference, save_model  # noqa: E402
@@ -36,6 +37,45 @@ def hardware(tmp_path, threads: int = 1, above: int = 8):
     (tmp_path / "hw.yaml").write_text(dumps_hardware(dataclasses.replace(H100, cpu_threads=threads,
                                                                         stage_above_tokens=above)))
     return "hardware: hw.yaml\n"
+
+
+@pytest.fixture(params=["native", "worker"])
+def path(request, monkeypatch):
+    """Who computes the gated experts: native.cpp (the default where it is built), or the engine's Python worker
+    (where it is not: Inductor's kernel)."""
+    if request.param == "native":
+        assert native.library() is not None, native.why_not  # `pip install -e .` builds it
+    else:
+        monkeypatch.setattr(native, "library", lambda: None)
+    return request.param
+
+
+def uses(engine, path: str) -> None:
+    """The engine's modules are computed by `path` (the fixture's), and only its machinery runs."""
+    if path == "native":
+        assert all(m.native for m in engine.modules) and engine.native is not None and engine._worker is None
+    else:
+        assert all(m.gated and not m.native for m in engine.modules) and engine.native is None
+        assert engine.kernel.compiled, engine.kernel.why_eager
+
+
+def fail(engine, path: str, monkeypatch, calls: int = 3) -> str:
+    """Make the host's calls fail after `calls` more (the worker's), or all of them (native.cpp's jobs, captured
+    or eager, told their module has one expert); returns the error's name. `monkeypatch.undo()` ends it."""
+    if path == "worker":
+        monkeypatch.setattr(engine, "_compute", failing_after(calls, engine._compute))
+        return "ZeroDivisionError"
+    for job in engine.native.all():
+        monkeypatch.setattr(job, "experts", 1)
+    make = engine._job
+
+    def one_expert(index, tokens):
+        job = make(index, tokens)
+        monkeypatch.setattr(job, "experts", 1)
+        return job
+    monkeypatch.setattr(engine, "_job", one_expert)
+    monkeypatch.setattr(engine.native, "_eager", {})
+    return "IndexError"
 
 
 @pytest.fixture(scope="module")
@@ -69,18 +109,19 @@ def logits(model, tokens: int, batch: int = 2, seed: int = 3):
 
 
 @pytest.mark.parametrize("batch, tokens", [(1, 1), (2, 1), (2, 4)])
-def test_the_host_computes_its_experts_and_the_logits_are_transformers(tmp_path, qwen, batch, tokens, monkeypatch):
+def test_the_host_computes_its_experts_and_the_logits_are_transformers(tmp_path, qwen, batch, tokens, monkeypatch,
+                                                                       path):
     model, handle = from_pretrained(make_plan(tmp_path, qwen, SPLIT + hardware(tmp_path)), progress=False, device="cpu")
     engine = handle.host_experts
     assert [m.on_cpu.nonzero().flatten().tolist() for m in engine.modules] == [[0, 1]] * 3
-    assert all(m.gated for m in engine.modules) and engine.kernel.compiled, engine.kernel.why_eager
+    uses(engine, path)
     ref = reference(qwen)
     ref.set_experts_implementation(experts.arithmetic(batch * tokens * model.config.num_experts_per_tok))
     calls = engine.host_calls
     ours, theirs = logits(model, tokens, batch), logits(ref, tokens, batch)
     assert engine.host_calls == calls + 3 and engine.kernel.misses == 0, engine.kernel.last_miss  # all compiled
     torch.testing.assert_close(ours, theirs, **TOLERANCE)
-    monkeypatch.setattr(engine, "_compute", lambda m, x, ids, y: y.zero_())  # the host's outputs zero: the GPU
+    monkeypatch.setattr(engine, "_hand_over", lambda index, tokens: engine._views["y"].zero_())  # the host's
     assert not torch.allclose(logits(model, tokens, batch), theirs, **TOLERANCE)  # reads none of those experts
     stats = handle.stats()
     assert stats.uva_bytes > 0
@@ -115,12 +156,12 @@ def failing_after(calls: int, compute):
     return run
 
 
-def test_a_failure_on_the_host_is_raised_and_the_worker_goes_on(tmp_path, qwen, monkeypatch):
+def test_a_failure_on_the_host_is_raised_and_the_host_goes_on(tmp_path, qwen, monkeypatch, path):
     model, handle = from_pretrained(make_plan(tmp_path, qwen, SPLIT + hardware(tmp_path)), progress=False, device="cpu")
     prompts = [[5, 17, 99, 3]]
     want = handle.generate(prompts, 4).tokens
-    monkeypatch.setattr(handle.host_experts, "_compute", failing_after(3, handle.host_experts._compute))
-    with pytest.raises(RuntimeError, match="computing experts on the host CPU failed: ZeroDivisionError"):
+    error = fail(handle.host_experts, path, monkeypatch)
+    with pytest.raises(RuntimeError, match=f"computing experts on the host CPU failed: {error}"):
         handle.generate(prompts, 4)
     monkeypatch.undo()
     assert handle.generate(prompts, 4).tokens == want
@@ -128,18 +169,21 @@ def test_a_failure_on_the_host_is_raised_and_the_worker_goes_on(tmp_path, qwen, 
     assert handle.host_experts is None
 
 
-def test_an_engine_dropped_without_remove_is_collected_and_its_worker_stops(tmp_path, qwen):
+def test_an_engine_dropped_without_remove_is_collected_and_its_threads_stop(tmp_path, qwen, path):
     import gc
     import weakref
     model, handle = from_pretrained(make_plan(tmp_path, qwen, SPLIT + hardware(tmp_path)), progress=False, device="cpu")
     handle.generate([[5, 17, 99, 3]], 2)
     engine = weakref.ref(handle.host_experts)
     worker = handle.host_experts._worker
-    assert worker.is_alive()
+    pool = handle.host_experts.native.pool._free if path == "native" else None  # the pool's finalizer: joins its threads
+    assert (worker is None) == (path == "native") and (worker is None or worker.is_alive())
     del model, handle
     gc.collect()
-    worker.join(timeout=10)
-    assert engine() is None and not worker.is_alive()
+    if worker is not None:
+        worker.join(timeout=10)
+        assert not worker.is_alive()
+    assert engine() is None and (pool is None or not pool.alive)
 
 
 def test_transposed_experts_with_biases_and_every_expert_of_a_layer_on_cpu(tmp_path_factory, tmp_path):

@@ -1,5 +1,5 @@
-"""Experts on cpu on CUDA (marked `gpu`): the host computes its experts beside the GPU (the engine's worker, while
-the GPU computes its own), eagerly and in replayed CUDA graphs; the logits are transformers' within the tolerance
+"""Experts on cpu on CUDA (marked `gpu`): the host computes its experts beside the GPU (native.cpp, or the engine's
+worker, while the GPU computes its own), eagerly and in replayed CUDA graphs; the logits are transformers' within the tolerance
 of test_host_experts.py, and so are the greedy tokens up to near ties; replayed and eager generation agree token
 for token (the same kernels on both sides).
 
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.gpu
 
 from runtime.hf import from_pretrained  # noqa: E402
 from test_generation import transformers_greedy  # noqa: E402
-from test_host_experts import LOUD, SPLIT, TOLERANCE, failing_after, hardware, lockstep, logits  # noqa: E402
+from test_host_experts import LOUD, SPLIT, TOLERANCE, fail, hardware, lockstep, logits, path, uses  # noqa: E402, F401
 from tiny_models import make_plan, qwen3_moe_config, reference, save_model  # noqa: E402
 
 
@@ -29,10 +29,11 @@ def qwen(tmp_path_factory):
 
 
 @pytest.mark.parametrize("batch, tokens", [(1, 1), (2, 4)])
-def test_eager_forwards_take_the_hosts_outputs(tmp_path, qwen, batch, tokens, monkeypatch):
+def test_eager_forwards_take_the_hosts_outputs(tmp_path, qwen, batch, tokens, monkeypatch, path):
     model, handle = from_pretrained(make_plan(tmp_path, qwen, SPLIT + hardware(tmp_path)), progress=False)
     try:
         engine = handle.host_experts
+        uses(engine, path)
         ref = reference(qwen, "cuda")
         ref.set_experts_implementation("batched_mm" if batch * tokens * 2 <= 16 else "grouped_mm")
         calls = engine.host_calls
@@ -40,17 +41,17 @@ def test_eager_forwards_take_the_hosts_outputs(tmp_path, qwen, batch, tokens, mo
         assert engine.host_calls == calls + 3
         theirs = logits(ref, tokens, batch)
         torch.testing.assert_close(x, theirs, **TOLERANCE)
-        monkeypatch.setattr(engine, "_compute", lambda *a: None)
+        monkeypatch.setattr(engine, "_hand_over", lambda index, tokens: None)  # the host computes nothing
         assert not torch.allclose(logits(model, tokens, batch), theirs, **TOLERANCE)
     finally:
         handle.remove()
 
 
-def test_generation_replays_graphs_and_gives_transformers_tokens_up_to_near_ties(tmp_path, qwen):
+def test_generation_replays_graphs_and_gives_transformers_tokens_up_to_near_ties(tmp_path, qwen, path):
     model, handle = from_pretrained(make_plan(tmp_path, qwen, SPLIT + hardware(tmp_path)), progress=False)
     try:
         engine = handle.host_experts
-        assert engine.kernel.compiled, engine.kernel.why_eager
+        uses(engine, path)
         prompts = [[5, 17, 99, 3, 41, 7], [8, 8, 200, 31, 2, 6]]
         calls = engine.host_calls
         got = handle.generate(prompts, 12)
@@ -74,19 +75,19 @@ def test_generation_replays_graphs_and_gives_transformers_tokens_up_to_near_ties
         handle.remove()
 
 
-def test_a_failure_on_the_host_is_raised_and_the_replay_does_not_hang(tmp_path, qwen, monkeypatch):
+def test_a_failure_on_the_host_is_raised_and_the_replay_does_not_hang(tmp_path, qwen, monkeypatch, path):
     model, handle = from_pretrained(make_plan(tmp_path, qwen, SPLIT + hardware(tmp_path)), progress=False)
     try:
         prompts = [[5, 17, 99, 3]]
         handle.generate(prompts, 4)  # captured while the host works
         engine = handle.host_experts
         for eager in (False, True):  # the prefill's 3 layers pass, the decode steps' fail: replayed, then eagerly
-            monkeypatch.setattr(engine, "_compute", failing_after(3, engine._compute))
-            with pytest.raises(RuntimeError, match="computing experts on the host CPU failed: ZeroDivisionError"):
+            error = fail(engine, path, monkeypatch)
+            with pytest.raises(RuntimeError, match=f"computing experts on the host CPU failed: {error}"):
                 handle.generate(prompts, 4, eager=eager)
             monkeypatch.undo()
             torch.cuda.synchronize()
             assert engine.error is None  # the failed call's later failures went with it: the next call's are its own
-        assert handle.generate(prompts, 4).mode == "graph"  # the worker goes on
+        assert handle.generate(prompts, 4).mode == "graph"  # the host goes on
     finally:
         handle.remove()

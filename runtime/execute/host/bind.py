@@ -53,17 +53,18 @@ def check(plan: Plan, targets: list[Target], quantized: dict, uva: bool, device:
 
 def engine_for(plan: Plan, targets: list[Target], model: torch.nn.Module, device: torch.device):
     """The engine for the plan's experts on cpu, its kernel compiling on a thread while the load fills the
-    arena; None when the plan puts none there."""
+    arena (for the gated experts that native.cpp does not compute); None when the plan puts none there."""
     on_cpu = [t for t in targets if t.on_cpu]
     if not on_cpu:
         return None
     above = plan.prefill.above_tokens if plan.prefill is not None else H100.stage_above_tokens
     engine = HostExperts(device, plan.cost.cpu_threads, above)
     top_k = getattr(model.config.get_text_config(), "num_experts_per_tok", None)
+    native = engine.lib is not None  # native.cpp computes gated bf16 experts: nothing to compile for them
     shapes = {}
     for t in on_cpu:  # the compiled kernel's shapes: uninitialized tensors, whose pages are mapped when touched
         module = model.get_submodule(t.name.rpartition(".")[0])
-        if gated_like(module) and t.name.endswith(".gate_up_proj"):
+        if gated_like(module) and t.name.endswith(".gate_up_proj") and not (native and t.dtype == torch.bfloat16):
             down = next(d for d in targets if d.name == t.name.rpartition(".")[0] + ".down_proj")
             shapes[t.shape, down.shape, t.dtype] = top_k or module.num_experts
     engine.kernel.start([(torch.empty(gate_up, dtype=dtype), torch.empty(down, dtype=dtype), k)

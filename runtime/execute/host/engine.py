@@ -1,63 +1,53 @@
 """Experts on cpu: the host CPU computes the plan's cpu experts for the tokens routed to them, beside the GPU.
 
-At an experts module with experts on cpu (experts.py), a forward of T tokens
-with top-k routing, T <= `max_tokens`:
+At an experts module with experts on cpu (experts.py), a forward of T tokens with top-k routing, T <= `max_tokens`:
 
-1. `begin`: the tokens' activations [T, H] and routed experts [T*k] are copied
-   into pinned memory (by the copy engine);
-2. the GPU computes its own pairs (experts on the GPU or on uva) meanwhile; it
-   reads no row of an expert on cpu (experts.py leaves them out of its gather);
-3. the host computes, for each (token, expert) pair whose expert is on cpu,
-   that expert's output for that token (kernel.py, the rounding of
-   batched_mm's GEMVs) into pinned memory `y` [T*k, H], reading the expert's
-   rows where the arena holds them;
-4. `end`: `y` is copied to the GPU (T*k*H*2 bytes, 32 KiB a token at
-   Qwen3-30B-A3B's shape), and per pair the GPU takes the host's output where
-   the expert is on cpu and its own elsewhere (`torch.where`); the module then
-   weights and sums the pairs as batched_mm does.
+1. `begin`: the tokens' activations [T, H] and routed experts [T*k] are copied into pinned memory (by the copy
+   engine);
+2. the GPU computes its own pairs (experts on the GPU or on uva) meanwhile; it reads no row of an expert on cpu
+   (experts.py leaves them out of its gather);
+3. the host computes, for each (token, expert) pair whose expert is on cpu, that expert's output for that token (the
+   rounding of batched_mm's GEMVs) into pinned memory `y` [T*k, H], reading the expert's rows where the arena holds
+   them;
+4. `end`: `y` is copied to the GPU (T*k*H*2 bytes, 32 KiB a token at Qwen3-30B-A3B's shape), and per pair the GPU
+   takes the host's output where the expert is on cpu and its own elsewhere (`torch.where`); the module then weights
+   and sums the pairs as batched_mm does.
 
-How the GPU hands the work to the host and takes it back: the engine's own
-thread (its worker) computes step 3, always, woken and awaited through two
-barriers (handoff.py):
-- in a step captured in a CUDA graph (decode's fast path): on a side stream
-  forked from the current one, the two copies and the copy of the call's
-  number (which module, how many tokens) into pinned memory, then the two
-  barriers as host nodes (the first wakes the worker, the second holds the
-  side stream until it is done), then the copy of `y`; the current stream
-  joins the side stream before step 4's `where`. The GPU's experts run on the
-  current stream in between, so the two sides overlap. The host nodes are
-  libc's barrier wait itself, so the driver's thread takes no GIL; the worker
-  needs it, so the generator keeps at most two replays in flight and sleeps
-  otherwise (generation.py). Why this and not the others tried:
-  a host node running the kernel in Python took it 1.58x as long as the main
-  thread did in one run (1.17 against 0.74 ms,
-  docs/host-experts/host_node_timing.py), and a GPU kernel spinning on
-  a flag in pinned memory would hold an SM for the whole wait;
-- eager on CUDA: the copies on the side stream; `end`, called once the GPU's
-  experts are enqueued, waits for the copies, meets the barriers itself (the
-  worker computes meanwhile, while the GPU computes its own pairs), then
-  copies `y` in on the side stream;
-- on the CPU: `end` meets the barriers, the same buffers in plain memory.
+Who computes step 3: native.cpp, for gated bf16 experts (Qwen3-MoE, Mixtral, DeepSeek, Qwen2-MoE) where it is built:
+a C function over its own threads, which needs no GIL; otherwise the engine's own Python thread (its worker,
+kernel.py: Inductor's kernel or the eager loop), woken and awaited through two barriers (handoff.py). How the GPU
+hands the work over:
+- in a step captured in a CUDA graph (decode's fast path): on a side stream forked from the current one, the two
+  copies, then one host node, then the copy of `y`; the current stream joins the side stream before step 4's
+  `where`. The GPU's experts run on the current stream in between, so the two sides overlap. The host node is
+  native.cpp's `offplan_run` itself, with the call's job (native.py `Job`: the module, the token count, the buffers)
+  as its argument. For the worker it is a copy of the call's number into pinned memory and two host nodes, libc's
+  barrier wait itself (the first wakes the worker, the second holds the side stream until it is done); the worker
+  needs the GIL, so the generator keeps at most two replays in flight and sleeps otherwise (generation.py). Why host
+  nodes: a CUDA graph replays them with no Python; a GPU kernel spinning on a flag in pinned memory would hold an SM
+  for the whole wait. Why native: a host node running the kernel in Python took it 1.58x as long as the main thread
+  did (1.17 against 0.74 ms, docs/host-experts/host_node_timing.py), and the worker's Python and OpenMP's waking
+  cost some 0.6 ms a call (docs/host-experts/README.md);
+- eager on CUDA: the copies on the side stream; `end`, called once the GPU's experts are enqueued, waits for the
+  copies, runs the job itself or meets the barriers (the host computes meanwhile, while the GPU computes its own
+  pairs), then copies `y` in on the side stream;
+- on the CPU: `end` does the same through the same buffers in plain memory.
 
-Above `max_tokens` tokens (a long prompt) the host computes nothing: the GPU
-reads those experts as it reads uva ones (experts.py). `max_tokens` is the
-plan's prefill threshold, above which a GEMM on the GPU over copied weights
+Above `max_tokens` tokens (a long prompt) the host computes nothing: the GPU reads those experts as it reads uva
+ones (experts.py). `max_tokens` is the plan's prefill threshold, above which a GEMM on the GPU over copied weights
 beats a GEMV per pair on the host.
 
-A failure in the worker (which a replay cannot report) fills `y` with NaN,
-so the step's outputs show it, and `end` or `check` raises it. One stream at a
-time hands work over: the barriers are of two, so an eager forward on another
-stream while a replay's host nodes wait would meet the driver's thread
-instead of the worker.
+A failure on the host (which a replay cannot report) fills `y` with NaN, so the step's outputs show it, and `end` or
+`check` raises it: in the worker, any exception; in native.cpp, a pair routed to no expert. One stream at a time
+hands work over: the buffers and the barriers are the engine's one set, so an eager forward on another stream while
+a replay's host nodes wait would meet the driver's thread instead of the worker.
 
-The worker holds the engine weakly: an engine dropped without `close` (its
-model and handle dropped) stops its worker as it is collected.
+The worker holds the engine weakly: an engine dropped without `close` (its model and handle dropped) stops its
+worker, and its pool's threads, as it is collected.
 
-Lifecycle: `HostExperts(...)` -> `kernel.start` (compiling while the load runs)
--> `add` per module -> `finish` (the exchange buffers, the worker) -> `ready`
--> forwards -> `close` (the worker stopped: no graph captured over the engine
-may be replayed after it).
-"""
+Lifecycle: `HostExperts(...)` -> `kernel.start` (compiling, where the worker computes gated experts, while the load
+runs) -> `add` per module -> `finish` (the exchange buffers, native.cpp's pool, the worker where one is needed) ->
+`ready` -> forwards -> `close` (both stopped: no graph captured over the engine may be replayed after it)."""
 from __future__ import annotations
 
 import threading
@@ -69,6 +59,7 @@ import torch
 
 from ...place.arena import PinnedArena, align, typed
 from .. import ops
+from . import native
 from .handoff import Handoff, serve, stop
 from .kernel import Kernel, gated_like
 
@@ -94,6 +85,8 @@ class _Module:
     on_cpu_device: torch.Tensor  # the same on the model's device
     top_k: int
     gated: bool  # the compiled kernel computes it (`gated_like`)
+    native: bool  # native.cpp computes it, no Python in the way: gated bf16 experts, where the library is built
+    on_cpu_bytes: torch.Tensor  # on_cpu as uint8, for native.cpp
 
 
 class HostExperts:
@@ -107,23 +100,25 @@ class HostExperts:
         self.kernel = Kernel(threads, compile)
         self.modules: list[_Module] = []
         self.key = ops.register(self)
+        self.lib = native.library()  # None where it is not built: every module through the worker
+        self.native: native.Jobs | None = None  # native.cpp's pool and jobs, where it computes some module
         self.error: BaseException | None = None
-        self.host_calls = 0  # step 3 runs, for tests and benchmarks
-        self.host_seconds = 0.0  # their time in the host's thread
-        self.durations: list[tuple[int, float]] = []  # each one's (tokens, seconds), the first 100k: benchmarks
+        self._times: dict[int, tuple[int, float]] = {}  # the worker's: `times`
         self._calls: dict[int, tuple[int, int]] = {}  # a captured call's number -> (module, tokens)
         self._eager = (0, 0)  # the (module, tokens) of the call `end` hands over itself
         self._arena: PinnedArena | None = None
-        self._stream = self._event = None
-        self._handoff: Handoff | None = None
-        self._worker: threading.Thread | None = None
+        self._stream = self._event = self._copied = None
+        self._handoff, self._worker = None, None  # Handoff, threading.Thread: where the worker computes some module
 
     def add(self, module: torch.nn.Module, weights: dict[str, torch.Tensor], on_cpu: list[int], top_k: int) -> int:
         """Register an experts module; `weights`: its fused parameters' host tensors (pinned arena views).
         Returns its index, which its forward passes to `ops.host_begin` / `host_end`."""
         mask = torch.zeros(module.num_experts, dtype=torch.bool)
         mask[on_cpu] = True
-        self.modules.append(_Module(module, weights, mask, mask.to(self.device), top_k, gated_like(module)))
+        gated = gated_like(module)
+        fast = self.lib is not None and gated and all(w.dtype == torch.bfloat16 for w in weights.values())
+        self.modules.append(_Module(module, weights, mask, mask.to(self.device), top_k, gated, fast,
+                                    mask.to(torch.uint8)))
         return len(self.modules) - 1
 
     def finish(self) -> None:
@@ -144,7 +139,11 @@ class HostExperts:
             self._y = torch.empty((pairs, hidden), dtype=dtype, device=self.device)  # the host's outputs, copied in
             self._numbers = torch.arange(MAX_CALLS, device=self.device)  # a captured call copies its own
             self._stream = torch.cuda.Stream(self.device)
-            self._event = torch.cuda.Event()
+            self._event, self._copied = torch.cuda.Event(), torch.cuda.Event()
+        if any(m.native for m in self.modules):
+            self.native = native.Jobs(self.lib, self.threads)
+        if all(m.native for m in self.modules):
+            return  # native.cpp computes every module: no worker
         self._handoff = Handoff()
         self._worker = threading.Thread(target=serve, args=(weakref.ref(self), self._handoff, self._views["call"]),
                                         name="offplan-host-experts", daemon=True)
@@ -166,20 +165,28 @@ class HostExperts:
         if not self.cuda:
             return
         tokens, pairs = x.shape[0], ids.numel()
+        fast = self.modules[index].native
         capturing = torch.cuda.is_current_stream_capturing()
-        if capturing and len(self._calls) + 1 >= MAX_CALLS:  # before anything is enqueued on the side stream
+        if capturing and not fast and len(self._calls) + 1 >= MAX_CALLS:  # before anything is enqueued
             raise RuntimeError(f"offplan: more than {MAX_CALLS - 1} captured calls of experts on cpu: capture "
                                "fewer steps, or remove the handle and load again")
         self._stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._stream):
             self._views["x"][:tokens].copy_(x, non_blocking=True)  # copies by the copy engine (memcpy)
             self._views["ids"][:pairs].copy_(ids, non_blocking=True)
-            if capturing:
+            self._copied.record(self._stream)
+            if capturing and fast:  # native.cpp itself is the host node: no worker, no GIL
+                self.native.capture(self._stream.cuda_stream, self._job(index, tokens))
+            elif capturing:
                 call = len(self._calls) + 1
                 self._calls[call] = (index, tokens)
                 self._views["call"].copy_(self._numbers[call:call + 1], non_blocking=True)
                 self._handoff.enqueue(self._stream.cuda_stream)
+            if capturing:
                 self._y[:pairs].copy_(self._views["y"][:pairs], non_blocking=True)
+        # the GPU's experts after the copies: else its gathers, which fill the SMs, can hold the copies (and the
+        # host's start) back until they end
+        torch.cuda.current_stream(self.device).wait_event(self._copied)
 
     def end(self, index: int, out: torch.Tensor, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Step 3 handed to the worker here (eagerly), then step 4: out [T*k, H], the GPU's pair outputs."""
@@ -200,16 +207,46 @@ class HostExperts:
         torch.cuda.current_stream(self.device).wait_stream(self._stream)
         return torch.where(m.on_cpu_device[ids].unsqueeze(1), self._y[:pairs], out)
 
+    @property
+    def host_calls(self) -> int:
+        """Step 3 runs, by the worker and by native.cpp (tests and benchmarks)."""
+        return sum(calls for calls, _ in self.times().values())
+
+    def times(self) -> dict[int, tuple[int, float]]:
+        """Tokens -> (step 3 runs of that many tokens, their seconds in the host's calling thread) so far."""
+        out = dict(self._times)
+        if self.native is not None:
+            self.native.times(out)
+        return out
+
     def check(self) -> None:
-        """Raise the worker's error, once (module doc)."""
+        """Raise the worker's error, or a native job's, once (module doc)."""
+        if self.native is not None:
+            self.error = self.native.error() if self.error is None else self.error
         if self.error is not None:
             error, self.error = self.error, None
             raise RuntimeError(f"offplan: computing experts on the host CPU failed: {error!r}") from error
 
     # ------------------------------------------------------------------ step 3
 
+    def clear(self) -> None:
+        """Forget the errors of calls already failed (generation.py)."""
+        self.error = None
+        if self.native is not None:
+            self.native.error()
+
+    def _job(self, index: int, tokens: int) -> native.Job:
+        m = self.modules[index]
+        return native.job(self.native.pool, m.weights["gate_up_proj"], m.weights["down_proj"], m.on_cpu_bytes,
+                          self._views["x"], self._views["ids"], self._views["y"], tokens, m.top_k)
+
     def _hand_over(self, index: int, tokens: int) -> None:
-        """Step 3 by the worker, this thread waiting at the barriers (the GIL released)."""
+        """Step 3 by native.cpp on this thread and the pool's, or by the worker, this thread waiting at the
+        barriers (the GIL released either way)."""
+        if self.modules[index].native:
+            self.native.run((index, tokens), lambda: self._job(index, tokens))
+            self.check()
+            return
         self._eager = (index, tokens)
         self._views["call"][0] = _EAGER
         self._handoff.start()
@@ -232,44 +269,23 @@ class HostExperts:
 
     def _compute(self, m: _Module, x: torch.Tensor, ids: torch.Tensor, y: torch.Tensor) -> None:
         """y[p] = expert ids[p]'s output for token p // k, for each pair p whose expert is on cpu."""
-        self.host_calls += 1
         start = time.perf_counter()
         try:
-            self._pairs(m, x, ids, y)
+            self.kernel.pairs(m.module, m.weights, m.on_cpu, m.top_k, m.gated, x, ids, y)
         finally:
-            took = time.perf_counter() - start
-            self.host_seconds += took
-            if len(self.durations) < 100_000:
-                self.durations.append((x.shape[0], took))
-
-    def _pairs(self, m: _Module, x: torch.Tensor, ids: torch.Tensor, y: torch.Tensor) -> None:
-        with torch.no_grad():
-            pairs = m.on_cpu[ids].nonzero().squeeze(1)
-            if pairs.numel() == 0:
-                return
-            experts = ids.index_select(0, pairs)
-            tokens = pairs // m.top_k
-            module = m.module
-            if m.gated:
-                out = self.kernel.gated(x, tokens, m.weights["gate_up_proj"], m.weights["down_proj"], experts)
-            else:  # another gate, transposed or with biases: batched_mm's steps, one projection at a time
-                first = "gate_up_proj" if module.has_gate else "up_proj"
-                up = self.kernel.project(x.index_select(0, tokens), m.weights[first], experts, module.is_transposed)
-                if module.has_bias:
-                    up = up + m.weights[f"{first}_bias"].index_select(0, experts)
-                up = module._apply_gate(up) if module.has_gate else module.act_fn(up)
-                out = self.kernel.project(up, m.weights["down_proj"], experts, module.is_transposed)
-                if module.has_bias:
-                    out = out + m.weights["down_proj_bias"].index_select(0, experts)
-            y.index_copy_(0, pairs, out.to(y.dtype))
+            calls, seconds = self._times.get(x.shape[0], (0, 0.0))
+            self._times[x.shape[0]] = (calls + 1, seconds + time.perf_counter() - start)
 
     def close(self) -> None:
         """Stop the worker and drop the buffers; a graph captured over them must not be replayed after this."""
+        if self.cuda and (self._worker is not None or self.native is not None):
+            torch.cuda.synchronize(self.device)  # no replay is left to meet the barriers or run a job
         if self._worker is not None:
-            if self.cuda:
-                torch.cuda.synchronize(self.device)  # no replay is left to meet the barriers
             self._stop()
             self._worker = None
+        if self.native is not None:
+            self.native.close()
+            self.native = None
         self._calls.clear()
         self._views = {}
         if self._arena is not None:

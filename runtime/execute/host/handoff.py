@@ -55,7 +55,6 @@ class Handoff:
         for barrier in self._barriers:
             if self._libc.pthread_barrier_init(barrier, None, ctypes.c_uint(2)) != 0:
                 raise OSError(ctypes.get_errno(), "offplan: pthread_barrier_init failed")
-        self._driver = None
 
     def start(self) -> None:
         """Meet `start` (ctypes releases the GIL while this thread waits)."""
@@ -67,16 +66,9 @@ class Handoff:
 
     def enqueue(self, stream: int) -> None:
         """On CUDA stream `stream` (its handle), meet `start` and then `finish`, as host functions."""
-        if self._driver is None:
-            driver = ctypes.CDLL("libcuda.so.1")
-            driver.cuLaunchHostFunc.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
-            driver.cuLaunchHostFunc.restype = ctypes.c_int
-            self._driver = driver
-        function = ctypes.cast(self._wait, ctypes.c_void_p)
+        function = ctypes.cast(self._wait, ctypes.c_void_p).value
         for barrier in self._barriers:
-            status = self._driver.cuLaunchHostFunc(ctypes.c_void_p(stream), function, barrier)
-            if status != 0:
-                raise RuntimeError(f"offplan: cuLaunchHostFunc failed (CUresult {status})")
+            launch_host_func(stream, function, barrier.value)
 
     def _meet(self, which: int) -> None:
         status = self._wait(self._barriers[which])
@@ -88,6 +80,23 @@ class Handoff:
         for barrier in self._barriers:
             self._libc.pthread_barrier_destroy(barrier)
         self._barriers = ()
+
+
+def launch_host_func(stream: int, function: int, argument: int) -> None:
+    """Enqueue `function(argument)` (addresses: a C function of one pointer, and that pointer) on CUDA stream
+    `stream` as a host function (a host node where the stream is being captured)."""
+    global _driver
+    if _driver is None:
+        driver = ctypes.CDLL("libcuda.so.1")
+        driver.cuLaunchHostFunc.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+        driver.cuLaunchHostFunc.restype = ctypes.c_int
+        _driver = driver
+    status = _driver.cuLaunchHostFunc(ctypes.c_void_p(stream), ctypes.c_void_p(function), ctypes.c_void_p(argument))
+    if status != 0:
+        raise RuntimeError(f"offplan: cuLaunchHostFunc failed (CUresult {status})")
+
+
+_driver = None  # libcuda, loaded at the first host function
 
 
 def serve(target_ref, handoff: Handoff, call_slot) -> None:

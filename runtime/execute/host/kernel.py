@@ -176,6 +176,30 @@ class Kernel:
         with self._threads():
             return project(x, w, experts, transposed)
 
+    def pairs(self, module: torch.nn.Module, weights: dict[str, torch.Tensor], on_cpu: torch.Tensor, top_k: int,
+              gated: bool, x: torch.Tensor, ids: torch.Tensor, y: torch.Tensor) -> None:
+        """y[p] = expert ids[p]'s output for token p // top_k, for each pair p whose expert is `on_cpu` ([E]
+        bool): `gated` ones by `gated`, the rest (another gate, transposed or with biases) by batched_mm's
+        steps, one projection at a time. `weights`: the module's fused parameters (host tensors)."""
+        with torch.no_grad():
+            pairs = on_cpu[ids].nonzero().squeeze(1)
+            if pairs.numel() == 0:
+                return
+            experts = ids.index_select(0, pairs)
+            tokens = pairs // top_k
+            if gated:
+                out = self.gated(x, tokens, weights["gate_up_proj"], weights["down_proj"], experts)
+            else:
+                first = "gate_up_proj" if module.has_gate else "up_proj"
+                up = self.project(x.index_select(0, tokens), weights[first], experts, module.is_transposed)
+                if module.has_bias:
+                    up = up + weights[f"{first}_bias"].index_select(0, experts)
+                up = module._apply_gate(up) if module.has_gate else module.act_fn(up)
+                out = self.project(up, weights["down_proj"], experts, module.is_transposed)
+                if module.has_bias:
+                    out = out + weights["down_proj_bias"].index_select(0, experts)
+            y.index_copy_(0, pairs, out.to(y.dtype))
+
 
 def gated_like(module: torch.nn.Module) -> bool:
     """Whether the compiled kernel computes `module`'s experts (kernel.py `gated`): fused gate and up rows,
