@@ -1,13 +1,15 @@
 """The cost model against the recorded experts-on-cpu rows, offline: each row's plan built again over a header-only
 checkpoint of the run's shape, with the run's calibrated hardware, and predicted for graph replay.
 
-    python docs/host-experts/predict_recorded.py [--cpu-gbps G --sync-us U]   # figures to try (default: the profile's)
+    python docs/host-experts/predict_recorded.py [--cpu-gbps G --sync-us U] [--runs run3]   # figures to try
 
-The rows are benchmarks/results/moe-cpu-qwen3-30b-a3b-run{1,2}.jsonl (8 layers of Qwen3-30B-A3B, graph replay):
+The rows are benchmarks/results/moe-cpu-qwen3-30b-a3b-RUN.jsonl (8 layers of Qwen3-30B-A3B, graph replay; run1
+and run2 by the Inductor kernel and its Python worker, run3 by native.cpp):
 the first `fraction` of every layer's experts on cpu, the rest on uva (benchmarks/harness/host_rows.py). Their
 recorded `predicted_steps_per_s` came from harness/plans.py `predicted_us`, which predicts an eager step (its
 CostModel is built without `graphs`), so this script predicts again, replayed. Also: the host's own time per
-call (`host_median_us`) fitted as a fixed cost plus a rate per (token, expert) pair.
+call (`host_mean_us`, or `host_median_us` in older runs) fitted as a fixed cost plus a rate over the touched
+experts' bytes.
 """
 from __future__ import annotations
 
@@ -63,6 +65,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cpu-gbps", type=float, help="cpu_expert_gbps to try (default: the built-in profile's)")
     ap.add_argument("--sync-us", type=float, help="cpu_expert_sync_us to try (default: the built-in profile's)")
+    ap.add_argument("--runs", nargs="+", default=["run3"])
     args = ap.parse_args()
     gbps, sync = args.cpu_gbps or H100.cpu_expert_gbps, args.sync_us or H100.cpu_expert_sync_us
     with tempfile.TemporaryDirectory() as tmp:
@@ -72,18 +75,19 @@ def main() -> int:
         print(f"cpu_expert_gbps {gbps}, cpu_expert_sync_us {sync}")
         print("| run | fraction on cpu | threads | batch | measured steps/s | predicted | measured / predicted |")
         print("|---|---|---|---|---|---|---|")
-        for run in ("run1", "run2"):
+        for run in args.runs:
             hw, decode = rows(run)
             hw = dataclasses.replace(hw, cpu_expert_gbps=gbps, cpu_expert_sync_us=sync)
             for r in decode:
                 guess = predict(work, hw, r["cpu_fraction"], r["batch"])
                 print(f"| {run} | {r['cpu_fraction']} | {r['cpu_threads']} | {r['batch']} | {r['steps_per_s']:.1f} "
                       f"| {guess:.1f} | {r['steps_per_s'] / guess:.2f} |")
-            pairs = np.array([r["batch"] * TOP_K * round(r["cpu_fraction"] * EXPERTS) / EXPERTS for r in decode])
-            host = np.array([r["host_median_us"] for r in decode])
-            fixed, per_pair = np.linalg.lstsq(np.vstack([np.ones_like(pairs), pairs]).T, host, rcond=None)[0]
-            print(f"\n{run}: the host's time per call = {fixed:.0f} us + {per_pair:.0f} us per pair "
-                  f"({EXPERT_BYTES / per_pair / 1e3:.1f} GB/s of an expert's bytes per pair)\n")
+            touched = np.array([EXPERTS * (1 - (1 - TOP_K / EXPERTS) ** r["batch"]) * r["cpu_fraction"]
+                                for r in decode]) * EXPERT_BYTES
+            host = np.array([r.get("host_mean_us", r.get("host_median_us")) for r in decode])
+            fixed, per_byte = np.linalg.lstsq(np.vstack([np.ones_like(touched), touched]).T, host, rcond=None)[0]
+            print(f"\n{run}: the host's time per call = {fixed:.0f} us + the touched experts' bytes at "
+                  f"{1 / per_byte / 1e3:.1f} GB/s\n")
     return 0
 
 

@@ -66,9 +66,9 @@ stage_above_tokens; otherwise a GEMM reads them in place and re-reads them once 
 the model approximates as ceil(T / stage_above_tokens) reads: 1 up to the threshold, 3 at 512 tokens with the
 default 192 (measured on the H100: 2.1x a copy), 43 at 8192 (measured 24x: predicted pessimistic).
 
-Experts on cpu: the host reads an expert once per (token, expert) pair, T x its share, beside the GPU, which sums
-both: layer gpu = max(its GPU time, layer GPU time + host), host = those bytes / cpu_expert_gbps + cpu_expert_sync_us;
-at one token their sum, as measured (the runtime's one-token path does not overlap them: docs/host-experts/).
+Experts on cpu: the host reads each touched expert once (the share above), beside the GPU, which sums both: layer
+gpu = max(its GPU time, layer GPU time + host), host = those bytes / cpu_expert_gbps + cpu_expert_sync_us (the
+hand-over and the host's fixed cost; runtime/execute/host/native.cpp, docs/host-experts/).
 Prefill: staged (staging.py), copied and computed on the GPU; unstaged above the threshold, gathered over uva as
 uva experts are (the runtime's host takes at most stage_above_tokens tokens); up to it, the host's reads add.
 
@@ -270,7 +270,7 @@ class CostModel:
             b, pre = size * frac, size * pre_frac
             flops += f
             if p is CPU:  # the host computes it (module doc); a long prompt: staged, or gathered over uva
-                read_cpu += size * self.batch * (1 - (1 - frac) ** (1 / self.batch))  # per pair: frac's share x T
+                read_cpu += b  # each touched expert once (module doc)
                 at = 0 if n in self.staged else 1 if self.tokens > hw.stage_above_tokens else 2
                 pre_copied, pre_hbm = pre_copied + size * (at == 0), pre_hbm + pre * (at == 0)
                 pre_uva, pre_cpu = pre_uva + pre * (at == 1), pre_cpu + pre * (at == 2)
@@ -291,9 +291,8 @@ class CostModel:
                     copied += size
                     pre_copied += size
         gpu = latency + (read_hbm + staged) / hbm + read_uva / uva
-        if read_cpu:  # the GPU sums the CPU's outputs: the layer ends when the later side does; one token: after both
-            host = read_cpu / (hw.cpu_expert_gbps * 1e3) + hw.cpu_expert_sync_us  # (module doc)
-            gpu = gpu + host if self.batch == 1 else max(gpu, latency + host)
+        if read_cpu:  # the GPU sums the CPU's outputs: the layer ends when the later side does (module doc)
+            gpu = max(gpu, latency + read_cpu / (hw.cpu_expert_gbps * 1e3) + hw.cpu_expert_sync_us)
         link = read_uva / uva + copied / h2d
         prefill = (max(flops / flops_us + pre_hbm / hbm, pre_copied / h2d) + pre_uva / uva
                    + pre_cpu / (hw.cpu_expert_gbps * 1e3))

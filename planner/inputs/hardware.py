@@ -44,14 +44,15 @@ class Hardware:
     allreduce_us: float = 9.7
     allreduce_gbps: float = 240.0
     parallel_h2d_copy_gbps: float = 49.0
-    # routed experts on cpu, as the runtime computes them (runtime/execute/host/): an expert's bytes per second
-    # for each (token, expert) pair, its threads, and a fixed cost per MoE layer's call. Fitted to the host's
-    # time per call in the recorded decode runs, 12 rows on the H200 machine's 16-vCPU host: 596 us + 187 us a
-    # pair, 50.5 GB/s (a second machine: 1947 us + 206 us; docs/host-experts/predict_recorded.py). Not yet
+    # routed experts on cpu, as the runtime computes them (runtime/execute/host/native.cpp): the touched experts'
+    # bytes per second while the GPU reads others over uva, its threads, and a cost per MoE layer's call (the
+    # hand-over: copies, host node, the outputs' copy). Fitted on the H100 machine's 16-core host, 15 threads
+    # (benchmarks/results/moe-cpu-qwen3-30b-a3b-run3.jsonl, docs/host-experts/predict_recorded.py): the host's
+    # time per call 16 us + bytes at 75 GB/s; 100 us per call puts 11 of the 12 rows' steps within 20%. Not yet
     # measured by `plan calibrate`: calibrated profiles carry these figures too.
-    cpu_expert_gbps: float = 50.0
-    cpu_threads: int = 16
-    cpu_expert_sync_us: float = 600.0
+    cpu_expert_gbps: float = 75.0
+    cpu_threads: int = 15
+    cpu_expert_sync_us: float = 100.0
     measured: str = ""
 
 

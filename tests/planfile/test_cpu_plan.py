@@ -9,6 +9,7 @@ from headeronly import moe_toy, write_policy
 from planner.decide.build import build
 from planner.errors import PlanFileError
 from planner.inputs.checkpoint import open_checkpoint
+from planner.inputs.hardware import H100
 from planner.inputs.policy import load_policy
 from planner.planfile import dumps, loads
 from planner.planfile.diff import diff_data, diff_text
@@ -40,7 +41,7 @@ def rendered(items) -> str:
 
 def test_the_file_round_trips_and_says_cpu_where_it_is(plans):
     (_, _), (plan, text) = plans[0]
-    assert "cpu_bytes: 18874368\n" in text and "cpu_threads: 16" in text
+    assert "cpu_bytes: 18874368\n" in text and f"cpu_threads: {H100.cpu_threads}" in text
     assert "{name: model.layers.1, gpu: 1048576, uva: 0, prefetch: 0, cpu: 6291456," in text
     assert text.count(": cpu\n") == 18
     again = loads(text, "p.plan.yaml", plans[1].tensors)
@@ -57,10 +58,10 @@ def test_show_has_a_cpu_column_and_says_what_the_host_computes(plans):
     out = rendered(show(plan))
     header = next(l for l in out.splitlines() if l.strip().startswith("layer"))
     assert header.split()[:5] == ["layer", "gpu", "uva", "prefetch", "cpu"]
-    assert "host CPU: computes 18.0 MiB of routed experts with 16 threads, kept in host memory" in out
+    assert f"host CPU: computes 18.0 MiB of routed experts with {H100.cpu_threads} threads, kept in host memory" in out
     data = show_data(plan)
     assert data["layers"][1]["cpu"] == 6 * 2**20 and data["summary"]["cpu_bytes"] == 18 * 2**20
-    assert data["cost"]["cpu_threads"] == 16
+    assert data["cost"]["cpu_threads"] == H100.cpu_threads
     (uva, _), _ = plans[0]
     assert "cpu" not in show_data(uva)["layers"][1] and "cpu" not in rendered(show(uva)).split("\n\n")[1].split()[:6]
 
