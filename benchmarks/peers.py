@@ -14,6 +14,8 @@ with its command line (llama.cpp) or plan (offplan) and its thread count:
    offplan with every expert on uva (the GPU reads them over the link); decode at batch 1 (`llama-bench -n`)
    and batch 8 (`llama-batched-bench -npl 8`, its text-generation rate over 8: steps/s), prefill of each
    `--prompts` length at llama.cpp's default micro-batch (512) and at 2048 (`-ub`), offplan's time to first token;
+   and, at batch 1 and 8, offplan splitting the experts between the host's cores and the link as its plan chooses
+   (`backend: mixed`, `cpu_experts: true`, the all-uva plan's GPU footprint as the budget, one plan per batch);
 2. equal GPU memory: `--n-cpu-moe N` for each `--n-cpu-moe` N, against an offplan `backend: mixed` plan whose
    budget is the GPU bytes llama.cpp's own log reports for its model buffer at that N ("CUDA0 model buffer
    size"); decode at batch 1;
@@ -26,9 +28,8 @@ own token ids (the GGUF has no tokenizer). Ratios: offplan over llama.cpp, row b
 (no `--llama-cpp`, no `--build`) the llama.cpp rows are skipped, saying why, and no GGUF is written. Records go to
 OUT/peers-MODEL.jsonl, a table is printed last (benchmarks/reporting/peers.py puts it in RESULTS.md).
 
-The GGUF writer needs llama.cpp's `gguf` package: installed (the `test` extra), or else it is taken from the source
-that build.sh unpacked beside its `bin` (`--build`, or `--llama-cpp BUILD/bin`), as on the GPU machine, which has
-no registry.
+The GGUF writer needs llama.cpp's `gguf` package: installed (the `test` extra), or else from the source that build.sh
+unpacked beside its `bin` (`--build`, or `--llama-cpp BUILD/bin`), as on the GPU machine (no registry there).
 """
 from __future__ import annotations
 
@@ -50,6 +51,7 @@ from front_door import EXPERTS_UVA
 from harness.plans import make_plan
 from reporting.peers import rows_table
 from planner.inputs.hardware import H100, dumps_hardware
+from planner.planfile import loads
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE / "peers"))
@@ -65,8 +67,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--model", default="qwen3-30b-a3b", choices=["qwen3-30b-a3b", "tiny"])
     ap.add_argument("--layers", type=int, default=8, help="decoder layers (default: 8)")
     ap.add_argument("--llama-cpp", type=Path, help="the folder of llama-bench and llama-batched-bench")
-    ap.add_argument("--build", action="store_true",
-                    help="build llama.cpp from .peers/ into build/llama.cpp first (peers/build.sh)")
+    ap.add_argument("--build", action="store_true", help="build llama.cpp from .peers/ first (peers/build.sh)")
     ap.add_argument("--threads", type=int, default=os.cpu_count(), help="llama.cpp's threads (default: all)")
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--prompts", type=int, nargs="+", default=[2048, 8192], help="prefill lengths")
@@ -238,8 +239,7 @@ def main(argv=None) -> int:
         record(kind="row", what=what, n=batch_or_tokens, offplan=offplan_rate, llama_cpp=llama_rate,
                ratio=offplan_rate / llama_rate if offplan_rate and llama_rate else None, **extra)
 
-    # 1. every routed expert off the GPU
-    off = ours.measure(plan("experts-uva", EXPERTS_UVA), [1, 8], new, args.prompts)
+    off = ours.measure(plan("experts-uva", EXPERTS_UVA), [1, 8], new, args.prompts)  # 1. every expert off the GPU
     lc1 = lc8 = None
     cmds = {}
     if llama:
@@ -250,6 +250,13 @@ def main(argv=None) -> int:
         command=cmds.get("decode"))
     row("experts off the GPU: decode steps/s", 8, off["decode", 8], lc8, plan="experts-uva (uva, graph)",
         command=cmds.get("batched"))
+    budget = loads(plan("experts-uva", EXPERTS_UVA).read_text()).summary.gpu_footprint_bytes / 2**30
+    for b, lc in ((1, lc1), (8, lc8)):  # the split: the plan's, at the all-uva plan's footprint, per batch
+        p = plan(f"experts-split-b{b}", f"backend: mixed\ncpu_experts: true\nbudget_gib: {budget!r}\nworkload: "
+                                       f"{{cuda_graphs: true, batch_size: {b}}}\n")
+        row("experts off the GPU, split by the plan between the host's cores and the link: decode steps/s", b,
+            ours.measure(p, [b], new, [])["decode", b], lc, plan=f"experts-split-b{b} (mixed, cpu_experts)",
+            command=cmds.get("decode" if b == 1 else "batched"), cpu_bytes=loads(p.read_text()).summary.cpu_bytes)
     for t in args.prompts:
         by_ub = {}
         if llama:

@@ -53,12 +53,17 @@ class HostTiming:
         self.start = None
 
     def mark(self) -> None:
-        self.start = len(self.host.durations)
+        self.start = self.host.times()
 
     def figures(self, batch: int) -> dict:
-        """The median time of the host's work per module forward of a decode step, and how many there were."""
+        """The mean time of the host's work per module forward of a decode step (in the thread that runs it:
+        native.cpp's caller, or the worker), how many there were, and who computed them."""
         if self.start is None:
             return {}
-        took = sorted(t for tokens, t in self.host.durations[self.start:] if tokens == batch)
-        return dict(host_median_us=1e6 * took[len(took) // 2] if took else None, host_decode_calls=len(took),
-                    kernel_compiled=self.host.kernel.compiled, kernel_misses=self.host.kernel.misses)
+        calls, seconds = self.host.times().get(batch, (0, 0.0))
+        before = self.start.get(batch, (0, 0.0))
+        calls, seconds = calls - before[0], seconds - before[1]
+        engine = self.host
+        return dict(host_mean_us=1e6 * seconds / calls if calls else None, host_decode_calls=calls,
+                    host_kernel="native " + engine.native.pool.isa() if engine.native is not None
+                    else "compiled" if engine.kernel.compiled else "eager", kernel_misses=engine.kernel.misses)

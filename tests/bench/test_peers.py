@@ -158,12 +158,16 @@ def offplan_rows(records: list[dict]) -> dict[tuple[str, int], dict]:
     return rows
 
 
+SPLIT = "experts off the GPU, split by the plan between the host's cores and the link"
+
+
 def test_without_llama_cpp_offplan_s_rows_are_measured_and_llama_cpp_s_skipped_saying_why(tmp_path):
     records = run_peers(tmp_path, "--device", "cpu")
     rows = offplan_rows(records)
     assert {(what.split(":")[0], n) for what, n in rows} == {
         ("experts off the GPU", 1), ("experts off the GPU", 8), ("experts off the GPU", 64),
-        ("8 bits, experts off the GPU", 1), ("all on the GPU", 1)}
+        (SPLIT, 1), (SPLIT, 8), ("8 bits, experts off the GPU", 1), ("all on the GPU", 1)}
+    assert all(r["cpu_bytes"] >= 0 for (what, _), r in rows.items() if what.startswith(SPLIT))
     assert all(r["llama_cpp"] is None and r["ratio"] is None and r["command"] is None for r in rows.values())
     skipped = [r["why"] for r in records if r["kind"] == "skipped"]
     assert skipped == ["no llama.cpp build: give --llama-cpp DIR or --build",
