@@ -48,6 +48,11 @@ What is measured, and how:
   about 650 kernels; this is the part of its time that reading weights does
   not explain.
 
+- experts on cpu (host.py): the rate of the runtime's host kernel beside
+  the GPU's UVA reads, its fixed cost per call, and a layer's hand-over
+  (`cpu_expert_gbps`, `cpu_expert_sync_us`, `cpu_threads`); where the kernel
+  is not built, the built-in figures, and the profile says so.
+
 Limits: the per-layer figures are a Llama layer's and a Qwen3-MoE layer's at
 batch 1; a layer that launches more kernels (transformers' eager MoE expert
 loop, shared experts) costs more per layer, and larger batches run larger
@@ -63,7 +68,10 @@ import torch
 from planner.errors import OffplanError
 from planner.inputs.hardware import H100, Hardware
 
+from ..execute.host import native
+
 from .bandwidth import h2d_copy_gbps, hbm_gbps, matmul_tflops, stage_above, stage_crossover, uva_gbps, warm_up
+from .host import host_figures
 from .steps import (fit_line, generator_step_us_by_layers, replay_us_by_layers, step_us_by_layers, tiny_llama,
                     tiny_moe, tiny_moe_offloaded)
 
@@ -107,16 +115,23 @@ def calibrate() -> Calibration:
                                f"count ({measured}; R^2 {fit:.3f} < {MIN_R2}); something else is loading this "
                                "machine's CPU or GPU: run `plan calibrate` again when it is idle")
     in_place = ", ".join(f"{m}: {a / b:.2f}" for m, (a, b) in crossover.items())
+    host = host_figures()
+    cpu = {} if host is None else dict(cpu_expert_gbps=round(host.gbps, 1), cpu_threads=host.threads,
+                                       cpu_expert_sync_us=round(host.fixed_us + host.handover_us, 1))
+    cpu_note = (f"experts on cpu: the host kernel's {host.threads} threads ({host.isa}) read {host.gbps:.1f} GB/s "
+                f"beside UVA reads (fit R^2 {host.r2:.3f}), {host.fixed_us:.0f} us a call + {host.handover_us:.0f} "
+                "us a layer's hand-over" if host is not None else
+                f"experts on cpu: built-in figures ({native.why_not})")
     hw = Hardware(name, round(h2d, 1), round(uva, 1), round(hbm), round(per_layer, 1), round(max(per_step, 0.0), 1),
                   matmul_tflops=round(tflops, 1), stage_above_tokens=stage_above(crossover),
                   layer_gpu_us=round(gpu_layer, 1), moe_layer_gpu_us=round(gpu_moe_layer, 1),
                   step_gpu_us=round(max(gpu_step, 0.0), 1), moe_layer_overhead_us=round(moe_per_layer, 1),
                   # one GPU measured: its copies while others copy too scaled as the built-in figures' are;
                   # the all-reduce figures stay the built-in ones
-                  parallel_h2d_copy_gbps=round(h2d * H100.parallel_h2d_copy_gbps / H100.h2d_copy_gbps, 1),
+                  parallel_h2d_copy_gbps=round(h2d * H100.parallel_h2d_copy_gbps / H100.h2d_copy_gbps, 1), **cpu,
                   measured=f"plan calibrate, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}; "
                            "all-reduce and several-GPU copy figures built in, not measured; "
                            f"CPU lines R^2 {r2:.4f} (dense) and {r2_moe_cpu:.4f} (MoE), replayed GPU lines R^2 "
                            f"{r2_dense:.4f} (dense), {r2_moe:.4f} (MoE); uva GEMM in place / copied "
-                           f"first, by tokens: {in_place}")
+                           f"first, by tokens: {in_place}; {cpu_note}")
     return Calibration(hw, steps, r2, crossover, replayed, moe_steps)
