@@ -24,6 +24,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <mutex>
 #include <thread>
 #include <vector>
 
@@ -162,6 +163,7 @@ struct Pool {
   std::atomic<int> arrived{0};   // phase barrier
   std::atomic<int> finished{0};  // workers done with the generation's task
   std::atomic<bool> stopping{false};
+  std::mutex busy;  // one job at a time: a replay's host node and an eager call on another thread take turns
   Task task;
 
   void barrier(int phase_target) {  // all threads meet: `arrived` counts up to threads * phase
@@ -231,6 +233,7 @@ struct Pool {
   }
 
   void run(const Job& j) {  // on the calling thread: plan the task, wake the workers, work, wait for them
+    std::lock_guard<std::mutex> hold(busy);
     Task& t = task;
     t.job = &j;
     t.groups.clear();
