@@ -34,8 +34,10 @@ def peers_tables() -> list[str]:
                 "unless LLAMA_CUDA_FA=ON, "
                 f"{run['threads']} threads) reads a GGUF written from the same safetensors checkpoint "
                 "(`benchmarks/peers/to_gguf.py`). offplan decodes through the runtime's generation (each step "
-                "replayed from a CUDA graph, as `plan apply` runs) with every routed expert on uva; llama.cpp "
-                "computes the experts of `--n-cpu-moe` layers on the host's cores. Equal GPU memory: offplan's "
+                "replayed from a CUDA graph, as `plan apply` runs) with every routed expert on uva, or (the split rows, "
+                "where the run has them) with its plan's share of them on cpu, computed by the host's cores beside "
+                "the link (`backend: mixed`, `cpu_experts: true`, the all-uva plan's GPU footprint as the budget); "
+                "llama.cpp computes the experts of `--n-cpu-moe` layers on the host's cores. Equal GPU memory: offplan's "
                 "`mixed` plan gets the GPU bytes llama.cpp reports for its model at that `--n-cpu-moe`. Rates: "
                 f"steps/s for decode ({run['new_tokens']} new tokens), tokens/s for prefill.", ""]
         out += rows_table(records) + [""]
