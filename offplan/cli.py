@@ -104,7 +104,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--rebuild", action="store_true",
                    help="build the plan again and compare bytes, even where its `built:` stamp says it is current "
                         "(the stamp trusts the offplan version: a changed planner of the same version needs this)")
-    p = cmd("calibrate", "measure this GPU's copy, UVA and HBM bandwidths and per-layer CPU and GPU time")
+    p = cmd("calibrate", "measure this GPU's copy, UVA and HBM bandwidths, per-layer CPU and GPU time, and the host's "
+                         "figures for experts on cpu")
     p.add_argument("-o", "--output", metavar="PROFILE", default="hardware.yaml",
                    help="where to write the hardware profile (default: hardware.yaml); name it in a "
                         "policy as `hardware: PROFILE`")
