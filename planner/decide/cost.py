@@ -68,7 +68,7 @@ default 192 (measured on the H100: 2.1x a copy), 43 at 8192 (measured 24x: predi
 
 Experts on cpu: the host reads each touched expert once (the share above), beside the GPU, which sums both: layer
 gpu = max(its GPU time, layer GPU time + host), host = those bytes / cpu_expert_gbps + cpu_expert_sync_us (the
-hand-over and the host's fixed cost; runtime/execute/host/native.cpp, docs/host-experts/).
+hand-over and the host's fixed cost; native.cpp, docs/host-experts/), its uva experts read at uva_read_beside_cpu_gbps.
 Prefill: staged (staging.py), copied and computed on the GPU; unstaged above the threshold, gathered over uva as
 uva experts are (the runtime's host takes at most stage_above_tokens tokens); up to it, the host's reads add.
 
@@ -290,7 +290,8 @@ class CostModel:
                 if p is PREFETCH:
                     copied += size
                     pre_copied += size
-        gpu = latency + (read_hbm + staged) / hbm + read_uva / uva
+        beside = hw.uva_beside_cpu_gbps * 1e3 if read_cpu else uva  # the cores read host memory too (module doc)
+        gpu = latency + (read_hbm + staged) / hbm + read_uva / beside
         if read_cpu:  # the GPU sums the CPU's outputs: the layer ends when the later side does (module doc)
             gpu = max(gpu, latency + read_cpu / (hw.cpu_expert_gbps * 1e3) + hw.cpu_expert_sync_us)
         link = read_uva / uva + copied / h2d

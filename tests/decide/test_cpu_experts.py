@@ -53,7 +53,8 @@ def test_a_layer_with_experts_on_cpu_costs_the_host_its_reads_and_its_call():
 def test_the_host_reads_each_touched_expert_once_beside_the_gpu(batch):
     """Top-1 of 4 experts, 0-1 on cpu, 2-3 on uva. The host's kernel (native.cpp) reads each touched expert once,
     as the GPU does, 1 - (3/4)^T of its 3 MiB, while the GPU reads its own: the layer ends when the later side
-    does, at one token as at more (measured, docs/host-experts/)."""
+    does, at one token as at more (measured, docs/host-experts/). The GPU reads its uva experts at the rate the
+    link keeps while the cores read host memory too."""
     t = infos(moe_toy(2, experts=4))
     graph = build_graph(t, None)
     groups = FusedGroups.find(n for layer in graph.stack_layers() for n in layer.params)
@@ -61,9 +62,30 @@ def test_the_host_reads_each_touched_expert_once_beside_the_gpu(batch):
     layer = CostModel(graph, t, H100, batch, groups, 1).predict(place).layers[1]
     touched = 2 * 3 * MIB * (1 - (3 / 4) ** batch)  # either side's experts' bytes a step reads
     gpu = (H100.moe_layer_gpu_us + (1 * MIB + 2 * touched) / (H100.hbm_read_gbps * 1e3)
-           + touched / (H100.uva_read_gbps * 1e3))
+           + touched / (H100.uva_beside_cpu_gbps * 1e3))  # the link shares host memory with the cores
     host = touched / (H100.cpu_expert_gbps * 1e3) + H100.cpu_expert_sync_us
     assert layer.gpu_us == round(max(gpu, H100.moe_layer_gpu_us + host))
+    assert H100.uva_beside_cpu_gbps == H100.uva_read_gbps * 47.0 / 50.3
+
+
+@pytest.mark.parametrize("beside", [0.0, 20.0])
+def test_beside_the_cores_the_link_reads_at_its_own_rate(beside):
+    """Where the GPU's side is the later one (a host fast enough), the layer's uva experts are read at the
+    profile's uva_read_beside_cpu_gbps, or its default; a layer with none on cpu reads at uva_read_gbps."""
+    t = infos(moe_toy(2, experts=4))
+    graph = build_graph(t, None)
+    groups = FusedGroups.find(n for layer in graph.stack_layers() for n in layer.params)
+    hw = dataclasses.replace(H100, cpu_expert_gbps=1e5, cpu_expert_sync_us=0.0, uva_read_beside_cpu_gbps=beside)
+    rate = beside or H100.uva_read_gbps * 47.0 / 50.3
+    place = {n: CPU if ".experts.0." in n else UVA if ".experts." in n else GPU for n in t}
+    unslowed = dataclasses.replace(hw, uva_read_beside_cpu_gbps=hw.uva_read_gbps)
+    split, alone = (CostModel(graph, t, h, 4, groups, 1).predict(place).layers[1] for h in (hw, unslowed))
+    uva_bytes = 3 * 3 * MIB * (1 - (3 / 4) ** 4)  # the three uva experts' touched share
+    assert abs(split.gpu_us - alone.gpu_us - uva_bytes / 1e3 * (1 / rate - 1 / hw.uva_read_gbps)) <= 1  # rounding
+    assert split.gpu_us > alone.gpu_us
+    no_cpu = {n: UVA if p is CPU else p for n, p in place.items()}
+    assert (CostModel(graph, t, hw, 4, groups, 1).predict(no_cpu).layers[1].gpu_us
+            == CostModel(graph, t, unslowed, 4, groups, 1).predict(no_cpu).layers[1].gpu_us)
 
 
 def test_some_experts_on_cpu_others_on_uva_and_gpu_in_one_layer():
@@ -187,3 +209,16 @@ def test_cpu_experts_is_read_from_the_policy_and_ignored_with_a_warning_outside_
     other = load_policy(write_policy(tmp_path, "cpu_experts: true\n", name="o.policy.yaml"))
     assert other.warnings == (f"{tmp_path / 'o.policy.yaml'}:3:1: cpu_experts is set but backend is not mixed; "
                               "it is ignored (rules place experts on cpu with `place: cpu`)",)
+
+
+@pytest.mark.parametrize("beside", [0.0, 44.5])
+def test_a_profile_round_trips_the_links_rate_beside_the_cores(tmp_path, beside):
+    """uva_read_beside_cpu_gbps is written where it is set, read back, and valid to the schema; absent, the
+    profile gets the default the cost model takes (uva_read_gbps x 47.0/50.3)."""
+    from planner.inputs.hardware import dumps_hardware, load_hardware
+    hw = dataclasses.replace(H100, uva_read_beside_cpu_gbps=beside)
+    (tmp_path / "hw.yaml").write_text(dumps_hardware(hw))
+    back = load_hardware(tmp_path / "hw.yaml")
+    assert ("uva_read_beside_cpu_gbps" in dumps_hardware(hw)) == bool(beside)
+    assert back.uva_read_beside_cpu_gbps == beside
+    assert back.uva_beside_cpu_gbps == (beside or back.uva_read_gbps * 47.0 / 50.3)
