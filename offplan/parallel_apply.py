@@ -13,7 +13,7 @@ import json
 
 import torch
 
-from planner.errors import OffplanError, StalePlanError
+from planner.errors import StalePlanError
 from planner.units import human
 from runtime.distributed.launch import from_torchrun, init_from_torchrun, run_ranks
 

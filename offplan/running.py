@@ -32,6 +32,7 @@ from planner.inputs.hardware import dumps_hardware
 from planner.planfile import load_plan
 from planner.units import human, ms, plural
 from runtime.execute.handle import LoadStats
+from runtime.execute.host import native
 from runtime.hf import from_pretrained
 from runtime.measure.calibrate import calibrate
 
@@ -138,6 +139,9 @@ def report(plan_path, s: LoadStats, facts: dict, gen: dict, plan, root: Path) ->
     if not facts["tokenizer"]:
         out.append(f"note: no tokenizer beside the weights ({', '.join(TOKENIZER_FILES)} are missing from "
                    f"{root}): the prompt's UTF-8 bytes are the input ids, and the output is token ids")
+    if plan.summary.cpu_bytes and native.library() is None:
+        out.append(f"note: the plan computes experts on cpu, but {native.why_not}: the engine's Python worker "
+                   "computes them, much slower than the plan predicts")
     sequences = len(gen["sequences"])
     how = "each decode step replayed from a CUDA graph" if "graph" in gen["mode"] else "each decode step eager"
     out.append(f"generated {plural(sequences, 'sequence')} of up to {gen['max_new_tokens']} tokens, greedily, "

@@ -16,7 +16,7 @@ from planner.inputs.patterns import compile_pattern
 from planner.inputs.policy import Rule, Workload, load_policy
 from planner.layers.graph import build_graph
 from planner.layers.groups import FusedGroups
-from planner.plan import PrefillStaging, Role, StagedLayer
+from planner.plan import Role
 
 # 1 MB/us copy, 0.5 MB/us UVA, 10 MB/us HBM, 100 us per layer: easy arithmetic.
 HW = Hardware("test", h2d_copy_gbps=1.0, uva_read_gbps=0.5, hbm_read_gbps=10.0, layer_overhead_us=100.0)

@@ -235,3 +235,16 @@ def test_the_eager_projection_is_a_gemv_per_pair():
         want = torch.stack([(w[e].float().t() if transposed else w[e].float()) @ x[p].float()
                             for p, e in enumerate(ids.tolist())]).to(torch.bfloat16)
         torch.testing.assert_close(got, want, rtol=0.008, atol=1e-2)  # one bf16 rounding of an fp32 sum
+
+
+def test_plan_apply_says_when_the_host_kernel_is_not_built(tmp_path, qwen, monkeypatch, capsys):
+    from offplan.cli import main
+    plan = make_plan(tmp_path, qwen, SPLIT + hardware(tmp_path))
+    apply = ["apply", str(plan), "--device", "cpu", "--max-new-tokens", "2"]
+    assert main(apply) == 0
+    assert "the plan computes experts on cpu" not in capsys.readouterr().out
+    monkeypatch.setattr(native, "library", lambda: None)
+    monkeypatch.setattr(native, "why_not", "the host kernel is not built (here: a test)")
+    assert main(apply) == 0
+    assert ("note: the plan computes experts on cpu, but the host kernel is not built (here: a test): the engine's "
+            "Python worker computes them, much slower than the plan predicts") in capsys.readouterr().out

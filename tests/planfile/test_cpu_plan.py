@@ -14,7 +14,6 @@ from planner.inputs.policy import load_policy
 from planner.planfile import dumps, loads
 from planner.planfile.diff import diff_data, diff_text
 from planner.planfile.show import print_to, show, show_data
-from planner.plan import Placement
 from synthetic import write_header_only
 
 CPU_RULE = "rules:\n  - match: [experts]\n    place: cpu\n"
