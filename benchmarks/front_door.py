@@ -11,7 +11,9 @@ per strategy, built as a user builds it (default workload: batch 1, eager):
 - `gpu`: everything on the GPU;  `uva`: every other decoder layer on uva;  `prefetch`: every other decoder layer
   streamed (group 2, step 2);  `mixed`: `backend: mixed` under a budget of half the checkpoint's bytes and the
   experts' working memory with every expert on uva (planner/decide/working.py);
-- `experts-uva`: every routed expert on uva (the README's main job);  `experts-uva-fp8`: the same, FP8 weights.
+- `experts-uva`: every routed expert on uva (the README's main job);  `experts-uva-fp8`: the same, FP8 weights;
+- `experts-split`: `backend: mixed` with `cpu_experts: true` under the experts-uva plan's GPU footprint: the plan
+  splits the experts between the host's cores and the link (runtime/execute/host/).
 
 At each `--batches` B (B copies of the prompt `PROMPT`, its UTF-8 bytes as token ids, as `plan apply` takes it
 without a tokenizer), `--new-tokens` decode steps after the prefill's token, greedy:
@@ -24,10 +26,10 @@ without a tokenizer), `--new-tokens` decode steps after the prefill's token, gre
   batch 1 only: what a user got before.
 
 Each row's rate is set against the loop's (issue target: apply and generate >= 0.95x), eager rows against the lower
-of the all-GPU plan's eager rate at that batch and the link floor (target >= 0.8x; the floor, for the experts-uva
-rows at batch 1: the bytes of the k experts a token touches per layer over the UVA read rate calibrated now), and
-the plan's predicted step for that batch and mode (a plan of the same policy with `workload: {batch_size: B,
-cuda_graphs: ...}`; none where that plan places differently). offplan's rows must give the loop's tokens (exit 1
+of the all-GPU plan's eager rate at that batch and the link floor (target >= 0.8x; the floor, for the experts-uva,
+-fp8 and -split rows at batch 1: the bytes of the k experts a token touches per layer over the UVA read rate
+calibrated now), and the plan's predicted step for that batch and mode (a plan of the same policy with
+`workload: {batch_size: B, cuda_graphs: ...}`; none where that plan places differently). offplan's rows must give the loop's tokens (exit 1
 otherwise). Records go to OUT/front-door-MODEL[-LABEL].jsonl, a table is printed last.
 """
 from __future__ import annotations
@@ -55,7 +57,7 @@ from quantized_models import write_fp8  # noqa: E402  (the published FP8 layout'
 
 PROMPT = "The capital of France is"
 ROOT = Path(__file__).resolve().parent.parent
-STRATEGIES = ("gpu", "uva", "prefetch", "mixed", "experts-uva", "experts-uva-fp8")
+STRATEGIES = ("gpu", "uva", "prefetch", "mixed", "experts-uva", "experts-uva-fp8", "experts-split")
 CALLS = 3  # handle.generate is timed as the median of this many calls: eager steps wait on the host's CPU, which
 # stalled for tens of ms at a time on the H100 machine (docs/front-door/README.md)
 EXPERTS_UVA = "rules:\n  - {match: [experts], place: uva}\n"
@@ -76,15 +78,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def policy(strategy: str, layers: int, budget_bytes: int) -> str:
-    """`budget_bytes`: mixed's budget."""
+def policy(strategy: str, layers: int, budget_bytes: int, split_bytes: int = 0) -> str:
+    """`budget_bytes`: mixed's budget; `split_bytes`: experts-split's."""
     head = f"format_version: 1\ncheckpoint: {'fp8' if strategy.endswith('fp8') else 'ckpt'}\nhardware: hw.yaml\n"
     if strategy == "uva":
         alternation = "|".join(map(str, offloaded_layers(layers, 0.5)))
         return head + f"rules:\n  - match: ['re:^model\\.layers\\.({alternation})\\.']\n    place: uva\n"
     return head + {"gpu": "", "prefetch": "prefetch: {group_size: 2, num_in_group: 1, step: 2}\n",
                    "mixed": f"backend: mixed\nbudget_gib: {budget_bytes / 2**30!r}\nprefetch: {{step: 2}}\n",
-                   "experts-uva": EXPERTS_UVA, "experts-uva-fp8": EXPERTS_UVA}[strategy]
+                   "experts-uva": EXPERTS_UVA, "experts-uva-fp8": EXPERTS_UVA,
+                   "experts-split": f"backend: mixed\ncpu_experts: true\nbudget_gib: {split_bytes / 2**30!r}\n",
+                   }[strategy]
 
 
 def predicted_steps_per_s(work: Path, name: str, text: str, params, batch: int, graph: bool) -> float | None:
@@ -177,12 +181,14 @@ def main(argv=None) -> int:
            new_tokens=args.new_tokens, prompt=PROMPT, hardware=hw.__dict__)
     ids = torch.tensor([[b % config.vocab_size for b in PROMPT.encode()]], device="cuda")
     new, failures = args.new_tokens, []
+    split = load_plan(make_plan(work, "experts-uva", policy("experts-uva", config.num_hidden_layers, budget))
+                      ).summary.gpu_footprint_bytes  # experts-split's budget
     for strategy in args.strategies:
-        text = policy(strategy, config.num_hidden_layers, budget)
+        text = policy(strategy, config.num_hidden_layers, budget, split)
         plan = make_plan(work, strategy, text)
         applied = load_plan(plan)
         floor = None
-        if strategy.startswith("experts-uva"):  # batch 1: the k experts a token touches per layer, over the link
+        if strategy.startswith("experts-"):  # batch 1: the k experts a token touches per layer, over the link
             experts = open_checkpoint(work / ("fp8" if strategy.endswith("fp8") else "ckpt")).tensors
             host = sum(t.nbytes for n, t in experts.items() if ".mlp.experts." in n)
             floor = hw.uva_read_gbps * 1e9 * config.num_experts / (host * config.num_experts_per_tok)

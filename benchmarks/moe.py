@@ -5,10 +5,9 @@ r"""MoE decode with experts in pinned host memory, against honest all-GPU baseli
         --host-implementations offplan --skew 0.7 --resident 0.25 0.5 --budget-batches 1 8
     python benchmarks/moe.py --model tiny --device cpu --out /tmp/r    # smoke test, any machine
 
-Qwen3-30B-A3B's shape (128 experts, top-8; `--layers` of its 48 layers, all of
-them by default: 61 GB of disk, which the H100 machine holds; every per-layer
-figure is the real one), random bf16 weights saved as a sharded safetensors
-checkpoint (harness/checkpoints.py `make_checkpoint`, a layer at a time). One run measures:
+Qwen3-30B-A3B's shape (128 experts, top-8; `--layers` of its 48 layers, all of them by default: 61 GB of disk,
+which the H100 machine holds; every per-layer figure is the real one), random bf16 weights saved as a sharded
+safetensors checkpoint (harness/checkpoints.py `make_checkpoint`, a layer at a time). One run measures:
 
 1. the hardware (`runtime.measure.calibrate`): the UVA read bandwidth sets the floor;
 2. all on the GPU, per transformers experts implementation (`--baselines`:
@@ -31,8 +30,8 @@ checkpoint (harness/checkpoints.py `make_checkpoint`, a layer at a time). One ru
    would not fit the H100), over the UVA read bandwidth of step 1. Nothing can
    read them faster.
 
-With `--cpu-fractions F...` (and `--cpu-threads N...`), rows with the first F
-of every layer's experts on cpu, the rest on uva (harness/host_rows.py).
+With `--cpu-fractions F...` (and `--cpu-threads N...`), rows with the first F of every layer's experts on cpu,
+the rest on uva; with `--cpu-split`, the plan's own split at each batch (harness/host_rows.py).
 
 With `--skew S`, every model of the run routes as real MoE models do, a few
 experts taking most tokens (RouterSkew: random weights alone route uniformly),
@@ -40,15 +39,13 @@ and the run goes on to placements under a GPU budget:
 
 5. a routing profile (`runtime.routing.record_routing`) recorded on other
    prompts than the timed ones;
-6. for each `--resident` fraction F of the expert bytes kept on the GPU: a
-   budget plan with per-expert placement (`backend: mixed`, the profile in
-   `workload.routing`: the most-hit experts stay resident), against whole
-   layers' experts on uva with the same GPU bytes (the best placement that
-   moves whole layers: at these batches, reading a layer's touched experts
-   in place moves fewer bytes than copying the whole layer). Both plans are
-   built for batch 1; the same placement's prediction of CUDA-graph decode
-   (`workload.cuda_graphs`) at each `--budget-batches` batch is recorded
-   beside the measurement, with the bytes actually read from pinned memory.
+6. for each `--resident` fraction F of the expert bytes kept on the GPU: a budget plan with per-expert placement
+   (`backend: mixed`, the profile in `workload.routing`: the most-hit experts stay resident), the same with
+   `cpu_experts: true` (the host computes some of the rest), and whole layers' experts on uva with the same GPU
+   bytes (the best placement that moves whole layers: at these batches, reading a layer's touched experts in
+   place moves fewer bytes than copying the whole layer). The plans are built for batch 1; the same placement's
+   prediction of CUDA-graph decode (`workload.cuda_graphs`) at each `--budget-batches` batch is recorded beside
+   the measurement, with the bytes actually read from pinned memory.
 
 Every decode is greedy over the same prompts; its tokens are compared with the
 all-GPU model's (transformers alone) under the same arithmetic, in the same mode: offplan's experts
@@ -71,7 +68,7 @@ from harness import loops
 from harness.budgets import budget_table, measure_budgets, record_profile
 from harness.checkpoints import checkpoint_and_hardware, config_for
 from harness.loops import prompts
-from harness.host_rows import HostTiming, measure_cpu
+from harness.host_rows import HostTiming, measure_cpu, measure_split
 from harness.plans import make_plan
 from harness.routers import RouterSkew, RouterSpread, touched_experts
 from runtime.execute.experts import arithmetic
@@ -118,6 +115,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="shares of every layer's experts on cpu, the rest on uva (module doc)")
     ap.add_argument("--cpu-threads", type=int, nargs="+", help="host threads for experts on cpu (default: the "
                     "hardware profile's cpu_threads)")
+    ap.add_argument("--cpu-split", action="store_true", help="also the plan's own split of the experts between "
+                    "cpu and uva at each batch (harness/host_rows.py)")
     ap.add_argument("--budget-batches", type=int, nargs="+", default=[1, 8],
                     help="with --skew: batches the budget placements decode at (and are predicted at)")
     return ap.parse_args(argv)
@@ -275,9 +274,10 @@ def main(argv=None) -> int:
     if args.lookahead_ab and "offplan" in args.host_implementations:
         run.measure("experts-host-offplan-no-lookahead", host, None, args.modes, offloaded=True, lookahead=False,
                     batches=[1])
-    for threads in args.cpu_threads or [None]:
-        for fraction in args.cpu_fractions:
-            measure_cpu(run, fraction, threads)
+    for threads, fraction in ((t, f) for t in args.cpu_threads or [None] for f in args.cpu_fractions):
+        measure_cpu(run, fraction, threads)
+    if args.cpu_split:
+        measure_split(run, host, (args.cpu_threads or [None])[0])
     if run.skew is not None:
         measure_budgets(run, record_profile(run, gpu))
     rows = [json.loads(line) for line in run.log.read_text().splitlines()]

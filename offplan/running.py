@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
+import warnings
 from pathlib import Path
 
 import torch
@@ -33,6 +34,7 @@ from planner.planfile import load_plan
 from planner.units import human, ms, plural
 from runtime.execute.handle import LoadStats
 from runtime.execute.host import native
+from runtime.execute.host.pace import HostSlowerWarning
 from runtime.hf import from_pretrained
 from runtime.measure.calibrate import calibrate
 
@@ -86,7 +88,9 @@ def apply_command(args) -> int:
 def apply_one(req: Request, rank: int | None = None) -> str:
     """Load the plan (this process's share of it, under tensor parallelism), generate, and say what happened:
     the report's lines, or its JSON."""
-    model, handle = from_pretrained(req.plan, device=req.device, progress=req.progress if not rank else False)
+    with warnings.catch_warnings():  # the report says it (`host_warning`), once
+        warnings.simplefilter("ignore", HostSlowerWarning)
+        model, handle = from_pretrained(req.plan, device=req.device, progress=req.progress if not rank else False)
     try:
         stats = handle.stats()
         root = Path(handle.checkpoint.root)
@@ -139,6 +143,8 @@ def report(plan_path, s: LoadStats, facts: dict, gen: dict, plan, root: Path) ->
     if not facts["tokenizer"]:
         out.append(f"note: no tokenizer beside the weights ({', '.join(TOKENIZER_FILES)} are missing from "
                    f"{root}): the prompt's UTF-8 bytes are the input ids, and the output is token ids")
+    if s.host_warning:
+        out.append(f"warning: {s.host_warning}")
     if plan.summary.cpu_bytes and native.library() is None:
         out.append(f"note: the plan computes experts on cpu, but {native.why_not}: the engine's Python worker "
                    "computes them, much slower than the plan predicts")

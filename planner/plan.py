@@ -222,6 +222,10 @@ class Cost:
     prompt_tokens: int = 0  # tokens of the predicted prefill (workload.prompt_tokens); 0: a plan without one
     prefill_us: int = 0  # predicted prefill of prompt_tokens tokens, one sequence: the time to first token
     cpu_threads: int = 0  # host threads assumed for experts on cpu (the hardware profile's); 0: none on cpu
+    # with them, the host's rate and fixed cost per call the prediction assumed (the load checks the host against
+    # them: runtime/execute/host/pace.py); 0: none on cpu, or a plan written before they were recorded
+    cpu_expert_gbps: float = 0.0
+    cpu_expert_sync_us: float = 0.0
 
     @property
     def step_us(self) -> int:

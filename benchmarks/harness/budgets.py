@@ -37,8 +37,8 @@ def record_profile(run, plan: Path) -> Path:
 
 
 def measure_budgets(run, profile: Path) -> None:
-    """Per `--resident` fraction: per-expert placement under a budget (the profile ranks the experts)
-    against whole layers' experts on uva, with the same bytes resident."""
+    """Per `--resident` fraction: per-expert placement under a budget (the profile ranks the experts), without
+    and with experts on cpu, against whole layers' experts on uva, with the same bytes resident."""
     from planner.planfile import load_plan
 
     from .plans import experts_working_bytes
@@ -61,6 +61,8 @@ def measure_budgets(run, profile: Path) -> None:
         plans = {
             f"budget-per-expert-{fraction:g}":
                 f"backend: mixed\nbudget_gib: {resident / 2**30!r}\n{workload}",
+            f"budget-per-expert-cpu-{fraction:g}":  # the host computes a share of the experts left on uva
+                f"backend: mixed\ncpu_experts: true\nbudget_gib: {resident / 2**30!r}\n{workload}",
             f"whole-layers-uva-{fraction:g}":
                 f"rules:\n  - match: ['re:^model\\.layers\\.({whole})\\.mlp\\.experts\\.']\n"
                 f"    place: uva\n{workload}"}
@@ -77,7 +79,8 @@ def measure_budgets(run, profile: Path) -> None:
             run.measure(name, path, None, mode, offloaded=True, batches=run.args.budget_batches,
                          predicted=predicted, floor=False, resident_fraction=fraction,
                          gpu_bytes=plan.summary.gpu_bytes, uva_bytes=plan.summary.uva_bytes,
-                         prefetch_bytes=plan.summary.prefetch_bytes, predicted_h2d_bytes_per_step=h2d)
+                         prefetch_bytes=plan.summary.prefetch_bytes, predicted_h2d_bytes_per_step=h2d,
+                         cpu_bytes=plan.summary.cpu_bytes)
 
 
 def budget_table(rows: list[dict]) -> None:
@@ -90,11 +93,13 @@ def budget_table(rows: list[dict]) -> None:
     def f(x, spec=".1f"):
         return "-" if x is None else format(x, spec)
     print("\n| experts resident | batch | placement | steps/s | predicted | link MB/step: observed | predicted "
-          "| x whole layers |")
-    print("|---|---|---|---|---|---|---|---|")
+          "| x whole layers | x per-expert without cpu |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for (name, fraction, b), r in got.items():
         whole = got.get(("whole-layers-uva", fraction, b))
+        plain = got.get(("budget-per-expert", fraction, b))
         mb = r["predicted_h2d_bytes_per_step"].get(str(b), r["predicted_h2d_bytes_per_step"].get(b))
         print(f"| {fraction:.0%} | {b} | {name} | {r['steps_per_s']:.1f} | {f(r['predicted_steps_per_s'])} | "
               f"{f(r.get('observed_h2d_bytes_per_step', 0) / 1e6)} | {f(mb and mb / 1e6)} | "
-              f"{f(whole and r['steps_per_s'] / whole['steps_per_s'], '.2f')} |")
+              f"{f(whole and r['steps_per_s'] / whole['steps_per_s'], '.2f')} | "
+              f"{f(plain and r['steps_per_s'] / plain['steps_per_s'], '.2f')} |")

@@ -2,8 +2,11 @@
 
 With `--cpu-fractions F...`, for each F the first F of every layer's experts (by number: under uniform routing,
 that share of the touched ones) are computed by the host CPU, the rest read over uva, with `--cpu-threads` host
-threads each (the plan's `cpu_threads`); F = 1 puts every expert on cpu. They decode in the run's `graph` and
-`eager` modes (not under torch.compile). Each row carries the plan's prediction and its ratio to the UVA floor,
+threads each (the plan's `cpu_threads`); F = 1 puts every expert on cpu. With `--cpu-split`, the plan's own split
+instead: `backend: mixed` with `cpu_experts: true` under the all-uva plan's GPU footprint, one plan per batch (its
+workload, replayed), each measured at its batch. They decode in each of the run's modes (under torch.compile the
+hand-over's custom ops stay opaque to Inductor). Each row carries the plan's prediction (for a replayed step) and
+its ratio to the UVA floor,
 the host's median time per module forward of a decode step, and the tokens are compared with the
 all-GPU model's as moe.py's other rows (the host sums each GEMV in another order: a near tie between two tokens
 can break the other way).
@@ -11,8 +14,10 @@ can break the other way).
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 from planner.inputs.hardware import dumps_hardware, load_hardware
+from planner.planfile import load_plan
 
 from .plans import predicted_us
 
@@ -30,17 +35,39 @@ def cpu_rules(count: int, experts: int) -> str:
 def measure_cpu(run, fraction: float, threads: int | None) -> None:
     """The first `fraction` of every layer's experts on cpu, on the host's `threads` (None: the profile's), the
     rest on uva: measured by `run` (moe.py's Run) in its graph and eager modes, with the plan's predictions."""
-    hardware = "hw.yaml"
-    if threads is not None:
-        hardware = f"hw-t{threads}.yaml"
-        (run.work / hardware).write_text(dumps_hardware(dataclasses.replace(run.hw, cpu_threads=threads)))
+    hardware = profile(run, threads)
     name = f"experts-cpu{fraction:g}" + ("" if threads is None else f"-t{threads}")
     plan = run.plan(name, cpu_rules(round(fraction * run.experts), run.experts), hardware)
     hw = load_hardware(run.work / hardware)
-    predicted = {b: 1e6 / predicted_us(plan, hw, b) for b in run.args.batches}
-    modes = [m for m in run.args.modes if m in ("graph", "eager")]  # the engine is not traced by torch.compile
-    run.measure(name, plan, None, modes, offloaded=True, predicted=predicted, cpu_fraction=fraction,
+    predicted = {b: 1e6 / predicted_us(plan, hw, b, graphs=True) for b in run.args.batches}
+    run.measure(name, plan, None, run.args.modes, offloaded=True, predicted=predicted, cpu_fraction=fraction,
                 cpu_threads=hw.cpu_threads)
+
+
+def measure_split(run, host: Path, threads: int | None) -> None:
+    """The plan's own split at each batch (module doc), on the host's `threads` (None: the profile's), beside
+    `host`, the all-uva plan whose GPU footprint is the budget: the share of the experts' bytes off the GPU that
+    the plan put on cpu goes into the rows (`cpu_fraction`)."""
+    budget = load_plan(host).summary.gpu_footprint_bytes / 2**30
+    hardware = profile(run, threads)
+    for b in run.args.batches:
+        name = f"experts-split-b{b}"
+        path = run.plan(name, f"backend: mixed\ncpu_experts: true\nbudget_gib: {budget!r}\n"
+                              f"workload: {{batch_size: {b}, cuda_graphs: true}}\n", hardware)
+        plan = load_plan(path)
+        s = plan.summary
+        run.measure(name, path, None, run.args.modes, offloaded=True, batches=[b],
+                    predicted={b: 1e6 / s.predicted_step_us}, split_by_plan=True, gpu_bytes=s.gpu_bytes,
+                    cpu_fraction=s.cpu_bytes / max(1, s.cpu_bytes + s.uva_bytes + s.prefetch_bytes),
+                    cpu_threads=plan.cost.cpu_threads if s.cpu_bytes else None)
+
+
+def profile(run, threads: int | None) -> str:
+    """The run's hardware profile, or a copy of it with `threads` host threads (`cpu_threads`): its file name."""
+    if threads is None:
+        return "hw.yaml"
+    (run.work / f"hw-t{threads}.yaml").write_text(dumps_hardware(dataclasses.replace(run.hw, cpu_threads=threads)))
+    return f"hw-t{threads}.yaml"
 
 
 class HostTiming:

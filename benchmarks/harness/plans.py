@@ -68,9 +68,10 @@ def plan_facts(plan_path: Path):
     return plan, graph, ckpt.tensors, groups, read_config(ckpt.root).top_k
 
 
-def predicted_us(plan_path: Path, hw: Hardware, batch: int) -> int:
+def predicted_us(plan_path: Path, hw: Hardware, batch: int, graphs: bool = False) -> int:
+    """The plan's placement predicted at `batch`, eager or (`graphs`) replayed from a CUDA graph."""
     plan, graph, tensors, groups, top_k = plan_facts(plan_path)
-    return CostModel(graph, tensors, hw, batch, groups, top_k).predict(plan.params).step_us
+    return CostModel(graph, tensors, hw, batch, groups, top_k, graphs=graphs).predict(plan.params).step_us
 
 
 def predicted_prefill(work: Path, name: str, text: str, plan: Plan, tokens: list[int]) -> dict[int, float | None]:
@@ -86,8 +87,8 @@ def predicted_prefill(work: Path, name: str, text: str, plan: Plan, tokens: list
 
 
 def link_bytes(plan: Plan, tensors: dict, touched: dict[str, set[int]], ids: torch.Tensor) -> int:
-    """The offloaded bytes a prefill over `ids` must move: every prefetched and uva tensor, but a uva routed expert
-    only if `touched`, and of an embedding on uva the rows of the prompt's tokens (prefill.py's doc)."""
+    """The offloaded bytes a prefill over `ids` must move: every prefetched and uva tensor, but a routed expert on
+    uva or cpu only if `touched`, and of an embedding on uva the rows of the prompt's tokens (prefill.py's doc)."""
     embeddings = {n for l in build_graph(plan.params, plan.stacks).layers if l.kind is LayerKind.EMBED
                   for n in l.params}
     total = 0
@@ -99,7 +100,7 @@ def link_bytes(plan: Plan, tensors: dict, touched: dict[str, set[int]], ids: tor
             total += info.nbytes // info.shape[0] * min(info.shape[0], ids.unique().numel())
             continue
         expert = expert_number(name)
-        if place is Placement.UVA and expert is not None:
+        if place in (Placement.UVA, Placement.CPU) and expert is not None:  # cpu: streamed as uva ones above
             group = name[:name.index(".experts.") + len(".experts")]
             if expert not in touched.get(group, ()):
                 continue

@@ -46,6 +46,8 @@ def _v(value) -> str:
         return "true" if value else "false"
     if isinstance(value, int):
         return str(value)
+    if isinstance(value, float):
+        return repr(value)
     if isinstance(value, str):
         return _s(value)
     if isinstance(value, (list, tuple)):
@@ -112,7 +114,8 @@ def _dumps(plan: Plan) -> str:
     else:
         graphs = {"cuda_graphs": True} if c.cuda_graphs else {}  # absent for eager, as plans before it
         prefill = {"prompt_tokens": c.prompt_tokens, "prefill_us": c.prefill_us} if c.prompt_tokens else {}
-        threads = {"cpu_threads": c.cpu_threads} if c.cpu_threads else {}
+        threads = {"cpu_threads": c.cpu_threads, "cpu_expert_gbps": c.cpu_expert_gbps,
+                   "cpu_expert_sync_us": c.cpu_expert_sync_us} if c.cpu_threads else {}
         flow = _flow(hardware=c.hardware, batch_size=c.batch_size, cpu_us=c.cpu_us, gpu_us=c.gpu_us,
                      link_us=c.link_us, **graphs, **prefill, **threads)
         out.append(f"cost: {flow}\n")

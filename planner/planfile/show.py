@@ -97,7 +97,8 @@ def show_data(plan: Plan) -> dict:
             "cpu_us": plan.cost.cpu_us, "gpu_us": plan.cost.gpu_us, "link_us": plan.cost.link_us,
             "cuda_graphs": plan.cost.cuda_graphs,
             "prompt_tokens": plan.cost.prompt_tokens or None, "prefill_us": plan.cost.prefill_us or None,
-            **({"cpu_threads": plan.cost.cpu_threads} if plan.cost.cpu_threads else {})},
+            **({"cpu_threads": plan.cost.cpu_threads, "cpu_expert_gbps": plan.cost.cpu_expert_gbps or None,
+                "cpu_expert_sync_us": plan.cost.cpu_expert_sync_us or None} if plan.cost.cpu_threads else {})},
         "prefetch": None if plan.prefetch is None else {
             "step": plan.prefetch.step, "slots": plan.prefetch.slots, "slot_bytes": plan.prefetch.slot_bytes,
             "layers": len(plan.prefetch.schedule)},
@@ -186,7 +187,10 @@ def _footprint(plan: Plan) -> list[str]:
             ("a prefill", s.working_prefill_bytes), ("buffers", s.working_buffer_bytes)) if b)
         out.append(f"experts' working memory{per}: {runs}; the footprint counts the buffers and the larger phase")
     if s.cpu_bytes:
-        threads = f" with {plan.cost.cpu_threads} threads" if plan.cost and plan.cost.cpu_threads else ""
+        c = plan.cost
+        threads = f" with {c.cpu_threads} threads" if c and c.cpu_threads else ""
+        if c and c.cpu_expert_gbps:
+            threads += f" (assumed: {c.cpu_expert_gbps:g} GB/s and {c.cpu_expert_sync_us:g} us a call)"
         out.append(f"host CPU{per}: computes {human(s.cpu_bytes)} of routed experts{threads}, kept in host memory")
     offloaded = s.uva_bytes + s.prefetch_bytes
     if not offloaded:

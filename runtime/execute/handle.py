@@ -50,6 +50,7 @@ class LoadStats:
     peak_gpu_bytes_during_load: int  # above what was allocated before the load
     uva_in_place: bool  # False: `uva=False` on CUDA, tensors staged before their module runs
     prefill_staged_layers: int = 0  # layer forwards so far whose uva tensors were copied first (prefill.py)
+    host_warning: str = ""  # the host computes experts on cpu much slower than the plan assumed (host/pace.py)
 
     @property
     def pinned_ratio(self) -> float | None:
@@ -86,6 +87,7 @@ class OffloadHandle(Generating):
         self.lookahead: Lookahead | None = None  # their next experts read ahead at decode (lookahead.py)
         self.host_experts: HostExperts | None = None  # the plan's experts on cpu (host/engine.py)
         self.host_bound: list[tuple[torch.nn.Module, int]] = []  # the modules it computes experts of
+        self.host_warning = ""  # the load found the host much slower than the plan assumed (host/pace.py)
         self.experts_before: str | None = None  # the experts implementation before "offplan"
         self.generators: dict[tuple[bool, bool], Generator] = {}  # `generate`'s, by (eager, compile)
         self.parallel = None  # tensor parallelism: this process's place and collectives (distributed/collectives.py)
@@ -111,7 +113,8 @@ class OffloadHandle(Generating):
             prefetch_reprimes=self.engine.reprimes if self.engine else 0,
             load_seconds=self.load_seconds, peak_gpu_bytes_during_load=self.peak_gpu_bytes,
             uva_in_place=self.staging is None,
-            prefill_staged_layers=self.prefill.staged_forwards if self.prefill else 0)
+            prefill_staged_layers=self.prefill.staged_forwards if self.prefill else 0,
+            host_warning=self.host_warning)
 
     def synchronize(self) -> None:
         """Wait for prefetch copies and lookahead reads in flight (before and after capturing a CUDA graph;

@@ -91,10 +91,14 @@ def test_prefill_benchmark_runs_on_cuda(tmp_path):
     assert code == 0
     rows = [json.loads(l) for l in (tmp_path / "out" / "prefill-tiny.jsonl").read_text().splitlines()]
     pre = {(r["strategy"], r["tokens"]): r for r in rows if r["kind"] == "prefill"}
-    assert all(r["same_logits"] for r in pre.values())
+    # experts on cpu: 64 tokens staged through the ring (all-GPU's logits); 4 computed by the host, and its decode
+    # steps (another order of summation: not compared)
+    assert all(r["same_logits"] for k, r in pre.items() if k != ("experts-cpu", 4))
     assert (pre["uva", 64]["staged_layers"], pre["uva", 4]["staged_layers"]) == (2, 0)
+    assert pre["experts-cpu", 64]["staged_experts"] and pre["experts-cpu", 64]["cpu_bytes"] > 0
     decoded = [r for r in rows if r["kind"] == "decode"]
-    assert {r["mode"] for r in decoded} == {"eager", "graph"} and all(r["same_tokens"] for r in decoded)
+    assert {r["mode"] for r in decoded} == {"eager", "graph"}
+    assert all(r["same_tokens"] for r in decoded if r["strategy"] != "experts-cpu")
 
 
 def test_front_door_benchmark_runs_on_cuda(tmp_path):
@@ -111,7 +115,7 @@ def test_front_door_benchmark_runs_on_cuda(tmp_path):
     rows = [json.loads(l) for l in (tmp_path / "out" / "front-door-tiny.jsonl").read_text().splitlines()]
     assert rows[0]["kind"] == "run" and rows[0]["hardware"]["uva_read_gbps"] == H100.uva_read_gbps
     decoded = {(r["strategy"], r["path"]): r for r in rows[1:]}
-    strategies = ("gpu", "uva", "prefetch", "mixed", "experts-uva", "experts-uva-fp8")
+    strategies = ("gpu", "uva", "prefetch", "mixed", "experts-uva", "experts-uva-fp8", "experts-split")
     assert set(decoded) == {(s, p) for s in strategies for p in ("loop", "generate", "generate --eager", "apply")} \
         | {("experts-uva", "transformers")}
     assert all(r["steps_per_s"] > 0 and r["batch"] == 1 for r in decoded.values())
@@ -122,22 +126,25 @@ def test_front_door_benchmark_runs_on_cuda(tmp_path):
 
 
 def test_moe_benchmark_measures_experts_on_cpu_replayed_and_eager(tmp_path):
-    """moe.py --cpu-fractions (harness/host_rows.py) on a tiny Qwen3-MoE: rows with half and all of every layer's
-    experts on cpu, in graph replay and eagerly, each with the host's time per module forward, every call by
-    native.cpp."""
+    """moe.py --cpu-fractions and --cpu-split (harness/host_rows.py) on a tiny Qwen3-MoE: rows with half and all of
+    every layer's experts on cpu, in graph replay (plain and compiled) and eagerly, each with the host's time per
+    module forward, every call by native.cpp; and the plan's own split at each batch."""
     import json
     profile = tmp_path / "h100.yaml"
     profile.write_text(dumps_hardware(H100))
+    modes = ("graph", "compiled-graph", "eager")
     code = load_benchmark("moe").main([
         "--model", "tiny", "--layers", "2", "--batches", "1", "4", "--new-tokens", "4", "--hardware", str(profile),
-        "--dir", str(tmp_path / "work"), "--out", str(tmp_path / "out"), "--modes", "graph", "eager",
+        "--dir", str(tmp_path / "work"), "--out", str(tmp_path / "out"), "--modes", *modes,
         "--baselines", "batched_mm", "--transformers-baselines", "--host-implementations", "offplan",
-        "--cpu-fractions", "0.5", "1", "--cpu-threads", "2"])
+        "--cpu-fractions", "0.5", "1", "--cpu-threads", "2", "--cpu-split"])
     assert code == 0
     rows = [json.loads(l) for l in (tmp_path / "out" / "moe-tiny.jsonl").read_text().splitlines()]
-    host = {(r["name"], r["mode"], r["batch"]): r for r in rows if r["kind"] == "decode" and "cpu_fraction" in r}
-    assert set(host) == {(f"experts-cpu{f}-t2", m, b) for f in ("0.5", "1") for m in ("graph", "eager")
-                         for b in (1, 4)}
+    host = {(r["name"], r["mode"], r["batch"]): r for r in rows if r["kind"] == "decode" and "cpu_fraction" in r
+            and not r.get("split_by_plan")}
+    assert set(host) == {(f"experts-cpu{f}-t2", m, b) for f in ("0.5", "1") for m in modes for b in (1, 4)}
+    split = {(r["name"], r["mode"], r["batch"]) for r in rows if r.get("split_by_plan")}
+    assert split == {(f"experts-split-b{b}", m, b) for m in modes for b in (1, 4)}
     assert all(r["steps_per_s"] > 0 and r["host_mean_us"] > 0 and r["host_kernel"].startswith("native ")
                and r["kernel_misses"] == 0 and r["cpu_threads"] == 2 for r in host.values())
     assert all(r["host_decode_calls"] >= 2 * 3 for r in host.values())  # 2 layers x the 3 timed steps at least

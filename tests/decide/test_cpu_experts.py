@@ -33,7 +33,8 @@ def test_a_rule_puts_experts_on_cpu_and_the_plan_counts_them_off_the_gpu_and_the
     assert (s.working_prefill_bytes, s.working_buffer_bytes) == (6 * MIB + 6 * MIB, 192 * 2 * 512 * 2)
     assert s.gpu_footprint_bytes == s.gpu_bytes + 12 * MIB + 192 * 2 * 512 * 2
     assert s.predicted_h2d_bytes_per_step == 0  # the host computes them: nothing crosses the link
-    assert d.cost.cpu_threads == H100.cpu_threads
+    assert (d.cost.cpu_threads, d.cost.cpu_expert_gbps, d.cost.cpu_expert_sync_us) == (
+        H100.cpu_threads, H100.cpu_expert_gbps, H100.cpu_expert_sync_us)
     assert any("of routed experts on cpu: the host CPU computes them beside the GPU" in n for n in d.notes)
 
 

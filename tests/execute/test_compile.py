@@ -80,3 +80,31 @@ def test_prefetch_ops_are_single_graph_nodes(tmp_path, checkpoints):
     assert targets.count("offplan.prefetch_start.default") == 2
     torch._dynamo.reset()
     handle.remove(restore=False)
+
+
+def test_experts_on_cpu_compile_without_graph_breaks_and_the_host_computes_them(tmp_path, checkpoints):
+    """The hand-over to the host (host/engine.py) is two custom ops: Dynamo traces through them, aot_eager runs
+    them as they are (bitwise eager), and Inductor's model calls the host at every experts module (its own
+    kernels round otherwise, within test_host_experts.py's tolerance)."""
+    from test_host_experts import SPLIT, TOLERANCE, hardware
+    plan = make_plan(tmp_path, checkpoints["moe"], SPLIT + hardware(tmp_path))
+    model, handle = from_pretrained(plan, progress=False)
+    engine = handle.host_experts
+    layers = model.config.num_hidden_layers
+    try:
+        x = ids()[:, :1]  # a decode step's tokens: the host takes them (the plan's threshold is 8)
+        with torch.no_grad():
+            eager = model(x).logits
+            explained = torch._dynamo.explain(model)(x)
+            assert explained.graph_break_count == 0, [b.reason for b in explained.break_reasons]
+            torch._dynamo.reset()
+            assert torch.equal(torch.compile(model, backend="aot_eager")(x).logits, eager)
+            torch._dynamo.reset()
+            compiled = torch.compile(model)
+            compiled(x)
+            calls = engine.host_calls
+            torch.testing.assert_close(compiled(x).logits, eager, **TOLERANCE)
+            assert engine.host_calls == calls + layers
+    finally:
+        torch._dynamo.reset()
+        handle.remove(restore=False)

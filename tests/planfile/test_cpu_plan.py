@@ -41,6 +41,9 @@ def rendered(items) -> str:
 def test_the_file_round_trips_and_says_cpu_where_it_is(plans):
     (_, _), (plan, text) = plans[0]
     assert "cpu_bytes: 18874368\n" in text and f"cpu_threads: {H100.cpu_threads}" in text
+    # the host's figures the prediction assumed, which the load checks the host against
+    assert (f"cpu_expert_gbps: {H100.cpu_expert_gbps!r}, cpu_expert_sync_us: {H100.cpu_expert_sync_us!r}}}\n"
+            in text)
     assert "{name: model.layers.1, gpu: 1048576, uva: 0, prefetch: 0, cpu: 6291456," in text
     assert text.count(": cpu\n") == 18
     again = loads(text, "p.plan.yaml", plans[1].tensors)
@@ -49,7 +52,7 @@ def test_the_file_round_trips_and_says_cpu_where_it_is(plans):
 
 def test_a_plan_without_cpu_has_no_cpu_keys(plans):
     (_, text), _ = plans[0]
-    assert "cpu_bytes" not in text and "cpu:" not in text and "cpu_threads" not in text
+    assert "cpu_bytes" not in text and "cpu:" not in text and "cpu_threads" not in text and "cpu_expert" not in text
 
 
 def test_show_has_a_cpu_column_and_says_what_the_host_computes(plans):
@@ -57,10 +60,13 @@ def test_show_has_a_cpu_column_and_says_what_the_host_computes(plans):
     out = rendered(show(plan))
     header = next(l for l in out.splitlines() if l.strip().startswith("layer"))
     assert header.split()[:5] == ["layer", "gpu", "uva", "prefetch", "cpu"]
-    assert f"host CPU: computes 18.0 MiB of routed experts with {H100.cpu_threads} threads, kept in host memory" in out
+    assert (f"host CPU: computes 18.0 MiB of routed experts with {H100.cpu_threads} threads (assumed: "
+            f"{H100.cpu_expert_gbps:g} GB/s and {H100.cpu_expert_sync_us:g} us a call), kept in host memory") in out
     data = show_data(plan)
     assert data["layers"][1]["cpu"] == 6 * 2**20 and data["summary"]["cpu_bytes"] == 18 * 2**20
     assert data["cost"]["cpu_threads"] == H100.cpu_threads
+    assert (data["cost"]["cpu_expert_gbps"], data["cost"]["cpu_expert_sync_us"]) == (H100.cpu_expert_gbps,
+                                                                                     H100.cpu_expert_sync_us)
     (uva, _), _ = plans[0]
     assert "cpu" not in show_data(uva)["layers"][1] and "cpu" not in rendered(show(uva)).split("\n\n")[1].split()[:6]
 

@@ -1,11 +1,13 @@
 """At load: the checks, the engine and the binding of a plan's experts on cpu (engine.py), for load_steps.py.
 
 `check` runs before anything is allocated; `engine_for` before the arena is filled (the kernel compiles on a
-thread meanwhile); `bind` once the experts modules are bound to offplan's experts implementation.
+thread meanwhile); `bind` once the experts modules are bound to offplan's experts implementation, and then the
+host timed against the plan's figures (pace.py).
 """
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch
 
@@ -16,6 +18,7 @@ from planner.plan import Plan
 from ...place.arena import typed
 from ...place.names import Target
 from .. import experts
+from . import pace
 from .engine import HostExperts, HostSlot, gated_like
 
 
@@ -75,7 +78,9 @@ def engine_for(plan: Plan, targets: list[Target], model: torch.nn.Module, device
 def bind(handle, modules: dict[torch.nn.Module, dict[str, Target]]) -> None:
     """Each experts module with experts on cpu (`modules`: its stored parameters' targets by name) given to the
     handle's engine with its fused parameters' host tensors (the arena's CPU views); every fused parameter of it
-    must put the same experts there. Then the engine's buffers and worker, and the compiled kernel awaited."""
+    must put the same experts there. Then the engine's buffers and worker, the compiled kernel awaited, and the
+    host's pace probed: a `HostSlowerWarning` (and `handle.host_warning`) where it is much slower than the plan
+    assumed (pace.py)."""
     engine = handle.host_experts
     if engine is None:
         return
@@ -97,3 +102,8 @@ def bind(handle, modules: dict[torch.nn.Module, dict[str, Target]]) -> None:
         handle.host_bound.append((module, index))
     engine.finish()
     engine.ready()
+    cost = handle.plan.cost
+    got = pace.probe(engine, cost.cpu_expert_gbps, cost.cpu_expert_sync_us)
+    if got is not None and got.slower > pace.SLOWER:
+        handle.host_warning = got.message()
+        warnings.warn(f"offplan: {handle.host_warning}", pace.HostSlowerWarning, stacklevel=2)
