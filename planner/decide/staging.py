@@ -76,7 +76,7 @@ runtime then reads uva tensors in place at prefill too, and the pool costs nothi
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Mapping
-from itertools import compress
+from itertools import compress, filterfalse
 
 from ..inputs.checkpoint import TensorInfo
 from ..inputs.hardware import Hardware
@@ -99,8 +99,9 @@ def stageable(layers: Iterable[Layer], quantized: Collection[str] = (), experts:
         if l.kind is LayerKind.EMBED or l.runs is Runs.MTP:
             continue
         routed = l.expert_tensors
-        mine = set(l.params) if experts and not any(n in quantized for n in routed) else set(l.params) - routed
-        out |= mine.difference(quantized)  # a set or dict: looked up, not walked
+        mine = filterfalse(quantized.__contains__, l.params)  # a set or dict: looked up, not walked
+        out.update(mine if experts and not any(map(quantized.__contains__, routed))
+                   else filterfalse(routed.__contains__, mine))
     return frozenset(out)
 
 
