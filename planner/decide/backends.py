@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from itertools import chain
+from itertools import chain, compress, filterfalse
 
 from ..errors import PolicyError
 from ..inputs.checkpoint import TensorInfo
@@ -115,8 +115,8 @@ def _prefetch(stack, fixed, fp: Footprint, policy: Policy, graph: LayerGraph, se
     pre = policy.prefetch
 
     def chosen(layer: Layer) -> list[str]:
-        names = [n for n in layer.params if n not in fixed and (selected is None or n in selected)]
-        return whole_groups(names, groups)
+        names = layer.params if selected is None else compress(layer.params, map(selected.__contains__, layer.params))
+        return whole_groups(list(filterfalse(fixed.__contains__, names)), groups)
 
     if pre.group_size > 0:
         g, k = pre.group_size, pre.num_in_group

@@ -92,7 +92,7 @@ class Footprint:
         return size
 
     def _restream(self, layer: Layer) -> None:
-        names = [n for n in layer.params if self.place[n] is PREFETCH]
+        names = list(compress(layer.params, map(is_, map(self.place.__getitem__, layer.params), repeat(PREFETCH))))
         if names:
             self.streamed[layer.name] = self.image_bytes(layer, names)
         else:

@@ -69,6 +69,7 @@ class Outcome:
     checkpoint_fingerprint: str | None = None  # the plan's checkpoint, against the profile's
     staging: PrefillStaging | None = None  # the prefill staging section (staging.py)
     not_experts: Mapping[str, str] = field(default_factory=dict)  # tensor -> why its rows are not experts
+    on: Mapping[Placement, int] | None = None  # bytes on each placement, as decide summed them; None: summed here
 
 
 def notes(o: Outcome) -> tuple[str, ...]:
@@ -79,8 +80,9 @@ def notes(o: Outcome) -> tuple[str, ...]:
         if o.place[n] is not GPU:
             by_rules[o.place[n]] += o.tensors[n].nbytes
             ruled += 1
-    on = {p: sum(map(_NBYTES, map(o.tensors.__getitem__, compress(o.place, map(is_, o.place.values(), repeat(p))))))
-          for p in (UVA, PREFETCH)}
+    on = o.on or {p: sum(map(_NBYTES, map(o.tensors.__getitem__, compress(o.place, map(is_, o.place.values(),
+                                                                                       repeat(p))))))
+                  for p in (UVA, PREFETCH, CPU)}
     by_backend = {p: on[p] - by_rules[p] for p in (UVA, PREFETCH)}
     out = []
     if ruled:
@@ -99,7 +101,7 @@ def notes(o: Outcome) -> tuple[str, ...]:
                    "workload.experts_per_token): the cost model assumes each step reads every expert")
     if o.graph.tied_embeddings:
         out.append("tied embeddings: the checkpoint has no lm_head tensor; the head reuses the embedding")
-    out += saving_warnings(o.place, o.tensors, o.schedule, o.staging)
+    out += saving_warnings(o.place, o.tensors, o.schedule, o.staging, on[UVA] + on[PREFETCH] + on[CPU])
     return tuple(out)
 
 
@@ -194,13 +196,16 @@ def _backend_note(o: Outcome, by_backend: Mapping[Placement, int], rules_offload
         return ("nothing is offloaded: backend auto has no offload amount or budget (set uva.offload_gib, "
                 f"prefetch.group_size or budget_gib){hint}")
     origin = "named by the policy" if o.reason is None else f"auto: {o.reason}"
-    layers = sum(1 for l in o.graph.layers if set(map(o.place.__getitem__, l.params)) != {GPU}
-                 and any(o.place[n] is not GPU and n not in o.fixed for n in l.params))
+    # the layers holding an offloaded tensor that no rule placed (picked in C: most of a layer stays)
+    layers = sum(1 for l in o.graph.layers
+                 if not o.fixed.issuperset(compress(l.params, map(is_not, map(o.place.__getitem__, l.params),
+                                                                  repeat(GPU)))))
     return f"backend {o.backend.value} ({origin}): {_amounts(by_backend)} from {plural(layers, 'layer')}"
 
 
 def saving_warnings(place: Mapping[str, Placement], tensors: Mapping[str, TensorInfo],
-                    schedule: PrefetchSchedule | None, staging: PrefillStaging | None = None) -> list[str]:
+                    schedule: PrefetchSchedule | None, staging: PrefillStaging | None = None,
+                    offloaded_bytes: int | None = None) -> list[str]:
     """Warnings for a plan whose prefetch or prefill staging buffers eat what offloading saves.
 
     Offloading saves `offloaded - pools` bytes of GPU memory (uva saves what it
@@ -215,7 +220,8 @@ def saving_warnings(place: Mapping[str, Placement], tensors: Mapping[str, Tensor
     """
     if schedule is None and staging is None:
         return []
-    offloaded_bytes = sum(tensors[n].nbytes for n in offloaded(place))
+    if offloaded_bytes is None:  # else the caller's sum: the bytes `place` puts off the GPU
+        offloaded_bytes = sum(tensors[n].nbytes for n in offloaded(place))
     saved = offloaded_bytes - (schedule.pool_bytes if schedule else 0) - (staging.pool_bytes if staging else 0)
     out = []
     if 2 * saved < offloaded_bytes:

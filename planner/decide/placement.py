@@ -116,10 +116,14 @@ _NBYTES = itemgetter(3)  # of a TensorInfo
 
 def bytes_by_placement(names: tuple[str, ...], place: Mapping[str, Placement], tensors: Mapping[str, TensorInfo]
                        ) -> dict[Placement, int]:
-    """The bytes of `names` on each placement (summed in C: a layer of DeepSeek-V3 holds 1,548 tensors)."""
+    """The bytes of `names` on each placement (summed in C: a layer of DeepSeek-V3 holds 1,548 tensors; a
+    placement the layer has nothing on is not summed)."""
     sizes = list(map(_NBYTES, map(tensors.__getitem__, names)))
     where = list(map(place.__getitem__, names))
-    return {p: sum(compress(sizes, map(is_, where, repeat(p)))) for p in (GPU, UVA, PREFETCH, CPU)}
+    there = set(where)
+    if len(there) == 1:
+        return {p: sum(sizes) if p in there else 0 for p in (GPU, UVA, PREFETCH, CPU)}
+    return {p: sum(compress(sizes, map(is_, where, repeat(p)))) if p in there else 0 for p in (GPU, UVA, PREFETCH, CPU)}
 
 
 @dataclass(frozen=True)
@@ -250,7 +254,7 @@ def decide(graph: LayerGraph, tensors: Mapping[str, TensorInfo], policy: Policy,
     outcome = Outcome(policy, backend, reason, skipped, place, frozenset(fixed), tensors, graph, schedule,
                       mixed_notes, bool(groups.members) and top_k is None and routing is None,
                       routing, bool(moe) and top_k is not None and routing is None, checkpoint_fingerprint, staging,
-                      groups.not_experts)
+                      groups.not_experts, by)
     said = notes(outcome)
     return Decision(backend, place, schedule, tuple(layers), said, summary, cost, staging,
                     (prediction.collectives, prediction.collectives_us))

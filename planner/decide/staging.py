@@ -76,6 +76,7 @@ runtime then reads uva tensors in place at prefill too, and the pool costs nothi
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Mapping
+from itertools import compress, filterfalse
 
 from ..inputs.checkpoint import TensorInfo
 from ..inputs.hardware import Hardware
@@ -85,7 +86,7 @@ from ..plan import LayerKind, Placement, PrefillStaging, Runs, StagedLayer
 
 STAGE_SLOTS = 2  # one slot runs while the next layer's copy fills the other
 RING_BYTES = 2**30  # the expert ring's most (module doc)
-_STAGED = (Placement.UVA, Placement.CPU)  # cpu: routed experts only (a rule puts nothing else there)
+_STAGED = frozenset({Placement.UVA, Placement.CPU})  # cpu: routed experts only (a rule puts nothing else there)
 
 
 def stageable(layers: Iterable[Layer], quantized: Collection[str] = (), experts: bool = False) -> frozenset[str]:
@@ -98,8 +99,9 @@ def stageable(layers: Iterable[Layer], quantized: Collection[str] = (), experts:
         if l.kind is LayerKind.EMBED or l.runs is Runs.MTP:
             continue
         routed = l.expert_tensors
-        mine = set(l.params) if experts and not any(n in quantized for n in routed) else set(l.params) - routed
-        out |= mine.difference(quantized)  # a set or dict: looked up, not walked
+        mine = filterfalse(quantized.__contains__, l.params)  # a set or dict: looked up, not walked
+        out.update(mine if experts and not any(map(quantized.__contains__, routed))
+                   else filterfalse(routed.__contains__, mine))
     return frozenset(out)
 
 
@@ -113,7 +115,8 @@ def staged(layer: Layer, names: Collection[str], place: Mapping[str, Placement],
     """`layer`'s staged tensors (those of `names`, stageable, on uva; routed experts on cpu too) and the bytes
     those other than routed experts take in a slot, each rounded up to ALIGN (module doc); None without
     `tensors`."""
-    mine = [n for n in layer.params if n in names and place[n] in _STAGED]
+    params = layer.params
+    mine = [n for n in compress(params, map(_STAGED.__contains__, map(place.__getitem__, params))) if n in names]
     if tensors is None or not mine:
         return mine, None if tensors is None else 0
     routed = layer.expert_tensors

@@ -72,16 +72,22 @@ def pairs(tensors: Mapping[str, TensorInfo], block: tuple[int, int] | None = Non
     shaped: dict[tuple, bool] = {}  # (weight shape, scales shape) -> whether those are its block scales
     stored = compress(tensors.items(), map(_STORED.__contains__, map(_DTYPE, tensors.values())))  # sifted in C
     for name, t in stored:
-        if (scale := _scale_of(name, t)) is None:
+        fp8 = t[1] in FP8  # `_scale_of`, inline: 45k calls on DeepSeek-V3
+        if fp8:
+            scale = name + FP8_SCALE
+        elif name.endswith(MX_BLOCKS):
+            scale = name[:-len(MX_BLOCKS)] + MX_SCALES
+        else:
             continue
         if scale in tensors:
             out[name], out[scale] = scale, name
-            if block is None or t.dtype not in FP8:
+            if block is None or not fp8:
                 continue
             got = tensors[scale].shape
-            if shaped.get((t.shape, got)) is None:
-                shaped[t.shape, got] = block_scales(t.shape, block) == got
-            if not shaped[t.shape, got]:
+            ok = shaped.get(key := (t.shape, got))
+            if ok is None:
+                ok = shaped[key] = block_scales(t.shape, block) == got
+            if not ok:
                 want, (rows, cols) = block_scales(t.shape, block), block
                 problems.append(f"{name}: {t.dtype} {list(t.shape)} with scales {scale} {list(got)}, which are not "
                                 f"its {rows} x {cols} block scales ("
