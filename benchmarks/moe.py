@@ -96,11 +96,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--modes", nargs="+", default=["graph", "compiled-graph", "eager"],
                     choices=REPLAYED + ("eager",))
-    ap.add_argument("--baselines", nargs="+", default=["batched_mm", "grouped_mm", "eager"])
+    ap.add_argument("--baselines", nargs="*", default=["batched_mm", "grouped_mm", "eager"])
     ap.add_argument("--transformers-baselines", nargs="*", default=["batched_mm", "grouped_mm"],
                     help="all-GPU models loaded by transformers alone (from_pretrained), nothing of offplan's")
     ap.add_argument("--hardware", type=Path, help="a `plan calibrate` profile to use instead of calibrating now")
-    ap.add_argument("--host-implementations", nargs="+", default=["offplan", "batched_mm"],
+    ap.add_argument("--host-implementations", nargs="*", default=["offplan", "batched_mm"],
                     help="experts implementations to read every expert from pinned memory with")
     ap.add_argument("--spread", type=float, help="route each token apart, as a trained router does (RouterSpread "
                     "of this strength; 2 in RESULTS.md)")

@@ -15,10 +15,10 @@ Why native: torch's own ops and an Inductor-compiled kernel were measured on the
 which made experts on cpu slower than reading them over the link. native.cpp reads each weight row once for
 every token routed to its expert, with its threads kept spinning between a step's layers.
 
-Built by `pip install -e .` (or `python setup.py build_ext --inplace`: pyproject.toml's ext-modules) as a plain
-shared library with a C interface, loaded by path: it needs no Python headers at run time and no torch ABI.
-Where it is not built (no C++ compiler at install), the engine computes gated experts by the eager loop and the
-load warns (engine.py).
+Built by `pip install -e .` (pyproject.toml's `[[tool.setuptools.ext-modules]]`, optional) as a plain shared
+library with a C interface, loaded by path: it needs no Python headers at run time and no torch ABI. Where it is
+not built (no C++ compiler at install), the engine's Python worker computes gated experts (engine.py, kernel.py),
+and `plan apply` says so.
 """
 from __future__ import annotations
 
