@@ -76,6 +76,23 @@ def render(models: dict, with_plot: bool) -> str:
              "   # an H100, with them",
              "python benchmarks/front_door.py --layers 8 --strategies gpu experts-uva experts-uva-fp8 mixed --label d"
              "   # an H100, the budget counting working memory, generate timed as the median of 3 calls",
+             "python benchmarks/front_door.py --layers 8 --strategies experts-uva experts-split --batches 1 8 "
+             "--label split   # an H100: the plan's split of the experts between the host's cores and the link",
+             "python benchmarks/moe.py --batches 1 4 8 --modes graph --baselines --transformers-baselines "
+             "--host-implementations offplan --cpu-split --new-tokens 24   # all 48 layers; then: mv "
+             "results/moe-qwen3-30b-a3b.jsonl results/moe-cpu-qwen3-30b-a3b-48layers-split.jsonl; with "
+             "--host-implementations --cpu-fractions 1 in place of the last two: -48layers-all",
+             "python benchmarks/moe.py --layers 8 --batches 1 8 --modes graph compiled-graph --baselines batched_mm "
+             "--transformers-baselines --host-implementations offplan --cpu-split --cpu-fractions 1   # then: mv "
+             "results/moe-qwen3-30b-a3b.jsonl results/moe-cpu-qwen3-30b-a3b-run4.jsonl (stopped by the machine's "
+             "time limit before its --cpu-split rows)",
+             "python benchmarks/moe.py --layers 8 --batches 1 8 --modes graph --baselines batched_mm "
+             "--transformers-baselines --host-implementations offplan --skew 0.7 --resident 0.25 --budget-batches 1 8 "
+             "--new-tokens 24   # then: mv results/moe-qwen3-30b-a3b-skew0.7.jsonl "
+             "results/moe-qwen3-30b-a3b-skew0.7-cpu.jsonl",
+             "python benchmarks/prefill.py --model qwen3-30b-a3b --layers 8 --spread 2 --strategies experts-host "
+             "experts-cpu --tokens 2048 8192 --new-tokens 16   # then: mv results/prefill-qwen3-30b-a3b-spread2.jsonl "
+             "results/prefill-qwen3-30b-a3b-spread2-cpu.jsonl",
              "python benchmarks/memory.py --model qwen3-30b-a3b --layers 8",
              "python benchmarks/memory.py --model llama-8b --layers 8 --strategies gpu uva prefetch mixed",
              "python benchmarks/parallel.py --model qwen3-30b-a3b --layers 8 --gpus 1 2 --batches 1 8   # then: mv "

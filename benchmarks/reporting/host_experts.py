@@ -11,9 +11,10 @@ def host_experts_tables() -> list[str]:
         rows = read_rows(path)
         decoded = [r for r in rows if r["kind"] == "decode"]
         uva = {(r["mode"], r["batch"]): r["steps_per_s"] for r in decoded if r["name"] == "experts-host-offplan"}
-        out += [f"## {path.stem}: experts on cpu beside experts on uva", "",
-                "`python benchmarks/moe.py --layers 8 --modes graph --baselines batched_mm --transformers-baselines "
-                "--host-implementations offplan --cpu-fractions F... --cpu-threads N...` (harness/host_rows.py): the "
+        layers = next(r["layers"] for r in rows if r["kind"] == "floor")
+        out += [f"## {path.stem}: experts on cpu beside experts on uva, {layers} layers", "",
+                "`python benchmarks/moe.py --cpu-fractions F... --cpu-threads N...` (harness/host_rows.py; each run's "
+                "command is in the list above): the "
                 "first F of every layer's experts computed by the host's N threads (runtime/execute/host/), the rest "
                 "read over uva; `the plan's split` (`--cpu-split`): `backend: mixed` with `cpu_experts: true` under "
                 "the all-uva plan's GPU footprint, built for that batch, F its share of the experts' bytes. x uva: against every expert on uva in the same run and mode. The host's time per "

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .records import RESULTS, read_rows, run_header
+from .records import RESULTS, fmt, read_rows, run_header
 
 
 def kernel_tables() -> list[str]:
@@ -122,22 +122,32 @@ def _skew_table(path: Path) -> list[str]:
            "the same prediction with the link bytes the timed prompts actually read (the observed bytes over the "
            "run's UVA rate in place of the predicted ones): what is left of the miss is the model's arithmetic, "
            "not the routing.", "",
-           "| experts resident | batch | placement | steps/s | x whole layers | predicted steps/s | predicted / "
-           "measured | link MB/step: observed / predicted | predicted at observed bytes / measured | tokens equal |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
+           *(["`budget-per-expert-cpu`: the same budget with `cpu_experts: true`: of the experts the budget leaves "
+              "off the GPU, the plan puts a share on cpu, computed by the host's cores beside the link "
+              "(runtime/execute/host/); x without cpu: against the per-expert row. Its predictions at other "
+              "batches than 1 are left out where the same policy built for that batch splits otherwise; its "
+              "tokens are not compared (the host sums in another order).", ""]
+             if any(r["name"].startswith("budget-per-expert-cpu") for r in budget) else []),
+           "| experts resident | batch | placement | steps/s | x whole layers | x without cpu | predicted steps/s | "
+           "predicted / measured | link MB/step: observed / predicted | predicted at observed bytes / measured | "
+           "tokens equal |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
     uva = next(r for r in rows if r["kind"] == "hardware")["uva_read_gbps"] * 1e3  # bytes per us
     by = {(r["name"].rsplit("-", 1)[0], r["resident_fraction"], r["batch"]): r for r in budget}
     worst, ratios = 0.0, []
     for (name, fraction, b), r in sorted(by.items(), key=lambda kv: (kv[0][1], kv[0][2], kv[0][0])):
-        whole = by.get(("whole-layers-uva", fraction, b))
+        whole, plain = by.get(("whole-layers-uva", fraction, b)), by.get(("budget-per-expert", fraction, b))
         mb = r["predicted_h2d_bytes_per_step"].get(str(b))
         guess, got = r["predicted_steps_per_s"], r["steps_per_s"]
-        at_observed = 1e6 / (1e6 / guess + (r["observed_h2d_bytes_per_step"] - mb) / uva)
-        worst = max(worst, abs(at_observed / got - 1))
-        ratios.append(guess / got)
+        at_observed = None if guess is None else 1e6 / (1e6 / guess + (r["observed_h2d_bytes_per_step"] - mb) / uva)
+        if guess is not None:
+            worst = max(worst, abs(at_observed / got - 1))
+            ratios.append(guess / got)
+        equal = "-" if r["same_tokens"] is None else "yes" if r["same_tokens"] else "NO"
         out.append(f"| {fraction:.0%} | {b} | {name} | {got:.1f} | {got / whole['steps_per_s']:.2f} | "
-                   f"{guess:.1f} | {guess / got:.2f} | {r['observed_h2d_bytes_per_step'] / 1e6:.0f} / "
-                   f"{mb / 1e6:.0f} | {at_observed / got:.2f} | {'yes' if r['same_tokens'] else 'NO'} |")
+                   f"{fmt(plain and got / plain['steps_per_s'])} | {fmt(guess, '.1f')} | "
+                   f"{fmt(guess and guess / got)} | {r['observed_h2d_bytes_per_step'] / 1e6:.0f} / "
+                   f"{fmt(mb and mb / 1e6, '.0f')} | {fmt(at_observed and at_observed / got)} | {equal} |")
     if gpu:
         out += ["", "For the all-GPU plan the model predicts " + ", ".join(
                     f"{g['predicted_steps_per_s']:.0f} steps/s at b={b} where {g['best_gpu_implementation']} "

@@ -7,7 +7,8 @@ from .records import RESULTS, read_rows
 PREFILL_LABELS = {"gpu": "all on GPU", "uva": "uva, staged for prefill", "uva-in-place": "uva, read in place",
                   "uva-gathered": "uva, staged, experts gathered", "prefetch": "prefetch", "mixed": "mixed",
                   "experts-host": "every routed expert on uva, staged",
-                  "experts-host-gathered": "every routed expert on uva, gathered"}
+                  "experts-host-gathered": "every routed expert on uva, gathered",
+                  "experts-cpu": "every routed expert on cpu, staged"}
 
 
 def prefill_tables() -> list[str]:
