@@ -1,13 +1,11 @@
 """What a plan says, typed: the plan's vocabulary (enums) and its model (frozen dataclasses).
 
-A plan holds names, not modules: every checkpoint tensor exactly once, in
-execution order, with its placement, plus the summaries a reviewer reads
-(per-layer bytes, the prefetch schedule) and the fingerprints that staleness
-checks compare against. Reading and writing it is planfile.py; checking that
-its parts agree is consistency.py; staleness is staleness.py.
+A plan holds names, not modules: every checkpoint tensor exactly once, in execution order, with its placement,
+plus the summaries a reviewer reads (per-layer bytes, the prefetch schedule) and the fingerprints that staleness
+checks compare against. Reading and writing it is planfile.py; checking that its parts agree is consistency.py;
+staleness is staleness.py.
 
-This module is the vocabulary the planner, the plan file and the runtime
-share; it imports nothing else of offplan.
+This module is the vocabulary the planner, the plan file and the runtime share; it imports nothing else of offplan.
 """
 from __future__ import annotations
 
@@ -222,10 +220,8 @@ class Cost:
     prompt_tokens: int = 0  # tokens of the predicted prefill (workload.prompt_tokens); 0: a plan without one
     prefill_us: int = 0  # predicted prefill of prompt_tokens tokens, one sequence: the time to first token
     cpu_threads: int = 0  # host threads assumed for experts on cpu (the hardware profile's); 0: none on cpu
-    # with them, the host's rate and fixed cost per call the prediction assumed (the load checks the host against
-    # them: runtime/execute/host/pace.py); 0: none on cpu, or a plan written before they were recorded
-    cpu_expert_gbps: float = 0.0
-    cpu_expert_sync_us: float = 0.0
+    cpu_expert_gbps: float = 0.0  # with them, the host figures assumed (the load checks them: host/pace.py); 0:
+    cpu_expert_sync_us: float = 0.0  # no expert on cpu, or a plan written before they were recorded
 
     @property
     def step_us(self) -> int:

@@ -23,13 +23,13 @@ def parallel_tables() -> list[str]:
                 "difference (the GPUs sum each split projection in another order). Memory: each process's peak "
                 "during its load against its share's footprint.", "",
                 "| GPUs | batch | steps/s | x floor | x 1 GPU | predicted steps/s | link GB/s (each) | tokens as 1 GPU's "
-                "| load peak - footprint |", "|---|---|---|---|---|---|---|---|---|"]
+                "| load peak - footprint | load s (mean of the processes) |", "|---|---|---|---|---|---|---|---|---|---|"]
         for r in decode:
             rates = r["h2d_copy_gbps"] if link == "h2d" else r["uva_read_gbps"]
             extra = max(r["load_peak_bytes"]) - r["footprint_bytes"]
             out.append(f"| {r['gpus']} | {r['batch']} | {r['steps_per_s']:.1f} | {fmt(r['ratio_to_floor'])} | "
                        f"{fmt(r['speedup'])} | {fmt(r['predicted_steps_per_s'], '.1f')} | "
                        f"{', '.join(f'{g:.1f}' for g in rates)} | {r['tokens_agree_steps']} of {r['new_tokens']} "
-                       f"steps | {extra / 2**20:+.0f} MiB |")
+                       f"steps | {extra / 2**20:+.0f} MiB | {fmt(r.get('load_seconds'))} |")
         out.append("")
     return out
