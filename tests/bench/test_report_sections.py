@@ -57,15 +57,15 @@ def test_the_parallel_section_sets_each_gpu_count_against_the_floor_and_one_gpu(
         dict(kind="run", model="qwen3-30b-a3b", layers=8, device="NVIDIA H200", gpus_on_host=4, torch="2.11.0"),
         {**base, "gpus": 1, "steps_per_s": 80.0, "ratio_to_floor": 0.95, "speedup": 1.0,
          "predicted_steps_per_s": 73.3, "uva_read_gbps": [50.6], "tokens_agree_steps": 32,
-         "load_peak_bytes": [2**30 + 91 * 2**20]},
+         "load_peak_bytes": [2**30 + 91 * 2**20], "load_seconds": 0.52},
         {**base, "gpus": 2, "steps_per_s": 145.0, "ratio_to_floor": 0.86, "speedup": 1.81,
          "predicted_steps_per_s": None, "uva_read_gbps": [51.1, 51.0], "tokens_agree_steps": 9,
-         "load_peak_bytes": [2**30 + 45 * 2**20, 2**30 + 40 * 2**20]}])
+         "load_peak_bytes": [2**30 + 45 * 2**20, 2**30 + 40 * 2**20], "load_seconds": 0.48}])
     lines = parallel.parallel_tables()
     assert lines[0] == "## qwen3-30b-a3b: tensor parallelism over 2 GPUs of one host"
     assert "Every routed expert in pinned memory (uva)" in lines[2]
-    assert lines[-3:] == ["| 1 | 1 | 80.0 | 0.95 | 1.00 | 73.3 | 50.6 | 32 of 32 steps | +91 MiB |",
-                          "| 2 | 1 | 145.0 | 0.86 | 1.81 | - | 51.1, 51.0 | 9 of 32 steps | +45 MiB |", ""]
+    assert lines[-3:] == ["| 1 | 1 | 80.0 | 0.95 | 1.00 | 73.3 | 50.6 | 32 of 32 steps | +91 MiB | 0.52 |",
+                          "| 2 | 1 | 145.0 | 0.86 | 1.81 | - | 51.1, 51.0 | 9 of 32 steps | +45 MiB | 0.48 |", ""]
 
 
 def test_results_md_is_what_report_py_makes_of_the_committed_records():
