@@ -29,6 +29,18 @@ def ids():
     return torch.randint(0, 256, (2, 9))
 
 
+def traced_whole(model, x: torch.Tensor) -> torch.Tensor:
+    """`model`'s eager logits over `x`, once Dynamo has traced it with no graph break and aot_eager (the traced
+    graph run as it is) has given the same logits bitwise."""
+    eager = model(x).logits
+    explained = torch._dynamo.explain(model)(x)
+    assert explained.graph_break_count == 0, [b.reason for b in explained.break_reasons]
+    torch._dynamo.reset()
+    assert torch.equal(torch.compile(model, backend="aot_eager")(x).logits, eager)
+    torch._dynamo.reset()
+    return eager
+
+
 @pytest.mark.parametrize("kind, policy", CASES)
 def test_no_graph_breaks_and_outputs_equal_eager(tmp_path, checkpoints, kind, policy):
     plan = make_plan(tmp_path, checkpoints[kind], POLICIES[policy])
@@ -36,12 +48,7 @@ def test_no_graph_breaks_and_outputs_equal_eager(tmp_path, checkpoints, kind, po
     try:
         x = ids()
         with torch.no_grad():
-            eager = model(x).logits
-            explained = torch._dynamo.explain(model)(x)
-            assert explained.graph_break_count == 0, [b.reason for b in explained.break_reasons]
-            torch._dynamo.reset()
-            assert torch.equal(torch.compile(model, backend="aot_eager")(x).logits, eager)
-            torch._dynamo.reset()
+            eager = traced_whole(model, x)
             # Inductor fuses differently from eager; with its precision emulation on, a compiled
             # model rounds like eager does, so any difference left would be offplan's. Except for
             # batched_mm's arithmetic (one GEMV per pair), which offplan's experts implementation runs for
@@ -94,12 +101,7 @@ def test_experts_on_cpu_compile_without_graph_breaks_and_the_host_computes_them(
     try:
         x = ids()[:, :1]  # a decode step's tokens: the host takes them (the plan's threshold is 8)
         with torch.no_grad():
-            eager = model(x).logits
-            explained = torch._dynamo.explain(model)(x)
-            assert explained.graph_break_count == 0, [b.reason for b in explained.break_reasons]
-            torch._dynamo.reset()
-            assert torch.equal(torch.compile(model, backend="aot_eager")(x).logits, eager)
-            torch._dynamo.reset()
+            eager = traced_whole(model, x)
             compiled = torch.compile(model)
             compiled(x)
             calls = engine.host_calls
