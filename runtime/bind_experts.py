@@ -46,19 +46,31 @@ def bind_experts(h: OffloadHandle) -> None:
     h.experts_before = h.model.config._experts_implementation
     h.model.set_experts_implementation("offplan")
     host.bind(h, by_module)  # those with experts on cpu: their engine
-    on_host = {m for m, _ in h.host_bound}
-    h.lookahead = lookahead(h.model, [m for m in h.bound_experts if m not in on_host], h.device)
+    on_cpu = {m: h.host_experts.modules[i].on_cpu_device for m, i in h.host_bound}
+    h.lookahead = lookahead(h.model, h.bound_experts, h.device, on_cpu)
 
 
 def lookahead(model: torch.nn.Module, bound: list[torch.nn.Module], device: torch.device,
+              on_cpu: dict[torch.nn.Module, torch.Tensor] | None = None,
               count: int = LOOKAHEAD) -> Lookahead | None:
     """The lookahead over the experts modules with experts in pinned memory (lookahead.py), in forward order;
-    None where fewer than two have them. Modules with experts on cpu take no part: a guess would read the
-    host's experts over the link."""
+    None where fewer than two have them. `on_cpu`: per module with experts on cpu, its [E] bool mask of them
+    (on `device`): a guess leaves them out, as it leaves out those resident in HBM, since the link reads neither."""
     order = {m: (i, p) for i, (p, m) in enumerate(model.named_modules())}
     names = {order[m][1]: [n for n in experts.stored_params(m) if experts.slot_of(m, n) is not None] for m in bound}
     paths = sorted((p for p, n in names.items() if n), key=lambda p: order[model.get_submodule(p)][0])
-    return Lookahead(model, paths, names, count, device) if len(paths) > 1 and count else None
+    if len(paths) < 2 or not count:
+        return None
+    on_cpu = on_cpu or {}
+    unread = {}  # path -> [E] bool: the experts its gathers do not read over the link
+    for p in paths:
+        module = model.get_submodule(p)
+        mask = experts.slot_of(module, names[p][0]) >= 0
+        if module in on_cpu:
+            mask = mask | on_cpu[module]
+        if bool(mask.any()):
+            unread[p] = mask
+    return Lookahead(model, paths, names, count, device, unread)
 
 
 def _experts_module(model: torch.nn.Module, t: Target) -> torch.nn.Module | None:

@@ -51,11 +51,11 @@ them), step 2 gathers only the rows held in HBM, and the rows in pinned
 memory come from the expert ring (ring.py: copied ahead of the layer, over
 the link, while earlier layers computed), through `offplan::expert_fill`.
 
-Experts on cpu (host/engine.py) lie in the pinned parameter as uva ones do. In
-a forward of at most the plan's prefill threshold in tokens, step 2 leaves
-their rows out, the host's outputs replace their pairs' before the pairs are
-weighted and summed, and the lookahead leaves such modules alone. Above it, and
-in a staged prefill, they are read as uva experts.
+Experts on cpu (host/engine.py) lie in the pinned parameter as uva ones do. In a
+forward of at most the plan's prefill threshold in tokens, step 2 leaves their
+rows out (the lookahead guesses none of them), the host's outputs replace their
+pairs' before the pairs are weighted and summed. Above it, and in a staged
+prefill, they are read as uva experts.
 
 A module whose fused parameters are all in HBM (on the GPU, or prefetched into
 a slot) has nothing to deduplicate: it runs transformers' own implementation

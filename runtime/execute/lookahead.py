@@ -13,8 +13,10 @@ module with experts in pinned memory that the next such module follows:
 
 1. before the module's gathers (`offplan::ahead_begin`), a side stream
    applies the next module's router to this module's input and keeps its
-   top `count` experts (the ids of two consecutive modules alternate, so this
-   module's gathers still find their own);
+   top `count` experts among those the link would read: not those resident
+   in HBM, nor those the host computes (experts on cpu, host/engine.py),
+   where a module has any (the ids of two consecutive modules alternate, so
+   this module's gathers still find their own);
 2. once the gathers are enqueued (`offplan::ahead_read`), the side stream
    waits for them (the link is then free) and copies the guessed experts'
    rows that lie in pinned memory into a buffer in HBM: rank by rank, the
@@ -133,7 +135,9 @@ class Lookahead:
     tensors, of which the two largest, its projections' weights, are read ahead)."""
 
     def __init__(self, model: torch.nn.Module, paths: list[str], names: dict[str, list[str]], count: int,
-                 device: torch.device):
+                 device: torch.device, unread: dict[str, torch.Tensor] | None = None):
+        """`unread[path]`: [E] bool on `device`, the experts of that module which its gathers read other than over
+        the link (resident in HBM, or computed by the host): a guess for it ranks them last."""
         self.count = count
         self.device = device
         self.cuda = device.type == "cuda"
@@ -161,6 +165,7 @@ class Lookahead:
                 if name not in self.rows or self.rows[name][0].nbytes < row.nbytes:
                     self.rows[name] = torch.empty((count, *row.shape), dtype=row.dtype, device=device)
         self.routers = routers
+        self.unread = [(unread or {}).get(p) for p in paths]
 
     def reads(self, index: int) -> bool:
         return self.modules[index]._offplan_ahead.reads
@@ -195,6 +200,8 @@ class Lookahead:
             x.record_stream(self.stream)
         with self._side():
             logits = torch.nn.functional.linear(x[-1:], router.weight, getattr(router, "bias", None))
+            if self.unread[index + 1] is not None:  # the link reads none of them: guess among the others
+                logits = logits.masked_fill(self.unread[index + 1], float("-inf"))
             self.ids[(index + 1) % 2].copy_(logits.topk(self.count, dim=-1).indices.view(-1))
 
     def read(self, index: int) -> None:

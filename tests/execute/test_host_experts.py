@@ -146,6 +146,34 @@ def test_greedy_generation_matches_transformers(tmp_path, qwen):
     assert done >= 3 * 8 and done % 3 == 0  # the prefill and 7 steps at least, each of 3 layers
 
 
+def test_the_lookahead_guesses_only_experts_the_link_reads_and_its_buffer_is_used(tmp_path, qwen, monkeypatch):
+    """In a module with experts on cpu, one-token forwards still read the next module's guessed experts ahead
+    (runtime/execute/lookahead.py), but guess only among those its gathers read over the link: here expert 2 (0 and
+    1 on cpu, 3 resident). The logits stay transformers', and spoiling the buffer changes them: its rows are used."""
+    from runtime.execute import lookahead
+    model, handle = from_pretrained(make_plan(tmp_path, qwen, SPLIT + hardware(tmp_path)), progress=False, device="cpu")
+    look = handle.lookahead
+    assert look is not None and len(look.modules) == 3 and [m._offplan_ahead.reads for m in look.modules] == [
+        False, True, True]
+    assert all(torch.equal(u, torch.tensor([True, True, False, True])) for u in look.unread)
+    ref = reference(qwen)
+    ref.set_experts_implementation("batched_mm")
+    prompts, tokens = [[5, 17, 99, 3]], [[7, 200, 31, 64, 9, 128]]
+    calls = handle.host_experts.host_calls
+    ours, theirs = lockstep(model, ref, prompts, tokens)
+    torch.testing.assert_close(ours, theirs, **TOLERANCE)
+    assert handle.host_experts.host_calls == calls + 3 * 6  # the host computed in every layer of every step
+    assert look.ids[:, 0].tolist() == [2, 2]  # the first guess of each parity: the only expert the link reads
+    read = lookahead.read_ahead
+
+    def spoiled(look, target, full, slots):
+        read(look, target, full, slots)
+        for rows in look.rows.values():
+            rows.add_(1)
+    monkeypatch.setattr(lookahead, "read_ahead", spoiled)
+    assert not torch.allclose(lockstep(model, ref, prompts, tokens)[0], theirs, **TOLERANCE)
+
+
 def failing_after(calls: int, compute):
     """The engine's `_compute`, raising after `calls` calls."""
     done = []
