@@ -1,12 +1,15 @@
 """The host's figures for experts on cpu, for `plan calibrate` (calibrate.py): what the runtime's kernel
 (runtime/execute/host/native.cpp) reads while the GPU reads over UVA, and what a layer's hand-over costs.
 
-- `cpu_expert_gbps`: native.cpp's calls at 1, 2, 4 and 8 tokens (top-8 of 128 experts) over experts of
-  Qwen3-30B-A3B's shape (1.2 GB of them, each call taking experts the calls just before it did not: cold, as a
-  decode step's are), while a thread of ours keeps the GPU reading a pinned buffer over UVA (a replayed graph of
-  GEMVs, again and again): each call's time against its touched experts' bytes, fitted by least squares to
-  `fixed + bytes / rate`. Host memory feeds the link and the cores at once, each slower than alone, so the rate
-  is the one a split plan gets;
+- `cpu_expert_gbps`: native.cpp's calls over experts of Qwen3-30B-A3B's shape (1.2 GB of them, each call
+  taking experts the calls just before it did not: cold, as a decode step's are), while a thread of ours keeps the
+  GPU reading a pinned buffer over UVA (a replayed graph of GEMVs, again and again): one token with 1, 2, 4 or all
+  8 of its top-8 experts on cpu (as a split layer's calls have a few), then 2, 4 and 8 tokens with all on cpu;
+  each call's time against its touched experts' bytes, fitted by least squares to `fixed + bytes / rate`. Host
+  memory feeds the link and the cores at once, each slower than alone, so the rate is the one a split plan gets.
+  The calls of one to four experts pin the fixed cost: fitted over 8 to 64 experts only, it came out anywhere
+  from 11 to 265 us on the same H100 machine (a small error in the slope, 75 MB from zero), where the decode's
+  calls measured none beyond their bytes at the rate;
 - the hand-over: a captured graph of what a decode step enqueues per layer with experts on cpu (the tokens and
   their routing copied to pinned memory, the host node, the outputs copied back), its job computing nothing
   (no expert on cpu), replayed: the median replay.
@@ -34,6 +37,7 @@ from ..place.arena import PinnedArena
 from .bandwidth import mlp_weights, random_bytes
 
 EXPERTS, INTER, HIDDEN, TOP_K = 128, 768, 2048, 8
+POINTS = ((1, 1), (1, 2), (1, 4), (1, 8), (2, 16), (4, 32), (8, 64))  # (tokens, of their pairs those on cpu)
 
 
 @dataclass(frozen=True)
@@ -68,12 +72,12 @@ def host_figures(calls: int = 24) -> HostFigures | None:
 def _rate(lib, pool, calls: int) -> tuple[float, float, float]:
     gate_up = torch.full((EXPERTS, 2 * INTER, HIDDEN), 0.01, dtype=torch.bfloat16)  # values do not change the time
     down = torch.full((EXPERTS, HIDDEN, INTER), 0.01, dtype=torch.bfloat16)
-    on_cpu = torch.ones(EXPERTS, dtype=torch.uint8)
+    on_cpu = torch.zeros(EXPERTS, dtype=torch.uint8)
     expert_bytes = (gate_up[0].nbytes + down[0].nbytes)
     order = torch.randperm(EXPERTS, generator=torch.Generator().manual_seed(0))
     points: list[tuple[float, float]] = []  # (bytes, us)
     with _uva_reads():
-        for tokens in (1, 2, 4, 8, 1, 2, 4, 8):
+        for tokens, on in POINTS * 2:
             x = torch.full((tokens, HIDDEN), 0.5, dtype=torch.bfloat16)
             y = torch.empty((tokens * TOP_K, HIDDEN), dtype=torch.bfloat16)
             ids = torch.empty(tokens * TOP_K, dtype=torch.long)
@@ -82,10 +86,11 @@ def _rate(lib, pool, calls: int) -> tuple[float, float, float]:
             for c in range(calls):  # each call's experts follow the last call's in a shuffled ring: cold
                 first = c * tokens * TOP_K
                 ids.copy_(order[(torch.arange(tokens * TOP_K) + first) % EXPERTS])
+                on_cpu.zero_()[ids[:on]] = 1  # the job reads the mask where it lies
                 start = time.perf_counter()
                 native.run(lib, job)
                 took.append(time.perf_counter() - start)
-            points.append((ids.unique().numel() * expert_bytes, 1e6 * statistics.median(took[2:])))
+            points.append((on * expert_bytes, 1e6 * statistics.median(took[2:])))
     x, us = [p[0] for p in points], [p[1] for p in points]
     slope, fixed = statistics.linear_regression(x, us)
     mean = statistics.fmean(us)
