@@ -109,8 +109,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--resident", type=float, nargs="+", default=[0.25, 0.5],
                     help="with --skew: fractions of the expert bytes a budget keeps on the GPU")
     ap.add_argument("--profile-prompts", type=int, default=64, help="with --skew: prompts to record routing on")
-    ap.add_argument("--lookahead-ab", action="store_true", help="also every expert in pinned memory at batch 1 "
-                    "without the experts lookahead (runtime/execute/lookahead.py), in the same run")
+    ap.add_argument("--lookahead-ab", action="store_true", help="also every expert in pinned memory, and each "
+                    "--cpu-fractions split, at batch 1 without the experts lookahead (runtime/execute/lookahead.py)")
     ap.add_argument("--cpu-fractions", type=float, nargs="*", default=[],
                     help="shares of every layer's experts on cpu, the rest on uva (module doc)")
     ap.add_argument("--cpu-threads", type=int, nargs="+", help="host threads for experts on cpu (default: the "

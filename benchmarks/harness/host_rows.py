@@ -42,6 +42,9 @@ def measure_cpu(run, fraction: float, threads: int | None) -> None:
     predicted = {b: 1e6 / predicted_us(plan, hw, b, graphs=True) for b in run.args.batches}
     run.measure(name, plan, None, run.args.modes, offloaded=True, predicted=predicted, cpu_fraction=fraction,
                 cpu_threads=hw.cpu_threads)
+    if run.args.lookahead_ab and fraction < 1 and 1 in run.args.batches:  # its uva share read without a guess
+        run.measure(f"{name}-no-lookahead", plan, None, run.args.modes, offloaded=True, lookahead=False, batches=[1],
+                    predicted=predicted, cpu_fraction=fraction, cpu_threads=hw.cpu_threads)
 
 
 def measure_split(run, host: Path, threads: int | None) -> None:

@@ -68,8 +68,8 @@ default 192 (measured on the H100: 2.1x a copy), 43 at 8192 (measured 24x: predi
 
 Experts on cpu: the host reads each touched expert once (the share above), beside the GPU, which sums both: layer
 gpu = E[max(its GPU time, layer GPU time + host)] as both vary with routing (reads.py `later`), host = those bytes /
-cpu_expert_gbps + cpu_expert_sync_us (the hand-over and the host's fixed cost; native.cpp, docs/host-experts/), its
-uva experts read at uva_read_beside_cpu_gbps.
+cpu_expert_gbps (cpu_expert_alone_gbps where the layer has no expert on uva) + cpu_expert_sync_us (the hand-over and
+the host's fixed cost; native.cpp, docs/host-experts/), its uva experts read at uva_read_beside_cpu_gbps.
 Prefill: staged (staging.py), copied and computed on the GPU; unstaged above the threshold, gathered over uva as
 uva experts are (the runtime's host takes at most stage_above_tokens tokens); up to it, the host's reads add.
 
@@ -290,7 +290,7 @@ class CostModel:
         beside = hw.uva_beside_cpu_gbps * 1e3 if read_cpu else uva  # the cores read host memory too (module doc)
         gpu = latency + (read_hbm + staged) / hbm + read_uva / beside
         if read_cpu:  # the GPU sums the CPU's outputs: the layer ends when the later side does (module doc)
-            host = hw.cpu_expert_gbps * 1e3
+            host = (hw.cpu_expert_gbps if read_uva else hw.cpu_alone_gbps) * 1e3  # bytes/us, beside the link or not
             var = sum(q * (1 - q) * (c / host - u / beside) ** 2 for c, u, q in touch.values())
             gpu = later(gpu, latency + read_cpu / host + hw.cpu_expert_sync_us - gpu, var)
         link = read_uva / uva + copied / h2d

@@ -56,12 +56,20 @@ class Hardware:
     # the GPU's UVA reads while the host's cores read host memory too (a layer split between uva and cpu): 0 takes
     # uva_read_gbps x 47.0/50.3, as the H100 machine read with and without 16 cores reading beside (issue 24)
     uva_read_beside_cpu_gbps: float = 0.0
+    # the host kernel's rate in a layer with no expert on uva (every one of its experts off the GPU on cpu), where
+    # the cores have host memory to themselves: 0 takes cpu_expert_gbps
+    cpu_expert_alone_gbps: float = 0.0
     measured: str = ""
 
     @property
     def uva_beside_cpu_gbps(self) -> float:
         """`uva_read_beside_cpu_gbps`, or its default: uva_read_gbps x 47.0/50.3 (the field's comment)."""
         return self.uva_read_beside_cpu_gbps or self.uva_read_gbps * 47.0 / 50.3
+
+    @property
+    def cpu_alone_gbps(self) -> float:
+        """`cpu_expert_alone_gbps`, or its default: cpu_expert_gbps (the field's comment)."""
+        return self.cpu_expert_alone_gbps or self.cpu_expert_gbps
 
 
 H100 = Hardware(
@@ -109,6 +117,7 @@ def load_hardware(path: str | Path) -> Hardware:
                     cpu_threads=int(d.get("cpu_threads", H100.cpu_threads)),
                     cpu_expert_sync_us=float(d.get("cpu_expert_sync_us", H100.cpu_expert_sync_us)),
                     uva_read_beside_cpu_gbps=float(d.get("uva_read_beside_cpu_gbps", 0.0)),
+                    cpu_expert_alone_gbps=float(d.get("cpu_expert_alone_gbps", 0.0)),
                     measured=d.get("measured", ""))
 
 
@@ -125,4 +134,5 @@ def dumps_hardware(hw: Hardware) -> str:
             f"cpu_expert_gbps: {hw.cpu_expert_gbps:.1f}\ncpu_threads: {hw.cpu_threads}\n"
             f"cpu_expert_sync_us: {hw.cpu_expert_sync_us:.1f}\n"
             + (f"uva_read_beside_cpu_gbps: {hw.uva_read_beside_cpu_gbps:.1f}\n" if hw.uva_read_beside_cpu_gbps else "")
+            + (f"cpu_expert_alone_gbps: {hw.cpu_expert_alone_gbps:.1f}\n" if hw.cpu_expert_alone_gbps else "")
             + f"measured: {yamlio.quote(hw.measured)}\n")

@@ -49,8 +49,9 @@ What is measured, and how:
   not explain.
 
 - experts on cpu (host.py): the rate of the runtime's host kernel beside
-  the GPU's UVA reads, its fixed cost per call, and a layer's hand-over
-  (`cpu_expert_gbps`, `cpu_expert_sync_us`, `cpu_threads`); where the kernel
+  the GPU's UVA reads and alone, its fixed cost per call, and a layer's
+  hand-over (`cpu_expert_gbps`, `cpu_expert_alone_gbps`,
+  `cpu_expert_sync_us`, `cpu_threads`); where the kernel
   is not built, the built-in figures, and the profile says so.
 
 Limits: the per-layer figures are a Llama layer's and a Qwen3-MoE layer's at
@@ -117,10 +118,12 @@ def calibrate() -> Calibration:
     in_place = ", ".join(f"{m}: {a / b:.2f}" for m, (a, b) in crossover.items())
     host = host_figures()
     cpu = {} if host is None else dict(cpu_expert_gbps=round(host.gbps, 1), cpu_threads=host.threads,
-                                       cpu_expert_sync_us=round(host.fixed_us + host.handover_us, 1))
+                                       cpu_expert_sync_us=round(host.fixed_us + host.handover_us, 1),
+                                       cpu_expert_alone_gbps=round(host.alone_gbps, 1))
     cpu_note = (f"experts on cpu: the host kernel's {host.threads} threads ({host.isa}) read {host.gbps:.1f} GB/s "
-                f"beside UVA reads (fit R^2 {host.r2:.3f}), {host.fixed_us:.0f} us a call + {host.handover_us:.0f} "
-                "us a layer's hand-over" if host is not None else
+                f"beside UVA reads (fit R^2 {host.r2:.3f}), {host.alone_gbps:.1f} GB/s with the GPU idle, "
+                f"{host.fixed_us:.0f} us a call + {host.handover_us:.0f} us a layer's hand-over"
+                if host is not None else
                 f"experts on cpu: built-in figures ({native.why_not})")
     hw = Hardware(name, round(h2d, 1), round(uva, 1), round(hbm), round(per_layer, 1), round(max(per_step, 0.0), 1),
                   matmul_tflops=round(tflops, 1), stage_above_tokens=stage_above(crossover),

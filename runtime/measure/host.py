@@ -10,6 +10,8 @@
   The calls of one to four experts pin the fixed cost: fitted over 8 to 64 experts only, it came out anywhere
   from 11 to 265 us on the same H100 machine (a small error in the slope, 75 MB from zero), where the decode's
   calls measured none beyond their bytes at the rate;
+- `cpu_expert_alone_gbps`: the same calls with the GPU idle, the rate of a layer whose experts off the GPU are
+  all on cpu (the cost model takes it there);
 - the hand-over: a captured graph of what a decode step enqueues per layer with experts on cpu (the tokens and
   their routing copied to pinned memory, the host node, the outputs copied back), its job computing nothing
   (no expert on cpu), replayed: the median replay.
@@ -22,6 +24,7 @@ the GPU's UVA reads run at full rate throughout, where a step's run only while i
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import statistics
@@ -44,6 +47,7 @@ POINTS = ((1, 1), (1, 2), (1, 4), (1, 8), (2, 16), (4, 32), (8, 64))  # (tokens,
 class HostFigures:
     threads: int
     gbps: float  # the touched experts' bytes per second, beside the GPU's UVA reads
+    alone_gbps: float  # the same, with the GPU idle
     fixed_us: float  # per call, the fit's intercept
     handover_us: float  # per layer: copies, host node, copy back
     r2: float  # of the fit
@@ -62,21 +66,23 @@ def host_figures(calls: int = 24) -> HostFigures | None:
     threads = threads_here()
     pool = native.Pool(lib, threads)
     try:
-        fixed, gbps, r2 = _rate(lib, pool, calls)
+        fixed, gbps, r2 = _rate(lib, pool, calls, _uva_reads())
+        alone = _rate(lib, pool, calls, contextlib.nullcontext())[1]
         handover = _handover(lib, pool)
-        return HostFigures(threads, gbps, fixed, handover, r2, pool.isa())
+        return HostFigures(threads, gbps, alone, fixed, handover, r2, pool.isa())
     finally:
         pool.close()
 
 
-def _rate(lib, pool, calls: int) -> tuple[float, float, float]:
+def _rate(lib, pool, calls: int, beside) -> tuple[float, float, float]:
+    """(fixed us, GB/s, R^2) of the module doc's fit, its calls made inside the context `beside`."""
     gate_up = torch.full((EXPERTS, 2 * INTER, HIDDEN), 0.01, dtype=torch.bfloat16)  # values do not change the time
     down = torch.full((EXPERTS, HIDDEN, INTER), 0.01, dtype=torch.bfloat16)
     on_cpu = torch.zeros(EXPERTS, dtype=torch.uint8)
     expert_bytes = (gate_up[0].nbytes + down[0].nbytes)
     order = torch.randperm(EXPERTS, generator=torch.Generator().manual_seed(0))
     points: list[tuple[float, float]] = []  # (bytes, us)
-    with _uva_reads():
+    with beside:
         for tokens, on in POINTS * 2:
             x = torch.full((tokens, HIDDEN), 0.5, dtype=torch.bfloat16)
             y = torch.empty((tokens * TOP_K, HIDDEN), dtype=torch.bfloat16)

@@ -218,17 +218,39 @@ def test_cpu_experts_is_read_from_the_policy_and_ignored_with_a_warning_outside_
                               "it is ignored (rules place experts on cpu with `place: cpu`)",)
 
 
-@pytest.mark.parametrize("beside", [0.0, 44.5])
-def test_a_profile_round_trips_the_links_rate_beside_the_cores(tmp_path, beside):
-    """uva_read_beside_cpu_gbps is written where it is set, read back, and valid to the schema; absent, the
-    profile gets the default the cost model takes (uva_read_gbps x 47.0/50.3)."""
+@pytest.mark.parametrize("beside, alone", [(0.0, 0.0), (44.5, 92.5)])
+def test_a_profile_round_trips_the_rates_beside_and_alone(tmp_path, beside, alone):
+    """uva_read_beside_cpu_gbps and cpu_expert_alone_gbps are written where they are set, read back, and valid to
+    the schema; absent, the profile gets the defaults the cost model takes (uva_read_gbps x 47.0/50.3, and
+    cpu_expert_gbps)."""
     from planner.inputs.hardware import dumps_hardware, load_hardware
-    hw = dataclasses.replace(H100, uva_read_beside_cpu_gbps=beside)
+    hw = dataclasses.replace(H100, uva_read_beside_cpu_gbps=beside, cpu_expert_alone_gbps=alone)
     (tmp_path / "hw.yaml").write_text(dumps_hardware(hw))
     back = load_hardware(tmp_path / "hw.yaml")
     assert ("uva_read_beside_cpu_gbps" in dumps_hardware(hw)) == bool(beside)
-    assert back.uva_read_beside_cpu_gbps == beside
+    assert ("cpu_expert_alone_gbps" in dumps_hardware(hw)) == bool(alone)
+    assert (back.uva_read_beside_cpu_gbps, back.cpu_expert_alone_gbps) == (beside, alone)
     assert back.uva_beside_cpu_gbps == (beside or back.uva_read_gbps * 47.0 / 50.3)
+    assert back.cpu_alone_gbps == (alone or back.cpu_expert_gbps)
+
+
+def test_the_host_reads_at_its_own_rate_where_the_layer_reads_nothing_over_the_link():
+    """Every expert of a layer on cpu: nothing reads host memory over the link beside the cores, so the host's
+    time is at cpu_expert_alone_gbps; one expert of it on uva, and the host's is at cpu_expert_gbps."""
+    t = infos(moe_toy(2, experts=4))
+    graph = build_graph(t, None)
+    groups = FusedGroups.find(n for layer in graph.stack_layers() for n in layer.params)
+    hw = dataclasses.replace(H100, cpu_expert_gbps=10.0, cpu_expert_alone_gbps=20.0)
+    alone = {n: CPU if ".experts." in n else GPU for n in t}
+    split = {n: UVA if ".experts.3." in n else p for n, p in alone.items()}
+    us = [CostModel(graph, t, h, 1, groups, 1).predict(place).layers[1].gpu_us
+          for h in (hw, dataclasses.replace(hw, cpu_expert_alone_gbps=0.0)) for place in (alone, split)]
+    gpu = H100.moe_layer_gpu_us + MIB / (H100.hbm_read_gbps * 1e3)  # attention's 1 MiB; the host's side, later:
+    each = 3 * MIB / 20e3  # an expert's 3 MiB at 20 GB/s, each read with chance 1/4 (top-1 of 4)
+    host = H100.moe_layer_gpu_us + 4 * each / 4 + H100.cpu_expert_sync_us
+    assert us[0] == round(later(gpu, host - gpu, 4 * (1 / 4) * (3 / 4) * each ** 2))
+    assert us[2] > us[0] + 100  # without the figure: at 10 GB/s
+    assert us[1] == us[3] > us[0]  # beside the link: at 10 GB/s either way
 
 
 @pytest.mark.parametrize("share", [0.5, 0.7])

@@ -159,8 +159,11 @@ def test_calibrate_is_physical_and_repeatable(tmp_path, capsys):
         # experts on cpu: native.cpp's read beside the GPU's (a host's DRAM: tens to a few hundred GB/s), a
         # layer's hand-over (copies and a host node: tens of us), the cores less the launching thread's
         assert 5 < hw.cpu_expert_gbps < 1000 and 1 < hw.cpu_expert_sync_us < 2000, hw.measured
+        assert 5 < hw.cpu_expert_alone_gbps < 1000, hw.measured  # alone: most often faster, never by 3x
+        assert hw.cpu_expert_gbps / 3 < hw.cpu_expert_alone_gbps < 3 * hw.cpu_expert_gbps, hw.measured
         assert hw.cpu_threads == max(1, len(os.sched_getaffinity(0)) - 1) and "experts on cpu: the host" in hw.measured
-    print("experts on cpu, two calibrations:", [(hw.cpu_expert_gbps, hw.cpu_expert_sync_us) for hw in runs])
+    print("experts on cpu, two calibrations (beside, alone, sync):",
+          [(hw.cpu_expert_gbps, hw.cpu_expert_alone_gbps, hw.cpu_expert_sync_us) for hw in runs])
     a, b = runs
     for field, within in (("h2d_copy_gbps", 0.1), ("uva_read_gbps", 0.1), ("hbm_read_gbps", 0.1),
                           ("layer_gpu_us", 0.1), ("moe_layer_gpu_us", 0.1)):
