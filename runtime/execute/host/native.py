@@ -1,9 +1,10 @@
-"""The host's native kernel (native.cpp) through ctypes: gated bf16 experts computed by its own threads, with no
-Python and no GIL in the way, so that a captured decode step runs it as a CUDA host node.
+"""The host's native kernel (native.cpp) through ctypes: gated experts, bf16 or block-scaled FP8 (converted as read),
+computed by its own threads, with no Python and no GIL in the way, so that a captured decode step runs it as a CUDA
+host node.
 
     lib = native.library()               # None where it is not built (`why_not` says why)
     pool = native.Pool(lib, threads=15)  # its workers start; `pool.close()` joins them
-    job = native.job(pool, module's host weights, on_cpu mask, x, ids, y, tokens, top_k)
+    job = native.job(pool, module's host weights, on_cpu mask, x, ids, y, tokens, top_k)  # FP8: scales=, block=
     native.run(lib, job)                 # or, in a capture: cuLaunchHostFunc(stream, lib.offplan_run, job)
     job.error, job.calls, job.nanos
 
@@ -27,6 +28,8 @@ import importlib.machinery
 import weakref
 from pathlib import Path
 
+import torch
+
 from .handoff import launch_host_func
 
 _HERE = Path(__file__).resolve().parent
@@ -38,10 +41,12 @@ class Job(ctypes.Structure):
     """native.cpp's `Job`: one experts module's call (its fields, in its order)."""
 
     _fields_ = [("x", ctypes.c_void_p), ("ids", ctypes.c_void_p), ("y", ctypes.c_void_p),
-                ("gate_up", ctypes.c_void_p), ("down", ctypes.c_void_p), ("on_cpu", ctypes.c_void_p),
+                ("gate_up", ctypes.c_void_p), ("down", ctypes.c_void_p),
+                ("gate_up_scale", ctypes.c_void_p), ("down_scale", ctypes.c_void_p), ("on_cpu", ctypes.c_void_p),
                 ("pool", ctypes.c_void_p),
                 ("tokens", ctypes.c_int64), ("top_k", ctypes.c_int64), ("hidden", ctypes.c_int64),
                 ("inter", ctypes.c_int64), ("experts", ctypes.c_int64),
+                ("format", ctypes.c_int64), ("block_rows", ctypes.c_int64), ("block_cols", ctypes.c_int64),
                 ("calls", ctypes.c_int64), ("nanos", ctypes.c_int64),
                 ("error", ctypes.c_int64), ("bad", ctypes.c_int64)]
 
@@ -99,14 +104,29 @@ class Pool:
         self.handle = None
 
 
-def job(pool: Pool, gate_up, down, on_cpu, x, ids, y, tokens: int, top_k: int) -> Job:
+def job(pool: Pool, gate_up, down, on_cpu, x, ids, y, tokens: int, top_k: int, scales=None,
+        block: tuple[int, int] = (0, 0)) -> Job:
     """A call of one experts module over `tokens` tokens: gate_up [E, 2I, H], down [E, H, I] bf16 (host tensors),
-    on_cpu [E] uint8, x [>=T, H], ids [>=T*k] int64, y [>=T*k, H] bf16 (the exchange buffers); each tensor
-    contiguous and kept alive by the caller for the job's life."""
+    or FP8 E4M3 with `scales` (gate_up's [E, ceil(2I/b0), ceil(H/b1)], down's [E, ceil(H/b0), ceil(I/b1)] f32)
+    one per `block` (b0, b1) of elements (native.cpp computes dequant.py's values from them); on_cpu [E] uint8,
+    x [>=T, H], ids [>=T*k] int64, y [>=T*k, H] bf16 (the exchange buffers); each tensor contiguous and kept
+    alive by the caller for the job's life. A shape or dtype native.cpp would misread is a ValueError."""
     experts, double, hidden = gate_up.shape
+    fp8 = gate_up.dtype == torch.float8_e4m3fn
+    if down.dtype != gate_up.dtype or not (fp8 or gate_up.dtype == torch.bfloat16) or (scales is None) == fp8:
+        raise ValueError(f"offplan: the host kernel takes bf16 experts, or FP8 E4M3 ones with their scales: got "
+                         f"{gate_up.dtype} and {down.dtype}, {'with' if scales is not None else 'without'} scales")
+    if fp8:
+        b0, b1 = block
+        want = [(experts, -(-double // b0), -(-hidden // b1)), (experts, -(-hidden // b0), -(-(double // 2) // b1))]
+        got = [tuple(s.shape) for s in scales]
+        if b0 < 1 or b1 < 1 or got != want or any(s.dtype != torch.float32 for s in scales):
+            raise ValueError(f"offplan: FP8 experts' scales {got} are not their {block} block scales {want} (f32)")
+    gate_up_scale, down_scale = (s.data_ptr() for s in scales) if fp8 else (None, None)
     return Job(x=x.data_ptr(), ids=ids.data_ptr(), y=y.data_ptr(), gate_up=gate_up.data_ptr(),
-               down=down.data_ptr(), on_cpu=on_cpu.data_ptr(), pool=pool.handle, tokens=tokens, top_k=top_k,
-               hidden=hidden, inter=double // 2, experts=experts)
+               down=down.data_ptr(), gate_up_scale=gate_up_scale, down_scale=down_scale, on_cpu=on_cpu.data_ptr(),
+               pool=pool.handle, tokens=tokens, top_k=top_k, hidden=hidden, inter=double // 2, experts=experts,
+               format=int(fp8), block_rows=block[0] if fp8 else 0, block_cols=block[1] if fp8 else 0)
 
 
 def run(lib, job: Job) -> None:
