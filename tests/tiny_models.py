@@ -63,6 +63,28 @@ def reference(directory: Path, device="cpu", dtype=torch.bfloat16):
     return AutoModelForCausalLM.from_pretrained(directory, dtype=dtype).to(device).eval()
 
 
+def transformers_greedy(directory, prompts: list[list[int]], new: int, like, pad: int = 0,
+                        device: str = "cpu") -> list[list[int]]:
+    """transformers' `generate` on the plain model: left-padded prompts, their attention mask, a static cache of
+    the generator's length (attention over another length rounds otherwise, and a router's top-k can flip). An MoE model
+    runs the experts implementation of `like` (offplan's, where it holds experts in pinned memory: transformers'
+    `batched_mm` and `grouped_mm` arithmetic by the pairs of each forward, runtime/execute/experts.py)."""
+    from transformers import StaticCache
+
+    from runtime.execute.generation import CACHE_QUANTUM
+    model = reference(directory, device)
+    if hasattr(like.config, "num_experts"):
+        model.set_experts_implementation(like.config._experts_implementation)
+    length = max(map(len, prompts))
+    ids = torch.tensor([[pad] * (length - len(p)) + p for p in prompts], device=device)
+    mask = torch.tensor([[0] * (length - len(p)) + [1] * len(p) for p in prompts], device=device)
+    cache = StaticCache(config=model.config, max_cache_len=CACHE_QUANTUM)
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                             pad_token_id=pad, past_key_values=cache)
+    return out[:, length:].tolist()
+
+
 def make_plan(tmp: Path, checkpoint: Path, body: str, name: str = "p") -> Path:
     """Write a policy next to `tmp` and build its plan file; returns the plan path."""
     policy = tmp / f"{name}.policy.yaml"

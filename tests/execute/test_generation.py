@@ -8,11 +8,9 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from transformers import StaticCache  # noqa: E402
-
 from runtime.execute.generation import CACHE_QUANTUM  # noqa: E402
 from runtime.hf import from_pretrained  # noqa: E402
-from tiny_models import make_plan, reference, save_models  # noqa: E402
+from tiny_models import make_plan, save_models, transformers_greedy  # noqa: E402
 
 PLANS = {"uva": "budget_gib: 0.0005\n", "prefetch": "prefetch: {group_size: 2, step: 1}\n",
          "mixed": "backend: mixed\nbudget_gib: 0.0005\n"}
@@ -21,25 +19,6 @@ PLANS = {"uva": "budget_gib: 0.0005\n", "prefetch": "prefetch: {group_size: 2, s
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     return save_models(tmp_path_factory.mktemp("gen"), "llama", "moe")
-
-
-def transformers_greedy(directory, prompts: list[list[int]], new: int, like, pad: int = 0,
-                        device: str = "cpu") -> list[list[int]]:
-    """transformers' `generate` on the plain model: left-padded prompts, their attention mask, a static cache of
-    the generator's length (attention over another length rounds otherwise, and a router's top-k can flip). An MoE model
-    runs the experts implementation of `like` (offplan's, where it holds experts in pinned memory: transformers'
-    `batched_mm` and `grouped_mm` arithmetic by the pairs of each forward, runtime/execute/experts.py)."""
-    model = reference(directory, device)
-    if hasattr(like.config, "num_experts"):
-        model.set_experts_implementation(like.config._experts_implementation)
-    length = max(map(len, prompts))
-    ids = torch.tensor([[pad] * (length - len(p)) + p for p in prompts], device=device)
-    mask = torch.tensor([[0] * (length - len(p)) + [1] * len(p) for p in prompts], device=device)
-    cache = StaticCache(config=model.config, max_cache_len=CACHE_QUANTUM)
-    with torch.no_grad():
-        out = model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
-                             pad_token_id=pad, past_key_values=cache)
-    return out[:, length:].tolist()
 
 
 @pytest.mark.parametrize("kind", ["llama", "moe"])

@@ -10,8 +10,8 @@ pytest.importorskip("transformers")
 pytestmark = pytest.mark.gpu
 
 from runtime.hf import from_pretrained  # noqa: E402
-from test_generation import PLANS, transformers_greedy  # noqa: E402
-from tiny_models import make_plan, save_models  # noqa: E402
+from test_generation import PLANS  # noqa: E402
+from tiny_models import make_plan, save_models, transformers_greedy  # noqa: E402
 
 
 @pytest.fixture(scope="module")

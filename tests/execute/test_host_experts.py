@@ -17,8 +17,8 @@ from runtime.execute import experts  # noqa: E402
 from runtime.execute.host import kernel as host_kernel  # noqa: E402
 from runtime.execute.host import native  # noqa: E402
 from runtime.hf import from_pretrained  # noqa: E402
-from test_generation import transformers_greedy  # noqa: E402
-from tiny_models import gpt_oss_config, make_plan, qwen3_moe_config, reference, save_model  # noqa: E402
+from tiny_models import (gpt_oss_config, make_plan, qwen3_moe_config, reference, save_model,  # noqa: E402
+                         transformers_greedy)
 
 # experts 0 and 1 of every layer on cpu, 2 on uva, 3 on the GPU
 SPLIT = "rules:\n  - {match: ['re:experts\\.[01]\\.'], place: cpu}\n  - {match: ['re:experts\\.2\\.'], place: uva}\n"

@@ -18,9 +18,8 @@ pytest.importorskip("transformers")
 pytestmark = pytest.mark.gpu
 
 from runtime.hf import from_pretrained  # noqa: E402
-from test_generation import transformers_greedy  # noqa: E402
 from test_host_experts import LOUD, SPLIT, TOLERANCE, fail, hardware, lockstep, logits, path, uses  # noqa: E402, F401
-from tiny_models import make_plan, qwen3_moe_config, reference, save_model  # noqa: E402
+from tiny_models import make_plan, qwen3_moe_config, reference, save_model, transformers_greedy  # noqa: E402
 
 
 @pytest.fixture(scope="module")
