@@ -91,10 +91,10 @@ def fused_params(module: torch.nn.Module) -> list[str]:
     return names
 
 
-def stored_params(module: torch.nn.Module) -> list[str]:
-    """The tensors the module stores for its fused parameters: a quantized one's data and scales
-    (dequant.py), the parameter itself otherwise."""
-    quants = quantized(module)
+def stored_params(module: torch.nn.Module, quants: dict | None = None) -> list[str]:
+    """The tensors the module stores for its fused parameters: a quantized one's data and scales (dequant.py;
+    `quants`: the module's, before `dequant.bind` gives them to it), the parameter itself otherwise."""
+    quants = quantized(module) if quants is None else quants
     return [n for p in fused_params(module) for n in ((quants[p].data, quants[p].scale) if p in quants else (p,))]
 
 

@@ -257,4 +257,4 @@ def _scale_target(t: Target, block: tuple[int, int], place, problems: list[str])
             return None
         pieces.append(Piece(scale, tuple(index)))
     return Target(t.name + FP8_SCALE, tuple(a + FP8_SCALE for a in t.aliases), shape, torch.float32, pieces,
-                  t.placement, t.resident)
+                  t.placement, t.resident, t.on_cpu)

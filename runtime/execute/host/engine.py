@@ -13,10 +13,10 @@ At an experts module with experts on cpu (experts.py), a forward of T tokens wit
    takes the host's output where the expert is on cpu and its own elsewhere (`torch.where`); the module then weights
    and sums the pairs as batched_mm does.
 
-Who computes step 3: native.cpp, for gated bf16 experts (Qwen3-MoE, Mixtral, DeepSeek, Qwen2-MoE) where it is built:
-a C function over its own threads, which needs no GIL; otherwise the engine's own Python thread (its worker,
-kernel.py: Inductor's kernel or the eager loop), woken and awaited through two barriers (handoff.py). How the GPU
-hands the work over:
+Who computes step 3 (module.py): native.cpp, for gated experts (Qwen3-MoE, Mixtral, DeepSeek, Qwen2-MoE), bf16 or
+block-scaled FP8, where it is built: a C function over its own threads, which needs no GIL; otherwise the engine's
+own Python thread (its worker, kernel.py: Inductor's kernel or the eager loop; never FP8), woken and awaited through
+two barriers (handoff.py). How the GPU hands the work over:
 - in a step captured in a CUDA graph (decode's fast path): on a side stream forked from the current one, the two
   copies, then one host node, then the copy of `y`; the current stream joins the side stream before step 4's
   `where`. The GPU's experts run on the current stream in between, so the two sides overlap. The host node is
@@ -62,6 +62,7 @@ from .. import ops
 from . import native
 from .handoff import Handoff, serve, stop
 from .kernel import Kernel, gated_like
+from .module import HostModule, computed_natively
 
 _EAGER = -1  # the call slot's value for `end`'s own call, besides a captured call's number (1, 2, ...) and STOP
 MAX_CALLS = 1 << 14  # captured calls over the engine's life: host modules x captured steps
@@ -77,18 +78,6 @@ class HostSlot:
     index: int
 
 
-@dataclass
-class _Module:
-    module: torch.nn.Module
-    weights: dict[str, torch.Tensor]  # fused parameter -> its host tensor (the arena's CPU view)
-    on_cpu: torch.Tensor  # [E] bool, CPU: experts the host computes
-    on_cpu_device: torch.Tensor  # the same on the model's device
-    top_k: int
-    gated: bool  # the compiled kernel computes it (`gated_like`)
-    native: bool  # native.cpp computes it, no Python in the way: gated bf16 experts, where the library is built
-    on_cpu_bytes: torch.Tensor  # on_cpu as uint8, for native.cpp
-
-
 class HostExperts:
     """The experts that the plan puts on cpu, for every experts module that has some (module doc)."""
 
@@ -98,7 +87,7 @@ class HostExperts:
         self.threads = threads
         self.max_tokens = max_tokens
         self.kernel = Kernel(threads, compile)
-        self.modules: list[_Module] = []
+        self.modules: list[HostModule] = []
         self.key = ops.register(self)
         self.lib = native.library()  # None where it is not built: every module through the worker
         self.native: native.Jobs | None = None  # native.cpp's pool and jobs, where it computes some module
@@ -110,22 +99,28 @@ class HostExperts:
         self._stream = self._event = self._copied = None
         self._handoff, self._worker = None, None  # Handoff, threading.Thread: where the worker computes some module
 
-    def add(self, module: torch.nn.Module, weights: dict[str, torch.Tensor], on_cpu: list[int], top_k: int) -> int:
-        """Register an experts module; `weights`: its fused parameters' host tensors (pinned arena views).
-        Returns its index, which its forward passes to `ops.host_begin` / `host_end`."""
+    def add(self, module: torch.nn.Module, weights: dict[str, torch.Tensor], on_cpu: list[int], top_k: int,
+            fp8: tuple[dict[str, torch.Tensor], tuple[int, int], torch.dtype] | None = None) -> int:
+        """Register an experts module; `weights`: its fused parameters' host tensors (pinned arena views); `fp8`
+        for block-scaled FP8 ones: (their scales' host tensors by fused parameter, the block, the model's dtype),
+        which native.cpp computes (module.py). Returns its index, which its forward passes to `ops.host_begin` /
+        `host_end`."""
         mask = torch.zeros(module.num_experts, dtype=torch.bool)
         mask[on_cpu] = True
         gated = gated_like(module)
-        fast = self.lib is not None and gated and all(w.dtype == torch.bfloat16 for w in weights.values())
-        self.modules.append(_Module(module, weights, mask, mask.to(self.device), top_k, gated, fast,
-                                    mask.to(torch.uint8)))
+        fast = computed_natively(self.lib, gated, weights, fp8 is not None)
+        if fp8 is not None and not fast:  # bind.py `check` refuses these before the load
+            raise RuntimeError("offplan: FP8 experts on cpu that native.cpp does not compute reached the engine")
+        scales, block, dtype = fp8 if fp8 is not None else ({}, (0, 0), weights["down_proj"].dtype)
+        self.modules.append(HostModule(module, weights, mask, mask.to(self.device), top_k, gated, fast,
+                                       mask.to(torch.uint8), dtype, scales, block))
         return len(self.modules) - 1
 
     def finish(self) -> None:
         """The exchange buffers, sized for `max_tokens` tokens of the widest module, and the worker."""
-        hidden = max(_hidden(m) for m in self.modules)
+        hidden = max(m.hidden for m in self.modules)
         pairs = self.max_tokens * max(m.top_k for m in self.modules)
-        dtype = next(iter(self.modules[0].weights.values())).dtype
+        dtype = self.modules[0].dtype
         layout = (("x", dtype, (self.max_tokens, hidden)), ("ids", torch.long, (pairs,)),
                   ("y", dtype, (pairs, hidden)), ("call", torch.long, (1,)))
         offsets, total = [], 0
@@ -236,9 +231,8 @@ class HostExperts:
             self.native.error()
 
     def _job(self, index: int, tokens: int) -> native.Job:
-        m = self.modules[index]
-        return native.job(self.native.pool, m.weights["gate_up_proj"], m.weights["down_proj"], m.on_cpu_bytes,
-                          self._views["x"], self._views["ids"], self._views["y"], tokens, m.top_k)
+        return self.modules[index].job(self.native.pool, self._views["x"], self._views["ids"], self._views["y"],
+                                       tokens)
 
     def _hand_over(self, index: int, tokens: int) -> None:
         """Step 3 by native.cpp on this thread and the pool's, or by the worker, this thread waiting at the
@@ -267,7 +261,7 @@ class HostExperts:
             self.error = e
             y.fill_(float("nan"))
 
-    def _compute(self, m: _Module, x: torch.Tensor, ids: torch.Tensor, y: torch.Tensor) -> None:
+    def _compute(self, m: HostModule, x: torch.Tensor, ids: torch.Tensor, y: torch.Tensor) -> None:
         """y[p] = expert ids[p]'s output for token p // k, for each pair p whose expert is on cpu."""
         start = time.perf_counter()
         try:
@@ -292,9 +286,4 @@ class HostExperts:
             self._arena.release()
             self._arena = None
         self.modules = []
-
-
-def _hidden(m: _Module) -> int:
-    w = m.weights["down_proj"]  # [E, H, I] ([E, I, H] transposed)
-    return w.shape[-1] if m.module.is_transposed else w.shape[-2]
 

@@ -6,7 +6,10 @@ that reads its experts much slower (fewer memory channels, another process on th
 machine), the plan runs slower than it says, and perhaps slower than with those experts on uva. So once the
 engine is ready, `probe` times native.cpp over one module's experts on cpu (the module with the most, up to
 `EXPERTS` of them, each read once: `ceil(n / k)` tokens routed to them) and sets the time against the plan's for
-the same bytes; bind.py warns (`HostSlowerWarning`) when it is more than `SLOWER` times that.
+the same bytes; bind.py warns (`HostSlowerWarning`) when it is more than `SLOWER` times that. An FP8 module's
+bytes are its stored ones, data and scales, as the cost model counts them (planner/decide/cost.py); native.cpp
+converts each FP8 row as it reads it, so where the host's cores, not its memory, set the pace, FP8 experts probe
+slower per byte than the bf16 ones the plan's rate was measured on, and a warning may say so.
 
 Limits: the probe reads with the GPU idle, where a decode step reads beside the link's UVA reads (the plan's rate
 is the one beside them), so it errs towards no warning; it runs only where native.cpp computes the module (the
@@ -66,7 +69,7 @@ def probe(engine, gbps: float, sync_us: float, *, experts: int = EXPERTS, min_by
         return None
     m = max((m for m in engine.modules if m.native), key=lambda m: int(m.on_cpu.sum()))
     chosen = m.on_cpu.nonzero().flatten()[:min(experts, engine.max_tokens * m.top_k)]
-    nbytes = chosen.numel() * sum(w[0].nbytes for w in m.weights.values())  # [E, ...] each
+    nbytes = chosen.numel() * m.expert_bytes
     if nbytes < min_bytes:
         return None
     tokens = math.ceil(chosen.numel() / m.top_k)
@@ -74,11 +77,8 @@ def probe(engine, gbps: float, sync_us: float, *, experts: int = EXPERTS, min_by
     views = engine._views
     views["x"][:tokens].zero_()
     views["ids"][:ids.numel()].copy_(ids)
-    gate_up, down = m.weights["gate_up_proj"], m.weights["down_proj"]
-    job = native.job(engine.native.pool, gate_up, down, m.on_cpu_bytes, views["x"], views["ids"], views["y"],
-                     tokens, m.top_k)  # not the engine's: its calls are not counted as the model's
-    wake = native.job(engine.native.pool, gate_up, down, m.on_cpu_bytes, views["x"], views["ids"], views["y"], 1,
-                      1)
+    job = m.job(engine.native.pool, views["x"], views["ids"], views["y"], tokens)  # not the engine's: its calls
+    wake = m.job(engine.native.pool, views["x"], views["ids"], views["y"], 1, 1)  # are not counted as the model's
     native.run(engine.lib, wake)
     best = math.inf
     for _ in range(CALLS):
