@@ -70,17 +70,16 @@ Experts on cpu: the host reads each touched expert once (the share above), besid
 gpu = E[max(its GPU time, layer GPU time + host)] as both vary with routing (reads.py `later`), host = those bytes /
 cpu_expert_gbps (cpu_expert_alone_gbps where the layer has no expert on uva) + cpu_expert_sync_us (the hand-over and
 the host's fixed cost; native.cpp, docs/host-experts/), its uva experts read at uva_read_beside_cpu_gbps.
-Prefill: staged (staging.py), copied and computed on the GPU; unstaged above the threshold, gathered over uva as
-uva experts are (the runtime's host takes at most stage_above_tokens tokens); up to it, the host's reads add.
+FP8: its stored bytes (data, scales) at that rate, measured on bf16 experts (`plan calibrate`); native.cpp converts
+FP8 as read, so a host bound by its cores, not memory, runs FP8 slower per byte than predicted. Prefill: staged
+(staging.py), copied and computed on the GPU; unstaged above the threshold, gathered over uva as uva experts are
+(the runtime's host takes at most stage_above_tokens tokens); up to it, the host's reads add.
 
-Tensor parallelism (layers/shards.py): the tensors are one GPU's share, so
-every figure above is each GPU's, over its own link, at once. A layer whose
-outputs the GPUs sum (an all-reduce: attention's o projection, the MLP or
-experts) or gather (the head) waits for each such collective: `collectives`
-gives a layer's count and the bytes they move per token, and each costs the
-hardware profile's latency (`allreduce_us`) plus its bytes over
-`allreduce_gbps`, for the step's batch tokens in the GPU time and for the
-prompt's tokens in the prefill.
+Tensor parallelism (layers/shards.py): the tensors are one GPU's share, so every figure above is each GPU's, over its
+own link, at once. A layer whose outputs the GPUs sum (an all-reduce: attention's o projection, the MLP or experts)
+or gather (the head) waits for each such collective: `collectives` gives a layer's count and the bytes they move per
+token, and each costs the hardware profile's latency (`allreduce_us`) plus its bytes over `allreduce_gbps`, for the
+step's batch tokens in the GPU time and for the prompt's tokens in the prefill.
 
 Limits: the GPU time per layer is measured at batch 1 on tiny Llama and Qwen3-MoE layers
 (runtime/measure/calibrate.py): a layer that launches more kernels (shared experts, MLA) takes longer, and so do the
@@ -290,7 +289,7 @@ class CostModel:
         beside = hw.uva_beside_cpu_gbps * 1e3 if read_cpu else uva  # the cores read host memory too (module doc)
         gpu = latency + (read_hbm + staged) / hbm + read_uva / beside
         if read_cpu:  # the GPU sums the CPU's outputs: the layer ends when the later side does (module doc)
-            host = (hw.cpu_expert_gbps if read_uva else hw.cpu_alone_gbps) * 1e3  # bytes/us, beside the link or not
+            host = (hw.cpu_expert_gbps if read_uva else hw.cpu_alone_gbps) * 1e3  # bytes/us, FP8's too (module doc)
             var = sum(q * (1 - q) * (c / host - u / beside) ** 2 for c, u, q in touch.values())
             gpu = later(gpu, latency + read_cpu / host + hw.cpu_expert_sync_us - gpu, var)
         link = read_uva / uva + copied / h2d

@@ -53,9 +53,11 @@ per pair routed to it, the GPU once per step however many). A share is kept if
 its request is predicted faster than none; a note gives both. cpu needs no
 GPU memory but the host engine's output buffer (working.py), and a share is
 tried only where that fits the budget. Whole experts only (the host computes an
-expert whole), never quantized ones (the runtime's host computes bf16 and
-f32 weights), and not with several GPUs (each one's process would run its
-own host threads on the same cores).
+expert whole), block-scaled FP8 (E4M3) ones with their scales (the runtime's
+host kernel converts them as it reads them; the cost model counts their stored
+bytes), never MXFP4 ones (the host does not compute them), and not with
+several GPUs (each one's process would run its own host threads on the same
+cores).
 
 Limits: each strategy is greedy (no search over arbitrary subsets), and the
 prediction is only as good as the hardware profile and the routing (a
@@ -77,6 +79,7 @@ from .schedule import fewest_layers
 from .working import within
 
 GPU, UVA, PREFETCH, CPU = Placement.GPU, Placement.UVA, Placement.PREFETCH, Placement.CPU
+E4M3 = "F8_E4M3"  # the FP8 that the runtime's host computes (runtime/execute/host/native.cpp)
 CPU_SHARES = tuple(i / 10 for i in range(1, 11))  # of each layer's uva experts, tried on cpu (`cpu_experts`)
 
 
@@ -180,10 +183,13 @@ def on_cpu(fp: Footprint, prediction: Prediction, groups: FusedGroups, model: Co
            new: int, fits: Callable[[Footprint], bool]) -> tuple[Footprint, Prediction, str]:
     """`fp` with the best share of each layer's uva experts on cpu (module doc) that `fits` the budget, or `fp`
     itself, and a note."""
-    candidates: list[list[tuple[str, ...]]] = []  # per experts module, its whole experts on uva, least read first
+    # per experts module, its whole experts on uva (an FP8 one's weights and scales; no MXFP4 one), least read first
+    candidates: list[list[tuple[str, ...]]] = []
+    q = model.quantized
+    host_computes = lambda n: n not in q or E4M3 in (fp.tensors[n].dtype, fp.tensors[q[n]].dtype)  # noqa: E731
     for group in groups.members:
         whole = [ns for ns in groups.by_expert(group).values()
-                 if all(fp.place[n] is UVA and n not in model.quantized for n in ns)
+                 if all(fp.place[n] is UVA and host_computes(n) for n in ns)
                  and fp.layers[fp.layer_name[ns[0]]].runs is Runs.STEP]
         if whole:
             candidates.append(sorted(whole, key=lambda ns: model.frac[ns[0]]))
