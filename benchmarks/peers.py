@@ -18,7 +18,8 @@ with its command line (llama.cpp) or plan (offplan) and its thread count:
    (`backend: mixed`, `cpu_experts: true`, the all-uva plan's GPU footprint as the budget, one plan per batch);
 2. equal GPU memory: `--n-cpu-moe N` for each `--n-cpu-moe` N, against an offplan `backend: mixed` plan whose
    budget is the GPU bytes llama.cpp's own log reports for its model buffer at that N ("CUDA0 model buffer
-   size"); decode at batch 1;
+   size"), with `cpu_experts: true` (llama.cpp's cores compute the experts it keeps off the GPU: the plan may
+   use them too); decode at batch 1;
 3. 8 bits: llama.cpp Q8_0 against offplan's FP8 checkpoint, every expert off the GPU, decode at batch 1;
 4. all on the GPU, both (`--n-cpu-moe 0`; offplan's all-GPU plan): the engines' own speed.
 
@@ -275,12 +276,13 @@ def main(argv=None) -> int:
             record(kind="skipped", what=f"equal GPU memory at --n-cpu-moe {n}",
                    why="no GPU byte count from llama.cpp (no build, or no CUDA)")
             continue
-        p = plan(f"budget-{n}", f"backend: mixed\nbudget_gib: {gpu_bytes / 2**30!r}\n"
+        p = plan(f"budget-{n}", f"backend: mixed\ncpu_experts: true\nbudget_gib: {gpu_bytes / 2**30!r}\n"
                                 "workload: {cuda_graphs: true}\n")
         rate = ours.measure(p, [1], new, [])["decode", 1]
         rows, cmd = llama.bench(ggufs["bf16"], n, ["-p", "0", "-n", str(new)])
         row("equal GPU memory: decode steps/s", 1, rate, rows[0]["avg_ts"], n_cpu_moe=n, gpu_bytes=gpu_bytes,
-            plan=f"budget-{n} (mixed, {gpu_bytes / 2**30:.2f} GiB)", command=cmd)
+            plan=f"budget-{n} (mixed, cpu_experts, {gpu_bytes / 2**30:.2f} GiB)", command=cmd,
+            cpu_bytes=loads(p.read_text()).summary.cpu_bytes)
     # 3. 8 bits, 4. all on the GPU
     for what, name, body, checkpoint, gguf, cpu_moe in (
             ("8 bits, experts off the GPU: decode steps/s (offplan FP8, llama.cpp Q8_0)", "fp8-experts-uva",

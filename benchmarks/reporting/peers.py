@@ -38,7 +38,8 @@ def peers_tables() -> list[str]:
                 "where the run has them) with its plan's share of them on cpu, computed by the host's cores beside "
                 "the link (`backend: mixed`, `cpu_experts: true`, the all-uva plan's GPU footprint as the budget); "
                 "llama.cpp computes the experts of `--n-cpu-moe` layers on the host's cores. Equal GPU memory: offplan's "
-                "`mixed` plan gets the GPU bytes llama.cpp reports for its model at that `--n-cpu-moe`. Rates: "
+                "`mixed` plan gets the GPU bytes llama.cpp reports for its model at that `--n-cpu-moe` (and the host's "
+                "cores, where its plan says `cpu_experts`). Rates: "
                 f"steps/s for decode ({run['new_tokens']} new tokens), tokens/s for prefill.", ""]
         out += rows_table(records) + [""]
     return out
