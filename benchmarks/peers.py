@@ -10,16 +10,15 @@ more as GGUF for llama.cpp (peers/to_gguf.py: the same weights under llama.cpp's
 8-bit rows) and once more as block-scaled FP8 for offplan's 8-bit rows (tests/quantized_models.py). Rows, each
 with its command line (llama.cpp) or plan (offplan) and its thread count:
 
-1. every routed expert off the GPU: llama.cpp `-ngl 99 --n-cpu-moe L` (the host's cores compute them) against
-   offplan with every expert on uva (the GPU reads them over the link); decode at batch 1 (`llama-bench -n`)
-   and batch 8 (`llama-batched-bench -npl 8`, its text-generation rate over 8: steps/s), prefill of each
-   `--prompts` length at llama.cpp's default micro-batch (512) and at 2048 (`-ub`), offplan's time to first token;
-   and, at batch 1 and 8, offplan splitting the experts between the host's cores and the link as its plan chooses
-   (`backend: mixed`, `cpu_experts: true`, the all-uva plan's GPU footprint as the budget, one plan per batch);
-2. equal GPU memory: `--n-cpu-moe N` for each `--n-cpu-moe` N, against an offplan `backend: mixed` plan whose
-   budget is the GPU bytes llama.cpp's own log reports for its model buffer at that N ("CUDA0 model buffer
-   size"), with `cpu_experts: true` (llama.cpp's cores compute the experts it keeps off the GPU: the plan may
-   use them too); decode at batch 1;
+1. every routed expert off the GPU: llama.cpp `-ngl 99 --n-cpu-moe L` (the host's cores compute them) against offplan
+   with every expert on uva (the GPU reads them over the link); decode at batch 1 (`llama-bench -n`) and batch 8
+   (`llama-batched-bench -npl 8`, its text-generation rate over 8: steps/s), prefill of each `--prompts` length at
+   llama.cpp's default micro-batch (512) and at 2048 (`-ub`), offplan's time to first token; and, at batch 1 and 8,
+   offplan splitting the experts between the host's cores and the link as its plan chooses (`backend: mixed`,
+   `cpu_experts: true`, the all-uva plan's GPU footprint as the budget, one plan per batch);
+2. equal GPU memory: `--n-cpu-moe N` for each `--n-cpu-moe` N, against an offplan `backend: mixed` plan whose budget
+   is the GPU bytes llama.cpp's own log reports for its model buffer at that N ("CUDA0 model buffer size"), with
+   `cpu_experts: true` (llama.cpp's cores compute what it keeps off the GPU: the plan may use them); decode, batch 1;
 3. 8 bits: llama.cpp Q8_0 against offplan's FP8 checkpoint, every expert off the GPU, decode at batch 1;
 4. all on the GPU, both (`--n-cpu-moe 0`; offplan's all-GPU plan): the engines' own speed.
 
@@ -241,8 +240,7 @@ def main(argv=None) -> int:
                ratio=offplan_rate / llama_rate if offplan_rate and llama_rate else None, **extra)
 
     off = ours.measure(plan("experts-uva", EXPERTS_UVA), [1, 8], new, args.prompts)  # 1. every expert off the GPU
-    lc1 = lc8 = None
-    cmds = {}
+    lc1, lc8, cmds = None, None, {}
     if llama:
         rows, cmds["decode"] = llama.bench(ggufs["bf16"], layers, ["-p", "0", "-n", str(new)])
         lc1 = rows[0]["avg_ts"]
@@ -269,8 +267,7 @@ def main(argv=None) -> int:
             rate, cmd = by_ub.get(ub, (None, None))
             row(f"experts off the GPU: prefill tokens/s, llama.cpp -ub {ub}", t, off["prefill", t][0], rate,
                 plan="experts-uva", command=cmd)
-    # 2. equal GPU memory
-    for n in args.n_cpu_moe or sorted({max(1, layers // 4), layers // 2, 3 * layers // 4}):
+    for n in args.n_cpu_moe or sorted({max(1, layers // 4), layers // 2, 3 * layers // 4}):  # 2. equal GPU memory
         gpu_bytes = llama.gpu_bytes(ggufs["bf16"], n) if llama else None
         if gpu_bytes is None:
             record(kind="skipped", what=f"equal GPU memory at --n-cpu-moe {n}",
