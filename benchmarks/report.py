@@ -82,6 +82,14 @@ def render(models: dict, with_plot: bool) -> str:
              "--host-implementations offplan --cpu-split --new-tokens 24   # all 48 layers; then: mv "
              "results/moe-qwen3-30b-a3b.jsonl results/moe-cpu-qwen3-30b-a3b-48layers-split.jsonl; with "
              "--host-implementations --cpu-fractions 1 in place of the last two: -48layers-all",
+             "python benchmarks/moe.py --batches 1 4 8 --modes graph --baselines --transformers-baselines "
+             "--host-implementations offplan --cpu-split --new-tokens 24   # all 48 layers, the lookahead over split "
+             "layers and the cost model's later side: -48layers-split-fresh (an H100, right after writing the "
+             "checkpoint), -48layers-split-h200 (an H200 machine, the checkpoint written, synced and the page cache "
+             "dropped first)",
+             "python benchmarks/moe.py --batches 1 4 8 --modes graph --baselines --transformers-baselines "
+             "--host-implementations --cpu-fractions 0.5 0.7 1 --lookahead-ab --new-tokens 24   # all 48 layers: "
+             "-48layers-lookahead (an H100); with --cpu-fractions 0.7 1: -48layers-lookahead-h200",
              "python benchmarks/moe.py --layers 8 --batches 1 8 --modes graph compiled-graph --baselines batched_mm "
              "--transformers-baselines --host-implementations offplan --cpu-split --cpu-fractions 1   # then: mv "
              "results/moe-qwen3-30b-a3b.jsonl results/moe-cpu-qwen3-30b-a3b-run4.jsonl (stopped by the machine's "
@@ -106,6 +114,8 @@ def render(models: dict, with_plot: bool) -> str:
              "python benchmarks/plan_speed.py --profile --label after --note 'this tree'",
              "benchmarks/peers/stage.sh   # here; then on the GPU machine, carrying .peers: bash "
              "benchmarks/peers/build.sh; python benchmarks/peers.py --layers 8 --llama-cpp build/llama.cpp/bin",
+             "python benchmarks/peers.py --layers 8 --build   # an H200 machine, the lookahead over split layers, the "
+             "cost model's later side and equal-memory plans with cpu_experts: peers-qwen3-30b-a3b-h200-split",
              "python benchmarks/moe.py --layers 8 --batches 1 4 8 --modes graph --baselines batched_mm "
              "--transformers-baselines --host-implementations offplan --cpu-fractions 0.3 0.5 --cpu-threads 8 15   "
              "# then: mv results/moe-qwen3-30b-a3b.jsonl results/moe-cpu-qwen3-30b-a3b-run1.jsonl; run2: --batches 1 "

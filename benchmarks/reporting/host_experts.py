@@ -17,7 +17,9 @@ def host_experts_tables() -> list[str]:
                 "command is in the list above): the "
                 "first F of every layer's experts computed by the host's N threads (runtime/execute/host/), the rest "
                 "read over uva; `the plan's split` (`--cpu-split`): `backend: mixed` with `cpu_experts: true` under "
-                "the all-uva plan's GPU footprint, built for that batch, F its share of the experts' bytes. x uva: against every expert on uva in the same run and mode. The host's time per "
+                "the all-uva plan's GPU footprint, built for that batch, F its share of the experts' bytes; `no lookahead` "
+                "(`--lookahead-ab`): the same plan without the experts lookahead. x uva: against every expert on uva in "
+                "the same run and mode. The host's time per "
                 "module forward (median over the timed call's forwards, its prefill's included, in older runs; the "
                 "mean over the decode steps' forwards where the kernel column names it) counts whatever runs "
                 "around the kernel in the host's thread; the prediction is the plan's.", "",
@@ -27,6 +29,7 @@ def host_experts_tables() -> list[str]:
         for r in (r for r in decoded if "cpu_fraction" in r):
             base, median = uva.get((r["mode"], r["batch"])), r.get("host_mean_us", r.get("host_median_us"))
             share = f"{r['cpu_fraction']:.2f}, the plan's split" if r.get("split_by_plan") else f"{r['cpu_fraction']:g}"
+            share += ", no lookahead" if r["name"].endswith("-no-lookahead") else ""
             out.append(f"| {share} | {r['cpu_threads']} | {r['mode']} | {r['batch']} | "
                        f"{r['steps_per_s']:.1f} | {fmt(r['steps_per_s'] / base if base else None)} | "
                        f"{fmt(r['ratio_to_floor'])} | {fmt(None if median is None else median / 1e3)} | "
