@@ -67,8 +67,9 @@ the model approximates as ceil(T / stage_above_tokens) reads: 1 up to the thresh
 default 192 (measured on the H100: 2.1x a copy), 43 at 8192 (measured 24x: predicted pessimistic).
 
 Experts on cpu: the host reads each touched expert once (the share above), beside the GPU, which sums both: layer
-gpu = max(its GPU time, layer GPU time + host), host = those bytes / cpu_expert_gbps + cpu_expert_sync_us (the
-hand-over and the host's fixed cost; native.cpp, docs/host-experts/), its uva experts read at uva_read_beside_cpu_gbps.
+gpu = E[max(its GPU time, layer GPU time + host)] as both vary with routing (reads.py `later`), host = those bytes /
+cpu_expert_gbps + cpu_expert_sync_us (the hand-over and the host's fixed cost; native.cpp, docs/host-experts/), its
+uva experts read at uva_read_beside_cpu_gbps.
 Prefill: staged (staging.py), copied and computed on the GPU; unstaged above the threshold, gathered over uva as
 uva experts are (the runtime's host takes at most stage_above_tokens tokens); up to it, the host's reads add.
 
@@ -81,20 +82,16 @@ hardware profile's latency (`allreduce_us`) plus its bytes over
 `allreduce_gbps`, for the step's batch tokens in the GPU time and for the
 prompt's tokens in the prefill.
 
-Limits: the GPU time per layer is measured at batch 1 on tiny Llama and
-Qwen3-MoE layers (runtime/measure/calibrate.py): a layer that launches more kernels
-(shared experts, MLA) takes longer, and so do the larger kernels of larger
-batches (on the H100, an all-GPU Qwen3-MoE step at batch 8 is predicted 1.46x
-too fast, at batch 1 1.12x); without a routing profile, expert routing is assumed uniform (real
-routers are skewed, which touches fewer experts); with one, the tokens of a
-batch are assumed routed independently of each other, as the profile's prompts
-were; the overlap of prefetch is assumed perfect, so a plan whose offloaded
-layers sit together (nothing to overlap with) is predicted optimistic. The
-prefill ignores attention's T^2 FLOPs (scores and values), activations, norms
-and launch time, runs every GEMM at matmul_tflops whatever its shape (small
-GEMMs run well below it), counts the head's logits for all T tokens
-(generation needs the last one only), and leaves out what runs only with
-images (vision towers: a text prompt).
+Limits: the GPU time per layer is measured at batch 1 on tiny Llama and Qwen3-MoE layers
+(runtime/measure/calibrate.py): a layer that launches more kernels (shared experts, MLA) takes longer, and so do the
+larger kernels of larger batches (on the H100, an all-GPU Qwen3-MoE step at batch 8 is predicted 1.46x too fast, at
+batch 1 1.12x); without a routing profile, expert routing is assumed uniform (real routers are skewed, which touches
+fewer experts); with one, the tokens of a batch are assumed routed independently of each other, as the profile's
+prompts were; the overlap of prefetch is assumed perfect, so a plan whose offloaded layers sit together (nothing to
+overlap with) is predicted optimistic. The prefill ignores attention's T^2 FLOPs (scores and values), activations,
+norms and launch time, runs every GEMM at matmul_tflops whatever its shape (small GEMMs run well below it), counts
+the head's logits for all T tokens (generation needs the last one only), and leaves out what runs only with images
+(vision towers: a text prompt).
 """
 from __future__ import annotations
 
@@ -112,7 +109,7 @@ from ..inputs.routing import RoutingProfile
 from ..layers.graph import Layer, LayerGraph
 from ..layers.groups import BATCHED_PAIRS, FusedGroups
 from ..plan import LayerKind, Placement, Role, Runs
-from .reads import reads
+from .reads import later, reads
 from .staging import stage_experts, stageable
 
 GPU, UVA, PREFETCH, CPU = Placement.GPU, Placement.UVA, Placement.PREFETCH, Placement.CPU
@@ -165,15 +162,13 @@ class CostModel:
         self.graphs = graphs  # steps replayed from a CUDA graph: no CPU launch time
         self.graph = graph
         self.batched = top_k is not None and batch * top_k <= BATCHED_PAIRS  # batched_mm's: touched ones staged
-        self.hw = hw
-        self.batch, self.tokens = batch, prompt_tokens
+        self.hw, self.batch, self.tokens, self.groups = hw, batch, prompt_tokens, groups
         self.facts = facts = reads(graph, tensors, groups, top_k, roles, routing, batch, prompt_tokens)
         self.experts = facts.experts  # layer -> its routed tensors (staged by the experts forward)
         self.tensors = tensors
-        # prefill: staged tensors are copied once above the threshold; GEMMs re-read in-place ones per tile
-        if quantized is None:  # dequantized on access: read once, never staged (quantized.py)
-            quantized = partners(tensors)
-        self.quantized = quantized
+        # prefill: staged tensors are copied once above the threshold; GEMMs re-read in-place ones per tile.
+        # Quantized ones are dequantized on access: read once, never staged (quantized.py)
+        self.quantized = quantized = partners(tensors) if quantized is None else quantized
         self.stages = stages = stage and prompt_tokens > hw.stage_above_tokens
         staged_experts = stageable(graph.layers, quantized, True)
         routed, pre = [], []  # the routed tensors that prefill may stage, in order, and their prefill fractions
@@ -261,7 +256,7 @@ class CostModel:
         flops = pre_hbm = pre_copied = pre_uva = pre_cpu = 0.0
         experts = self.experts[layer.name]
         stages = self.batched or any(place[n] is UVA for n in experts)
-        latency = 0.0
+        latency, touch = 0.0, {}  # touch: expert -> [bytes on cpu, bytes on uva, its chance of a read]
         if layer.kind is LayerKind.LAYER:
             latency = hw.moe_layer_gpu_us if experts else hw.layer_gpu_us
         _, (_, fracs, pre_fracs, flopses, gathered), flags = self.facts.layers[layer.name]
@@ -269,6 +264,8 @@ class CostModel:
             p, size = place[n], self.tensors[n].nbytes
             b, pre = size * frac, size * pre_frac
             flops += f
+            if (p is CPU or p is UVA) and routed and n in self.groups.index_of:  # one expert's tensors together
+                touch.setdefault((self.groups.group_of[n], self.groups.index_of[n]), [0, 0, frac])[p is UVA] += size
             if p is CPU:  # the host computes it (module doc); a long prompt: staged, or gathered over uva
                 read_cpu += b  # each touched expert once (module doc)
                 at = 0 if n in self.staged else 1 if self.tokens > hw.stage_above_tokens else 2
@@ -293,7 +290,9 @@ class CostModel:
         beside = hw.uva_beside_cpu_gbps * 1e3 if read_cpu else uva  # the cores read host memory too (module doc)
         gpu = latency + (read_hbm + staged) / hbm + read_uva / beside
         if read_cpu:  # the GPU sums the CPU's outputs: the layer ends when the later side does (module doc)
-            gpu = max(gpu, latency + read_cpu / (hw.cpu_expert_gbps * 1e3) + hw.cpu_expert_sync_us)
+            host = hw.cpu_expert_gbps * 1e3
+            var = sum(q * (1 - q) * (c / host - u / beside) ** 2 for c, u, q in touch.values())
+            gpu = later(gpu, latency + read_cpu / host + hw.cpu_expert_sync_us - gpu, var)
         link = read_uva / uva + copied / h2d
         prefill = (max(flops / flops_us + pre_hbm / hbm, pre_copied / h2d) + pre_uva / uva
                    + pre_cpu / (hw.cpu_expert_gbps * 1e3))

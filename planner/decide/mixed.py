@@ -47,8 +47,8 @@ cost model weighs the two.
 
 With `cpu_experts: true` in the policy, the chosen placement is tried again
 with a share of each layer's routed experts on uva moved to cpu, where the
-host computes them beside the GPU (cost.py): a quarter, half, three quarters,
-all, the least-read ones of each layer first (the host reads an expert once
+host computes them beside the GPU (cost.py): a tenth, two tenths, ... all,
+the least-read ones of each layer first (the host reads an expert once
 per pair routed to it, the GPU once per step however many). A share is kept if
 its request is predicted faster than none; a note gives both. cpu needs no
 GPU memory but the host engine's output buffer (working.py), and a share is
@@ -77,7 +77,7 @@ from .schedule import fewest_layers
 from .working import within
 
 GPU, UVA, PREFETCH, CPU = Placement.GPU, Placement.UVA, Placement.PREFETCH, Placement.CPU
-CPU_SHARES = (0.25, 0.5, 0.75, 1.0)  # of each layer's uva experts, tried on cpu (`cpu_experts`)
+CPU_SHARES = tuple(i / 10 for i in range(1, 11))  # of each layer's uva experts, tried on cpu (`cpu_experts`)
 
 
 @dataclass(frozen=True)

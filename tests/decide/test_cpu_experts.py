@@ -10,6 +10,7 @@ import pytest
 from headeronly import GPU, UVA, experts_of, infos, mib, moe_toy, placed, plan_of, policy, write_policy
 from planner.decide.cost import CostModel
 from planner.decide.placement import decide
+from planner.decide.reads import later
 from planner.errors import PolicyError
 from planner.inputs.hardware import H100
 from planner.inputs.policy import Workload, load_policy
@@ -65,7 +66,12 @@ def test_the_host_reads_each_touched_expert_once_beside_the_gpu(batch):
     gpu = (H100.moe_layer_gpu_us + (1 * MIB + 2 * touched) / (H100.hbm_read_gbps * 1e3)
            + touched / (H100.uva_beside_cpu_gbps * 1e3))  # the link shares host memory with the cores
     host = touched / (H100.cpu_expert_gbps * 1e3) + H100.cpu_expert_sync_us
-    assert layer.gpu_us == round(max(gpu, H100.moe_layer_gpu_us + host))
+    # which experts a step touches varies, and each side's time with it: each expert, 3 MiB, read with chance q
+    q = 1 - (3 / 4) ** batch
+    each = [3 * MIB / (H100.cpu_expert_gbps * 1e3)] * 2 + [3 * MIB / (H100.uva_beside_cpu_gbps * 1e3)] * 2
+    var = sum(q * (1 - q) * t * t for t in each)
+    assert layer.gpu_us == round(later(gpu, H100.moe_layer_gpu_us + host - gpu, var))
+    assert layer.gpu_us > round(max(gpu, H100.moe_layer_gpu_us + host))  # the later side's mean: not the means' later
     assert H100.uva_beside_cpu_gbps == H100.uva_read_gbps * 47.0 / 50.3
 
 
@@ -223,3 +229,19 @@ def test_a_profile_round_trips_the_links_rate_beside_the_cores(tmp_path, beside)
     assert ("uva_read_beside_cpu_gbps" in dumps_hardware(hw)) == bool(beside)
     assert back.uva_read_beside_cpu_gbps == beside
     assert back.uva_beside_cpu_gbps == (beside or back.uva_read_gbps * 47.0 / 50.3)
+
+
+@pytest.mark.parametrize("share", [0.5, 0.7])
+def test_the_later_sides_mean_is_the_exact_one_within_half_a_percent(share):
+    """reads.py `later` at batch 1 over Qwen3-30B-A3B's top 8 of 128 experts, `share` of them on cpu (118 us each
+    on the host, 200 over the link: the H100 machine's), against E[max] over the exact (hypergeometric) count of a
+    token's experts on cpu, whose independent-touch model it approximates."""
+    from math import comb
+    on_cpu, host_us, link_us = round(128 * share), 118.0, 200.0
+    chance = [comb(on_cpu, x) * comb(128 - on_cpu, 8 - x) / comb(128, 8) for x in range(9)]
+    exact = sum(p * max(180 + host_us * x, 120 + link_us * (8 - x)) for x, p in enumerate(chance))
+    q = 8 / 128
+    gpu, host = 120 + link_us * 8 * (1 - share), 180 + host_us * 8 * share
+    var = q * (1 - q) * (on_cpu * host_us ** 2 + (128 - on_cpu) * link_us ** 2)
+    assert later(gpu, host - gpu, var) == pytest.approx(exact, rel=0.005)
+    assert exact > max(gpu, host) + 60  # the means' later is far off
