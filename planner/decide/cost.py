@@ -163,6 +163,7 @@ class CostModel:
         self.batched = top_k is not None and batch * top_k <= BATCHED_PAIRS  # batched_mm's: touched ones staged
         self.hw, self.batch, self.tokens, self.groups = hw, batch, prompt_tokens, groups
         self.facts = facts = reads(graph, tensors, groups, top_k, roles, routing, batch, prompt_tokens)
+        self.shapes = facts.shapes  # each layer's dtypes and shapes, read once (alike.py), for the slot images
         self.experts = facts.experts  # layer -> its routed tensors (staged by the experts forward)
         self.tensors = tensors
         # prefill: staged tensors are copied once above the threshold; GEMMs re-read in-place ones per tile.

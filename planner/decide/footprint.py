@@ -33,6 +33,7 @@ from operator import is_, itemgetter
 
 from ..inputs.checkpoint import TensorInfo
 from ..inputs.quantized import partners, with_partners
+from ..layers.alike import Shapes
 from ..layers.graph import Layer, LayerGraph
 from ..layers.slots import align, image_key, layout_bytes
 from ..plan import Placement
@@ -52,13 +53,15 @@ class Footprint:
 
     `place` is the caller's placement dict: `move` updates it together with the bytes.
     `stage`: the policy's `uva.stage_prefill` (False: no staging pool). `partner` (quantized.py
-    `partners`) and `stageable_names` (`stageable(graph.layers, partner)`) spare computing them again.
+    `partners`), `stageable_names` (`stageable(graph.layers, partner)`) and `shapes` (alike.py, over
+    `tensors`) spare computing them again.
     """
 
     def __init__(self, graph: LayerGraph, tensors: Mapping[str, TensorInfo], place: dict[str, Placement],
                  step: int, stage: bool = True, *, partner: Mapping[str, str] | None = None,
-                 stageable_names: frozenset[str] | None = None):
+                 stageable_names: frozenset[str] | None = None, shapes: Shapes | None = None):
         self.tensors = tensors
+        self.shapes = Shapes(tensors) if shapes is None else shapes
         self.place = place
         self.step = max(1, step)
         self.layer_name = dict(chain.from_iterable(zip(l.params, repeat(l.name)) for l in graph.layers))  # tensor ->
@@ -85,7 +88,7 @@ class Footprint:
     def image_bytes(self, layer: Layer, names: list[str]) -> int:
         """The bytes of the slot image of `names`, `layer`'s (slots.py); layers alike stream alike images,
         so each is laid out once."""
-        key = image_key(layer, names, self.tensors)
+        key = image_key(layer, names, self.tensors, self.shapes)
         size = self._images.get(key)
         if size is None:
             size = self._images[key] = layout_bytes(names, self.tensors)

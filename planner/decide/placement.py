@@ -234,7 +234,7 @@ def decide(graph: LayerGraph, tensors: Mapping[str, TensorInfo], policy: Policy,
     fp, prediction, backend, skipped = chosen.fp, chosen.prediction, chosen.backend, chosen.skipped
     mixed_notes, reasons = chosen.notes, chosen.reasons
     place = fp.place
-    schedule = make_schedule(graph, place, tensors, step)
+    schedule = make_schedule(graph, place, tensors, step, model.shapes)
     if (staging.pool_bytes if staging else 0) != fp.stage_pool:  # one rule, two sums: a bug, not an input error
         raise AssertionError(f"staging pool {staging} against the footprint's {fp.stage_pool}")
     by = {GPU: 0, UVA: 0, PREFETCH: 0, CPU: 0}

@@ -21,16 +21,13 @@ import math
 from collections.abc import Mapping
 from functools import cached_property
 from itertools import compress
-from operator import itemgetter
 
 from ..inputs.checkpoint import TensorInfo
 from ..inputs.routing import RoutingProfile
-from ..layers.alike import applies
+from ..layers.alike import Shapes, applies
 from ..layers.graph import Layer, LayerGraph
 from ..layers.groups import FusedGroups
 from ..plan import LayerKind, Role, Runs
-
-_DTYPE_SHAPE = itemgetter(1, 2)  # of a TensorInfo
 
 
 def chance_read(share: float, tokens: int) -> float:
@@ -61,7 +58,8 @@ class Reads:
     """The facts of the module doc: per layer, its kind's number and facts tensor by tensor; by tensor name,
     put together when first asked for (a prefetch plan's prediction reads them by kind)."""
 
-    def __init__(self):
+    def __init__(self, shapes: Shapes):
+        self.shapes = shapes  # each layer's dtypes and shapes (alike.py): read once, for the slot images too
         # layer -> (its kind's number, (roles, fracs, pre_fracs, flops, gathered), routed): one entry per tensor
         self.layers: dict[str, tuple[int, tuple, tuple[bool, ...]]] = {}
         self.experts: dict[str, list[str]] = {}  # layer -> its routed tensors, in order
@@ -151,12 +149,12 @@ def reads(graph: LayerGraph, tensors: Mapping[str, TensorInfo], groups: FusedGro
                                 role is Role.EMBEDDING or is_routed)
         return got
 
-    out = Reads()
+    out = Reads(shapes := Shapes(tensors))
     kinds: dict[tuple, tuple[int, tuple]] = {}  # a layer's kind -> (its number, its facts tensor by tensor)
     for i, layer in enumerate(graph.layers):
         params = layer.params
         flags = tuple(map(routed.__contains__, params))
-        kind = _kind(layer, flags, tensors, groups, depends, roles)
+        kind = _kind(layer, flags, shapes, groups, depends, roles)
         number, got = kinds.get(kind, (-1 - i, None)) if kind is not None else (-1 - i, None)
         if got is None:
             step = layer.runs is Runs.STEP
@@ -170,7 +168,7 @@ def reads(graph: LayerGraph, tensors: Mapping[str, TensorInfo], groups: FusedGro
     return out
 
 
-def _kind(layer: Layer, routed: tuple[bool, ...], tensors: Mapping[str, TensorInfo], groups: FusedGroups,
+def _kind(layer: Layer, routed: tuple[bool, ...], shapes: Shapes, groups: FusedGroups,
           depends: Mapping[str, tuple | None], roles: Mapping[str, Role]) -> tuple | None:
     """What a layer's facts depend on (module doc), or None when they are its own: a rule gives one of its
     tensors a role, a routing profile counts its experts, or its names are no template's (alike.py)."""
@@ -180,5 +178,4 @@ def _kind(layer: Layer, routed: tuple[bool, ...], tensors: Mapping[str, TensorIn
     mine = [layer.name + g[0] for g in t.groups if layer.name + g[0] in groups.members]
     if any(depends[g] is None for g in mine):
         return None
-    return (id(t), layer.kind, layer.runs, tuple(map(_DTYPE_SHAPE, map(tensors.__getitem__, layer.params))),
-            routed, tuple(depends[g] for g in mine))
+    return id(t), layer.kind, layer.runs, shapes(layer), routed, tuple(depends[g] for g in mine)

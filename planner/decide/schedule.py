@@ -14,6 +14,7 @@ from collections.abc import Mapping
 
 from ..inputs.checkpoint import TensorInfo
 from ..layers.graph import Layer, LayerGraph, schedule_problems
+from ..layers.alike import Shapes
 from ..layers.slots import image_key, layout_of
 from ..plan import Layout, Placement, PrefetchSchedule, Transfer
 from .footprint import Footprint
@@ -69,8 +70,10 @@ def spread(count: int, want: int) -> list[int]:
 
 
 def make_schedule(graph: LayerGraph, place: Mapping[str, Placement],
-                  tensors: Mapping[str, TensorInfo], step: int) -> PrefetchSchedule | None:
-    """Slots, layouts and copy triggers for the layers holding prefetched tensors (module doc)."""
+                  tensors: Mapping[str, TensorInfo], step: int, shapes: Shapes | None = None
+                  ) -> PrefetchSchedule | None:
+    """Slots, layouts and copy triggers for the layers holding prefetched tensors (module doc); `shapes`
+    (alike.py, over `tensors`): the layers' dtypes and shapes, when the caller keeps them."""
     get = place.__getitem__
     streamed = [l for l in graph.layers if PREFETCH in map(get, l.params)]  # the scan runs in C
     if not streamed:
@@ -82,7 +85,7 @@ def make_schedule(graph: LayerGraph, place: Mapping[str, Placement],
     schedule = []
     for k, l in enumerate(streamed):
         names = [n for n in l.params if place[n] is PREFETCH]
-        key = image_key(l, names, tensors)
+        key = image_key(l, names, tensors, shapes)
         index = known.get(key)
         if index is None:
             index = known[key] = layouts.setdefault(layout_of(l, names, tensors), len(layouts))

@@ -32,7 +32,7 @@ from .shard_header import TensorInfo, parse_tensors, read_header, read_raw
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
-_NBYTES, _SHARD = itemgetter(3), itemgetter(4)  # of a TensorInfo
+_NBYTES = itemgetter(3)  # of a TensorInfo
 
 
 @dataclass(frozen=True)
@@ -131,17 +131,20 @@ def _as_indexed(weight_map: dict[str, str], tensors_by_shard: dict[str, dict[str
                 ) -> dict[str, TensorInfo] | None:
     """The tensors in index order when the index and the headers agree exactly (every name in the shard
     the index names, no other); None when they do not, and the caller's loops say where."""
-    merged: dict[str, TensorInfo] = {}
-    for found in tensors_by_shard.values():
-        merged.update(found)
-    if len(merged) != len(weight_map) or sum(map(len, tensors_by_shard.values())) != len(merged):
+    if sum(map(len, tensors_by_shard.values())) != len(weight_map):
         return None
     try:
-        tensors = dict(zip(weight_map, map(merged.__getitem__, weight_map)))
-    except KeyError:
+        if not all(all(map(shard.__eq__, map(weight_map.__getitem__, found))) for shard, found in
+                   tensors_by_shard.items()):
+            return None
+    except KeyError:  # a name the index lacks
         return None
-    same = all(map(str.__eq__, map(_SHARD, tensors.values()), weight_map.values()))
-    return tensors if same else None
+    # Every header's names are the index's for that shard, so no two headers share one: as many as the index's,
+    # they are its names. A copy of the index keeps its order, the headers' tensors replace its shard names.
+    tensors: dict = dict(weight_map)
+    for found in tensors_by_shard.values():
+        tensors.update(found)
+    return tensors
 
 
 def open_checkpoint(path: str | os.PathLike) -> Checkpoint:

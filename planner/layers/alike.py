@@ -13,6 +13,9 @@ template, not once per tensor (90k tensors, a handful of templates):
 - which of them a policy's patterns select (`select`): a plain pattern without a
   dot matches a name iff it is one of its segments, so of the layer's name or of
   its local name; other patterns are matched name by name, as patterns.py does.
+Names are not dtypes and shapes: `Shapes` numbers each layer's, read once per
+layer, so that layers alike in both are told by a template and a number
+(reads.py `kind`, slots.py `image_key`).
 
 A template's findings hold for a layer whose own name has neither `experts` nor
 a newline in it (`applies`): a tensor's full name is then classified exactly as
@@ -21,12 +24,15 @@ names are classified one by one, as before.
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from functools import cached_property
 from itertools import compress
+from operator import itemgetter
 
 from ..inputs.patterns import Names, Pattern
 from .expert_names import matches, piece
+
+_DTYPE_SHAPE = itemgetter(1, 2)  # of a TensorInfo
 
 
 def applies(layer_name: str) -> bool:
@@ -100,3 +106,21 @@ class Template:
                 continue
             every.append(i)
         return [(g, *map(tuple, lists)) for g, lists in found.items()]
+
+
+class Shapes:
+    """Each layer's dtypes and shapes, tensor for tensor, as a number: layers of one number have the same
+    ones. Read once per layer (a MoE layer of DeepSeek-V3 holds 1,548 tensors) for every question they
+    decide, then compared as one int. `tensors` is the plan's (one GPU's share under tensor parallelism)."""
+
+    def __init__(self, tensors: Mapping[str, tuple]):
+        self.tensors = tensors
+        self._of: dict[str, int] = {}  # layer name -> its number
+        self._numbers: dict[tuple, int] = {}  # dtypes and shapes -> their number
+
+    def __call__(self, layer) -> int:
+        number = self._of.get(layer.name)
+        if number is None:
+            got = tuple(map(_DTYPE_SHAPE, map(self.tensors.__getitem__, layer.params)))
+            number = self._of[layer.name] = self._numbers.setdefault(got, len(self._numbers))
+        return number

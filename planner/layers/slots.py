@@ -20,6 +20,7 @@ from operator import itemgetter
 
 from ..inputs.checkpoint import TensorInfo
 from ..plan import Buffer, Layout
+from .alike import Shapes
 from .graph import Layer
 from .expert_names import units
 
@@ -52,10 +53,15 @@ def layout_bytes(names: Iterable[str], tensors: Mapping[str, TensorInfo]) -> int
     return align(cursor)
 
 
-def image_key(layer: Layer, names: list[str], tensors: Mapping[str, TensorInfo]) -> tuple:
+def image_key(layer: Layer, names: list[str], tensors: Mapping[str, TensorInfo], shapes: Shapes | None = None
+              ) -> tuple:
     """What the slot image of `names` (some of `layer`'s tensors, in its order) depends on: their local names
     (picked from the layer's template, alike.py), dtypes and shapes. Layers alike (a stack's MoE layers) have
-    equal keys, so their image is laid out once."""
+    equal keys, so their image is laid out once. With `shapes` (alike.py), a layer of a template is told by
+    the template, its dtypes and shapes' number and which of its tensors are `names`: no tensor read again."""
+    if layer.template is not None and shapes is not None:
+        chosen = set(names)
+        return layer.template, shapes(layer), tuple(map(chosen.__contains__, layer.params))
     if layer.template is not None:
         chosen = set(names)
         local = tuple(compress(layer.template.names, map(chosen.__contains__, layer.params)))
