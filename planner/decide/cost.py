@@ -256,7 +256,7 @@ class CostModel:
         flops = pre_hbm = pre_copied = pre_uva = pre_cpu = 0.0
         experts = self.experts[layer.name]
         stages = self.batched or any(place[n] is UVA for n in experts)
-        latency, touch = 0.0, {}  # touch: expert -> [bytes on cpu, bytes on uva, its chance of a read]
+        latency, touch, split = 0.0, {}, any(place[n] is CPU for n in experts)  # touch: expert -> [cpu, uva bytes, q]
         if layer.kind is LayerKind.LAYER:
             latency = hw.moe_layer_gpu_us if experts else hw.layer_gpu_us
         _, (_, fracs, pre_fracs, flopses, gathered), flags = self.facts.layers[layer.name]
@@ -264,7 +264,7 @@ class CostModel:
             p, size = place[n], self.tensors[n].nbytes
             b, pre = size * frac, size * pre_frac
             flops += f
-            if (p is CPU or p is UVA) and routed and n in self.groups.index_of:  # one expert's tensors together
+            if split and (p is CPU or p is UVA) and routed and n in self.groups.index_of:  # split: its sides vary
                 touch.setdefault((self.groups.group_of[n], self.groups.index_of[n]), [0, 0, frac])[p is UVA] += size
             if p is CPU:  # the host computes it (module doc); a long prompt: staged, or gathered over uva
                 read_cpu += b  # each touched expert once (module doc)

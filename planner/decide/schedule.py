@@ -74,6 +74,7 @@ def make_schedule(graph: LayerGraph, place: Mapping[str, Placement],
                   ) -> PrefetchSchedule | None:
     """Slots, layouts and copy triggers for the layers holding prefetched tensors (module doc); `shapes`
     (alike.py, over `tensors`): the layers' dtypes and shapes, when the caller keeps them."""
+    shapes = Shapes(tensors) if shapes is None else shapes
     get = place.__getitem__
     streamed = [l for l in graph.layers if PREFETCH in map(get, l.params)]  # the scan runs in C
     if not streamed:

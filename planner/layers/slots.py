@@ -15,7 +15,6 @@ Llama 4's alternating MoE layers).
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from itertools import compress
 from operator import itemgetter
 
 from ..inputs.checkpoint import TensorInfo
@@ -53,19 +52,14 @@ def layout_bytes(names: Iterable[str], tensors: Mapping[str, TensorInfo]) -> int
     return align(cursor)
 
 
-def image_key(layer: Layer, names: list[str], tensors: Mapping[str, TensorInfo], shapes: Shapes | None = None
-              ) -> tuple:
-    """What the slot image of `names` (some of `layer`'s tensors, in its order) depends on: their local names
-    (picked from the layer's template, alike.py), dtypes and shapes. Layers alike (a stack's MoE layers) have
-    equal keys, so their image is laid out once. With `shapes` (alike.py), a layer of a template is told by
-    the template, its dtypes and shapes' number and which of its tensors are `names`: no tensor read again."""
-    if layer.template is not None and shapes is not None:
-        chosen = set(names)
-        return layer.template, shapes(layer), tuple(map(chosen.__contains__, layer.params))
+def image_key(layer: Layer, names: list[str], tensors: Mapping[str, TensorInfo], shapes: Shapes) -> tuple:
+    """What the slot image of `names` (some of `layer`'s tensors, in its order) depends on: their local names,
+    dtypes and shapes. Layers alike (a stack's MoE layers) have equal keys, so their image is laid out once. A
+    layer of a template (alike.py) is told by the template, its dtypes and shapes' number (`shapes`, over
+    `tensors`) and which of its tensors are `names`: no tensor read again; another by its names' local parts,
+    dtypes and shapes."""
     if layer.template is not None:
         chosen = set(names)
-        local = tuple(compress(layer.template.names, map(chosen.__contains__, layer.params)))
-    else:
-        cut = len(layer.name) + 1
-        local = tuple([n[cut:] for n in names])
-    return local, tuple(map(_DTYPE_SHAPE, map(tensors.__getitem__, names)))
+        return layer.template, shapes(layer), tuple(map(chosen.__contains__, layer.params))
+    cut = len(layer.name) + 1
+    return tuple([n[cut:] for n in names]), tuple(map(_DTYPE_SHAPE, map(tensors.__getitem__, names)))
