@@ -68,6 +68,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from ..inputs.policy import Policy
+from ..inputs.quantized import host_computes
 from ..layers.graph import Layer, LayerGraph
 from ..layers.groups import FusedGroups, whole_groups
 from ..plan import LayerKind, Placement, Runs
@@ -183,7 +184,7 @@ def on_cpu(fp: Footprint, prediction: Prediction, groups: FusedGroups, model: Co
     candidates: list[list[tuple[str, ...]]] = []  # per experts module, its whole experts on uva, least read first
     for group in groups.members:
         whole = [ns for ns in groups.by_expert(group).values()
-                 if all(fp.place[n] is UVA and n not in model.quantized for n in ns)
+                 if all(fp.place[n] is UVA and host_computes(n, model.quantized) for n in ns)
                  and fp.layers[fp.layer_name[ns[0]]].runs is Runs.STEP]
         if whole:
             candidates.append(sorted(whole, key=lambda ns: model.frac[ns[0]]))

@@ -93,6 +93,12 @@ def pairs(tensors: Mapping[str, TensorInfo], block: tuple[int, int] | None = Non
     return out, problems
 
 
+def host_computes(name: str, partner: Mapping[str, str]) -> bool:
+    """Whether the runtime's host computes the expert tensor `name` on cpu (runtime/execute/host/): a plain
+    weight (bf16, fp16, fp32), never a quantized one or its scales."""
+    return name not in partner
+
+
 def with_partners(names, partner: Mapping[str, str]) -> list[str]:
     """`names`, then the partner of each (once each, in order)."""
     names = list(names)

@@ -245,3 +245,19 @@ def test_the_later_sides_mean_is_the_exact_one_within_half_a_percent(share):
     var = q * (1 - q) * (on_cpu * host_us ** 2 + (128 - on_cpu) * link_us ** 2)
     assert later(gpu, host - gpu, var) == pytest.approx(exact, rel=0.005)
     assert exact > max(gpu, host) + 60  # the means' later is far off
+
+
+def test_quantized_experts_on_cpu_are_refused_at_build_naming_them():
+    """The runtime's host computes plain experts only and refused a plan with FP8 ones on cpu at load, after
+    `plan build` had written it: the build refuses it, naming the weights and their scales and the fix."""
+    from synthetic import deepseek_v3
+    tensors = deepseek_v3(layers=2, dense_layers=1, hidden=256, intermediate=512, experts=4, moe_intermediate=128,
+                          heads=2, q_lora=128, kv_lora=128, nope=64, rope=32, v_head=64, vocab=512, mtp_layers=0)
+    with pytest.raises(PolicyError) as e:
+        plan_of(tensors, policy(rules=[(["re:layers\\.1\\.mlp\\.experts\\.0\\."], "cpu")]))
+    assert str(e.value).splitlines()[0] == "test.policy.yaml: place: cpu on tensors that are not whole routed experts"
+    expert = "model.layers.1.mlp.experts.0"
+    assert e.value.problems == [
+        f"rules[0] (place: cpu) selects {expert}.down_proj.weight, {expert}.down_proj.weight_scale_inv, "
+        f"{expert}.gate_proj.weight and 3 more, quantized: the host computes bf16, fp16 and fp32 experts only (the "
+        "runtime would refuse the plan); place them on uva"]
