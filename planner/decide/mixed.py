@@ -70,6 +70,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from ..inputs.policy import Policy
+from ..inputs.quantized import host_computes
 from ..layers.graph import Layer, LayerGraph
 from ..layers.groups import FusedGroups, whole_groups
 from ..plan import LayerKind, Placement, Runs
@@ -79,7 +80,6 @@ from .schedule import fewest_layers
 from .working import within
 
 GPU, UVA, PREFETCH, CPU = Placement.GPU, Placement.UVA, Placement.PREFETCH, Placement.CPU
-E4M3 = "F8_E4M3"  # the FP8 that the runtime's host computes (runtime/execute/host/native.cpp)
 CPU_SHARES = tuple(i / 10 for i in range(1, 11))  # of each layer's uva experts, tried on cpu (`cpu_experts`)
 
 
@@ -186,10 +186,9 @@ def on_cpu(fp: Footprint, prediction: Prediction, groups: FusedGroups, model: Co
     # per experts module, its whole experts on uva (an FP8 one's weights and scales; no MXFP4 one), least read first
     candidates: list[list[tuple[str, ...]]] = []
     q = model.quantized
-    host_computes = lambda n: n not in q or E4M3 in (fp.tensors[n].dtype, fp.tensors[q[n]].dtype)  # noqa: E731
     for group in groups.members:
         whole = [ns for ns in groups.by_expert(group).values()
-                 if all(fp.place[n] is UVA and host_computes(n) for n in ns)
+                 if all(fp.place[n] is UVA and host_computes(n, fp.tensors, model.quantized) for n in ns)
                  and fp.layers[fp.layer_name[ns[0]]].runs is Runs.STEP]
         if whole:
             candidates.append(sorted(whole, key=lambda ns: model.frac[ns[0]]))

@@ -184,7 +184,7 @@ def decide(graph: LayerGraph, tensors: Mapping[str, TensorInfo], policy: Policy,
                 "prefetch": select(graph.layers, policy.prefetch.params, names) if policy.prefetch.params else None}
     check_groups(groups, won, selected, policy)
     check_roles(groups, as_experts, policy)
-    check_cpu(groups, won, policy)
+    check_cpu(groups, won, policy, tensors, quantized)
     check_streamed_runs(graph, won, policy)
     in_step = set(chain.from_iterable(l.params for l in graph.layers if l.runs is Runs.STEP))
     moe = {g: count for g, members in groups.members.items()

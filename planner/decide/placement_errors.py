@@ -4,8 +4,12 @@ a rule prefetches a layer that does not run in every forward. Each message names
 exact values (see placement.py, steps 2, 6 and 9)."""
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from ..errors import PolicyError
 from ..inputs.policy import Policy
+from ..inputs.checkpoint import TensorInfo
+from ..inputs.quantized import host_computes
 from ..layers.graph import LayerGraph
 from ..layers.groups import FusedGroups, split_units
 from ..plan import Backend, Placement, Runs
@@ -63,11 +67,13 @@ def check_roles(groups: FusedGroups, as_experts: list[set[str]], policy: Policy)
         raise PolicyError(f"{policy.path}: role: expert on tensors that are not stacked experts", problems)
 
 
-def check_cpu(groups: FusedGroups, won: list[set[str]], policy: Policy) -> None:
-    """`place: cpu` holds routed experts only, each whole: the host CPU computes an expert's contribution to the
-    tokens routed to it (its gate, up and down), which the GPU sums with the others'; any other tensor would
-    have the CPU run a part of the model's every step, and part of an expert, the rest of it on the GPU's
-    side (the runtime refuses such a plan at load). One line per rule, naming up to three tensors."""
+def check_cpu(groups: FusedGroups, won: list[set[str]], policy: Policy, tensors: Mapping[str, TensorInfo],
+              partner: Mapping[str, str]) -> None:
+    """`place: cpu` holds routed experts only, each whole, that the host computes (quantized.py `host_computes`):
+    the host CPU computes an expert's contribution to the tokens routed to it (its gate, up and down), which the
+    GPU sums with the others'; any other tensor would have the CPU run a part of the model's every step, part of
+    an expert the rest of it on the GPU's side, and a quantized one nothing (the runtime refuses such plans at
+    load). One line per rule, naming up to three tensors."""
     problems = []
     on_cpu = set().union(*(mine for rule, mine in zip(policy.rules, won) if rule.place is CPU))
     for i, (rule, mine) in enumerate(zip(policy.rules, won)):
@@ -79,6 +85,12 @@ def check_cpu(groups: FusedGroups, won: list[set[str]], policy: Policy) -> None:
                             f"{'is not a routed expert' if len(wrong) == 1 else 'are not routed experts'}: "
                             "cpu holds routed experts only (the CPU computes the tokens routed to them); narrow "
                             "the rule's match to the experts (e.g. `experts`)")
+            continue
+        stored = sorted(n for n in mine if not host_computes(n, tensors, partner))
+        if stored:
+            problems.append(f"rules[{i}] (place: cpu) selects {_few(stored)}, quantized: the host computes bf16, fp16, "
+                            "fp32 and block-scaled FP8 (E4M3) experts only (the runtime would refuse the plan); place "
+                            "them on uva")
             continue
         left = sorted({m for n in mine for m in _expert(groups, n)} - on_cpu)
         if left:

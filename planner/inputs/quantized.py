@@ -93,6 +93,13 @@ def pairs(tensors: Mapping[str, TensorInfo], block: tuple[int, int] | None = Non
     return out, problems
 
 
+def host_computes(name: str, tensors: Mapping[str, TensorInfo], partner: Mapping[str, str]) -> bool:
+    """Whether the runtime's host computes the expert tensor `name` on cpu (runtime/execute/host/): a plain
+    weight (bf16, fp16, fp32), or a block-scaled FP8 (E4M3) one and its scales, which native.cpp converts as it
+    reads them; never MXFP4 or E5M2."""
+    return name not in partner or "F8_E4M3" in (tensors[name].dtype, tensors[partner[name]].dtype)
+
+
 def with_partners(names, partner: Mapping[str, str]) -> list[str]:
     """`names`, then the partner of each (once each, in order)."""
     names = list(names)

@@ -267,3 +267,25 @@ def test_the_later_sides_mean_is_the_exact_one_within_half_a_percent(share):
     var = q * (1 - q) * (on_cpu * host_us ** 2 + (128 - on_cpu) * link_us ** 2)
     assert later(gpu, host - gpu, var) == pytest.approx(exact, rel=0.005)
     assert exact > max(gpu, host) + 60  # the means' later is far off
+
+
+def test_fp8_experts_on_cpu_by_rule_are_built_and_mxfp4_ones_refused_naming_them():
+    """The runtime's host computes block-scaled FP8 (E4M3) experts, not MXFP4 ones, which it refused at load after
+    `plan build` had written the plan: the build places FP8 experts on cpu with their scales and refuses MXFP4
+    ones, naming them and the fix."""
+    from synthetic import deepseek_v3, gpt_oss
+    tensors = deepseek_v3(layers=2, dense_layers=1, hidden=256, intermediate=512, experts=4, moe_intermediate=128,
+                          heads=2, q_lora=128, kv_lora=128, nope=64, rope=32, v_head=64, vocab=512, mtp_layers=0)
+    d, _ = plan_of(tensors, policy(rules=[(["re:layers\\.1\\.mlp\\.experts\\.0\\."], "cpu")]))
+    expert = "model.layers.1.mlp.experts.0"
+    assert sorted(n for n in d.params if d.params[n] is CPU) == [
+        f"{expert}.{p}.weight{s}" for p in ("down_proj", "gate_proj", "up_proj") for s in ("", "_scale_inv")]
+    tensors = gpt_oss(layers=2, hidden=128, intermediate=128, experts=4, heads=2, kv_heads=1, head_dim=64, vocab=512)
+    with pytest.raises(PolicyError) as e:
+        plan_of(tensors, policy(rules=[(["re:layers\\.1\\.mlp\\.experts\\."], "cpu")]))
+    assert str(e.value).splitlines()[0] == "test.policy.yaml: place: cpu on tensors that are not whole routed experts"
+    assert len(e.value.problems) == 1 and e.value.problems[0].startswith(
+        "rules[0] (place: cpu) selects model.layers.1.mlp.experts.down_proj_blocks, ")
+    assert e.value.problems[0].endswith(
+        "quantized: the host computes bf16, fp16, fp32 and block-scaled FP8 (E4M3) experts only (the runtime would "
+        "refuse the plan); place them on uva")

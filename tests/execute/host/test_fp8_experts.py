@@ -11,7 +11,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from planner.errors import OffplanError  # noqa: E402
+from planner.errors import OffplanError, PolicyError  # noqa: E402
 from planner.inputs.hardware import H100, dumps_hardware  # noqa: E402
 from quantized_models import reference_dir, write_fp8, write_mxfp4  # noqa: E402
 from runtime.execute import experts  # noqa: E402
@@ -109,11 +109,18 @@ def test_fp8_experts_on_cpu_without_the_native_kernel_are_refused_naming_them(tm
                          for i in range(3) for p in ("down_proj", "gate_up_proj")]
 
 
-def test_mxfp4_experts_on_cpu_are_refused_naming_them(tmp_path_factory, tmp_path):
+def test_mxfp4_experts_on_cpu_are_refused_naming_them(tmp_path_factory, tmp_path, monkeypatch):
+    """`plan build` refuses them (tests/decide/test_cpu_experts.py); a plan that an older build let through is
+    refused at load, before anything is allocated."""
+    from planner.decide import placement_errors
     root = tmp_path_factory.mktemp("mxfp4")
     quantized = write_mxfp4(save_model(gpt_oss_config(num_hidden_layers=2), root / "bf16"), root / "mxfp4")
+    rule = "rules:\n  - {match: ['re:layers\\.1\\.mlp\\.experts\\.'], place: cpu}\n"
+    with pytest.raises(PolicyError, match="quantized: the host computes bf16, fp16, fp32 and block-scaled FP8"):
+        load(tmp_path, quantized, rule)
+    monkeypatch.setattr(placement_errors, "host_computes", lambda *args: True)  # as an older build let it through
     with pytest.raises(OffplanError) as e:
-        load(tmp_path, quantized, "rules:\n  - {match: ['re:layers\\.1\\.mlp\\.experts\\.'], place: cpu}\n")
+        load(tmp_path, quantized, rule)
     lines = str(e.value).splitlines()
     assert lines[0] == "the plan puts quantized experts on cpu that the host cannot compute:"
     assert lines[1:] == [f"  - model.layers.1.mlp.experts.{p}_blocks: MXFP4 experts: the host kernel computes bf16 "
