@@ -2,8 +2,7 @@
 
 At an experts module with experts on cpu (experts.py), a forward of T tokens with top-k routing, T <= `max_tokens`:
 
-1. `begin`: the tokens' activations [T, H] and routed experts [T*k] are copied into pinned memory (by the copy
-   engine);
+1. `begin`: the tokens' activations [T, H] and routed experts [T*k] are copied into pinned memory (copy engine);
 2. the GPU computes its own pairs (experts on the GPU or on uva) meanwhile; it reads no row of an expert on cpu
    (experts.py leaves them out of its gather);
 3. the host computes, for each (token, expert) pair whose expert is on cpu, that expert's output for that token (the
@@ -28,8 +27,12 @@ two barriers (handoff.py). How the GPU hands the work over:
   for the whole wait. Why native: a host node running the kernel in Python took it 1.58x as long as the main thread
   did (1.17 against 0.74 ms, docs/host-experts/host_node_timing.py), and the worker's Python and OpenMP's waking
   cost some 0.6 ms a call (docs/host-experts/README.md);
-- eager on CUDA: the copies on the side stream; `end`, called once the GPU's experts are enqueued, waits for the
-  copies, runs the job itself or meets the barriers (the host computes meanwhile, while the GPU computes its own
+- eager on CUDA, native.cpp's modules: as in a capture, the job a host function on the side stream (one job per
+  (module, token count), which the stream's calls share one after another). The Python thread never waits for the
+  host: it goes on launching the step's kernels, as a replay would, where waiting for the copies and running the
+  job itself held every later launch (eager decode with 70% of the experts on cpu ran at 0.51x the link floor);
+- eager on CUDA, the worker's modules: the copies on the side stream; `end`, called once the GPU's experts are
+  enqueued, waits for the copies, meets the barriers (the host computes meanwhile, while the GPU computes its own
   pairs), then copies `y` in on the side stream;
 - on the CPU: `end` does the same through the same buffers in plain memory.
 
@@ -37,10 +40,10 @@ Above `max_tokens` tokens (a long prompt) the host computes nothing: the GPU rea
 ones (experts.py). `max_tokens` is the plan's prefill threshold, above which a GEMM on the GPU over copied weights
 beats a GEMV per pair on the host.
 
-A failure on the host (which a replay cannot report) fills `y` with NaN, so the step's outputs show it, and `end` or
-`check` raises it: in the worker, any exception; in native.cpp, a pair routed to no expert. One stream at a time
-hands work over: the buffers and the barriers are the engine's one set, so an eager forward on another stream while
-a replay's host nodes wait would meet the driver's thread instead of the worker.
+A failure on the host (which a host function cannot report) fills `y` with NaN, so the step's outputs show it, and
+a later `end` or `check` raises it: in the worker, any exception; in native.cpp, a pair routed to no expert. One
+stream at a time hands work over: the buffers and the barriers are the engine's one set, so an eager forward on
+another stream while a replay's host nodes wait would meet the driver's thread instead of the worker.
 
 The worker holds the engine weakly: an engine dropped without `close` (its model and handle dropped) stops its
 worker, and its pool's threads, as it is collected.
@@ -170,14 +173,14 @@ class HostExperts:
             self._views["x"][:tokens].copy_(x, non_blocking=True)  # copies by the copy engine (memcpy)
             self._views["ids"][:pairs].copy_(ids, non_blocking=True)
             self._copied.record(self._stream)
-            if capturing and fast:  # native.cpp itself is the host node: no worker, no GIL
-                self.native.capture(self._stream.cuda_stream, self._job(index, tokens))
+            if fast:  # native.cpp itself is the host function (node): no worker, no GIL, no wait in Python
+                self._enqueue(index, tokens, capturing)
             elif capturing:
                 call = len(self._calls) + 1
                 self._calls[call] = (index, tokens)
                 self._views["call"].copy_(self._numbers[call:call + 1], non_blocking=True)
                 self._handoff.enqueue(self._stream.cuda_stream)
-            if capturing:
+            if fast or capturing:
                 self._y[:pairs].copy_(self._views["y"][:pairs], non_blocking=True)
         # the GPU's experts after the copies: else its gathers, which fill the SMs, can hold the copies (and the
         # host's start) back until they end
@@ -193,7 +196,7 @@ class HostExperts:
             self._views["ids"][:pairs].copy_(ids)
             self._hand_over(index, tokens)
             return torch.where(m.on_cpu[ids].unsqueeze(1), self._views["y"][:pairs], out)
-        if not torch.cuda.is_current_stream_capturing():
+        if not m.native and not torch.cuda.is_current_stream_capturing():  # the worker, eagerly
             self._event.record(self._stream)
             self._event.synchronize()
             self._hand_over(index, tokens)
@@ -233,6 +236,14 @@ class HostExperts:
     def _job(self, index: int, tokens: int) -> native.Job:
         return self.modules[index].job(self.native.pool, self._views["x"], self._views["ids"], self._views["y"],
                                        tokens)
+
+    def _enqueue(self, index: int, tokens: int, capturing: bool) -> None:
+        """Step 3 by native.cpp as a host function on the side stream (a host node in a capture): a captured call
+        has its own job, which its graph keeps; eager calls of one (module, tokens) share one."""
+        if capturing:
+            self.native.capture(self._stream.cuda_stream, self._job(index, tokens))
+        else:
+            self.native.enqueue(self._stream.cuda_stream, (index, tokens), lambda: self._job(index, tokens))
 
     def _hand_over(self, index: int, tokens: int) -> None:
         """Step 3 by native.cpp on this thread and the pool's, or by the worker, this thread waiting at the

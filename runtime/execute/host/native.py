@@ -156,10 +156,18 @@ class Jobs:
 
     def run(self, key: tuple[int, int], make) -> None:
         """The eager call `key` (module, tokens) on this thread, its job made by `make()` the first time."""
+        run(self.lib, self._eager_job(key, make))
+
+    def enqueue(self, stream: int, key: tuple[int, int], make) -> None:
+        """The eager call `key` as a host function on CUDA stream `stream` (one job per key: the stream runs a
+        key's calls one after another, so they may share it)."""
+        launch_host_func(stream, address(self.lib), ctypes.addressof(self._eager_job(key, make)))
+
+    def _eager_job(self, key: tuple[int, int], make) -> Job:
         job = self._eager.get(key)
         if job is None:
             job = self._eager[key] = make()
-        run(self.lib, job)
+        return job
 
     def all(self) -> list[Job]:
         return self._captured + list(self._eager.values())
