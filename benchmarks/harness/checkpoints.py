@@ -40,8 +40,13 @@ def config_for(model: str, layers: int | None):
     raise SystemExit(f"unknown model {model!r}")
 
 
+SAME = ("model_type", "num_hidden_layers", "hidden_size", "intermediate_size", "num_experts",
+        "moe_intermediate_size", "head_dim", "vocab_size")  # what a checkpoint in `directory` must match to be reused
+
+
 def make_checkpoint(model: str, layers: int | None, directory: Path, device: str) -> Path:
-    """Random bf16 weights in the real shapes, saved as sharded safetensors (reused if present).
+    """Random bf16 weights in the real shapes, saved as sharded safetensors (reused if present, of the same
+    model and depth: a run with another `--layers` over the same `--dir` writes its own again).
 
     One decoder layer at a time, so that the checkpoint may be as large as the
     disk allows, beyond the GPU's memory and half the host's (transformers'
@@ -55,10 +60,12 @@ def make_checkpoint(model: str, layers: int | None, directory: Path, device: str
     """
     from safetensors.torch import load_file, save_file
     from transformers import AutoModelForCausalLM
-    if (directory / "model.safetensors.index.json").is_file():
-        return directory
-    shutil.rmtree(directory, ignore_errors=True)
     config = config_for(model, layers)
+    if (directory / "model.safetensors.index.json").is_file() and (directory / "config.json").is_file():
+        found, want = json.loads((directory / "config.json").read_text()), config.to_dict()
+        if all(found.get(key) == want.get(key) for key in SAME):
+            return directory
+    shutil.rmtree(directory, ignore_errors=True)
     one = config_for(model, 1)
     torch.manual_seed(0)
     with torch.device(device):

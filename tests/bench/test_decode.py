@@ -95,3 +95,17 @@ def test_moe_predict_benchmark_runs_on_the_cpu(tmp_path):
     rows = [json.loads(l) for l in (tmp_path / "out" / "moe-predict-tiny-skew0.7.jsonl").read_text().splitlines()]
     assert [r["predicted"] for r in rows] == [1, 2, 4]  # the tiny model routes top-2 of 8
     assert all(r["decode_steps"] == 2 * 3 and 0 <= r["precision"] <= 1 for r in rows)
+
+
+def test_a_benchmark_checkpoint_is_reused_only_at_the_depth_asked_for(tmp_path):
+    """A run with `--layers 8` over a `--dir` that holds a 48-layer checkpoint measured the 48 layers, saying 8."""
+    import json
+    load_benchmark("front_door")  # benchmarks/ on the path
+    from harness.checkpoints import make_checkpoint
+    directory = make_checkpoint("tiny", 2, tmp_path / "ckpt", "cpu")
+    index = (directory / "model.safetensors.index.json").stat().st_mtime_ns
+    assert make_checkpoint("tiny", 2, directory, "cpu") == directory
+    assert (directory / "model.safetensors.index.json").stat().st_mtime_ns == index  # reused
+    make_checkpoint("tiny", 3, directory, "cpu")
+    assert json.loads((directory / "config.json").read_text())["num_hidden_layers"] == 3
+    assert len(list(directory.glob("*.safetensors"))) == 4  # a shard per layer and one for the rest
