@@ -28,17 +28,16 @@ Time per step: three resources work at once, and the slowest sets the pace.
            + resident and prefetched bytes read / HBM + uva bytes read / UVA
     link = uva bytes read / UVA + prefetched bytes / H2D copy
     step = max(cpu, gpu, link)
-The CPU runs ahead of the GPU, so launch overhead overlaps kernels. A layer's
-GPU time is what its kernels take beyond reading weights, measured by `plan
-calibrate` (a decoder layer with routed experts launches more kernels than a
-dense one, so it has its own figure); without it a CUDA-graph step of small
-kernels is predicted several times too fast. UVA reads sit inside the
-kernels that need them, so they count as GPU time; prefetch copies run on
-their own stream ahead of use, so they do not. Both cross the same PCIe link,
-so the link term adds them. An experts forward that stages its touched
-experts (runtime/execute/experts.py: any expert of the layer in pinned memory, or at
-most BATCHED_PAIRS (token, expert) pairs, where batched_mm's arithmetic runs)
-writes them to HBM and reads them back: twice their bytes more over HBM.
+The CPU runs ahead of the GPU, so launch overhead overlaps kernels. A layer's GPU time is what its kernels take
+beyond reading weights, measured by `plan calibrate` (a decoder layer with routed experts launches more kernels than
+a dense one, so it has its own figure); without it a CUDA-graph step of small kernels is predicted several times too
+fast. UVA reads sit inside the kernels that need them, so they count as GPU time; prefetch copies run on their own
+stream ahead of use, so they do not. Both cross the same PCIe link, so the link term adds them. An experts forward
+that stages its touched experts (runtime/execute/experts.py: any expert of the layer in pinned memory, or at most
+BATCHED_PAIRS (token, expert) pairs, where batched_mm's arithmetic runs) writes them to HBM and reads them back:
+twice their bytes more over HBM, taking twice that time where it gathers them from HBM (a copy's reads and writes
+share it: all-GPU Qwen3-30B-A3B decode at batch 1 measured 0.74-0.84x of the prediction without it, H200 and H100)
+while over UVA the writes hide behind the link's reads.
 
 Prefill (the time to first token) of `workload.prompt_tokens` = T tokens, one
 sequence, over the layers that run in every step. Copies run on their own
@@ -83,14 +82,14 @@ step's batch tokens in the GPU time and for the prompt's tokens in the prefill.
 
 Limits: the GPU time per layer is measured at batch 1 on tiny Llama and Qwen3-MoE layers
 (runtime/measure/calibrate.py): a layer that launches more kernels (shared experts, MLA) takes longer, and so do the
-larger kernels of larger batches (on the H100, an all-GPU Qwen3-MoE step at batch 8 is predicted 1.46x too fast, at
-batch 1 1.12x); without a routing profile, expert routing is assumed uniform (real routers are skewed, which touches
-fewer experts); with one, the tokens of a batch are assumed routed independently of each other, as the profile's
-prompts were; the overlap of prefetch is assumed perfect, so a plan whose offloaded layers sit together (nothing to
-overlap with) is predicted optimistic. The prefill ignores attention's T^2 FLOPs (scores and values), activations,
-norms and launch time, runs every GEMM at matmul_tflops whatever its shape (small GEMMs run well below it), counts
-the head's logits for all T tokens (generation needs the last one only), and leaves out what runs only with images
-(vision towers: a text prompt).
+larger kernels of larger batches (an all-GPU Qwen3-30B-A3B step at batch 8: 0.88x on the H200); without a routing
+profile, expert routing is assumed uniform (real routers are skewed, which touches fewer experts); with one, the
+tokens of a batch are assumed routed independently of each other, as the profile's prompts were; the overlap of
+prefetch is assumed perfect, so a plan whose offloaded layers sit together (nothing to overlap with) is predicted
+optimistic. The prefill ignores attention's T^2 FLOPs (scores and values), activations, norms and launch time, runs
+every GEMM at matmul_tflops whatever its shape (small GEMMs run well below it), counts the head's logits for all T
+tokens (generation needs the last one only), and leaves out what runs only with images (vision towers: a text
+prompt).
 """
 from __future__ import annotations
 
@@ -273,7 +272,7 @@ class CostModel:
                 pre_uva, pre_cpu = pre_uva + pre * (at == 1), pre_cpu + pre * (at == 2)
                 continue
             if stages and routed:
-                staged += 2 * b  # written to HBM and read back by the GEMVs
+                staged += 2 * b if p is UVA else 4 * b  # written to HBM, read back: gathered from HBM, slower
             if p is UVA:
                 read_uva += b
                 if n in self.staged:
