@@ -1,23 +1,25 @@
 """The plans' predictions beside what the recorded runs measured, from this tree's planner, with no GPU.
 
-    python docs/front-door/predict_recorded.py                        # every front-door run in benchmarks/results
-    python docs/front-door/predict_recorded.py RUN.jsonl --check 0.2  # exit 1 if a graph row is off by more
+    python docs/front-door/predict_recorded.py                        # every front-door and prefill run on record
+    python docs/front-door/predict_recorded.py RUN.jsonl --check 0.2  # exit 1 if a replayed decode row is off by more
 
-A front-door run (benchmarks/front_door.py) records each plan's decode rate, replayed and eager, at each batch, and the
-hardware profile it calibrated. Here the planner builds each row's plan again as front_door.py did (its policy and
-budgets, `workload: {batch_size: B, cuda_graphs: ...}`), with that run's profile, over a header-only checkpoint of
-the run's model and depth (tests/synthetic.py: the benchmark checkpoint's names, dtypes and shapes, so the same
-plan; the FP8 rows a block-scaled FP8 copy's headers, as tests/quantized_models.py `write_fp8` writes it). So a
-change to the cost model is set against every measurement on record, on any machine (issue 25: every row within
-+-20%).
+A front-door run (benchmarks/front_door.py) records each plan's decode rate, replayed and eager, at each batch, and
+a prefill run (benchmarks/prefill.py) each plan's time to first token per prompt length; both record the hardware
+profile they calibrated. Here the planner builds each row's plan again as the benchmark did (its policy and
+budgets, and `workload: {batch_size: B, cuda_graphs: ...}` or `{prompt_tokens: T}`), with that run's profile, over
+a header-only checkpoint of the run's model and depth (tests/synthetic.py: the benchmark checkpoint's names, dtypes
+and shapes, so the same plan; the FP8 rows a block-scaled FP8 copy's headers, as tests/quantized_models.py
+`write_fp8` writes it). So a change to the cost model is set against every measurement on record, on any machine
+(issue 25: every row within +-20%).
 
-Compared: graph rows (the loop's rate) and eager rows (`generate --eager`), per plan and batch. Left out, saying
-why: a batch above 1 with routed experts in host memory, on uva or cpu (the run's sequences copy one prompt, so
-they route alike and a step reads what one sequence's does, where the plan predicts distinct tokens' routing), and a
-plan for that
-workload that places otherwise than the applied one (front_door.py records no prediction then). `--check` judges the
-graph rows only: an eager prediction rests on the run's calibrated launch overheads, which vary between
-calibrations by up to 2x (issue 25's calibration item), more than the model's own error.
+Compared: decode rows replayed (the loop's rate) and eager (`generate --eager`), per plan and batch, and prefill
+rows. Left out, saying why: a plan rebuilt that is not the run's (other bytes on the GPU, uva or prefetch: the
+planner has changed its mind since); a batch above 1 with routed experts in host memory, on uva or cpu (the run's
+sequences copy one prompt, so they route alike and a step reads what one sequence's does, where the plan predicts
+distinct tokens' routing); and a plan for that workload that places otherwise than the applied one (the benchmark
+records no prediction then). `--check` judges the replayed decode rows only: an eager prediction rests on the run's
+calibrated launch overheads, which vary between calibrations by up to 2x (issue 25's calibration item), and a long
+prompt's on one GEMM rate for every shape (docs/front-door/README.md).
 """
 from __future__ import annotations
 
@@ -32,17 +34,19 @@ ROOT = Path(__file__).resolve().parents[2]
 HERE = ROOT / "benchmarks"
 sys.path[:0] = [str(ROOT), str(HERE), str(ROOT / "tests")]
 import synthetic  # noqa: E402  (the header-only checkpoints' writer)
+import prefill  # noqa: E402
 from front_door import policy  # noqa: E402
 from harness.checkpoints import config_for  # noqa: E402
-from harness.plans import experts_working_bytes, make_plan  # noqa: E402
+from harness.plans import experts_working_bytes, make_plan, offloaded_layers  # noqa: E402
 from planner.decide.build import build  # noqa: E402
 from planner.inputs.checkpoint import open_checkpoint  # noqa: E402
+from planner.inputs.dtypes import nbytes  # noqa: E402
 from planner.inputs.hardware import Hardware, dumps_hardware  # noqa: E402
 from planner.inputs.policy import load_policy  # noqa: E402
 from planner.plan import Placement  # noqa: E402
 from planner.planfile import load_plan  # noqa: E402
 
-SHAPES = {"qwen3-30b-a3b": synthetic.qwen3_moe}
+SHAPES = {"qwen3-30b-a3b": synthetic.qwen3_moe, "llama-8b": synthetic.llama}
 FP8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
 
 
@@ -84,16 +88,68 @@ def repredict(records: list[dict], work: Path) -> list[dict]:
             continue
         row = {k: r[k] for k in ("strategy", "batch", "mode", "steps_per_s", "predicted_steps_per_s")}
         text = policy(r["strategy"], layers, budget, split)
-        applied = build(load_policy(write(work / f"{r['strategy']}.policy.yaml", text)), work).params
+        a = build(load_policy(write(work / f"{r['strategy']}.policy.yaml", text)), work)
+        applied, ran = a.params, (a.summary.gpu_bytes, a.summary.uva_bytes) == (r["gpu_bytes"], r["uva_bytes"])
         graph = r["mode"] == "graph"
         workload = f"workload: {{batch_size: {r['batch']}, cuda_graphs: {'true' if graph else 'false'}}}\n"
         d = build(load_policy(write(work / f"{r['strategy']}-b{r['batch']}.policy.yaml", text + workload)), work)
         row["now_steps_per_s"] = 1e6 / d.summary.predicted_step_us
         host = any(".mlp.experts." in n and p in (Placement.UVA, Placement.CPU) for n, p in applied.items())
-        row["left_out"] = ("sequences routed alike" if r["batch"] > 1 and host else
-                           "places otherwise" if d.params != applied else "")
+        row["left_out"] = ("not the run's plan" if not ran else "sequences routed alike" if r["batch"] > 1 and host
+                           else "places otherwise" if d.params != applied else "")
         rows.append(row)
     return rows
+
+
+def repredict_prefill(records: list[dict], work: Path) -> list[dict]:
+    """One row per (plan, prompt tokens) of a prefill run's records (benchmarks/prefill.py, half the decoder layers
+    offloaded): measured, recorded and current predictions of the time to first token, ms."""
+    checkpoint = next((r for r in records if r["kind"] == "checkpoint"), None)
+    if checkpoint is None or checkpoint["model"] not in SHAPES:
+        return []
+    model, run_hw = checkpoint["model"], next(r for r in records if r["kind"] == "hardware")
+    layers = next((n for n in range(1, 129) if sum(nbytes(d, shape) for _, d, shape in SHAPES[model](layers=n))
+                   == checkpoint["bytes"]), None)
+    if layers is None:
+        raise SystemExit(f"no depth of {model} has the run's {checkpoint['bytes']} bytes")
+    checkpoints(work, model, layers)
+    hw = Hardware(**{f.name: run_hw[f.name] for f in dataclasses.fields(Hardware) if f.name in run_hw})
+    (work / "hw.yaml").write_text(dumps_hardware(hw))
+    off = offloaded_layers(layers, 0.5)
+    budget = load_plan(make_plan(work, "prefetch", prefill.policy("prefetch", off, 0.5, work / "hw.yaml", None))
+                       ).summary.gpu_footprint_bytes / 2**30  # prefill.py's mixed budget
+    rows = []
+    for r in records:
+        if r["kind"] != "prefill":
+            continue
+        text = prefill.policy(r["strategy"], off, 0.5, work / "hw.yaml", budget)
+        a = build(load_policy(write(work / f"{r['strategy']}.policy.yaml", text)), work)
+        ran = (a.summary.uva_bytes, a.summary.prefetch_bytes) == (r["uva_bytes"], r["prefetch_bytes"])
+        path = write(work / f"{r['strategy']}-{r['tokens']}.policy.yaml",
+                     text + f"workload: {{prompt_tokens: {r['tokens']}}}\n")
+        d = build(load_policy(path), work)
+        rows.append({"strategy": r["strategy"], "tokens": r["tokens"], "ms": r["prefill_ms"],
+                     "then_ms": r["predicted_ms"], "now_ms": d.cost.prefill_us / 1e3,
+                     "left_out": "not the run's plan" if not ran else
+                     "places otherwise" if d.params != a.params else ""})
+    return rows
+
+
+def prefill_table(name: str, rows: list[dict]) -> list[str]:
+    out = [f"{name} (time to first token)", "",
+           "| plan | tokens | measured ms | predicted then | measured / predicted then | predicted now | "
+           "measured / predicted now |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        out.append(f"| {r['strategy']} | {r['tokens']} | {r['ms']:.1f} | "
+                   + cells(r["ms"], r["then_ms"], r["now_ms"], r["left_out"]))
+    return out + [""]
+
+
+def cells(measured: float, then: float | None, now: float, left_out: str) -> str:
+    """A row's predictions, then and now, each with measured / predicted."""
+    if left_out:
+        return f"- | - | - | left out: {left_out} |"
+    return (f"{then:.1f} | {measured / then:.2f}" if then else "- | -") + f" | {now:.1f} | {measured / now:.2f} |"
 
 
 def write(path: Path, text: str) -> Path:
@@ -106,12 +162,8 @@ def table(name: str, run: dict, rows: list[dict]) -> list[str]:
            "| plan | batch | mode | measured steps/s | predicted then | measured / predicted then | predicted now | "
            "measured / predicted now |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        then = r["predicted_steps_per_s"]
-        cells = ([f"{then:.1f}" if then else "-", f"{r['steps_per_s'] / then:.2f}" if then else "-",
-                  f"{r['now_steps_per_s']:.1f}", f"{r['steps_per_s'] / r['now_steps_per_s']:.2f}"]
-                 if not r["left_out"] else ["-", "-", "-", f"left out: {r['left_out']}"])
-        out.append(f"| {r['strategy']} | {r['batch']} | {r['mode']} | {r['steps_per_s']:.1f} | " + " | ".join(cells)
-                   + " |")
+        out.append(f"| {r['strategy']} | {r['batch']} | {r['mode']} | {r['steps_per_s']:.1f} | "
+                   + cells(r["steps_per_s"], r["predicted_steps_per_s"], r["now_steps_per_s"], r["left_out"]))
     return out + [""]
 
 
@@ -130,8 +182,12 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     runs = args.runs or sorted((HERE / "results").glob("front-door-*.jsonl"))
     bad = []
-    for path in runs:
+    for path in runs + ([] if args.runs else sorted((HERE / "results").glob("prefill-*.jsonl"))):
         records = [json.loads(line) for line in path.read_text().splitlines()]
+        if path.name.startswith("prefill-"):
+            with tempfile.TemporaryDirectory() as work:
+                print("\n".join(prefill_table(path.name, repredict_prefill(records, Path(work)))))
+            continue
         with tempfile.TemporaryDirectory() as work:
             rows = repredict(records, Path(work))
         if rows:
