@@ -135,35 +135,23 @@ def repredict_prefill(records: list[dict], work: Path) -> list[dict]:
     return rows
 
 
-def prefill_table(name: str, rows: list[dict]) -> list[str]:
-    out = [f"{name} (time to first token)", "",
-           "| plan | tokens | measured ms | predicted then | measured / predicted then | predicted now | "
-           "measured / predicted now |", "|---|---|---|---|---|---|---|"]
-    for r in rows:
-        out.append(f"| {r['strategy']} | {r['tokens']} | {r['ms']:.1f} | "
-                   + cells(r["ms"], r["then_ms"], r["now_ms"], r["left_out"]))
-    return out + [""]
-
-
-def cells(measured: float, then: float | None, now: float, left_out: str) -> str:
-    """A row's predictions, then and now, each with measured / predicted."""
-    if left_out:
-        return f"- | - | - | left out: {left_out} |"
-    return (f"{then:.1f} | {measured / then:.2f}" if then else "- | -") + f" | {now:.1f} | {measured / now:.2f} |"
-
-
 def write(path: Path, text: str) -> Path:
     path.write_text(text)
     return path
 
 
-def table(name: str, run: dict, rows: list[dict]) -> list[str]:
-    out = [f"{name} ({run['device']}, {run['layers']} layers)", "",
-           "| plan | batch | mode | measured steps/s | predicted then | measured / predicted then | predicted now | "
-           "measured / predicted now |", "|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        out.append(f"| {r['strategy']} | {r['batch']} | {r['mode']} | {r['steps_per_s']:.1f} | "
-                   + cells(r["steps_per_s"], r["predicted_steps_per_s"], r["now_steps_per_s"], r["left_out"]))
+def table(title: str, columns: list[str], unit: str, rows: list[tuple[list, float, float | None, float, str]]
+          ) -> list[str]:
+    """Markdown: per row, its own `columns`, then measured (`unit`) and the predictions then and now, each with
+    measured / predicted; `rows`: (its columns' cells, measured, predicted then or None, now, why left out or "")."""
+    out = [title, "", "| " + " | ".join(columns) + f" | measured {unit} | predicted then | measured / predicted then | "
+           "predicted now | measured / predicted now |", "|---" * (len(columns) + 5) + "|"]
+    for own, measured, then, now, left_out in rows:
+        if left_out:
+            rest = f"- | - | - | left out: {left_out}"
+        else:
+            rest = (f"{then:.1f} | {measured / then:.2f}" if then else "- | -") + f" | {now:.1f} | {measured / now:.2f}"
+        out.append("| " + " | ".join(map(str, own)) + f" | {measured:.1f} | {rest} |")
     return out + [""]
 
 
@@ -176,22 +164,30 @@ def off(rows: list[dict], tolerance: float) -> list[dict]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("runs", nargs="*", type=Path, help="front-door records (default: benchmarks/results/front-door-*)")
+    ap.add_argument("runs", nargs="*", type=Path,
+                    help="front-door or prefill records (default: every one in benchmarks/results)")
     ap.add_argument("--check", type=float, metavar="TOLERANCE",
-                    help="exit 1 if a compared graph row's measured / predicted is outside 1 +- TOLERANCE")
+                    help="exit 1 if a compared replayed decode row's measured / predicted is outside 1 +- TOLERANCE")
     args = ap.parse_args(argv)
-    runs = args.runs or sorted((HERE / "results").glob("front-door-*.jsonl"))
+    results = HERE / "results"
+    runs = args.runs or sorted(results.glob("front-door-*.jsonl")) + sorted(results.glob("prefill-*.jsonl"))
     bad = []
-    for path in runs + ([] if args.runs else sorted((HERE / "results").glob("prefill-*.jsonl"))):
+    for path in runs:
         records = [json.loads(line) for line in path.read_text().splitlines()]
         if path.name.startswith("prefill-"):
             with tempfile.TemporaryDirectory() as work:
-                print("\n".join(prefill_table(path.name, repredict_prefill(records, Path(work)))))
+                rows = repredict_prefill(records, Path(work))
+            print("\n".join(table(f"{path.name} (time to first token)", ["plan", "tokens"], "ms", [
+                ([r["strategy"], r["tokens"]], r["ms"], r["then_ms"], r["now_ms"], r["left_out"]) for r in rows])))
             continue
         with tempfile.TemporaryDirectory() as work:
             rows = repredict(records, Path(work))
         if rows:
-            print("\n".join(table(path.name, records[0], rows)))
+            run = records[0]
+            print("\n".join(table(f"{path.name} ({run['device']}, {run['layers']} layers)", ["plan", "batch", "mode"],
+                                   "steps/s", [([r["strategy"], r["batch"], r["mode"]], r["steps_per_s"],
+                                                r["predicted_steps_per_s"], r["now_steps_per_s"], r["left_out"])
+                                               for r in rows])))
             bad += [f"{path.name}: {r['strategy']} batch {r['batch']}: "
                     f"{r['steps_per_s'] / r['now_steps_per_s']:.2f}" for r in off(rows, args.check or 0)]
     if args.check is not None and bad:
