@@ -56,7 +56,9 @@ def test_prefill_benchmark_runs_on_the_cpu(tmp_path):
 
     from planner.inputs.hardware import H100, dumps_hardware
     hw = tmp_path / "hw.yaml"
-    hw.write_text(dumps_hardware(dataclasses.replace(H100, stage_above_tokens=8, cpu_threads=1)))
+    # launch overheads of 1 us: the tiny layers' predicted prefill is then their reads, not their launches
+    hw.write_text(dumps_hardware(dataclasses.replace(H100, stage_above_tokens=8, cpu_threads=1, layer_overhead_us=1.0,
+                                                     moe_layer_overhead_us=1.0)))
     code = load_benchmark("prefill").main([
         "--model", "tiny", "--layers", "4", "--device", "cpu", "--tokens", "4", "16", "--new-tokens", "2",
         "--hardware", str(hw), "--dir", str(tmp_path / "work"), "--out", str(tmp_path / "out"), "--spread", "2"])

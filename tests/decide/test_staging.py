@@ -15,12 +15,13 @@ from planner.decide.build import build
 from planner.decide.placement import decide
 from planner.errors import PlanFileError
 from planner.inputs.checkpoint import open_checkpoint
-from planner.inputs.hardware import H100
+from planner.inputs.hardware import H100, dumps_hardware
 from planner.inputs.policy import Workload, load_policy
 from planner.inputs.schema import schema
 from planner.layers.graph import build_graph
 from planner.plan import PrefillStaging, StagedLayer
 from planner.planfile import dumps, loads
+from planner.units import ms
 from synthetic import deepseek_v3, llama, qwen3_moe, write_header_only
 
 
@@ -241,16 +242,17 @@ def test_an_mtp_layer_on_uva_is_never_staged_and_the_check_knows_it_from_the_row
 def test_show_and_diff_report_the_staging_and_the_prefill(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     write_header_only(tmp_path / "ckpt", small_llama(), single=True)
-    rule = "rules:\n  - match: ['re:layers\\.[01]\\.']\n    place: uva\n"  # 2 x 73984 bytes, staged as 2 x 74240
+    (tmp_path / "hw.yaml").write_text(dumps_hardware(dataclasses.replace(H100, layer_overhead_us=1.0)))  # not launches
+    rule = "hardware: hw.yaml\nrules:\n  - match: ['re:layers\\.[01]\\.']\n    place: uva\n"  # 2 x 74240 staged
     write_policy(tmp_path, rule, name="on.policy.yaml")
-    write_policy(tmp_path, rule + "uva: {stage_prefill: false}\nworkload: {prompt_tokens: 1024}\n",
-                 name="off.policy.yaml")
+    write_policy(tmp_path, rule + "uva: {stage_prefill: false}\nworkload: {prompt_tokens: 1024}\n", name="off.policy.yaml")
     on = build(load_policy(tmp_path / "on.policy.yaml"), tmp_path)
     off = build(load_policy(tmp_path / "off.policy.yaml"), tmp_path)
     assert main(["build", "on.policy.yaml"]) == 0
     assert capsys.readouterr().out.splitlines()[0] == (
         "wrote on.plan.yaml: 39 tensors, backend none; GPU 353.6 KiB (145.0 KiB of it prefill staging buffers), "
-        f"host 144.5 KiB; predicted step 3.20 ms, prefill of 512 tokens {on.cost.prefill_us / 1e3:.3f} ms")
+        f"host 144.5 KiB; predicted step {ms(on.summary.predicted_step_us)}, prefill of 512 tokens "
+        f"{ms(on.cost.prefill_us)}")
     assert main(["build", "off.policy.yaml"]) == 0
     capsys.readouterr()
     assert main(["show", "on.plan.yaml"]) == 0
@@ -272,7 +274,7 @@ def test_show_and_diff_report_the_staging_and_the_prefill(tmp_path, monkeypatch,
     assert capsys.readouterr().out.splitlines()[1:6] == [
         "prompt tokens: 512 -> 1024",
         "GPU footprint: 353.6 KiB -> 208.6 KiB (-145.0 KiB)",
-        "predicted step: 3.20 ms (unchanged)",
+        f"predicted step: {ms(on.summary.predicted_step_us)} (unchanged)",
         f"predicted prefill: {on.cost.prefill_us / 1e3:.3f} ms -> {off.cost.prefill_us / 1e3:.3f} ms "
         f"(+{pre / 1e3:.3f} ms, {pre / on.cost.prefill_us:+.1%})",
         "prefill staging: gone: the old plan staged 2 layers (model.layers.0, model.layers.1) through 2 slots x "

@@ -125,7 +125,7 @@ def test_the_collectives_cost_their_latency_and_their_bytes_by_hand(tmp_path, tp
     prefill: 2 x 10 + 512 x 256 / 128 = 1,044 us a layer, 1,034 the head."""
     (tmp_path / "hw.yaml").write_text(
         "format_version: 1\nname: test\nh2d_copy_gbps: 10\nuva_read_gbps: 5\nhbm_read_gbps: 1000\n"
-        "layer_overhead_us: 100\nallreduce_us: 10\nallreduce_gbps: 0.128\n")
+        "layer_overhead_us: 1\nallreduce_us: 10\nallreduce_gbps: 0.128\n")  # a prefill of reads, not launches
     one, _ = tp("budget_gib: 1\nhardware: hw.yaml\nworkload: {batch_size: 4}\n", name="one")
     two, _ = tp("gpus: 2\nbudget_gib: 1\nhardware: hw.yaml\nworkload: {batch_size: 4}\n", name="two")
     assert (two.parallel.collectives_per_step, two.parallel.collectives_us) == (5, 74)
