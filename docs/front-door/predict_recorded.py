@@ -10,7 +10,8 @@ budgets, and `workload: {batch_size: B, cuda_graphs: ...}` or `{prompt_tokens: T
 a header-only checkpoint of the run's model and depth (tests/synthetic.py: the benchmark checkpoint's names, dtypes
 and shapes, so the same plan; the FP8 rows a block-scaled FP8 copy's headers, as tests/quantized_models.py
 `write_fp8` writes it). So a change to the cost model is set against every measurement on record, on any machine
-(issue 25: every row within +-20%).
+(issue 25: every row within +-20%). It needs torch and transformers, which the benchmarks' modules import: their
+policies are taken from them, not written again here.
 
 Compared: decode rows replayed (the loop's rate) and eager (`generate --eager`), per plan and batch, and prefill
 rows. Left out, saying why: a plan rebuilt that is not the run's (other bytes on the GPU, uva or prefetch: the
@@ -66,13 +67,29 @@ def checkpoints(work: Path, model: str, layers: int) -> None:
     (work / "fp8" / "config.json").write_text(json.dumps({**config, "quantization_config": FP8}))
 
 
-def repredict(records: list[dict], work: Path) -> list[dict]:
-    """One row per (plan, batch, mode) of a front-door run's records: measured, recorded and current predictions."""
+def profile(recorded: dict) -> tuple[Hardware, list[str]]:
+    """A run's hardware profile, and the fields its record lacks (a calibration older than they are: their defaults
+    are used, which the tables say)."""
+    fields = dataclasses.fields(Hardware)
+    hw = Hardware(**{f.name: recorded[f.name] for f in fields if f.name in recorded})
+    return hw, [f.name for f in fields if f.name not in recorded and f.name != "measured"]
+
+
+BYTES = ("gpu_bytes", "uva_bytes", "prefetch_bytes", "cpu_bytes")  # a record's, where it has them
+
+
+def same_plan(summary, record: dict) -> bool:
+    """Whether a plan rebuilt places the bytes the run's did (each byte figure the record holds)."""
+    return all(getattr(summary, key) == record[key] for key in BYTES if key in record)
+
+
+def repredict(records: list[dict], work: Path) -> tuple[list[dict], list[str]]:
+    """One row per (plan, batch, mode) of a front-door run's records: measured, recorded and current predictions;
+    and the profile fields the run's record lacks."""
     run = records[0]
     if run["kind"] != "run" or run["model"] not in SHAPES:
-        return []
-    hw = Hardware(**{f.name: run["hardware"][f.name] for f in dataclasses.fields(Hardware)
-                     if f.name in run["hardware"]})
+        return [], []
+    hw, lacks = profile(run["hardware"])
     layers = run["layers"]
     checkpoints(work, run["model"], layers)
     (work / "hw.yaml").write_text(dumps_hardware(hw))
@@ -89,7 +106,7 @@ def repredict(records: list[dict], work: Path) -> list[dict]:
         row = {k: r[k] for k in ("strategy", "batch", "mode", "steps_per_s", "predicted_steps_per_s")}
         text = policy(r["strategy"], layers, budget, split)
         a = build(load_policy(write(work / f"{r['strategy']}.policy.yaml", text)), work)
-        applied, ran = a.params, (a.summary.gpu_bytes, a.summary.uva_bytes) == (r["gpu_bytes"], r["uva_bytes"])
+        applied, ran = a.params, same_plan(a.summary, r)
         graph = r["mode"] == "graph"
         workload = f"workload: {{batch_size: {r['batch']}, cuda_graphs: {'true' if graph else 'false'}}}\n"
         d = build(load_policy(write(work / f"{r['strategy']}-b{r['batch']}.policy.yaml", text + workload)), work)
@@ -98,22 +115,23 @@ def repredict(records: list[dict], work: Path) -> list[dict]:
         row["left_out"] = ("not the run's plan" if not ran else "sequences routed alike" if r["batch"] > 1 and host
                            else "places otherwise" if d.params != applied else "")
         rows.append(row)
-    return rows
+    return rows, lacks
 
 
-def repredict_prefill(records: list[dict], work: Path) -> list[dict]:
+def repredict_prefill(records: list[dict], work: Path) -> tuple[list[dict], list[str]]:
     """One row per (plan, prompt tokens) of a prefill run's records (benchmarks/prefill.py, half the decoder layers
-    offloaded): measured, recorded and current predictions of the time to first token, ms."""
+    offloaded, prefill.py's default: the byte check catches another): measured, recorded and current predictions of
+    the time to first token, ms; and the profile fields the run's record lacks."""
     checkpoint = next((r for r in records if r["kind"] == "checkpoint"), None)
     if checkpoint is None or checkpoint["model"] not in SHAPES:
-        return []
+        return [], []
     model, run_hw = checkpoint["model"], next(r for r in records if r["kind"] == "hardware")
     layers = next((n for n in range(1, 129) if sum(nbytes(d, shape) for _, d, shape in SHAPES[model](layers=n))
                    == checkpoint["bytes"]), None)
     if layers is None:
         raise SystemExit(f"no depth of {model} has the run's {checkpoint['bytes']} bytes")
     checkpoints(work, model, layers)
-    hw = Hardware(**{f.name: run_hw[f.name] for f in dataclasses.fields(Hardware) if f.name in run_hw})
+    hw, lacks = profile(run_hw)
     (work / "hw.yaml").write_text(dumps_hardware(hw))
     off = offloaded_layers(layers, 0.5)
     budget = load_plan(make_plan(work, "prefetch", prefill.policy("prefetch", off, 0.5, work / "hw.yaml", None))
@@ -124,7 +142,7 @@ def repredict_prefill(records: list[dict], work: Path) -> list[dict]:
             continue
         text = prefill.policy(r["strategy"], off, 0.5, work / "hw.yaml", budget)
         a = build(load_policy(write(work / f"{r['strategy']}.policy.yaml", text)), work)
-        ran = (a.summary.uva_bytes, a.summary.prefetch_bytes) == (r["uva_bytes"], r["prefetch_bytes"])
+        ran = same_plan(a.summary, r)
         path = write(work / f"{r['strategy']}-{r['tokens']}.policy.yaml",
                      text + f"workload: {{prompt_tokens: {r['tokens']}}}\n")
         d = build(load_policy(path), work)
@@ -132,7 +150,11 @@ def repredict_prefill(records: list[dict], work: Path) -> list[dict]:
                      "then_ms": r["predicted_ms"], "now_ms": d.cost.prefill_us / 1e3,
                      "left_out": "not the run's plan" if not ran else
                      "places otherwise" if d.params != a.params else ""})
-    return rows
+    return rows, lacks
+
+
+def lacking(fields: list[str]) -> str:
+    return f"; its profile lacks {', '.join(fields)}: defaults used" if fields else ""
 
 
 def write(path: Path, text: str) -> Path:
@@ -176,15 +198,16 @@ def main(argv: list[str] | None = None) -> int:
         records = [json.loads(line) for line in path.read_text().splitlines()]
         if path.name.startswith("prefill-"):
             with tempfile.TemporaryDirectory() as work:
-                rows = repredict_prefill(records, Path(work))
-            print("\n".join(table(f"{path.name} (time to first token)", ["plan", "tokens"], "ms", [
+                rows, lacks = repredict_prefill(records, Path(work))
+            print("\n".join(table(f"{path.name} (time to first token{lacking(lacks)})", ["plan", "tokens"], "ms", [
                 ([r["strategy"], r["tokens"]], r["ms"], r["then_ms"], r["now_ms"], r["left_out"]) for r in rows])))
             continue
         with tempfile.TemporaryDirectory() as work:
-            rows = repredict(records, Path(work))
+            rows, lacks = repredict(records, Path(work))
         if rows:
             run = records[0]
-            print("\n".join(table(f"{path.name} ({run['device']}, {run['layers']} layers)", ["plan", "batch", "mode"],
+            title = f"{path.name} ({run['device']}, {run['layers']} layers{lacking(lacks)})"
+            print("\n".join(table(title, ["plan", "batch", "mode"],
                                    "steps/s", [([r["strategy"], r["batch"], r["mode"]], r["steps_per_s"],
                                                 r["predicted_steps_per_s"], r["now_steps_per_s"], r["left_out"])
                                                for r in rows])))

@@ -43,6 +43,6 @@ def test_every_recorded_graph_row_is_predicted_within_20_percent(capsys):
 def test_a_record_whose_checkpoint_is_not_its_model_and_depth_is_refused(tmp_path):
     """A run over a 48-layer checkpoint that recorded `--layers 8` (the harness then reused any checkpoint)."""
     records = [json.loads(line) for line in RUNS[0].read_text().splitlines()]
-    records[0]["checkpoint_bytes"] = 61064245248
+    records[0]["checkpoint_bytes"] = 61064245248  # all 48 layers of the Qwen3-30B-A3B shape
     with pytest.raises(SystemExit, match="not the run's checkpoint"):
         predict_recorded().repredict(records, tmp_path)
