@@ -237,8 +237,8 @@ class CostModel:
                 gpu, count, together = gpu + wait, count + n, together + wait
                 prefill += n * hw.allreduce_us + self.tokens * per_token / (hw.allreduce_gbps * 1e3)
             if layer.kind is LayerKind.LAYER:
-                launch += moe_overhead if self.experts[layer.name] else hw.layer_overhead_us
-                cpu += 0.0 if self.graphs else moe_overhead if self.experts[layer.name] else hw.layer_overhead_us
+                overhead = moe_overhead if self.experts[layer.name] else hw.layer_overhead_us
+                launch, cpu = launch + overhead, cpu + (0.0 if self.graphs else overhead)
             layers.append(LayerCost(layer.name, h2d_bytes, round(gpu), round(link), round(prefill)))
             total[0] += h2d_bytes
             total[1] += gpu
