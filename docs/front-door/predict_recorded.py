@@ -1,25 +1,28 @@
 """The plans' predictions beside what the recorded runs measured, from this tree's planner, with no GPU.
 
-    python docs/front-door/predict_recorded.py                        # every front-door and prefill run on record
+    python docs/front-door/predict_recorded.py                        # every front-door, moe-cpu and prefill run
     python docs/front-door/predict_recorded.py RUN.jsonl --check 0.2  # exit 1 if a replayed decode row is off by more
 
-A front-door run (benchmarks/front_door.py) records each plan's decode rate, replayed and eager, at each batch, and
-a prefill run (benchmarks/prefill.py) each plan's time to first token per prompt length; both record the hardware
-profile they calibrated. Here the planner builds each row's plan again as the benchmark did (its policy and
-budgets, and `workload: {batch_size: B, cuda_graphs: ...}` or `{prompt_tokens: T}`), with that run's profile, over
-a header-only checkpoint of the run's model and depth (tests/synthetic.py: the benchmark checkpoint's names, dtypes
-and shapes, so the same plan; the FP8 rows a block-scaled FP8 copy's headers, as tests/quantized_models.py
-`write_fp8` writes it). So a change to the cost model is set against every measurement on record, on any machine
-(issue 25: every row within +-20%).
+A front-door run (benchmarks/front_door.py) records each plan's decode rate, replayed and eager, at each batch; a
+moe.py run with experts on cpu (`moe-cpu-*`, harness/host_rows.py) its replayed rate per share of the experts on cpu
+or per batch's own split; a prefill run (benchmarks/prefill.py) each plan's time to first token per prompt length.
+Each records the hardware profile it calibrated. Here the planner builds each row's plan again as the benchmark did
+(its policy and budgets, and `workload: {batch_size: B, cuda_graphs: ...}` or `{prompt_tokens: T}`), with that run's
+profile, over a header-only checkpoint of the run's model and depth (tests/synthetic.py: the benchmark checkpoint's
+names, dtypes and shapes, so the same plan; the FP8 rows a block-scaled FP8 copy's headers, as
+tests/quantized_models.py `write_fp8` writes it). So a change to the cost model is set against every measurement on
+record, on any machine (issue 25: every row within +-20%). It needs torch and transformers, which the benchmarks'
+modules import: their policies are taken from them, not written again here.
 
 Compared: decode rows replayed (the loop's rate) and eager (`generate --eager`), per plan and batch, and prefill
 rows. Left out, saying why: a plan rebuilt that is not the run's (other bytes on the GPU, uva or prefetch: the
 planner has changed its mind since); a batch above 1 with routed experts in host memory, on uva or cpu (the run's
 sequences copy one prompt, so they route alike and a step reads what one sequence's does, where the plan predicts
 distinct tokens' routing); and a plan for that workload that places otherwise than the applied one (the benchmark
-records no prediction then). `--check` judges the replayed decode rows only: an eager prediction rests on the run's
-calibrated launch overheads, which vary between calibrations by up to 2x (issue 25's calibration item), and a long
-prompt's on one GEMM rate for every shape (docs/front-door/README.md).
+records no prediction then). `--check` judges the front-door runs' replayed decode rows only: an eager prediction
+rests on the run's calibrated launch overheads, which vary between calibrations by up to 2x (issue 25's calibration
+item), and a long prompt's on one GEMM rate for every shape (docs/front-door/README.md); the moe-cpu runs' oldest
+profiles come from calibrations since replaced, and their first two runs from a host kernel since replaced.
 """
 from __future__ import annotations
 
@@ -37,7 +40,8 @@ import synthetic  # noqa: E402  (the header-only checkpoints' writer)
 import prefill  # noqa: E402
 from front_door import policy  # noqa: E402
 from harness.checkpoints import config_for  # noqa: E402
-from harness.plans import experts_working_bytes, make_plan, offloaded_layers  # noqa: E402
+from harness import host_rows  # noqa: E402
+from harness.plans import experts_working_bytes, make_plan, offloaded_layers, predicted_us  # noqa: E402
 from planner.decide.build import build  # noqa: E402
 from planner.inputs.checkpoint import open_checkpoint  # noqa: E402
 from planner.inputs.dtypes import nbytes  # noqa: E402
@@ -66,13 +70,29 @@ def checkpoints(work: Path, model: str, layers: int) -> None:
     (work / "fp8" / "config.json").write_text(json.dumps({**config, "quantization_config": FP8}))
 
 
-def repredict(records: list[dict], work: Path) -> list[dict]:
-    """One row per (plan, batch, mode) of a front-door run's records: measured, recorded and current predictions."""
+def profile(recorded: dict) -> tuple[Hardware, list[str]]:
+    """A run's hardware profile, and the fields its record lacks (a calibration older than they are: their defaults
+    are used, which the tables say)."""
+    fields = dataclasses.fields(Hardware)
+    hw = Hardware(**{f.name: recorded[f.name] for f in fields if f.name in recorded})
+    return hw, [f.name for f in fields if f.name not in recorded and f.name != "measured"]
+
+
+BYTES = ("gpu_bytes", "uva_bytes", "prefetch_bytes", "cpu_bytes")  # a record's, where it has them
+
+
+def same_plan(summary, record: dict) -> bool:
+    """Whether a plan rebuilt places the bytes the run's did (each byte figure the record holds)."""
+    return all(getattr(summary, key) == record[key] for key in BYTES if key in record)
+
+
+def repredict(records: list[dict], work: Path) -> tuple[list[dict], list[str]]:
+    """One row per (plan, batch, mode) of a front-door run's records: measured, recorded and current predictions;
+    and the profile fields the run's record lacks."""
     run = records[0]
     if run["kind"] != "run" or run["model"] not in SHAPES:
-        return []
-    hw = Hardware(**{f.name: run["hardware"][f.name] for f in dataclasses.fields(Hardware)
-                     if f.name in run["hardware"]})
+        return [], []
+    hw, lacks = profile(run["hardware"])
     layers = run["layers"]
     checkpoints(work, run["model"], layers)
     (work / "hw.yaml").write_text(dumps_hardware(hw))
@@ -89,7 +109,7 @@ def repredict(records: list[dict], work: Path) -> list[dict]:
         row = {k: r[k] for k in ("strategy", "batch", "mode", "steps_per_s", "predicted_steps_per_s")}
         text = policy(r["strategy"], layers, budget, split)
         a = build(load_policy(write(work / f"{r['strategy']}.policy.yaml", text)), work)
-        applied, ran = a.params, (a.summary.gpu_bytes, a.summary.uva_bytes) == (r["gpu_bytes"], r["uva_bytes"])
+        applied, ran = a.params, same_plan(a.summary, r)
         graph = r["mode"] == "graph"
         workload = f"workload: {{batch_size: {r['batch']}, cuda_graphs: {'true' if graph else 'false'}}}\n"
         d = build(load_policy(write(work / f"{r['strategy']}-b{r['batch']}.policy.yaml", text + workload)), work)
@@ -98,22 +118,19 @@ def repredict(records: list[dict], work: Path) -> list[dict]:
         row["left_out"] = ("not the run's plan" if not ran else "sequences routed alike" if r["batch"] > 1 and host
                            else "places otherwise" if d.params != applied else "")
         rows.append(row)
-    return rows
+    return rows, lacks
 
 
-def repredict_prefill(records: list[dict], work: Path) -> list[dict]:
+def repredict_prefill(records: list[dict], work: Path) -> tuple[list[dict], list[str]]:
     """One row per (plan, prompt tokens) of a prefill run's records (benchmarks/prefill.py, half the decoder layers
-    offloaded): measured, recorded and current predictions of the time to first token, ms."""
+    offloaded, prefill.py's default: the byte check catches another): measured, recorded and current predictions of
+    the time to first token, ms; and the profile fields the run's record lacks."""
     checkpoint = next((r for r in records if r["kind"] == "checkpoint"), None)
     if checkpoint is None or checkpoint["model"] not in SHAPES:
-        return []
-    model, run_hw = checkpoint["model"], next(r for r in records if r["kind"] == "hardware")
-    layers = next((n for n in range(1, 129) if sum(nbytes(d, shape) for _, d, shape in SHAPES[model](layers=n))
-                   == checkpoint["bytes"]), None)
-    if layers is None:
-        raise SystemExit(f"no depth of {model} has the run's {checkpoint['bytes']} bytes")
+        return [], []
+    model, run_hw, layers = checkpoint["model"], next(r for r in records if r["kind"] == "hardware"), depth(checkpoint)
     checkpoints(work, model, layers)
-    hw = Hardware(**{f.name: run_hw[f.name] for f in dataclasses.fields(Hardware) if f.name in run_hw})
+    hw, lacks = profile(run_hw)
     (work / "hw.yaml").write_text(dumps_hardware(hw))
     off = offloaded_layers(layers, 0.5)
     budget = load_plan(make_plan(work, "prefetch", prefill.policy("prefetch", off, 0.5, work / "hw.yaml", None))
@@ -124,7 +141,7 @@ def repredict_prefill(records: list[dict], work: Path) -> list[dict]:
             continue
         text = prefill.policy(r["strategy"], off, 0.5, work / "hw.yaml", budget)
         a = build(load_policy(write(work / f"{r['strategy']}.policy.yaml", text)), work)
-        ran = (a.summary.uva_bytes, a.summary.prefetch_bytes) == (r["uva_bytes"], r["prefetch_bytes"])
+        ran = same_plan(a.summary, r)
         path = write(work / f"{r['strategy']}-{r['tokens']}.policy.yaml",
                      text + f"workload: {{prompt_tokens: {r['tokens']}}}\n")
         d = build(load_policy(path), work)
@@ -132,7 +149,56 @@ def repredict_prefill(records: list[dict], work: Path) -> list[dict]:
                      "then_ms": r["predicted_ms"], "now_ms": d.cost.prefill_us / 1e3,
                      "left_out": "not the run's plan" if not ran else
                      "places otherwise" if d.params != a.params else ""})
-    return rows
+    return rows, lacks
+
+
+def repredict_host(records: list[dict], work: Path) -> tuple[list[dict], list[str]]:
+    """One row per replayed decode row of a moe.py run with experts on cpu (harness/host_rows.py): the first
+    `cpu_fraction` of every layer's experts on cpu and the rest on uva, on the row's host threads; or the plan's own
+    split (`backend: mixed` with `cpu_experts: true` under the all-uva plan's footprint, per batch)."""
+    checkpoint = next((r for r in records if r["kind"] == "checkpoint"), None)
+    if checkpoint is None or checkpoint["model"] not in SHAPES:
+        return [], []
+    layers, model = depth(checkpoint), checkpoint["model"]
+    checkpoints(work, model, layers)
+    hw, lacks = profile(next(r for r in records if r["kind"] == "hardware"))
+    (work / "hw.yaml").write_text(dumps_hardware(hw))
+    head, experts = "format_version: 1\ncheckpoint: ckpt\nhardware: hw.yaml\n", config_for(model, layers).num_experts
+    budget = load_plan(make_plan(work, "experts-host", head + host_rows.UVA_REST.replace("  -", "rules:\n  -", 1))
+                       ).summary.gpu_footprint_bytes / 2**30
+    rows = []
+    for r in records:
+        if r["kind"] != "decode" or r.get("cpu_fraction") is None or r["mode"] not in ("graph", "compiled-graph"):
+            continue
+        row = {"name": r["name"], "batch": r["batch"], "mode": r["mode"], "steps_per_s": r["steps_per_s"],
+               "then": r["predicted_steps_per_s"], "left_out": ""}
+        if r.get("split_by_plan"):
+            d = build(load_policy(write(work / f"split-{r['batch']}.policy.yaml", head + (
+                f"backend: mixed\ncpu_experts: true\nbudget_gib: {budget!r}\n"
+                f"workload: {{batch_size: {r['batch']}, cuda_graphs: true}}\n"))), work)
+            row["now"], row["left_out"] = 1e6 / d.summary.predicted_step_us, "" if same_plan(d.summary, r) else \
+                "not the run's plan"
+        else:
+            threads = dataclasses.replace(hw, cpu_threads=r["cpu_threads"] or hw.cpu_threads)
+            count = round(r["cpu_fraction"] * experts)  # a plan file per count: predicted_us caches by path
+            plan = make_plan(work, f"cpu-{count}", head + host_rows.cpu_rules(count, experts))
+            row["now"] = 1e6 / predicted_us(plan, threads, r["batch"], graphs=True)
+        rows.append(row)
+    return rows, lacks
+
+
+def depth(checkpoint: dict) -> int:
+    """The layers of the checkpoint record's model that make its bytes."""
+    model, total = checkpoint["model"], checkpoint["bytes"]
+    found = next((n for n in range(1, 129) if sum(nbytes(d, shape) for _, d, shape in SHAPES[model](layers=n))
+                  == total), None)
+    if found is None:
+        raise SystemExit(f"no depth of {model} has the run's {total} bytes")
+    return found
+
+
+def lacking(fields: list[str]) -> str:
+    return f"; its profile lacks {', '.join(fields)}: defaults used" if fields else ""
 
 
 def write(path: Path, text: str) -> Path:
@@ -167,24 +233,33 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("runs", nargs="*", type=Path,
                     help="front-door or prefill records (default: every one in benchmarks/results)")
     ap.add_argument("--check", type=float, metavar="TOLERANCE",
-                    help="exit 1 if a compared replayed decode row's measured / predicted is outside 1 +- TOLERANCE")
+                    help="exit 1 if a compared replayed decode row of a front-door run is outside 1 +- TOLERANCE")
     args = ap.parse_args(argv)
     results = HERE / "results"
-    runs = args.runs or sorted(results.glob("front-door-*.jsonl")) + sorted(results.glob("prefill-*.jsonl"))
+    runs = args.runs or [p for kind in ("front-door", "moe-cpu", "prefill")
+                         for p in sorted(results.glob(f"{kind}-*.jsonl"))]
     bad = []
     for path in runs:
         records = [json.loads(line) for line in path.read_text().splitlines()]
+        if path.name.startswith("moe-cpu-"):
+            with tempfile.TemporaryDirectory() as work:
+                rows, lacks = repredict_host(records, Path(work))
+            print("\n".join(table(f"{path.name} (experts on cpu{lacking(lacks)})", ["plan", "batch", "mode"], "steps/s",
+                                   [([r["name"], r["batch"], r["mode"]], r["steps_per_s"], r["then"], r["now"],
+                                     r["left_out"]) for r in rows])))
+            continue
         if path.name.startswith("prefill-"):
             with tempfile.TemporaryDirectory() as work:
-                rows = repredict_prefill(records, Path(work))
-            print("\n".join(table(f"{path.name} (time to first token)", ["plan", "tokens"], "ms", [
+                rows, lacks = repredict_prefill(records, Path(work))
+            print("\n".join(table(f"{path.name} (time to first token{lacking(lacks)})", ["plan", "tokens"], "ms", [
                 ([r["strategy"], r["tokens"]], r["ms"], r["then_ms"], r["now_ms"], r["left_out"]) for r in rows])))
             continue
         with tempfile.TemporaryDirectory() as work:
-            rows = repredict(records, Path(work))
+            rows, lacks = repredict(records, Path(work))
         if rows:
             run = records[0]
-            print("\n".join(table(f"{path.name} ({run['device']}, {run['layers']} layers)", ["plan", "batch", "mode"],
+            title = f"{path.name} ({run['device']}, {run['layers']} layers{lacking(lacks)})"
+            print("\n".join(table(title, ["plan", "batch", "mode"],
                                    "steps/s", [([r["strategy"], r["batch"], r["mode"]], r["steps_per_s"],
                                                 r["predicted_steps_per_s"], r["now_steps_per_s"], r["left_out"])
                                                for r in rows])))

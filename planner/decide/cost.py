@@ -35,9 +35,9 @@ fast. UVA reads sit inside the kernels that need them, so they count as GPU time
 stream ahead of use, so they do not. Both cross the same PCIe link, so the link term adds them. An experts forward
 that stages its touched experts (runtime/execute/experts.py: any expert of the layer in pinned memory, or at most
 BATCHED_PAIRS (token, expert) pairs, where batched_mm's arithmetic runs) writes them to HBM and reads them back:
-twice their bytes more over HBM, taking twice that time where it gathers them from HBM (a copy's reads and writes
-share it: all-GPU Qwen3-30B-A3B decode at batch 1 measured 0.74-0.84x of the prediction without it, H200 and H100)
-while over UVA the writes hide behind the link's reads.
+twice their bytes more over HBM, taking twice that time where it gathers them from HBM: a factor fitted to four
+recorded runs (front-door a-d: all-GPU Qwen3-30B-A3B decode at batch 1 measured 0.76x its prediction without it on
+H200s, 0.84x on H100s; 0.90x and 1.02x with it); over UVA the writes hide behind the link's reads.
 
 Prefill (the time to first token) of `workload.prompt_tokens` = T tokens, one
 sequence, over the layers that run in every step. Copies run on their own
@@ -51,7 +51,8 @@ they add:
     in place = (uva bytes a GEMM reads in place x ceil(T / stage_above_tokens)
                 + touched uva experts' bytes and embedding rows) / UVA
     layer    = max(compute, copies) + in place;  prefill = max(the sum over the layers, launch)
-    launch   = the decoder layers' CPU overheads (the prefill runs eagerly even where decode steps replay a graph)
+    launch   = the decoder layers' CPU overheads (the prefill runs eagerly even where decode steps replay a graph;
+               not the step's own, which the calibration measures in generate's loop: sampling, its Python)
 (staged routed experts stream through a ring of at most 1 GiB, staging.py: assumed to hold enough to keep the copies
 going while a layer computes). A routed expert computes its share of the tokens: k/E under uniform routing, or its
 share of the routing profile's prefill tokens (its decode share when the profile has none), and is read at all with
@@ -61,8 +62,8 @@ that prefill stages (staging.py: not embeddings; routed experts only when the to
 `stage_experts`'s) are copied once when T > stage_above_tokens; otherwise a GEMM reads them in place and re-reads
 them once per tile of output rows, which the model approximates as ceil(T / stage_above_tokens) reads: 1 up to the
 threshold, 3 at 512 tokens with the default 192 (measured on the H100: 2.1x a copy), 43 at 8192 (measured 24x:
-predicted pessimistic). A short prompt is launch-bound: Llama-3.1-8B's at 128 and 512 tokens on the H100 were predicted
-0.36x and 0.71x of their measured time without the launch term, 1.09x and 1.11x with it.
+predicted pessimistic). A short prompt is launch-bound: Llama-3.1-8B's at 128 and 512 tokens on the H100 measured 2.75x
+and 1.40x their prediction without the launch term, 0.91x and 0.90x with it.
 
 Experts on cpu: the host reads each touched expert once (the share above), beside the GPU, which sums both: layer
 gpu = E[max(its GPU time, layer GPU time + host)] as both vary with routing (reads.py `later`), host = those bytes /
@@ -81,14 +82,14 @@ step's batch tokens in the GPU time and for the prompt's tokens in the prefill.
 
 Limits: the GPU time per layer is measured at batch 1 on tiny Llama and Qwen3-MoE layers
 (runtime/measure/calibrate.py): a layer that launches more kernels (shared experts, MLA) takes longer, and so do the
-larger kernels of larger batches (an all-GPU Qwen3-30B-A3B step at batch 8: 0.88x on the H200); without a routing
-profile, expert routing is assumed uniform (real routers are skewed, which touches fewer experts); with one, the
-tokens of a batch are assumed routed independently of each other, as the profile's prompts were; the overlap of
-prefetch is assumed perfect, so a plan whose offloaded layers sit together (nothing to overlap with) is predicted
-optimistic. The prefill ignores attention's T^2 FLOPs (scores and values), activations and norms, runs every GEMM
-at matmul_tflops whatever its shape (small GEMMs run well below it: an all-GPU Qwen3-30B-A3B prefill of 8192 tokens
-measured 2.8x its prediction), counts the head's logits for all T tokens (generation needs the last one only), and
-leaves out what runs only with images (vision towers: a text prompt).
+larger kernels of larger batches (an all-GPU Qwen3-30B-A3B step at batch 8 measured 0.88x its prediction on the H200,
+1.02x on the H100); without a routing profile, expert routing is assumed uniform (real routers are skewed, which
+touches fewer experts); with one, the tokens of a batch are assumed routed independently of each other, as the
+profile's prompts were; the overlap of prefetch is assumed perfect, so a plan whose offloaded layers sit together
+(nothing to overlap with) is predicted optimistic. The prefill ignores attention's T^2 FLOPs (scores and values),
+activations and norms, runs every GEMM at matmul_tflops whatever its shape (small GEMMs run well below it: an all-GPU
+Qwen3-30B-A3B prefill of 8192 tokens measured 2.8x its prediction), counts the head's logits for all T tokens
+(generation needs the last one only), and leaves out what runs only with images (vision towers: a text prompt).
 """
 from __future__ import annotations
 
@@ -214,11 +215,11 @@ class CostModel:
         hw = self.hw
         layers = []
         total = [0, float(hw.step_gpu_us), 0.0, 0.0]
-        # a replayed CUDA graph launches nothing from the CPU
-        cpu, per_layer = (0.0, 0.0) if self.graphs else (hw.step_overhead_us, hw.layer_overhead_us)
-        per_moe_layer = 0.0 if self.graphs else hw.moe_layer_overhead_us or hw.layer_overhead_us
+        # a replayed CUDA graph launches nothing from the CPU; the prefill's launches count always (module doc)
+        cpu = 0.0 if self.graphs else hw.step_overhead_us
+        moe_overhead = hw.moe_layer_overhead_us or hw.layer_overhead_us
         costs = self._layer_costs
-        count = together = launch = 0.0  # launch: the prefill's, always eager (module doc)
+        count = together = launch = 0.0
         for layer in self.graph.layers:
             if layer.runs is not Runs.STEP:
                 layers.append(LayerCost(layer.name, 0, 0, 0))
@@ -236,9 +237,8 @@ class CostModel:
                 gpu, count, together = gpu + wait, count + n, together + wait
                 prefill += n * hw.allreduce_us + self.tokens * per_token / (hw.allreduce_gbps * 1e3)
             if layer.kind is LayerKind.LAYER:
-                cpu += per_moe_layer if self.experts[layer.name] else per_layer
-                launch += hw.moe_layer_overhead_us or hw.layer_overhead_us if self.experts[layer.name] else \
-                    hw.layer_overhead_us
+                overhead = moe_overhead if self.experts[layer.name] else hw.layer_overhead_us
+                launch, cpu = launch + overhead, cpu + (0.0 if self.graphs else overhead)
             layers.append(LayerCost(layer.name, h2d_bytes, round(gpu), round(link), round(prefill)))
             total[0] += h2d_bytes
             total[1] += gpu

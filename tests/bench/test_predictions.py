@@ -1,5 +1,4 @@
-"""docs/front-door/predict_recorded.py: the recorded front-door runs predicted again by this tree's planner, with no
-GPU."""
+"""docs/front-door/predict_recorded.py: the recorded runs predicted again by this tree's planner, with no GPU."""
 from __future__ import annotations
 
 import importlib.util
@@ -12,6 +11,7 @@ pytest.importorskip("transformers")
 
 from decode_bench import ROOT  # noqa: E402
 
+
 def predict_recorded():
     path = ROOT / "docs" / "front-door" / "predict_recorded.py"
     spec = importlib.util.spec_from_file_location("predict_recorded", path)
@@ -20,13 +20,15 @@ def predict_recorded():
     return module
 
 
-RUNS = sorted((ROOT / "benchmarks" / "results").glob("front-door-qwen3-30b-a3b-*.jsonl"))
+RESULTS = ROOT / "benchmarks" / "results"
+RUNS = sorted(RESULTS.glob("front-door-qwen3-30b-a3b-*.jsonl"))
 
 
 def test_every_recorded_graph_row_is_predicted_within_20_percent(capsys):
     """Issue 25's target on the runs on record: a cost-model change that breaks it fails here, not on a GPU."""
     assert RUNS
-    code = predict_recorded().main(["--check", "0.2"])  # and the prefill runs, reported, not judged
+    prefill = sorted(RESULTS.glob("prefill-*.jsonl"))  # reported, not judged (the tool's doc)
+    code = predict_recorded().main([*map(str, RUNS + prefill), "--check", "0.2"])
     out = capsys.readouterr()
     assert code == 0, out.err
     rows = [line for line in out.out.splitlines() if line.startswith("| gpu | 1 | graph |")]
@@ -43,6 +45,15 @@ def test_every_recorded_graph_row_is_predicted_within_20_percent(capsys):
 def test_a_record_whose_checkpoint_is_not_its_model_and_depth_is_refused(tmp_path):
     """A run over a 48-layer checkpoint that recorded `--layers 8` (the harness then reused any checkpoint)."""
     records = [json.loads(line) for line in RUNS[0].read_text().splitlines()]
-    records[0]["checkpoint_bytes"] = 61064245248
+    records[0]["checkpoint_bytes"] = 61064245248  # all 48 layers of the Qwen3-30B-A3B shape
     with pytest.raises(SystemExit, match="not the run's checkpoint"):
         predict_recorded().repredict(records, tmp_path)
+
+
+def test_experts_on_cpu_rows_are_predicted_again_and_reported(capsys):
+    """moe.py's rows with experts on cpu (every one of an 8-layer run's here; the 48-layer runs take a minute)."""
+    assert predict_recorded().main([str(RESULTS / "moe-cpu-qwen3-30b-a3b-run4.jsonl"), "--check", "0.2"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| experts-cpu1 |")]
+    assert [row.split(" | ")[1:3] for row in rows] == [["1", "graph"], ["8", "graph"], ["1", "compiled-graph"],
+                                                        ["8", "compiled-graph"]]
+    assert all(float(row.split("|")[-2]) > 0 for row in rows)

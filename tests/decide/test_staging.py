@@ -246,15 +246,13 @@ def test_show_and_diff_report_the_staging_and_the_prefill(tmp_path, monkeypatch,
     rule = "hardware: hw.yaml\nrules:\n  - match: ['re:layers\\.[01]\\.']\n    place: uva\n"  # 2 x 74240 staged
     write_policy(tmp_path, rule, name="on.policy.yaml")
     write_policy(tmp_path, rule + "uva: {stage_prefill: false}\nworkload: {prompt_tokens: 1024}\n", name="off.policy.yaml")
-    on = build(load_policy(tmp_path / "on.policy.yaml"), tmp_path)
-    off = build(load_policy(tmp_path / "off.policy.yaml"), tmp_path)
+    on, off = (build(load_policy(tmp_path / f"{name}.policy.yaml"), tmp_path) for name in ("on", "off"))
     assert main(["build", "on.policy.yaml"]) == 0
     assert capsys.readouterr().out.splitlines()[0] == (
         "wrote on.plan.yaml: 39 tensors, backend none; GPU 353.6 KiB (145.0 KiB of it prefill staging buffers), "
         f"host 144.5 KiB; predicted step {ms(on.summary.predicted_step_us)}, prefill of 512 tokens "
         f"{ms(on.cost.prefill_us)}")
-    assert main(["build", "off.policy.yaml"]) == 0
-    capsys.readouterr()
+    assert main(["build", "off.policy.yaml"]) == 0 == len(capsys.readouterr().err)
     assert main(["show", "on.plan.yaml"]) == 0
     lines = capsys.readouterr().out.splitlines()
     at = lines.index("prefill staging: 2 layers copy their uva tensors through 2 slots x 72.5 KiB = 145.0 KiB of "
@@ -285,6 +283,8 @@ def test_show_and_diff_report_the_staging_and_the_prefill(tmp_path, monkeypatch,
         {"removed": {"above_tokens": H100.stage_above_tokens, "slots": 2, "slot_bytes": 74240, "ring_bytes": 0,
                      "layers": ["model.layers.0", "model.layers.1"]}}, True, -148480)
     assert d["predicted_prefill_us"] == {"old": on.cost.prefill_us, "new": off.cost.prefill_us}
+    assert main(["diff", "off.plan.yaml", "on.plan.yaml"]) == 0  # the other way, the prefill shortens
+    assert f"prefill: {ms(off.cost.prefill_us)} -> {ms(on.cost.prefill_us)} (-{ms(pre)}, " in capsys.readouterr().out
 
 
 def test_diff_names_what_changed_within_the_staging(tmp_path, monkeypatch, capsys):
