@@ -241,28 +241,28 @@ def main(argv: list[str] | None = None) -> int:
     bad = []
     for path in runs:
         records = [json.loads(line) for line in path.read_text().splitlines()]
-        if path.name.startswith("moe-cpu-"):
+        kind = "moe-cpu" if path.name.startswith("moe-cpu-") else "prefill" if path.name.startswith("prefill-") \
+            else "front-door"
+        try:
             with tempfile.TemporaryDirectory() as work:
-                rows, lacks = repredict_host(records, Path(work))
+                rows, lacks = {"moe-cpu": repredict_host, "prefill": repredict_prefill,
+                               "front-door": repredict}[kind](records, Path(work))
+        except SystemExit as e:
+            raise SystemExit(f"{path}: {e}; leave this record out, or measure it again") from None
+        if kind == "moe-cpu":
             print("\n".join(table(f"{path.name} (experts on cpu{lacking(lacks)})", ["plan", "batch", "mode"], "steps/s",
                                    [([r["name"], r["batch"], r["mode"]], r["steps_per_s"], r["then"], r["now"],
                                      r["left_out"]) for r in rows])))
-            continue
-        if path.name.startswith("prefill-"):
-            with tempfile.TemporaryDirectory() as work:
-                rows, lacks = repredict_prefill(records, Path(work))
+        elif kind == "prefill":
             print("\n".join(table(f"{path.name} (time to first token{lacking(lacks)})", ["plan", "tokens"], "ms", [
                 ([r["strategy"], r["tokens"]], r["ms"], r["then_ms"], r["now_ms"], r["left_out"]) for r in rows])))
-            continue
-        with tempfile.TemporaryDirectory() as work:
-            rows, lacks = repredict(records, Path(work))
-        if rows:
+        elif rows:
             run = records[0]
             title = f"{path.name} ({run['device']}, {run['layers']} layers{lacking(lacks)})"
-            print("\n".join(table(title, ["plan", "batch", "mode"],
-                                   "steps/s", [([r["strategy"], r["batch"], r["mode"]], r["steps_per_s"],
-                                                r["predicted_steps_per_s"], r["now_steps_per_s"], r["left_out"])
-                                               for r in rows])))
+            print("\n".join(table(title, ["plan", "batch", "mode"], "steps/s",
+                                   [([r["strategy"], r["batch"], r["mode"]], r["steps_per_s"],
+                                     r["predicted_steps_per_s"], r["now_steps_per_s"], r["left_out"])
+                                    for r in rows])))
             bad += [f"{path.name}: {r['strategy']} batch {r['batch']}: "
                     f"{r['steps_per_s'] / r['now_steps_per_s']:.2f}" for r in off(rows, args.check or 0)]
     if args.check is not None and bad:

@@ -48,6 +48,12 @@ def test_a_record_whose_checkpoint_is_not_its_model_and_depth_is_refused(tmp_pat
     records[0]["checkpoint_bytes"] = 61064245248  # all 48 layers of the Qwen3-30B-A3B shape
     with pytest.raises(SystemExit, match="not the run's checkpoint"):
         predict_recorded().repredict(records, tmp_path)
+    run = tmp_path / "run.jsonl"
+    run.write_text("".join(json.dumps(r) + "\n" for r in records))
+    with pytest.raises(SystemExit) as e:  # the command: exit 1 (a message), naming the record and what to do
+        predict_recorded().main([str(run)])
+    assert str(e.value).startswith(f"{run}: the header-only qwen3-30b-a3b of 8 layers is not the run's checkpoint")
+    assert str(e.value).endswith("; leave this record out, or measure it again")
 
 
 def test_experts_on_cpu_rows_are_predicted_again_and_reported(capsys):

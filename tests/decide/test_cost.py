@@ -82,7 +82,7 @@ def test_prediction_arithmetic():
     assert p.step_us == max(p.cpu_us, p.gpu_us, p.link_us) == 8400
 
 
-def dense_then_moe():
+def two_layers_on_the_gpu():
     """Two layers, everything on the GPU: layer 0 dense (2 MB), layer 1 with 4 routed experts of 3 MB; (tensors,
     graph, fused groups, placement)."""
     tensors = [t for t in moe(layers=2, experts=4) if not t[0].startswith("model.layers.0.mlp.")]
@@ -95,7 +95,7 @@ def dense_then_moe():
 def test_layer_gpu_time_and_staging_by_batch():
     """Kernel latency per layer (dense or with routed experts) and per step counts as GPU time; above
     BATCHED_PAIRS pairs an all-resident experts forward reads in place (grouped_mm), nothing staged."""
-    t, g, groups, place = dense_then_moe()
+    t, g, groups, place = two_layers_on_the_gpu()
     hw = dataclasses.replace(HW, layer_gpu_us=50.0, moe_layer_gpu_us=70.0, step_gpu_us=30.0)
     for batch, staged in ((1, 12 * 10**6), (32, 0)):  # gathered from HBM: twice 3 MB, at half the rate
         p = CostModel(g, t, hw, batch, groups, 1, graphs=True).predict(place)
@@ -110,7 +110,7 @@ def test_layer_gpu_time_and_staging_by_batch():
 def test_the_prefill_takes_at_least_its_layers_launches():
     """The prefill runs eagerly, even where decode steps replay a graph: at least the decoder layers' CPU overheads
     (a layer with routed experts its own figure), not the step's own; above them, its reads and FLOPs."""
-    t, g, groups, place = dense_then_moe()
+    t, g, groups, place = two_layers_on_the_gpu()
     launches = dict(layer_overhead_us=100.0, moe_layer_overhead_us=300.0, step_overhead_us=5000.0)
     fast = dataclasses.replace(HW, hbm_read_gbps=1e6, matmul_tflops=1e6, **launches)  # reads, FLOPs: ~0 us
     for graphs in (False, True):
@@ -123,7 +123,7 @@ def test_the_prefill_takes_at_least_its_layers_launches():
 def test_eager_cpu_time_per_layer_dense_or_with_routed_experts():
     """Eagerly, a layer with routed experts costs its own CPU figure (moe_layer_overhead_us), a dense one
     layer_overhead_us; without the MoE figure, a MoE layer costs a dense one's."""
-    t, g, groups, place = dense_then_moe()
+    t, g, groups, place = two_layers_on_the_gpu()
     for moe_us, cpu in ((0.0, 40 + 100 + 100), (300.0, 40 + 100 + 300)):
         hw = dataclasses.replace(HW, step_overhead_us=40.0, moe_layer_overhead_us=moe_us)
         assert CostModel(g, t, hw, 1, groups, 1).predict(place).cpu_us == cpu

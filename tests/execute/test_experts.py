@@ -126,7 +126,6 @@ def test_lookahead_decode_equals_transformers_and_reads_its_buffer(tmp_path, mod
     """With experts in pinned memory in every layer, one-token forwards guess the next layer's experts and read
     them ahead (runtime/execute/lookahead.py): outputs stay bitwise batched_mm's, and the gathers do take rows from the
     buffer (spoiling it changes the outputs)."""
-    from runtime.execute import lookahead
     model, handle = from_pretrained(make_plan(tmp_path, models["qwen3-moe"], body), progress=False)
     ref = reference(models["qwen3-moe"])
     ref.set_experts_implementation("batched_mm")
@@ -135,6 +134,15 @@ def test_lookahead_decode_equals_transformers_and_reads_its_buffer(tmp_path, mod
     assert handle.stats().gpu_buffer_bytes == look.buffer_bytes > 0
     for got, want in zip(_decode_logits(model), _decode_logits(ref)):
         assert torch.equal(got, want)
+    spoil_reads_ahead(monkeypatch)
+    assert any(not torch.equal(got, want) for got, want in zip(_decode_logits(model), _decode_logits(ref)))
+    handle.remove(restore=False)
+    assert not any(hasattr(m, "_offplan_ahead") for m in model.modules())
+
+
+def spoil_reads_ahead(monkeypatch) -> None:
+    """Make every row the lookahead reads ahead wrong (one more), so that outputs show whether they are used."""
+    from runtime.execute import lookahead
     read = lookahead.read_ahead
 
     def spoiled(look, target, full, slots):
@@ -142,9 +150,6 @@ def test_lookahead_decode_equals_transformers_and_reads_its_buffer(tmp_path, mod
         for rows in look.rows.values():
             rows.add_(1)
     monkeypatch.setattr(lookahead, "read_ahead", spoiled)
-    assert any(not torch.equal(got, want) for got, want in zip(_decode_logits(model), _decode_logits(ref)))
-    handle.remove(restore=False)
-    assert not any(hasattr(m, "_offplan_ahead") for m in model.modules())
 
 
 def test_gather_rows_takes_guessed_experts_from_the_lookahead_buffer():

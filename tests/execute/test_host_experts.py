@@ -17,20 +17,9 @@ from runtime.execute import experts  # noqa: E402
 from runtime.execute.host import kernel as host_kernel  # noqa: E402
 from runtime.execute.host import native  # noqa: E402
 from runtime.hf import from_pretrained  # noqa: E402
-from tiny_models import (gpt_oss_config, make_plan, qwen3_moe_config, reference, save_model,  # noqa: E402
-                         transformers_greedy)
-
-# experts 0 and 1 of every layer on cpu, 2 on uva, 3 on the GPU
-SPLIT = "rules:\n  - {match: ['re:experts\\.[01]\\.'], place: cpu}\n  - {match: ['re:experts\\.2\\.'], place: uva}\n"
-# A bf16 GEMV summed in another order rounds to the same bf16 value, or one unit in the last place (2^-8
-# relative) off. Through three layers that moves the logits (bf16, up to about 5.6 here, where a unit is 2^-5) by a
-# few of their own units: on CUDA, against cuBLAS's sums, up to 0.078 (2.5 units) over 12 steps of two sequences on
-# the H200 machine (docs/host-experts/lockstep.py); on the 2-CPU VM the CPU's agreed bitwise in that script's run,
-# which other CPUs need not. The tolerance is 4 units.
-# Weights are drawn with std 0.2, so that the experts weigh in the logits: the logits spread by 1.6, and a host that
-# computes nothing moves them by about 2.
-TOLERANCE = dict(rtol=0, atol=0.125)
-LOUD = dict(initializer_range=0.2)
+from test_experts import spoil_reads_ahead  # noqa: E402
+from tiny_models import (HOST_LOUD as LOUD, HOST_SPLIT as SPLIT, HOST_TOLERANCE as TOLERANCE,  # noqa: E402
+                         gpt_oss_config, make_plan, qwen3_moe_config, reference, save_model, transformers_greedy)
 
 
 def hardware(tmp_path, threads: int = 1, above: int = 8):
@@ -150,7 +139,6 @@ def test_the_lookahead_guesses_only_experts_the_link_reads_and_its_buffer_is_use
     """In a module with experts on cpu, one-token forwards still read the next module's guessed experts ahead
     (runtime/execute/lookahead.py), but guess only among those its gathers read over the link: here expert 2 (0 and
     1 on cpu, 3 resident). The logits stay transformers', and spoiling the buffer changes them: its rows are used."""
-    from runtime.execute import lookahead
     model, handle = from_pretrained(make_plan(tmp_path, qwen, SPLIT + hardware(tmp_path)), progress=False, device="cpu")
     look = handle.lookahead
     assert look is not None and len(look.modules) == 3 and [m._offplan_ahead.reads for m in look.modules] == [
@@ -164,13 +152,7 @@ def test_the_lookahead_guesses_only_experts_the_link_reads_and_its_buffer_is_use
     torch.testing.assert_close(ours, theirs, **TOLERANCE)
     assert handle.host_experts.host_calls == calls + 3 * 6  # the host computed in every layer of every step
     assert look.ids[:, 0].tolist() == [2, 2]  # the first guess of each parity: the only expert the link reads
-    read = lookahead.read_ahead
-
-    def spoiled(look, target, full, slots):
-        read(look, target, full, slots)
-        for rows in look.rows.values():
-            rows.add_(1)
-    monkeypatch.setattr(lookahead, "read_ahead", spoiled)
+    spoil_reads_ahead(monkeypatch)
     assert not torch.allclose(lockstep(model, ref, prompts, tokens)[0], theirs, **TOLERANCE)
 
 

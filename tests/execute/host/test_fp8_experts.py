@@ -17,14 +17,8 @@ from quantized_models import reference_dir, write_fp8, write_mxfp4  # noqa: E402
 from runtime.execute import experts  # noqa: E402
 from runtime.execute.host import native  # noqa: E402
 from runtime.hf import from_pretrained  # noqa: E402
-from tiny_models import (gpt_oss_config, make_plan, qwen3_moe_config, reference, save_model,  # noqa: E402
-                         transformers_greedy)
-
-# As tests/execute/test_host_experts.py's, which says why: experts 0 and 1 of every layer on cpu, 2 on uva, 3 on the
-# GPU; logits within 4 bf16 units of theirs; weights drawn with std 0.2, so that the experts weigh in the logits.
-SPLIT = "rules:\n  - {match: ['re:experts\\.[01]\\.'], place: cpu}\n  - {match: ['re:experts\\.2\\.'], place: uva}\n"
-TOLERANCE = dict(rtol=0, atol=0.125)
-LOUD = dict(initializer_range=0.2)
+from tiny_models import (HOST_LOUD as LOUD, HOST_SPLIT as SPLIT, HOST_TOLERANCE as TOLERANCE,  # noqa: E402
+                         gpt_oss_config, make_plan, qwen3_moe_config, reference, save_model, transformers_greedy)
 
 
 @pytest.fixture(scope="module")
