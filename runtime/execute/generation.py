@@ -43,6 +43,7 @@ benchmarks time); decoder-only text models; the cache's dtype is the model's.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -158,6 +159,10 @@ class Generator:
             self.mode = "compiled" if compile else "eager"
         self.forward = torch.compile(model) if compile else model
         self.steps: dict[tuple[int, int, bool], _Step] = {}
+        # the prefill's logits at the last position only: all of a long prompt's would take GBs (Llama-3.1-8B's
+        # 128k vocabulary, 8192 tokens: 2.1 GB in bf16) and the head's GEMM over every token
+        self._last_only = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters \
+            else {}
 
     def prepare(self, prompts, max_new_tokens: int, *, pad_id: int = 0) -> None:
         """Pay a call's one-time costs before it is timed: make (and capture) the decode step of its shape, then
@@ -251,10 +256,11 @@ class Generator:
         return ids, mask, step
 
     def _prefill(self, step: _Step, ids: torch.Tensor) -> torch.Tensor:
-        """The prompts' forward over the emptied cache (the plan's prefill staging runs): logits [B, T, V]."""
+        """The prompts' forward over the emptied cache (the plan's prefill staging runs): logits [B, 1, V] at the
+        last position (or [B, T, V] from a model whose forward takes no `logits_to_keep`)."""
         step.cache.reset()
         logits = self.model(ids, past_key_values=step.cache, attention_mask=step.mask,
-                            cache_position=torch.arange(ids.shape[1], device=self.device)).logits
+                            cache_position=torch.arange(ids.shape[1], device=self.device), **self._last_only).logits
         self.handle.join()
         return logits
 

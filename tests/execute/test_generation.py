@@ -80,3 +80,19 @@ def test_bad_calls_are_refused(tmp_path, checkpoints):
                 call()
     finally:
         handle.remove()
+
+
+def test_the_prefill_runs_the_head_on_the_last_position_only(tmp_path, checkpoints):
+    """A long prompt's logits at every position would take GBs (generation.py): the head sees one row a sequence,
+    in the prefill as in each step, and the tokens are transformers' own."""
+    model, handle = from_pretrained(make_plan(tmp_path, checkpoints["llama"], PLANS["uva"]), progress=False)
+    rows = []
+    hook = model.lm_head.register_forward_hook(lambda module, args, out: rows.append(tuple(args[0].shape[:2])))
+    try:
+        prompts = [[5, 17, 99, 3, 41, 7, 12, 80], [8, 8, 200, 31, 2, 6, 1, 9]]
+        got = handle.generate(prompts, 4)
+        assert len(rows) >= 4 and set(rows) == {(2, 1)}  # the prefill's and each step's (not (2, 8))
+        assert got.tokens == transformers_greedy(checkpoints["llama"], prompts, 4, model)
+    finally:
+        hook.remove()
+        handle.remove()
