@@ -95,6 +95,16 @@ __attribute__((target("avx2,fma"))) void dot_avx2(const uint16_t* w, const uint1
   }
 }
 
+// The 16 lanes of an accumulator summed in lane order: the one order of dot_bf16 and dot_fp8_bf16, whose sums
+// must agree bit for bit.
+__attribute__((target("avx512f"))) inline float sum16(__m512 acc) {
+  alignas(64) float lanes[16];
+  _mm512_store_ps(lanes, acc);
+  float s = 0;
+  for (int l = 0; l < 16; ++l) s += lanes[l];
+  return s;
+}
+
 __attribute__((target("avx512f,avx512bw,avx512bf16"))) void dot_bf16(const uint16_t* w, const uint16_t* const* xs,
                                                                       int m, int64_t n, float* out) {
   __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
@@ -104,10 +114,7 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) void dot_bf16(const uint1
     for (int j = 0; j < m; ++j) acc[j] = _mm512_dpbf16_ps(acc[j], wv, (__m512bh)_mm512_loadu_si512(xs[j] + i));
   }
   for (int j = 0; j < m; ++j) {
-    alignas(64) float lanes[16];
-    _mm512_store_ps(lanes, acc[j]);
-    float s = 0;
-    for (int l = 0; l < 16; ++l) s += lanes[l];
+    float s = sum16(acc[j]);
     for (int64_t t = i; t < n; ++t) s += from_bf16(w[t]) * from_bf16(xs[j][t]);
     out[j] = s;
   }
@@ -190,10 +197,7 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) void dot_fp8_bf16(const u
     for (int j = 0; j < m; ++j) acc[j] = _mm512_dpbf16_ps(acc[j], wv, (__m512bh)_mm512_loadu_si512(xs[j] + i));
   }
   for (int j = 0; j < m; ++j) {
-    alignas(64) float lanes[16];
-    _mm512_store_ps(lanes, acc[j]);
-    float s = 0;
-    for (int l = 0; l < 16; ++l) s += lanes[l];
+    float s = sum16(acc[j]);
     for (int64_t t = i; t < n; ++t) s += from_bf16(to_bf16(from_fp8(w[t]) * scales[t / b1])) * from_bf16(xs[j][t]);
     out[j] = s;
   }
