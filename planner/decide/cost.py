@@ -45,8 +45,8 @@ stream ahead of compute (prefetch, and prefill staging: staging.py), so they
 overlap it; reads in place through UVA sit inside the kernels that need them
 (and a layer's touched experts are known only once its router has run), so
 they add:
-    compute  = 2 x T x (dense elements + each routed expert's elements x its share of the tokens)
-               / matmul_tflops  +  bytes read from GPU memory / HBM
+    compute  = (2 x T x (dense elements + each routed expert's elements x its share of the tokens) + causal
+               attention's 2 x T^2 x query width + the head's last logits) / matmul_tflops + bytes read / HBM
     copies   = (prefetched bytes + staged bytes) / H2D copy
     in place = (uva bytes a GEMM reads in place x ceil(T / stage_above_tokens)
                 + touched uva experts' bytes and embedding rows) / UVA
@@ -86,10 +86,10 @@ larger kernels of larger batches (an all-GPU Qwen3-30B-A3B step at batch 8 measu
 1.02x on the H100); without a routing profile, expert routing is assumed uniform (real routers are skewed, which
 touches fewer experts); with one, the tokens of a batch are assumed routed independently of each other, as the
 profile's prompts were; the overlap of prefetch is assumed perfect, so a plan whose offloaded layers sit together
-(nothing to overlap with) is predicted optimistic. The prefill ignores attention's T^2 FLOPs (scores and values),
-activations and norms, runs every GEMM at matmul_tflops whatever its shape (small GEMMs run well below it: an all-GPU
-Qwen3-30B-A3B prefill of 8192 tokens measured 2.8x its prediction), counts the head's logits for all T tokens
-(generation needs the last one only), and leaves out what runs only with images (vision towers: a text prompt).
+(nothing to overlap with) is predicted optimistic. The prefill runs attention at matmul_tflops too (FlashAttention
+runs below it), ignores activations and norms, runs every GEMM at that rate whatever its shape (small GEMMs run well
+below it: an all-GPU Qwen3-30B-A3B prefill of 8192 tokens measured 2.9x its prediction, Llama-3.1-8B's 1.5x), and
+leaves out what runs only with images (vision towers: a text prompt).
 """
 from __future__ import annotations
 

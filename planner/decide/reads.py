@@ -5,7 +5,13 @@ decode step reads (`frac`), the fraction the prefill reads (`pre_frac`), the
 FLOPs the prefill spends on it (`flops`), whether a forward reads it in place
 once rather than once per tile (`gathered`: experts, embedding rows); per layer,
 its routed tensors (`experts`). cost.py says how each follows from the role,
-the routing and the batch.
+the routing and the batch. Two FLOP counts are not a GEMM over every prompt
+token: the head's (and a tied embedding's, which is the head) computes the last
+position's logits only, as the runtime's generation asks (2 x elements); a
+query projection (`ATTENTION`, in a decoder layer) carries its layer's attention
+besides its own GEMM: causal scores and values over T tokens, 2 x T^2 x its
+output features (every head's dimensions; MLA's `q_b_proj` counts its query
+heads' width for the values too, which a 128-wide value head makes 1.5x high).
 
 Layers alike (alike.py) have the same facts tensor for tensor: a layer's facts
 depend on its local names (its template), kind, when it runs, the dtypes and
@@ -28,6 +34,8 @@ from ..layers.alike import Shapes, applies
 from ..layers.graph import Layer, LayerGraph
 from ..layers.groups import FusedGroups
 from ..plan import LayerKind, Role, Runs
+
+ATTENTION = ("q_proj.weight", "q_b_proj.weight")  # a decoder layer's query projection: its attention's width
 
 
 def chance_read(share: float, tokens: int) -> float:
@@ -124,16 +132,20 @@ def reads(graph: LayerGraph, tensors: Mapping[str, TensorInfo], groups: FusedGro
         n for l in graph.layers if l.kind is LayerKind.EMBED for n in l.params if len(tensors[n].shape) == 2}
     roles = roles or {}
     routed = groups.index_of.keys() | groups.rows_of.keys()  # groups.routed, for all of them
-    facts: dict[tuple, tuple] = {}  # (role, routed, read, shape, runs every step) -> what follows from them
+    facts: dict[tuple, tuple] = {}  # (role, routed, read, shape, runs every step, head, query) -> what follows
 
-    def tensor_facts(n: str, step: bool) -> tuple:
-        """(role, frac, pre_frac, flops, gathered) of one tensor."""
+    def tensor_facts(n: str, step: bool, kind: LayerKind) -> tuple:
+        """(role, frac, pre_frac, flops, gathered) of one tensor of a layer of `kind`."""
         is_routed = n in routed
         role = roles.get(n) or (Role.EXPERT if is_routed else Role.EMBEDDING if n in embed else Role.DENSE)
         shape = tensors[n].shape
         g = groups.group_of[n] if is_routed and role is Role.EXPERT else None
         e = None if g is None else groups.index_of.get(n)
-        key = (role, is_routed, g if g is None else depends[g] if depends[g] is not None else (g, e), shape, step)
+        # the GEMM's tokens: the last position's at the head (module doc); a query projection's attention
+        last = kind is LayerKind.HEAD or kind is LayerKind.EMBED
+        attention = kind is LayerKind.LAYER and n.endswith(ATTENTION) and len(shape) == 2
+        key = (role, is_routed, g if g is None else depends[g] if depends[g] is not None else (g, e), shape, step,
+               last, attention)
         got = facts.get(key)
         if got is None:
             if role is Role.EMBEDDING:
@@ -145,8 +157,10 @@ def reads(graph: LayerGraph, tensors: Mapping[str, TensorInfo], groups: FusedGro
                 frac = pre_frac = pre = 1.0
             if not step:
                 frac = pre_frac = pre = 0.0  # neither in a decode step nor in a text prefill
-            got = facts[key] = (role, frac, pre_frac, 2 * prompt_tokens * math.prod(shape) * pre,
-                                role is Role.EMBEDDING or is_routed)
+            flops = 2 * (1 if last else prompt_tokens) * math.prod(shape) * pre
+            if attention:
+                flops += 2 * prompt_tokens ** 2 * shape[0] * pre
+            got = facts[key] = (role, frac, pre_frac, flops, role is Role.EMBEDDING or is_routed)
         return got
 
     out = Reads(shapes := Shapes(tensors))
@@ -158,7 +172,7 @@ def reads(graph: LayerGraph, tensors: Mapping[str, TensorInfo], groups: FusedGro
         number, got = kinds.get(kind, (-1 - i, None)) if kind is not None else (-1 - i, None)
         if got is None:
             step = layer.runs is Runs.STEP
-            got = tuple(zip(*(tensor_facts(n, step) for n in params))) or ((),) * 5
+            got = tuple(zip(*(tensor_facts(n, step, layer.kind) for n in params))) or ((),) * 5
             if kind is not None:
                 number = len(kinds)
                 kinds[kind] = (number, got)

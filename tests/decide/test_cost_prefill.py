@@ -38,14 +38,14 @@ def prefill_placement(t):
     #   layer 0: 2e8 FLOP (attention) + 12 x 2e8 x 1/4 (each expert computes a quarter of the tokens):
     #            max(800 + 13 MB staged / HBM 1300, 13 MB copied 13000)                             = 13000
     #   layer 1: max(800 + 13 MB / HBM 1300, 1 MB prefetched 1000)                                  =  2100
-    #   head:    max(200 + 1 MB / HBM 100, 0)                                                       =   300
-    (100, True, (200, 13000, 2100, 300)),
+    #   head:    the last position's logits: max(2 + 1 MB / HBM 100, 0)                             =   102
+    (100, True, (200, 13000, 2100, 102)),
     # not staged: a GEMM reads the attention in place ceil(100 / 64) = 2 times, the experts gather the 12 MB
     # touched once: 800 + 14 MB / 0.5 28000
-    (100, False, (200, 28800, 2100, 300)),
+    (100, False, (200, 28800, 2100, 102)),
     # T = 64 is not above the threshold: 64 of 1000 rows; 2 x 64 FLOP per element; layer 0: 128 + 384 of
-    # GEMMs + the attention read in place once (2000) and the touched experts (24000)
-    (64, True, (128, 26512, 1812, 228)),
+    # GEMMs + the attention read in place once (2000) and the touched experts (24000); the head as above
+    (64, True, (128, 26512, 1812, 102)),
 ])
 def test_prefill_prediction_by_hand(tokens, stage, want):
     t = infos(moe(layers=2, experts=4))
@@ -64,11 +64,32 @@ def test_prefill_of_a_layer_at_rest_is_its_compute():
     g = build_graph(t)
     groups = FusedGroups.find(n for l in g.stack_layers() for n in l.params)
     place = {n: GPU for n in t}
-    # per layer at T=100: 800 us of GEMMs + 13 MB from HBM 1300 us; the head 300 us; the embedding 100 rows 10 us
-    for tokens, want in ((100, 10 + 2 * 2100 + 300), (1000, 100 + 2 * (8000 + 1300) + 2100)):
+    # per layer at T=100: 800 us of GEMMs + 13 MB from HBM 1300 us; the head the last position's logits, 2 us +
+    # 1 MB from HBM 100 us; the embedding 100 rows 10 us
+    for tokens, want in ((100, 10 + 2 * 2100 + 102), (1000, 100 + 2 * (8000 + 1300) + 102)):
         m = CostModel(g, t, HW_PREFILL, 1, groups, 1, prompt_tokens=tokens)
         assert m.predict(place).prefill_us == want
 
+
+
+def test_prefill_flops_count_causal_attention_and_the_last_logits_only():
+    """A query projection carries its layer's causal attention (2 x T^2 x its output features) besides its GEMM; the
+    head computes the last position's logits, as the runtime's generation asks (reads.py)."""
+    width, tokens = 64, 100
+    tensors = [("model.embed_tokens.weight", "BF16", (1000, 500))]
+    for i in range(2):
+        tensors += [(f"model.layers.{i}.self_attn.{p}_proj.weight", "BF16", (width, 500)) for p in "qk"]
+    t = infos(tensors + [("lm_head.weight", "BF16", (1000, 500))])
+    g = build_graph(t)
+    m = CostModel(g, t, HW_PREFILL, 1, FusedGroups.find([]), None, prompt_tokens=tokens)
+    gemm = 2 * tokens * width * 500
+    for i in range(2):
+        assert m.flops[f"model.layers.{i}.self_attn.k_proj.weight"] == gemm
+        assert m.flops[f"model.layers.{i}.self_attn.q_proj.weight"] == gemm + 2 * tokens ** 2 * width
+    assert (m.flops["lm_head.weight"], m.flops["model.embed_tokens.weight"]) == (2 * 1000 * 500, 0)
+    tied = infos(tensors)  # the embedding is the head: the last position's logits
+    m = CostModel(build_graph(tied), tied, HW_PREFILL, 1, FusedGroups.find([]), None, prompt_tokens=tokens)
+    assert m.flops["model.embed_tokens.weight"] == 2 * 1000 * 500
 
 def dense(layers=8):
     """A 1 MB embedding (1000 rows), `layers` dense layers of 1 MB, a 1 MB head: 10 MB in all."""
@@ -87,14 +108,14 @@ def test_mixed_minimises_the_request_not_the_step():
     # per layer at rest: 2 x 1024 x 10^6 FLOP at 10^7 FLOP/us = 204.8 us, + 1 MB from HBM 100 us
     # uva (the embedding, layers 0 and 1): step = gpu: 7 MB from HBM 700 + 2.001 MB through UVA 2001 = 2701;
     #   prefill: the embedding's 1000 rows 1000 + 2 x (4 reads of 1 MB 4000 in place, after 204.8 of GEMMs)
-    #   + 6 x 304.8 + the head 304.8
+    #   + 6 x 304.8 + the head (the last position's logits: 0.2 us + 1 MB from HBM) 100.2
     # sparse->uva, dense->prefetch (the embedding; layers 1, 3, 5, 7 through 2 slots of 1,000,192 bytes):
-    #   step = link: 4 MB copied + 1 embedding row = 4001; prefill 1000 + 4 x 1000 (copies) + 4 x 304.8 + 304.8
-    # prefetch only (5 layers: the embedding stays): step = link 5000; prefill 100 + 5 x 1000 + 3 x 304.8 + 304.8
-    want = {"sparse->uva, dense->prefetch": (4001, 6524), "sparse->uva, dense->uva": (2701, 11543),
-            "prefetch only": (5000, 6319), "uva only": (2701, 11543)}
-    # request: 1 new token: 10525 (streaming) < 11319 (prefetch only) < 14244 (uva);
-    #          4 new tokens: 22347 (uva) < 22528 (streaming)
+    #   step = link: 4 MB copied + 1 embedding row = 4001; prefill 1000 + 4 x 1000 (copies) + 4 x 304.8 + 100.2
+    # prefetch only (5 layers: the embedding stays): step = link 5000; prefill 100 + 5 x 1000 + 3 x 304.8 + 100.2
+    want = {"sparse->uva, dense->prefetch": (4001, 6319), "sparse->uva, dense->uva": (2701, 11339),
+            "prefetch only": (5000, 6115), "uva only": (2701, 11339)}
+    # request: 1 new token: 10320 (streaming) < 11115 (prefetch only) < 14040 (uva);
+    #          4 new tokens: 22143 (uva) < 22323 (streaming)
     for new_tokens, best in ((1, "sparse->uva, dense->prefetch"), (4, "sparse->uva, dense->uva")):
         pol = dataclasses.replace(policy("mixed", budget_gib=7.1e6 / 2**30, step=2, stage_prefill=False),
                                   workload=Workload(1, prompt_tokens=1024, new_tokens=new_tokens))
