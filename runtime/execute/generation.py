@@ -159,10 +159,9 @@ class Generator:
             self.mode = "compiled" if compile else "eager"
         self.forward = torch.compile(model) if compile else model
         self.steps: dict[tuple[int, int, bool], _Step] = {}
-        # the prefill's logits at the last position only: all of a long prompt's would take GBs (Llama-3.1-8B's
-        # 128k vocabulary, 8192 tokens: 2.1 GB in bf16) and the head's GEMM over every token
-        self._last_only = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters \
-            else {}
+        # the prefill's last logits only: 8192 tokens' over Llama-3.1-8B's vocabulary would take 2.1 GB (bf16)
+        keeps = "logits_to_keep" in inspect.signature(model.forward).parameters
+        self._last_only = {"logits_to_keep": 1} if keeps else {}
 
     def prepare(self, prompts, max_new_tokens: int, *, pad_id: int = 0) -> None:
         """Pay a call's one-time costs before it is timed: make (and capture) the decode step of its shape, then
@@ -256,8 +255,7 @@ class Generator:
         return ids, mask, step
 
     def _prefill(self, step: _Step, ids: torch.Tensor) -> torch.Tensor:
-        """The prompts' forward over the emptied cache (the plan's prefill staging runs): logits [B, 1, V] at the
-        last position (or [B, T, V] from a model whose forward takes no `logits_to_keep`)."""
+        """The prompts' forward over the emptied cache (the plan's prefill staging runs): logits [B, 1 or T, V]."""
         step.cache.reset()
         logits = self.model(ids, past_key_values=step.cache, attention_mask=step.mask,
                             cache_position=torch.arange(ids.shape[1], device=self.device), **self._last_only).logits
