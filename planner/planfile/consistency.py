@@ -1,11 +1,10 @@
 """Does a plan say what it runs? The one check behind `plan show`, `plan validate` and `plan apply`.
 
-A plan repeats itself on purpose: `params:` is what the runtime applies;
-`layers:`, `summary:`, `prefetch:` and `prefill:` are what a reviewer reads. A hand edit can
-make them disagree, and then review shows one thing while another runs. Every
-command that reads a plan (`planner.planfile.read_plan`, which the runtime uses
-too) runs this check and refuses a plan that fails it, naming the lines that
-disagree.
+A plan repeats itself on purpose: `params:` is what the runtime applies; `layers:`, `summary:`, `prefetch:` and
+`prefill:` are what a reviewer reads. A hand edit can make them disagree, and then review shows one thing while
+another runs. Every command that reads a plan (`planner.planfile.read_plan`, which the runtime uses too) runs this
+check and refuses a plan that fails it, naming the lines that disagree (located only then: a location composes the
+file's node tree, a second parse).
 
 What is compared depends on what is at hand. The plan stores each tensor's
 placement but not its size, so:
@@ -20,11 +19,10 @@ placement but not its size, so:
   layers, which the layer table's `runs` names; routed experts only with `ring_bytes`, then in some layer),
   in order, each hooked at its module, with bytes a multiple of 256 within what its row's uva bytes allow,
   its slot the largest, min(2, layers with bytes) slots, stage_buffer_bytes the pool;
-- with the checkpoint's headers (sizes, dtypes, shapes: cheap to read), also
-  exactly: `params:` names the checkpoint's tensors, each layer's bytes per
-  placement are the sum of its tensors', the buffers and slot sizes are
-  those its prefetched tensors need, each staged layer's bytes those of its
-  staged tensors, and the ring its routed experts'; a quantized weight and its scales share a placement.
+- with the checkpoint's headers (sizes, dtypes, shapes: cheap to read), also exactly: `params:` names the
+  checkpoint's tensors, each layer's bytes per placement are the sum of its tensors', the buffers and slot sizes
+  are those its prefetched tensors need, each staged layer's bytes those of its staged tensors, and the ring its
+  routed experts'; a quantized weight and its scales share a placement.
   A tensor-parallel plan (`parallel:`) is compared with one GPU's share of them (parallel.py).
 
 Only routed experts are on cpu. Not checked: the predicted link bytes, GPU time per layer and prefill, which need
@@ -197,7 +195,9 @@ def _prefetch(plan: Plan, graph: LayerGraph, at, tensors) -> list[str]:
                         ", and a prefetched layer must run in every forward (a plan of an older offplan? rebuild it)")
     p = plan.prefetch
     if p is None:
-        return problems + [f"{at('prefetch')}: is null but params: prefetch tensors of {_some(names)}"] * bool(names)
+        if names:
+            problems.append(f"{at('prefetch')}: is null but params: prefetch tensors of {_some(names)}")
+        return problems
     listed = [t.layer for t in p.schedule]
     if listed != names:
         problems.append(f"{at('prefetch', 'schedule')}: lists {_some(listed)} but the layers with prefetched "
