@@ -38,6 +38,19 @@ def test_schema_violations_are_located(built):
     ]
 
 
+
+def test_every_placement_is_checked_however_many_are_fine(built):
+    """`params:` is checked in one pass where every value is a placement (schema.py): a value that is not, of any
+    kind, anywhere among the many that are, is still reported at its line."""
+    _, text = built["uva"]
+    bad = text.replace("model.layers.2.mlp.down_proj.weight: gpu", "model.layers.2.mlp.down_proj.weight: [gpu]")
+    bad = bad.replace("lm_head.weight: gpu", "lm_head.weight: 1")
+    line = lambda s: bad[:bad.index(s)].count("\n") + 1  # noqa: E731
+    assert plan_error(bad).problems == [
+        f"p.plan.yaml:{line('lm_head.weight: 1')}:19: params.lm_head.weight: 1 is not one of gpu, uva, prefetch, cpu",
+        f"p.plan.yaml:{line(': [gpu]')}:40: params.model.layers.2.mlp.down_proj.weight: a list is not one of gpu, "
+        "uva, prefetch, cpu"]
+
 def test_a_format_1_plan_says_to_rebuild(built):
     _, text = built["prefetch"]
     assert str(plan_error(text.replace("format_version: 2\n", "format_version: 1\n"))) == (
