@@ -1,4 +1,5 @@
-"""How fast are `plan build` and `plan check` on DeepSeek-V3- and Kimi-K2-sized checkpoints?
+"""How fast are `plan build` and `plan check` (and a reviewer's `plan show` and `plan diff`) on DeepSeek-V3- and
+Kimi-K2-sized checkpoints?
 
     python benchmarks/plan_speed.py                              # both models, temp checkpoints, 7 repetitions
     python benchmarks/plan_speed.py --dir /tmp/ps -n 9           # keep (and reuse) the checkpoints
@@ -20,9 +21,11 @@ experts, experts per token, FP8 block size):
   the least any tool needs to know the checkpoint's inventory;
 - plan build: `offplan.cli.main(["build", POLICY])` in this process, as the `plan` command runs it
   (policy, every header, the plan, its file, the summary it prints; stdout and stderr captured);
-- plan check: `main(["check", PLAN])` on the plan that build wrote (up to date: exit 0).
+- plan check: `main(["check", PLAN])` on the plan that build wrote (up to date: exit 0);
+- plan show, plan diff (no target; a reviewer's commands, which read whole plans): `show` of a `backend: mixed`
+  plan under a GPU budget of half the checkpoint (`MIXED`: no prefetch section), `diff` of the two plans.
 The policy is a realistic prefetch one: group 4 / 2 in group / step 2 over `params: [experts]`, with a
-rule pinning embed_tokens and lm_head to the GPU. The three run interleaved, the order reversed every
+rule pinning embed_tokens and lm_head to the GPU. They run interleaved, the order reversed every
 other repetition, after one warm-up run of each (headers in the page cache, imports and schemas loaded);
 medians are compared.
 
@@ -78,7 +81,14 @@ rules:
   - match: [embed_tokens, lm_head]
     place: gpu
 """
-TARGETS = {"build": 2.0, "check": 1.5}
+MIXED = """\
+# Benchmark policy: the mixed backend under a GPU budget of half the checkpoint (no prefetch: section).
+format_version: 1
+checkpoint: ./checkpoint
+backend: mixed
+budget_gib: {gib}
+"""
+TARGETS = {"build": 2.0, "check": 1.5}  # show and diff (of the two plans) have none: reported beside them
 TARGET_MB = 500
 PROFILE_ROWS = 15
 
@@ -97,6 +107,8 @@ def make_checkpoint(root: Path, model: str) -> Path:
     (ckpt / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     policy = root / "bench.policy.yaml"
     policy.write_text(POLICY)
+    total = sum(p.stat().st_size for p in ckpt.glob("*.safetensors"))
+    (root / "mixed.policy.yaml").write_text(MIXED.format(gib=f"{total / 2 / 2**30:.4g}"))
     return policy
 
 
@@ -189,10 +201,13 @@ def run_model(root: Path, model: str, repeat: int, profile: bool) -> list[dict]:
     policy = make_checkpoint(root, model)
     ckpt, plan = root / "checkpoint", root / "bench.plan.yaml"
     shards = len(list(ckpt.glob("*.safetensors")))
+    mixed = root / "mixed.plan.yaml"
     fns = {"header scan": (header_scan, ckpt), "build": (command, ["build", str(policy)]),
-           "check": (command, ["check", str(plan)])}
+           "check": (command, ["check", str(plan)]), "show": (command, ["show", str(mixed)]),
+           "diff": (command, ["diff", str(plan), str(mixed)])}
     tensors = header_scan(ckpt)  # the warm-up: page cache, imports, schemas
     command(["build", str(policy)])
+    command(["build", str(root / "mixed.policy.yaml")])
     command(["check", str(plan)])
     print(f"\n{model}: {tensors} tensors in {shards} shards (header-only), {repeat} repetitions")
     times = {k: [] for k in fns}

@@ -26,22 +26,25 @@ def plan_speed_tables(results: Path = RESULTS) -> list[str]:
            "header-only checkpoints of DeepSeek-V3 and Kimi-K2 with their config.json facts; the policy prefetches "
            "the experts of 2 layers in every 4. Header scan: the safetensors library opening every shard and "
            "listing its keys and shapes. Medians of interleaved repetitions; peak RSS of a fresh process that builds "
-           "or checks once. Targets: build within 2x the scan, check within 1.5x.", ""]
+           "or checks once. Targets: build within 2x the scan, check within 1.5x. `plan show` (of a `backend: mixed` "
+           "plan under half the checkpoint as its budget) and `plan diff` (of the two plans), a reviewer's "
+           "commands, have none: timed in the runs that have them.", ""]
     for label in labels:
         path, run, _ = runs[label]
         out.append(f"- `{label}` (`{path.name}`): {run.get('note') or run['planner']}; {run.get('cpu') or run['machine']}"
                    f", {run.get('cpus', '?')} CPUs, Python {run['python']}, {run['repeat']} repetitions")
-    out += ["", "| model | run | header scan | plan build (x scan) | plan check (x scan) | peak RSS build / check |",
-            "|---|---|---|---|---|---|"]
+    out += ["", "| model | run | header scan | plan build (x scan) | plan check (x scan) | plan show (x scan) | "
+            "plan diff (x scan) | peak RSS build / check |", "|---|---|---|---|---|---|---|---|"]
     for model in dict.fromkeys(r["model"] for _, _, rows in runs.values() for r in rows if r["kind"] == "timing"):
         for label in labels:
             times = {r["what"]: r for r in runs[label][2] if r["kind"] == "timing" and r["model"] == model}
             if not times:
                 continue
-            scan, build, check = times["header scan"], times["build"], times["check"]
-            out.append(f"| {model} | {label} | {scan['median_s']:.3f} s | {build['median_s']:.3f} s "
-                       f"({build['ratio_to_scan']:.2f}x) | {check['median_s']:.3f} s ({check['ratio_to_scan']:.2f}x) | "
-                       f"{build['peak_rss_mb']} / {check['peak_rss_mb']} MB |")
+            scan, build = times["header scan"], times["build"]
+            cells = " | ".join(f"{t['median_s']:.3f} s ({t['ratio_to_scan']:.2f}x)" if (t := times.get(k)) else "-"
+                               for k in ("build", "check", "show", "diff"))  # show, diff: the runs that timed them
+            out.append(f"| {model} | {label} | {scan['median_s']:.3f} s | {cells} | "
+                       f"{build['peak_rss_mb']} / {times['check']['peak_rss_mb']} MB |")
     out.append("")
     for label in labels:
         timings = [r for r in runs[label][2] if r["kind"] == "timing" and r["target"]]

@@ -32,7 +32,8 @@ def test_one_row_per_model_and_run_the_before_run_first_and_where_the_time_went(
     write(tmp_path / "plan-speed-after.jsonl", [
         {**run, "label": "after", "note": "this tree"},
         timing("deepseek-v3", "header scan", 0.3, 1.0), timing("deepseek-v3", "build", 0.6, 2.0, 180),
-        timing("deepseek-v3", "check", 0.45, 1.5, 190)])
+        timing("deepseek-v3", "check", 0.45, 1.5, 190), timing("deepseek-v3", "show", 1.2, 4.0),
+        timing("deepseek-v3", "diff", 2.7, 9.0)])
     write(tmp_path / "plan-speed-before.jsonl", [
         {**run, "label": "before", "note": "main at abc1234"},
         timing("deepseek-v3", "header scan", 0.3, 1.0), timing("deepseek-v3", "build", 9.0, 30.0, 230),
@@ -45,10 +46,11 @@ def test_one_row_per_model_and_run_the_before_run_first_and_where_the_time_went(
     assert lines[4] == ("- `before` (`plan-speed-before.jsonl`): main at abc1234; Some CPU, 2 CPUs, Python 3.11.7, "
                         "3 repetitions")
     assert lines[5].startswith("- `after` (`plan-speed-after.jsonl`): this tree;")
-    start = lines.index("|---|---|---|---|---|---|")
-    assert lines[start + 1:start + 3] == [
-        "| deepseek-v3 | before | 0.300 s | 9.000 s (30.00x) | 15.000 s (50.00x) | 230 / 245 MB |",
-        "| deepseek-v3 | after | 0.300 s | 0.600 s (2.00x) | 0.450 s (1.50x) | 180 / 190 MB |"]
+    start = lines.index("|---|---|---|---|---|---|---|---|")
+    assert lines[start + 1:start + 3] == [  # a run without show and diff timed shows none
+        "| deepseek-v3 | before | 0.300 s | 9.000 s (30.00x) | 15.000 s (50.00x) | - | - | 230 / 245 MB |",
+        "| deepseek-v3 | after | 0.300 s | 0.600 s (2.00x) | 0.450 s (1.50x) | 1.200 s (4.00x) | 2.700 s (9.00x) | "
+        "180 / 190 MB |"]
     assert lines[start + 4:start + 6] == [
         "`before`: over target: deepseek-v3 build 30.00x (target 2.0x); deepseek-v3 check 50.00x (target 1.5x).",
         "`after`: every target met."]
@@ -72,7 +74,7 @@ def test_the_benchmark_writes_its_records(tmp_path, monkeypatch, capsys):
                             "--out", str(tmp_path), "--label", "after", "--note", "a test"]) == 0
     rows = [json.loads(line) for line in (tmp_path / "plan-speed-after.jsonl").read_text().splitlines()]
     assert rows[0]["kind"] == "run" and rows[0]["label"] == "after" and rows[0]["note"] == "a test"
-    assert {r["what"] for r in rows if r["kind"] == "timing"} == {"header scan", "build", "check"}
+    assert {r["what"] for r in rows if r["kind"] == "timing"} == {"header scan", "build", "check", "show", "diff"}
     assert {(r["command"], r["order"]) for r in rows if r["kind"] == "profile"} == {
         (c, o) for c in ("build", "check") for o in ("cumulative", "own")}
     assert "| small | after |" in "\n".join(plan_speed_tables(tmp_path))
