@@ -31,8 +31,9 @@ def prefill_tables() -> list[str]:
         ring = any("ring_bytes" in r for r in prefill)  # recorded since the expert ring (2026-11-23)
         touched = " ".join(f"{r['tokens']}: {r['link_bytes'] / r['offloaded_bytes']:.0%}," for r in experts).rstrip(",")
         out += [f"## {ck['model']}: prefill (time to first token) with half the decoder layers offloaded{routing}", "",
-                f"`{path.name}`: {ck['bytes'] / 1e9:.1f} GB on {ck['device']}, torch {ck['torch']}; calibrated in "
-                f"the same run: H2D copy {hw['h2d_copy_gbps']} GB/s, UVA {hw['uva_read_gbps']} GB/s, GEMMs "
+                f"`{path.name}`: {ck['bytes'] / 1e9:.1f} GB on {ck['device']}, torch {ck['torch']}; its hardware "
+                f"profile (calibrated in the run, or given with `--hardware`): H2D copy {hw['h2d_copy_gbps']} GB/s, "
+                f"UVA {hw['uva_read_gbps']} GB/s, GEMMs "
                 f"{hw.get('matmul_tflops', '?')} TFLOP/s, uva layers staged above {hw.get('stage_above_tokens', '?')} "
                 "tokens. One prompt, a fresh cache, the logits of the last position (generate's prefill); median of "
                 "3 after a warm-up. Floor = max(link bytes / H2D copy, all-GPU prefill), the link bytes being the "

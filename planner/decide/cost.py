@@ -39,22 +39,21 @@ twice their bytes more over HBM, taking twice that time where it gathers them fr
 recorded runs (front-door a-d: all-GPU Qwen3-30B-A3B decode at batch 1 measured 0.76x its prediction without it on
 H200s, 0.84x on H100s; 0.90x and 1.02x with it); over UVA the writes hide behind the link's reads.
 
-Prefill (the time to first token) of `workload.prompt_tokens` = T tokens, one
-sequence, over the layers that run in every step. Copies run on their own
-stream ahead of compute (prefetch, and prefill staging: staging.py), so they
-overlap it; reads in place through UVA sit inside the kernels that need them
-(and a layer's touched experts are known only once its router has run), so
-they add:
+Prefill (the time to first token) of `workload.prompt_tokens` = T tokens, one sequence, over the layers that run
+in every step. Copies run on their own stream ahead of compute (prefetch, and prefill staging: staging.py), so they
+overlap it; reads in place through UVA sit inside the kernels that need them (and a layer's touched experts are
+known only once its router has run), so they add:
     compute  = (2 x T x (dense elements + each routed expert's elements x its share of the tokens) + causal
                attention's 2 x T^2 x query width + the head's last logits) / matmul_tflops + bytes read / HBM
+               + T x prefill_token_ns (a decoder layer's other kernels, below)
     copies   = (prefetched bytes + staged bytes) / H2D copy
     in place = (uva bytes a GEMM reads in place x ceil(T / stage_above_tokens)
                 + touched uva experts' bytes and embedding rows) / UVA
     layer    = max(compute, copies) + in place;  prefill = max(the sum over the layers, launch)
     launch   = the decoder layers' CPU overheads (the prefill runs eagerly even where decode steps replay a graph;
                not the step's own, which the calibration measures in generate's loop: sampling, its Python)
-(staged routed experts stream through a ring of at most 1 GiB, staging.py: assumed to hold enough to keep the copies
-going while a layer computes). A routed expert computes its share of the tokens: k/E under uniform routing, or its
+(staged routed experts stream through a ring of at most 1 GiB, staging.py: assumed enough to keep the copies going
+while a layer computes). A routed expert computes its share of the tokens: k/E under uniform routing, or its
 share of the routing profile's prefill tokens (its decode share when the profile has none), and is read at all with
 probability 1 - (1 - share)^T: a layer reads E x (1 - (1 - k/E)^T) of its experts. offplan's experts implementation
 gathers each touched expert once, wherever it lives. An embedding reads T rows and computes nothing. The uva tensors
@@ -62,8 +61,8 @@ that prefill stages (staging.py: not embeddings; routed experts only when the to
 `stage_experts`'s) are copied once when T > stage_above_tokens; otherwise a GEMM reads them in place and re-reads
 them once per tile of output rows, which the model approximates as ceil(T / stage_above_tokens) reads: 1 up to the
 threshold, 3 at 512 tokens with the default 192 (measured on the H100: 2.1x a copy), 43 at 8192 (measured 24x:
-predicted pessimistic). A short prompt is launch-bound: Llama-3.1-8B's at 128 and 512 tokens on the H100 measured 2.75x
-and 1.40x their prediction without the launch term, 0.91x and 0.90x with it.
+predicted pessimistic). A short prompt is launch-bound (Llama-3.1-8B's at 128 and 512 tokens on the H100: 2.75x and
+1.40x their prediction without the launch term, 0.91x and 0.90x with it).
 
 Experts on cpu: the host reads each touched expert once (the share above), beside the GPU, which sums both: layer
 gpu = E[max(its GPU time, layer GPU time + host)] as both vary with routing (reads.py `later`), host = those bytes /
@@ -86,10 +85,13 @@ larger kernels of larger batches (an all-GPU Qwen3-30B-A3B step at batch 8 measu
 1.02x on the H100); without a routing profile, expert routing is assumed uniform (real routers are skewed, which
 touches fewer experts); with one, the tokens of a batch are assumed routed independently of each other, as the
 profile's prompts were; the overlap of prefetch is assumed perfect, so a plan whose offloaded layers sit together
-(nothing to overlap with) is predicted optimistic. The prefill runs attention at matmul_tflops too (FlashAttention
-runs below it), ignores activations and norms, runs every GEMM at that rate whatever its shape (small GEMMs run well
-below it: an all-GPU Qwen3-30B-A3B prefill of 8192 tokens measured 2.9x its prediction, Llama-3.1-8B's 1.5x), and
-leaves out what runs only with images (vision towers: a text prompt).
+(nothing to overlap with) is predicted optimistic. A decoder layer's prefill kernels besides GEMMs and attention
+(transformers' eager norms, rotary embeddings, activations, residual adds, the experts' sorts and gathers: small
+elementwise kernels, most not vectorized) take about prefill_token_ns per token on H100 and H200 alike: 335 ns in a
+profiled all-GPU prefill of 8192 tokens of 8 Qwen3-30B-A3B layers on an H200 (docs/moe-prefill/), 357 ns the rest
+of a recorded Llama-3.1-8B one on an H100 (1.54x its prediction without it, 1.01x with it); not calibrated yet.
+Attention and every GEMM run at matmul_tflops whatever their shape (FlashAttention and small GEMMs run below it),
+and what runs only with images (vision towers) is left out: a text prompt.
 """
 from __future__ import annotations
 
@@ -196,10 +198,6 @@ class CostModel:
     flops = property(lambda self: self.facts.flops)
 
     @cached_property
-    def routed(self) -> set[str]:
-        return {n for ns in self.experts.values() for n in ns}
-
-    @cached_property
     def gathered(self) -> set[str]:
         """Read in place once per forward (experts, embedding rows, quantized tensors), not per tile."""
         return self.facts.gathered | self.quantized.keys()
@@ -294,6 +292,7 @@ class CostModel:
             var = sum(q * (1 - q) * (c / host - u / beside) ** 2 for c, u, q in touch.values())
             gpu = later(gpu, latency + read_cpu / host + hw.cpu_expert_sync_us - gpu, var)
         link = read_uva / uva + copied / h2d
-        prefill = (max(flops / flops_us + pre_hbm / hbm, pre_copied / h2d) + pre_uva / uva
+        other = self.tokens * hw.prefill_token_ns / 1e3 if layer.kind is LayerKind.LAYER else 0.0
+        prefill = (max(flops / flops_us + pre_hbm / hbm + other, pre_copied / h2d) + pre_uva / uva
                    + pre_cpu / (hw.cpu_expert_gbps * 1e3))
         return int(read_uva + copied), gpu, link, prefill

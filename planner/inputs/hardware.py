@@ -32,6 +32,10 @@ class Hardware:
     step_overhead_us: float = 0.0  # CPU time per step outside the layers (sampling, cache bookkeeping)
     matmul_tflops: float = 665.0  # bf16 GEMM rate at prefill (large M), for the prefill prediction
     stage_above_tokens: int = 192  # GEMM tokens above which a GEMM re-reads an in-place uva weight per tile
+    # GPU time per prompt token per decoder layer at prefill besides its GEMMs and attention (eager norms, rotary
+    # embeddings, activations, the experts' sorts and gathers): 335 ns profiled in Qwen3-30B-A3B layers on an
+    # H200, 357 ns the rest of a Llama-3.1-8B prefill on an H100 (decide/cost.py); `plan calibrate` does not measure it
+    prefill_token_ns: float = 340.0
     # GPU time per decode step beyond reading weights (kernel launch latency, tiny grids), at batch 1:
     layer_gpu_us: float = 0.0  # per dense decoder layer
     moe_layer_gpu_us: float = 0.0  # per decoder layer with routed experts
@@ -104,6 +108,7 @@ def load_hardware(path: str | Path) -> Hardware:
                     step_overhead_us=float(d.get("step_overhead_us", 0.0)),
                     matmul_tflops=float(d.get("matmul_tflops", H100.matmul_tflops)),
                     stage_above_tokens=int(d.get("stage_above_tokens", H100.stage_above_tokens)),
+                    prefill_token_ns=float(d.get("prefill_token_ns", H100.prefill_token_ns)),
                     layer_gpu_us=float(d.get("layer_gpu_us", H100.layer_gpu_us)),
                     moe_layer_gpu_us=float(d.get("moe_layer_gpu_us", H100.moe_layer_gpu_us)),
                     step_gpu_us=float(d.get("step_gpu_us", H100.step_gpu_us)),
@@ -135,4 +140,5 @@ def dumps_hardware(hw: Hardware) -> str:
             f"cpu_expert_sync_us: {hw.cpu_expert_sync_us:.1f}\n"
             + (f"uva_read_beside_cpu_gbps: {hw.uva_read_beside_cpu_gbps:.1f}\n" if hw.uva_read_beside_cpu_gbps else "")
             + (f"cpu_expert_alone_gbps: {hw.cpu_expert_alone_gbps:.1f}\n" if hw.cpu_expert_alone_gbps else "")
+            + (f"prefill_token_ns: {hw.prefill_token_ns:.1f}\n" if hw.prefill_token_ns != H100.prefill_token_ns else "")
             + f"measured: {yamlio.quote(hw.measured)}\n")

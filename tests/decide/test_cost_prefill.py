@@ -15,8 +15,9 @@ from planner.layers.graph import build_graph
 from planner.layers.groups import FusedGroups
 from test_cost import HW, moe
 
-# 1 MB/us copy, 0.5 MB/us UVA, 10 MB/us HBM, 10^6 FLOP/us (1 TFLOP/s); staging above 64 tokens
-HW_PREFILL = dataclasses.replace(HW, matmul_tflops=1.0, stage_above_tokens=64)
+# 1 MB/us copy, 0.5 MB/us UVA, 10 MB/us HBM, 10^6 FLOP/us (1 TFLOP/s); staging above 64 tokens; a decoder
+# layer's kernels besides GEMMs and attention 1 us per token
+HW_PREFILL = dataclasses.replace(HW, matmul_tflops=1.0, stage_above_tokens=64, prefill_token_ns=1000.0)
 
 
 def prefill_placement(t):
@@ -33,19 +34,20 @@ def prefill_placement(t):
 @pytest.mark.parametrize("tokens, stage, want", [
     # T = 100 > 64: layer 0's attention is staged (a 1 MB copy), and its experts too: 100 tokens touch
     # 1 - (3/4)^100 = all of them, over the 0.5 UVA / 1 copy bandwidths it takes to favour copying them whole
-    # (12 MB more). Copies overlap compute, reads in place add to it. T x 2 FLOP per element:
+    # (12 MB more). Copies overlap compute, reads in place add to it. T x 2 FLOP per element, and a decoder
+    # layer's other kernels 1 us per token (100):
     #   embedding: 100 of 1000 rows through UVA, in place                          0.1 MB / 0.5    =   200
     #   layer 0: 2e8 FLOP (attention) + 12 x 2e8 x 1/4 (each expert computes a quarter of the tokens):
-    #            max(800 + 13 MB staged / HBM 1300, 13 MB copied 13000)                             = 13000
-    #   layer 1: max(800 + 13 MB / HBM 1300, 1 MB prefetched 1000)                                  =  2100
-    #   head:    the last position's logits: max(2 + 1 MB / HBM 100, 0)                             =   102
-    (100, True, (200, 13000, 2100, 102)),
+    #            max(800 + 13 MB staged / HBM 1300 + 100, 13 MB copied 13000)                       = 13000
+    #   layer 1: max(800 + 13 MB / HBM 1300 + 100, 1 MB prefetched 1000)                            =  2200
+    #   head:    the last position's logits: max(2 + 1 MB / HBM 100, 0), not a decoder layer      =   102
+    (100, True, (200, 13000, 2200, 102)),
     # not staged: a GEMM reads the attention in place ceil(100 / 64) = 2 times, the experts gather the 12 MB
-    # touched once: 800 + 14 MB / 0.5 28000
-    (100, False, (200, 28800, 2100, 102)),
+    # touched once: 800 + 100 + 14 MB / 0.5 28000
+    (100, False, (200, 28900, 2200, 102)),
     # T = 64 is not above the threshold: 64 of 1000 rows; 2 x 64 FLOP per element; layer 0: 128 + 384 of
-    # GEMMs + the attention read in place once (2000) and the touched experts (24000); the head as above
-    (64, True, (128, 26512, 1812, 102)),
+    # GEMMs + 64 + the attention read in place once (2000) and the touched experts (24000); the head as above
+    (64, True, (128, 26576, 1876, 102)),
 ])
 def test_prefill_prediction_by_hand(tokens, stage, want):
     t = infos(moe(layers=2, experts=4))
@@ -64,9 +66,9 @@ def test_prefill_of_a_layer_at_rest_is_its_compute():
     g = build_graph(t)
     groups = FusedGroups.find(n for l in g.stack_layers() for n in l.params)
     place = {n: GPU for n in t}
-    # per layer at T=100: 800 us of GEMMs + 13 MB from HBM 1300 us; the head the last position's logits, 2 us +
-    # 1 MB from HBM 100 us; the embedding 100 rows 10 us
-    for tokens, want in ((100, 10 + 2 * 2100 + 102), (1000, 100 + 2 * (8000 + 1300) + 102)):
+    # per layer at T=100: 800 us of GEMMs + 13 MB from HBM 1300 us + 100 us of its other kernels; the head the last
+    # position's logits, 2 us + 1 MB from HBM 100 us; the embedding 100 rows 10 us
+    for tokens, want in ((100, 10 + 2 * 2200 + 102), (1000, 100 + 2 * (8000 + 1300 + 1000) + 102)):
         m = CostModel(g, t, HW_PREFILL, 1, groups, 1, prompt_tokens=tokens)
         assert m.predict(place).prefill_us == want
 
@@ -103,7 +105,7 @@ def test_mixed_minimises_the_request_not_the_step():
     has the fastest step; streaming must move 4 layers (and pay 2 slots), but its prefill copies each
     once. Few new tokens: the prefill decides; more: the step."""
     hw = Hardware("test", h2d_copy_gbps=1.0, uva_read_gbps=1.0, hbm_read_gbps=10.0, layer_overhead_us=0.0,
-                  matmul_tflops=10.0, stage_above_tokens=256)
+                  matmul_tflops=10.0, stage_above_tokens=256, prefill_token_ns=0.0)
     t = infos(dense())  # 10 MB; the budget, 7.1 MB
     # per layer at rest: 2 x 1024 x 10^6 FLOP at 10^7 FLOP/us = 204.8 us, + 1 MB from HBM 100 us
     # uva (the embedding, layers 0 and 1): step = gpu: 7 MB from HBM 700 + 2.001 MB through UVA 2001 = 2701;
@@ -125,3 +127,30 @@ def test_mixed_minimises_the_request_not_the_step():
         assert d.notes[1] == (f"mixed chose {best!r}: predicted {said[best]} (prefill of 1024 tokens + {new_tokens} "
                               "steps at batch 1); others: " + "; ".join(f"{k}: {v}" for k, v in said.items() if k != best))
         assert (d.cost.step_us, d.cost.prefill_us, d.cost.prompt_tokens) == (*want[best], 1024)
+
+
+@pytest.mark.parametrize("ns", [340.0, 0.0, 500.0])
+def test_a_profile_round_trips_the_prefill_token_time(tmp_path, ns):
+    """prefill_token_ns is written where it differs from the built-in 340 ns, read back, and valid to the
+    schema; a profile without it (every one `plan calibrate` wrote before it existed) takes 340."""
+    from planner.inputs.hardware import H100, dumps_hardware, load_hardware
+    hw = dataclasses.replace(H100, prefill_token_ns=ns)
+    (tmp_path / "hw.yaml").write_text(dumps_hardware(hw))
+    assert ("prefill_token_ns" in dumps_hardware(hw)) == (ns != 340.0)
+    assert load_hardware(tmp_path / "hw.yaml").prefill_token_ns == ns
+
+
+def test_a_decoder_layers_other_kernels_take_their_time_per_token():
+    """Each decoder layer adds prefill_token_ns per prompt token to its compute; the head and embedding do not:
+    with everything on the GPU, the prefill grows by layers x T x that time."""
+    t = infos(moe(layers=2, experts=4))
+    g = build_graph(t)
+    groups = FusedGroups.find(n for l in g.stack_layers() for n in l.params)
+    place = {n: GPU for n in t}
+    got = {}
+    for ns in (0.0, 1000.0):
+        hw = dataclasses.replace(HW_PREFILL, prefill_token_ns=ns)
+        got[ns] = CostModel(g, t, hw, 1, groups, 1, prompt_tokens=1000).predict(place)
+    assert got[1000.0].prefill_us - got[0.0].prefill_us == 2 * 1000  # 2 layers x 1000 tokens x 1 us
+    assert [l.prefill_us for l in got[1000.0].layers if "layers" not in l.name] == \
+        [l.prefill_us for l in got[0.0].layers if "layers" not in l.name]

@@ -273,8 +273,8 @@ def test_show_and_diff_report_the_staging_and_the_prefill(tmp_path, monkeypatch,
         "prompt tokens: 512 -> 1024",
         "GPU footprint: 353.6 KiB -> 208.6 KiB (-145.0 KiB)",
         f"predicted step: {ms(on.summary.predicted_step_us)} (unchanged)",
-        f"predicted prefill: {on.cost.prefill_us / 1e3:.3f} ms -> {off.cost.prefill_us / 1e3:.3f} ms "
-        f"(+{pre / 1e3:.3f} ms, {pre / on.cost.prefill_us:+.1%})",
+        f"predicted prefill: {ms(on.cost.prefill_us)} -> {ms(off.cost.prefill_us)} (+{ms(pre)}, "
+        f"{pre / on.cost.prefill_us:+.1%})",
         "prefill staging: gone: the old plan staged 2 layers (model.layers.0, model.layers.1) through 2 slots x "
         f"72.5 KiB above {H100.stage_above_tokens} tokens"]
     assert main(["diff", "on.plan.yaml", "off.plan.yaml", "--json"]) == 0
