@@ -4,8 +4,9 @@
 
 8 decoder layers of Qwen3-30B-A3B's shape, random bf16 weights built on the GPU (no checkpoint), every
 weight resident. First, at 8192 tokens: the GPU time per CPU-side op (self device time, top 15) under
-transformers' grouped_mm and under offplan's "offplan_grouped_mm" (runtime/execute/experts.py: grouped_mm less
-its masks for expert parallelism), and whether their logits are bitwise equal. Then, for each implementation and
+transformers' grouped_mm and under "offplan_grouped_mm" (its arithmetic less its masks for expert parallelism:
+`grouped_mm_without_masks` below, the function branch lean-grouped's runtime runs), and whether their logits are
+bitwise equal. Then, for each implementation and
 prompt length T: the forward that yields the first token (a fresh static cache, `logits_to_keep=1`), timed with
 a synchronize around it (median of 3 after a warm-up), and one profiled forward: the GPU time per kernel name
 (top 12), the kernel count, and the forward's wall time under the profiler. Appends to DIR/probe.jsonl.
@@ -23,7 +24,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from harness.checkpoints import config_for  # noqa: E402
-from runtime.execute import experts  # noqa: E402
 
 
 def forward(model, ids):
@@ -66,6 +66,25 @@ def profiled(model, ids):
     return wall, count, sum(v[1] for v in kernels.values()), [(n, c, round(ms, 3)) for n, (c, ms) in top]
 
 
+def grouped_mm_without_masks(self, hidden_states, top_k_index, top_k_weights):
+    """transformers' grouped_mm arithmetic less its three masks for expert parallelism's sentinel ids (none here):
+    the same kernels on the same values otherwise, as branch lean-grouped's runtime/execute/experts.py
+    `grouped_mm_forward` runs it. Qwen3-MoE's experts: gated, no bias, not transposed."""
+    num_tokens, k = top_k_index.shape
+    ids, weights = top_k_index.reshape(-1), top_k_weights.reshape(-1)
+    ids_sorted, perm = torch.sort(ids)
+    x = hidden_states[perm // k]
+    counts = torch.histc(ids_sorted.int(), bins=self.num_experts, min=0, max=self.num_experts - 1)
+    offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
+    up = torch.nn.functional.grouped_mm(x, self.gate_up_proj.transpose(-2, -1), offs=offsets)
+    up = self._apply_gate(up)
+    out = torch.nn.functional.grouped_mm(up, self.down_proj.transpose(-2, -1), offs=offsets)
+    inverse = torch.empty_like(perm)
+    inverse[perm] = torch.arange(perm.numel(), device=perm.device)
+    out = out[inverse]  # pair order, then weighted: the same products as weighting first, then reordering
+    return (out * weights.unsqueeze(-1)).view(num_tokens, k, -1).sum(dim=1).to(hidden_states.dtype)
+
+
 def by_op(model, ids):
     """GPU time per CPU-side op (self device time), top 15, of one forward."""
     from torch.profiler import ProfilerActivity, profile
@@ -90,7 +109,8 @@ def main():
     with torch.device("cuda"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
     g = torch.Generator().manual_seed(1)
-    experts.register()
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+    ALL_EXPERTS_FUNCTIONS.register("offplan_grouped_mm", grouped_mm_without_masks)
     ids = torch.randint(0, config.vocab_size, (1, 8192), generator=g).cuda()
     model.set_experts_implementation("grouped_mm")
     ref = forward(model, ids)

@@ -45,7 +45,7 @@ overlap it; reads in place through UVA sit inside the kernels that need them (an
 known only once its router has run), so they add:
     compute  = (2 x T x (dense elements + each routed expert's elements x its share of the tokens) + causal
                attention's 2 x T^2 x query width + the head's last logits) / matmul_tflops + bytes read / HBM
-               + T x prefill_token_ns (a decoder layer's other kernels, below)
+               + T x (moe_)prefill_token_ns (a decoder layer's other kernels, below)
     copies   = (prefetched bytes + staged bytes) / H2D copy
     in place = (uva bytes a GEMM reads in place x ceil(T / stage_above_tokens)
                 + touched uva experts' bytes and embedding rows) / UVA
@@ -86,12 +86,12 @@ larger kernels of larger batches (an all-GPU Qwen3-30B-A3B step at batch 8 measu
 touches fewer experts); with one, the tokens of a batch are assumed routed independently of each other, as the
 profile's prompts were; the overlap of prefetch is assumed perfect, so a plan whose offloaded layers sit together
 (nothing to overlap with) is predicted optimistic. A decoder layer's prefill kernels besides GEMMs and attention
-(transformers' eager norms, rotary embeddings, activations, residual adds, the experts' sorts and gathers: small
-elementwise kernels, most not vectorized) take about prefill_token_ns per token on H100 and H200 alike: 335 ns in a
-profiled all-GPU prefill of 8192 tokens of 8 Qwen3-30B-A3B layers on an H200 (docs/moe-prefill/), 357 ns the rest
-of a recorded Llama-3.1-8B one on an H100 (1.54x its prediction without it, 1.01x with it); not calibrated yet.
-Attention and every GEMM run at matmul_tflops whatever their shape (FlashAttention and small GEMMs run below it),
-and what runs only with images (vision towers) is left out: a text prompt.
+(transformers' eager norms, rotary embeddings, activations, residual adds; with routed experts, their sorts, gathers
+and masks: small elementwise kernels, most not vectorized) take the profile's prefill_token_ns per token, or
+moe_prefill_token_ns in a layer with routed experts: 357 ns left over by an all-GPU Llama-3.1-8B prefill of 8192
+tokens on an H100 (1.54x its prediction without it, 1.00x with it), 484 ns in a profile of 8 Qwen3-30B-A3B layers'
+on an H200 (docs/moe-prefill/; 1.09-1.15x, from 2.8-3.0x, on the H100), not calibrated yet. Attention and every GEMM run at matmul_tflops whatever their
+shape (FlashAttention and small GEMMs run below it), and what runs only with images (vision towers) is left out.
 """
 from __future__ import annotations
 
@@ -292,7 +292,8 @@ class CostModel:
             var = sum(q * (1 - q) * (c / host - u / beside) ** 2 for c, u, q in touch.values())
             gpu = later(gpu, latency + read_cpu / host + hw.cpu_expert_sync_us - gpu, var)
         link = read_uva / uva + copied / h2d
-        other = self.tokens * hw.prefill_token_ns / 1e3 if layer.kind is LayerKind.LAYER else 0.0
+        other = 0.0 if layer.kind is not LayerKind.LAYER else \
+            self.tokens * (hw.moe_prefill_token_ns if experts else hw.prefill_token_ns) / 1e3
         prefill = (max(flops / flops_us + pre_hbm / hbm + other, pre_copied / h2d) + pre_uva / uva
                    + pre_cpu / (hw.cpu_expert_gbps * 1e3))
         return int(read_uva + copied), gpu, link, prefill

@@ -33,9 +33,11 @@ class Hardware:
     matmul_tflops: float = 665.0  # bf16 GEMM rate at prefill (large M), for the prefill prediction
     stage_above_tokens: int = 192  # GEMM tokens above which a GEMM re-reads an in-place uva weight per tile
     # GPU time per prompt token per decoder layer at prefill besides its GEMMs and attention (eager norms, rotary
-    # embeddings, activations, the experts' sorts and gathers): 335 ns profiled in Qwen3-30B-A3B layers on an
-    # H200, 357 ns the rest of a Llama-3.1-8B prefill on an H100 (decide/cost.py); `plan calibrate` does not measure it
-    prefill_token_ns: float = 340.0
+    # embeddings, activations; with routed experts, their sorts, gathers and masks), dense and MoE: what a Llama-3.1-8B
+    # prefill of 8192 tokens on an H100 took beyond the rest of its prediction, and what a profile of a Qwen3-30B-A3B
+    # one on an H200 spent in those kernels (planner/decide/cost.py); `plan calibrate` does not measure them
+    prefill_token_ns: float = 357.0
+    moe_prefill_token_ns: float = 484.0
     # GPU time per decode step beyond reading weights (kernel launch latency, tiny grids), at batch 1:
     layer_gpu_us: float = 0.0  # per dense decoder layer
     moe_layer_gpu_us: float = 0.0  # per decoder layer with routed experts
@@ -109,6 +111,7 @@ def load_hardware(path: str | Path) -> Hardware:
                     matmul_tflops=float(d.get("matmul_tflops", H100.matmul_tflops)),
                     stage_above_tokens=int(d.get("stage_above_tokens", H100.stage_above_tokens)),
                     prefill_token_ns=float(d.get("prefill_token_ns", H100.prefill_token_ns)),
+                    moe_prefill_token_ns=float(d.get("moe_prefill_token_ns", H100.moe_prefill_token_ns)),
                     layer_gpu_us=float(d.get("layer_gpu_us", H100.layer_gpu_us)),
                     moe_layer_gpu_us=float(d.get("moe_layer_gpu_us", H100.moe_layer_gpu_us)),
                     step_gpu_us=float(d.get("step_gpu_us", H100.step_gpu_us)),
@@ -141,4 +144,6 @@ def dumps_hardware(hw: Hardware) -> str:
             + (f"uva_read_beside_cpu_gbps: {hw.uva_read_beside_cpu_gbps:.1f}\n" if hw.uva_read_beside_cpu_gbps else "")
             + (f"cpu_expert_alone_gbps: {hw.cpu_expert_alone_gbps:.1f}\n" if hw.cpu_expert_alone_gbps else "")
             + (f"prefill_token_ns: {hw.prefill_token_ns:.1f}\n" if hw.prefill_token_ns != H100.prefill_token_ns else "")
+            + (f"moe_prefill_token_ns: {hw.moe_prefill_token_ns:.1f}\n"
+               if hw.moe_prefill_token_ns != H100.moe_prefill_token_ns else "")
             + f"measured: {yamlio.quote(hw.measured)}\n")

@@ -20,7 +20,7 @@ from planner.plan import Role
 
 # 1 MB/us copy, 0.5 MB/us UVA, 10 MB/us HBM, 100 us per layer: easy arithmetic.
 HW = Hardware("test", h2d_copy_gbps=1.0, uva_read_gbps=0.5, hbm_read_gbps=10.0, layer_overhead_us=100.0,
-              prefill_token_ns=0.0)  # prefill: GEMMs and bytes only (test_cost_prefill.py adds the rest)
+              prefill_token_ns=0.0, moe_prefill_token_ns=0.0)  # prefill: GEMMs and bytes (test_cost_prefill.py: more)
 
 
 def moe(layers=4, experts=8) -> list:

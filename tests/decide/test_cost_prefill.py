@@ -15,9 +15,10 @@ from planner.layers.graph import build_graph
 from planner.layers.groups import FusedGroups
 from test_cost import HW, moe
 
-# 1 MB/us copy, 0.5 MB/us UVA, 10 MB/us HBM, 10^6 FLOP/us (1 TFLOP/s); staging above 64 tokens; a decoder
-# layer's kernels besides GEMMs and attention 1 us per token
-HW_PREFILL = dataclasses.replace(HW, matmul_tflops=1.0, stage_above_tokens=64, prefill_token_ns=1000.0)
+# 1 MB/us copy, 0.5 MB/us UVA, 10 MB/us HBM, 10^6 FLOP/us (1 TFLOP/s); staging above 64 tokens; an MoE decoder
+# layer's kernels besides GEMMs and attention 1 us per token (a dense one's 0.5)
+HW_PREFILL = dataclasses.replace(HW, matmul_tflops=1.0, stage_above_tokens=64, prefill_token_ns=500.0,
+                                 moe_prefill_token_ns=1000.0)
 
 
 def prefill_placement(t):
@@ -105,7 +106,7 @@ def test_mixed_minimises_the_request_not_the_step():
     has the fastest step; streaming must move 4 layers (and pay 2 slots), but its prefill copies each
     once. Few new tokens: the prefill decides; more: the step."""
     hw = Hardware("test", h2d_copy_gbps=1.0, uva_read_gbps=1.0, hbm_read_gbps=10.0, layer_overhead_us=0.0,
-                  matmul_tflops=10.0, stage_above_tokens=256, prefill_token_ns=0.0)
+                  matmul_tflops=10.0, stage_above_tokens=256, prefill_token_ns=0.0, moe_prefill_token_ns=0.0)
     t = infos(dense())  # 10 MB; the budget, 7.1 MB
     # per layer at rest: 2 x 1024 x 10^6 FLOP at 10^7 FLOP/us = 204.8 us, + 1 MB from HBM 100 us
     # uva (the embedding, layers 0 and 1): step = gpu: 7 MB from HBM 700 + 2.001 MB through UVA 2001 = 2701;
@@ -129,28 +130,31 @@ def test_mixed_minimises_the_request_not_the_step():
         assert (d.cost.step_us, d.cost.prefill_us, d.cost.prompt_tokens) == (*want[best], 1024)
 
 
-@pytest.mark.parametrize("ns", [340.0, 0.0, 500.0])
-def test_a_profile_round_trips_the_prefill_token_time(tmp_path, ns):
-    """prefill_token_ns is written where it differs from the built-in 340 ns, read back, and valid to the
-    schema; a profile without it (every one `plan calibrate` wrote before it existed) takes 340."""
+@pytest.mark.parametrize("dense, moe", [(357.0, 484.0), (0.0, 484.0), (500.0, 250.0)])
+def test_a_profile_round_trips_the_prefill_token_times(tmp_path, dense, moe):
+    """prefill_token_ns and moe_prefill_token_ns are written where they differ from the built-in 357 and 484 ns,
+    read back, and valid to the schema; a profile without them (every one `plan calibrate` has written) takes those."""
     from planner.inputs.hardware import H100, dumps_hardware, load_hardware
-    hw = dataclasses.replace(H100, prefill_token_ns=ns)
+    hw = dataclasses.replace(H100, prefill_token_ns=dense, moe_prefill_token_ns=moe)
     (tmp_path / "hw.yaml").write_text(dumps_hardware(hw))
-    assert ("prefill_token_ns" in dumps_hardware(hw)) == (ns != 340.0)
-    assert load_hardware(tmp_path / "hw.yaml").prefill_token_ns == ns
+    text = dumps_hardware(hw)
+    assert ("\nprefill_token_ns" in text, "moe_prefill_token_ns" in text) == (dense != 357.0, moe != 484.0)
+    back = load_hardware(tmp_path / "hw.yaml")
+    assert (back.prefill_token_ns, back.moe_prefill_token_ns) == (dense, moe)
 
 
 def test_a_decoder_layers_other_kernels_take_their_time_per_token():
-    """Each decoder layer adds prefill_token_ns per prompt token to its compute; the head and embedding do not:
-    with everything on the GPU, the prefill grows by layers x T x that time."""
-    t = infos(moe(layers=2, experts=4))
-    g = build_graph(t)
-    groups = FusedGroups.find(n for l in g.stack_layers() for n in l.params)
-    place = {n: GPU for n in t}
-    got = {}
-    for ns in (0.0, 1000.0):
-        hw = dataclasses.replace(HW_PREFILL, prefill_token_ns=ns)
-        got[ns] = CostModel(g, t, hw, 1, groups, 1, prompt_tokens=1000).predict(place)
-    assert got[1000.0].prefill_us - got[0.0].prefill_us == 2 * 1000  # 2 layers x 1000 tokens x 1 us
-    assert [l.prefill_us for l in got[1000.0].layers if "layers" not in l.name] == \
-        [l.prefill_us for l in got[0.0].layers if "layers" not in l.name]
+    """Each decoder layer adds its kind's time per prompt token to its compute (moe_prefill_token_ns with routed
+    experts, prefill_token_ns without); the head and embedding do not."""
+    for tensors, field in ((moe(layers=2, experts=4), "moe_prefill_token_ns"), (dense(layers=2), "prefill_token_ns")):
+        t = infos(tensors)
+        g = build_graph(t)
+        groups = FusedGroups.find(n for l in g.stack_layers() for n in l.params)
+        place = {n: GPU for n in t}
+        got = {}
+        for ns in (0.0, 1000.0):
+            hw = dataclasses.replace(HW_PREFILL, **{field: ns})
+            got[ns] = CostModel(g, t, hw, 1, groups, 1, prompt_tokens=1000).predict(place)
+        assert got[1000.0].prefill_us - got[0.0].prefill_us == 2 * 1000, field  # 2 layers x 1000 tokens x 1 us
+        assert [l.prefill_us for l in got[1000.0].layers if "layers" not in l.name] == \
+            [l.prefill_us for l in got[0.0].layers if "layers" not in l.name]
