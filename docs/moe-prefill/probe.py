@@ -5,7 +5,7 @@
 8 decoder layers of Qwen3-30B-A3B's shape, random bf16 weights built on the GPU (no checkpoint), every
 weight resident. First, at 8192 tokens: the GPU time per CPU-side op (self device time, top 15) under
 transformers' grouped_mm and under "offplan_grouped_mm" (its arithmetic less its masks for expert parallelism:
-`grouped_mm_without_masks` below, the function branch lean-grouped's runtime runs), and whether their logits are
+`grouped_mm_without_masks` below, as branch lean-grouped's runtime runs it), and whether their logits are
 bitwise equal. Then, for each implementation and
 prompt length T: the forward that yields the first token (a fresh static cache, `logits_to_keep=1`), timed with
 a synchronize around it (median of 3 after a warm-up), and one profiled forward: the GPU time per kernel name
