@@ -110,6 +110,8 @@ def render(models: dict, with_plot: bool) -> str:
              "spends its time, transformers' grouped_mm against its arithmetic without the masks",
              "python benchmarks/memory.py --model qwen3-30b-a3b --layers 8",
              "python benchmarks/memory.py --model llama-8b --layers 8 --strategies gpu uva prefetch mixed",
+             "python benchmarks/memory.py --model llama-8b --layers 8 --strategies gpu uva --label logits   # on an "
+             "H200, since the runtime's prefill asks for the last position's logits only",
              "python benchmarks/parallel.py --model qwen3-30b-a3b --layers 8 --gpus 1 2 --batches 1 8   # then: mv "
              "results/parallel-qwen3-30b-a3b-8layers.jsonl results/parallel-qwen3-30b-a3b-4xh200-run1.jsonl; with "
              "--gpus 1 4: -run2; on two H200s: -2xh200; again on two H200s on 2026-11-27, each process with its share of the "
