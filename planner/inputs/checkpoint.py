@@ -164,6 +164,7 @@ def _open_checkpoint(path: str | os.PathLike) -> Checkpoint:
         shards = sorted(set(weight_map.values()))
     tensors_by_shard: dict[str, dict[str, TensorInfo]] = {}
     metadata: dict[str, str] = {}
+    known: dict[tuple, tuple] = {}  # (dtype, shape) -> the objects its tensors share (parse_tensors)
     for shard in shards:
         file = root / shard
         if not file.is_file():
@@ -182,7 +183,7 @@ def _open_checkpoint(path: str | os.PathLike) -> Checkpoint:
         meta = header.get("__metadata__")
         if isinstance(meta, dict) and index is None:
             metadata = {str(k): str(v) for k, v in meta.items()}
-        tensors_by_shard[shard] = parse_tensors(shard, header, len(raw), size, problems)
+        tensors_by_shard[shard] = parse_tensors(shard, header, len(raw), size, problems, known)
 
     if weight_map is None:
         tensors = next(iter(tensors_by_shard.values()), {})
