@@ -94,15 +94,23 @@ def stageable(layers: Iterable[Layer], quantized: Collection[str] = (), experts:
     `quantized`: the quantized tensors and their scales (quantized.py `partners`), never staged;
     `experts`: routed experts staged too, but not in a layer whose experts are quantized (their biases
     alone would gain nothing)."""
-    out: set[str] = set()
+    return stageables(layers, quantized)[experts]
+
+
+def stageables(layers: Iterable[Layer], quantized: Collection[str] = ()) -> tuple[frozenset[str], frozenset[str]]:
+    """`stageable` without routed experts and with them, from one look at each tensor (the cost model
+    needs both)."""
+    without: set[str] = set()
+    extra: set[str] = set()  # the routed experts staged with `experts`
     for l in layers:
         if l.kind is LayerKind.EMBED or l.runs is Runs.MTP:
             continue
         routed = l.expert_tensors
-        mine = filterfalse(quantized.__contains__, l.params)  # a set or dict: looked up, not walked
-        out.update(mine if experts and not any(map(quantized.__contains__, routed))
-                   else filterfalse(routed.__contains__, mine))
-    return frozenset(out)
+        mine = list(filterfalse(quantized.__contains__, l.params))  # a set or dict: looked up, not walked
+        without.update(filterfalse(routed.__contains__, mine))
+        if not any(map(quantized.__contains__, routed)):
+            extra.update(filter(routed.__contains__, mine))
+    return frozenset(without), frozenset(without | extra)
 
 
 def stage_experts(touched: float, hw: Hardware) -> bool:
