@@ -212,11 +212,12 @@ def _add(names: list[str], found: tuple[dict, dict, dict]) -> None:
 
 def whole_groups(names: list[str], groups: "FusedGroups") -> list[str]:
     """`names` without the members of any group they hold only part of: what prefetch may stream.
-    Each group is checked once, not once per member (a DeepSeek-V3 layer's group holds 1,536 tensors)."""
+    Each group is checked once, not once per member (a DeepSeek-V3 layer's group holds 1,536 tensors), and
+    `names` are walked again only where a group is split."""
     have = set(names)
     group_of, members = groups.group_of, groups.members
-    whole = {g for g in {group_of[n] for n in have if n in group_of} if have.issuperset(members[g])}
-    return [n for n in names if n not in group_of or group_of[n] in whole]
+    split = {g for g in set(map(group_of.get, names)) if g is not None and not have.issuperset(members[g])}
+    return [n for n in names if group_of.get(n) not in split] if split else list(names)
 
 
 def split_units(groups: FusedGroups, selected: Collection[str], what: str, whole_groups: bool) -> list[str]:
