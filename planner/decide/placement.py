@@ -101,7 +101,7 @@ from ..inputs.routing import RoutingProfile, check_fits
 from ..layers.alike import select
 from ..layers.graph import LayerGraph
 from ..layers.groups import FusedGroups, experts_map
-from ..plan import Backend, Cost, LayerBytes, Placement, PrefetchSchedule, PrefillStaging, Role, Runs, Summary
+from ..plan import Backend, Cost, LayerBytes, Placement, PrefetchSchedule, PrefillStaging, Role, Summary
 from .backends import place_backend
 from .cost import CostModel
 from .notes import Outcome, notes
@@ -186,9 +186,9 @@ def decide(graph: LayerGraph, tensors: Mapping[str, TensorInfo], policy: Policy,
     check_roles(groups, as_experts, policy)
     check_cpu(groups, won, policy, tensors, quantized)
     check_streamed_runs(graph, won, policy)
-    in_step = set(chain.from_iterable(l.params for l in graph.layers if l.runs is Runs.STEP))
+    rare = set(chain.from_iterable(l.params for l in graph.rarely_run()))  # every other tensor runs in each step
     moe = {g: count for g, members in groups.members.items()
-           if members[0] in in_step and (count := groups.experts(g))}
+           if members[0] not in rare and (count := groups.experts(g))}
     if routing is not None:
         check_fits(routing, moe, top_k, policy.where("workload.routing"), policy.checkpoint)
     work, stage = policy.workload, policy.uva.stage_prefill
@@ -234,7 +234,7 @@ def decide(graph: LayerGraph, tensors: Mapping[str, TensorInfo], policy: Policy,
     fp, prediction, backend, skipped = chosen.fp, chosen.prediction, chosen.backend, chosen.skipped
     mixed_notes, reasons = chosen.notes, chosen.reasons
     place = fp.place
-    schedule = make_schedule(graph, place, tensors, step, model.shapes)
+    schedule = make_schedule(graph, place, tensors, step, model.shapes, fp.streamed)
     if (staging.pool_bytes if staging else 0) != fp.stage_pool:  # one rule, two sums: a bug, not an input error
         raise AssertionError(f"staging pool {staging} against the footprint's {fp.stage_pool}")
     by = {GPU: 0, UVA: 0, PREFETCH: 0, CPU: 0}

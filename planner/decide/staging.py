@@ -86,7 +86,8 @@ from ..plan import LayerKind, Placement, PrefillStaging, Runs, StagedLayer
 
 STAGE_SLOTS = 2  # one slot runs while the next layer's copy fills the other
 RING_BYTES = 2**30  # the expert ring's most (module doc)
-_STAGED = frozenset({Placement.UVA, Placement.CPU})  # cpu: routed experts only (a rule puts nothing else there)
+UVA, CPU = Placement.UVA, Placement.CPU
+_STAGED = frozenset({UVA, CPU})  # cpu: routed experts only (a rule puts nothing else there)
 
 
 def stageable(layers: Iterable[Layer], quantized: Collection[str] = (), experts: bool = False) -> frozenset[str]:
@@ -140,6 +141,8 @@ def make_staging(graph: LayerGraph, place: Mapping[str, Placement], tensors: Map
                  above_tokens: int, names: frozenset[str]) -> PrefillStaging | None:
     """The plan's `prefill:` section for `place`, or None when no layer holds a stageable uva tensor.
     `names`: `stageable(graph.layers, partners(tensors), experts)`."""
+    if UVA not in place.values() and CPU not in place.values():  # no layer has a tensor to stage
+        return None
     layers, host = [], []
     for l in graph.layers:
         mine, size = staged(l, names, place, tensors)
