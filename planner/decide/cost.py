@@ -110,7 +110,7 @@ from ..layers.graph import Layer, LayerGraph
 from ..layers.groups import BATCHED_PAIRS, FusedGroups
 from ..plan import LayerKind, Placement, Role, Runs
 from .reads import later, reads
-from .staging import stage_experts, stageable
+from .staging import stage_experts, stageables
 
 GPU, UVA, PREFETCH, CPU = Placement.GPU, Placement.UVA, Placement.PREFETCH, Placement.CPU
 
@@ -171,7 +171,7 @@ class CostModel:
         # Quantized ones are dequantized on access: read once, never staged (quantized.py)
         self.quantized = quantized = partners(tensors) if quantized is None else quantized
         self.stages = stages = stage and prompt_tokens > hw.stage_above_tokens
-        staged_experts = stageable(graph.layers, quantized, True)
+        unstaged_experts, staged_experts = stageables(graph.layers, quantized)
         routed, pre = [], []  # the routed tensors that prefill may stage, in order, and their prefill fractions
         for l in graph.layers:
             if l.runs is Runs.STEP and self.experts[l.name]:
@@ -184,7 +184,7 @@ class CostModel:
         # the share of the routed bytes the prompt touches: whether prefill streams experts ahead (staging.py)
         touched = sum(map(mul, sizes, pre)) / total if total else 0.0
         self.favours_staged_experts = bool(stages and total and stage_experts(touched, hw))
-        self.staged_experts, self.unstaged_experts = staged_experts, stageable(graph.layers, quantized)
+        self.staged_experts, self.unstaged_experts = staged_experts, unstaged_experts
         self.staged = frozenset() if not stages else (
             staged_experts if self.favours_staged_experts else self.unstaged_experts)
         self.reread = -(-prompt_tokens // hw.stage_above_tokens)

@@ -28,8 +28,9 @@ budget at which the walk would have stopped, which the budget error quotes.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from functools import cached_property
 from itertools import chain, compress, repeat
-from operator import is_, itemgetter
+from operator import is_, is_not, itemgetter
 
 from ..inputs.checkpoint import TensorInfo
 from ..inputs.quantized import partners, with_partners
@@ -39,7 +40,7 @@ from ..layers.slots import align, image_key, layout_bytes
 from ..plan import Placement
 from .staging import STAGE_SLOTS, stageable, staged
 
-GPU, UVA, PREFETCH = Placement.GPU, Placement.UVA, Placement.PREFETCH
+GPU, UVA, PREFETCH, CPU = Placement.GPU, Placement.UVA, Placement.PREFETCH, Placement.CPU
 _NBYTES = itemgetter(3)  # of a TensorInfo
 _BULK = 64  # names from which `move` works on all of them at once
 
@@ -49,7 +50,8 @@ def _bytes(tensors: Mapping[str, TensorInfo], names: Iterable[str]) -> int:
 
 
 class Footprint:
-    """Resident bytes and each streamed layer's slot image, kept current as tensors move.
+    """Resident bytes (once asked for: a prefetch walk with no budget never does) and each streamed layer's
+    slot image, kept current as tensors move.
 
     `place` is the caller's placement dict: `move` updates it together with the bytes.
     `stage`: the policy's `uva.stage_prefill` (False: no staging pool). `partner` (quantized.py
@@ -64,9 +66,8 @@ class Footprint:
         self.shapes = Shapes(tensors) if shapes is None else shapes
         self.place = place
         self.step = max(1, step)
-        self.layer_name = dict(chain.from_iterable(zip(l.params, repeat(l.name)) for l in graph.layers))  # tensor ->
         self.layers = {l.name: l for l in graph.layers}
-        self.resident = _bytes(tensors, compress(place, map(is_, place.values(), repeat(GPU))))
+        self._resident: int | None = None  # worked out when first asked for (`resident`), then kept as tensors move
         self.streamed: dict[str, int] = {}  # layer name -> its slot image's bytes
         self._images: dict[tuple, int] = {}  # slots.image_key -> the image's bytes (shared by copies)
         self.partner = partners(tensors) if partner is None else partner
@@ -77,13 +78,30 @@ class Footprint:
         else:
             self.stageable = stageable_names
         self.staged: dict[str, int] = {}  # layer name -> its staged bytes
-        self.on_uva: dict[str, list[int]] = {}  # layer -> [staged bytes, staged tensors] on uva, kept as tensors move
-        for layer in graph.layers:
-            self._restream(layer)
-            names, size = staged(layer, self.stageable, self.place, self.tensors)
-            self.on_uva[layer.name] = [size, len(names)]
-            self._stage_bytes(layer.name)
+        # layer -> [staged bytes, staged tensors] on uva, kept as tensors move
+        self.on_uva: dict[str, list[int]] = {l.name: [0, 0] for l in graph.layers}
+        # a placement of the rules alone has often no tensor to prefetch or stage: no layer is looked at then
+        if PREFETCH in place.values():
+            for layer in graph.layers:
+                self._restream(layer)
+        if self.stageable and (UVA in place.values() or CPU in place.values()):
+            for layer in graph.layers:
+                names, size = staged(layer, self.stageable, self.place, self.tensors)
+                self.on_uva[layer.name] = [size, len(names)]
+                self._stage_bytes(layer.name)
         self.stage_pool = self._stage_pool()
+
+    @property
+    def resident(self) -> int:
+        """The bytes of the tensors placed on the GPU."""
+        if self._resident is None:
+            self._resident = _bytes(self.tensors, compress(self.place, map(is_, self.place.values(), repeat(GPU))))
+        return self._resident
+
+    @cached_property
+    def layer_name(self) -> dict[str, str]:
+        """Tensor -> its layer's name (moves that change a layer's stream or staging ask)."""
+        return dict(chain.from_iterable(zip(l.params, repeat(l.name)) for l in self.layers.values()))
 
     def image_bytes(self, layer: Layer, names: list[str]) -> int:
         """The bytes of the slot image of `names`, `layer`'s (slots.py); layers alike stream alike images,
@@ -129,8 +147,9 @@ class Footprint:
             was = self.place[n]
             if was is to:
                 continue
-            size = self.tensors[n].nbytes
-            self.resident += (size if to is GPU else 0) - (size if was is GPU else 0)
+            if self._resident is not None:
+                size = self.tensors[n].nbytes
+                self._resident += (size if to is GPU else 0) - (size if was is GPU else 0)
             if PREFETCH in (was, to):
                 touched[self.layer_name[n]] = True
             if UVA in (was, to) and n in self.stageable:
@@ -142,10 +161,13 @@ class Footprint:
     def _move_many(self, names: list[str], to: Placement) -> None:
         """`move`, each step over all of `names` at once (in C where it can be)."""
         place = self.place
-        names = [n for n in names if place[n] is not to]
         was = list(map(place.__getitem__, names))
-        sizes = list(map(_NBYTES, map(self.tensors.__getitem__, names)))
-        self.resident += sum(sizes) if to is GPU else -sum(compress(sizes, map(is_, was, repeat(GPU))))
+        if to in was:  # those already there stay out
+            keep = list(map(is_not, was, repeat(to)))
+            names, was = list(compress(names, keep)), list(compress(was, keep))
+        if self._resident is not None:
+            sizes = list(map(_NBYTES, map(self.tensors.__getitem__, names)))
+            self._resident += sum(sizes) if to is GPU else -sum(compress(sizes, map(is_, was, repeat(GPU))))
         streams = names if to is PREFETCH else compress(names, map(is_, was, repeat(PREFETCH)))
         touched = dict.fromkeys(map(self.layer_name.__getitem__, streams))  # layers by name: hashing one is slow
         stages = names if to is UVA else compress(names, map(is_, was, repeat(UVA)))
@@ -217,6 +239,7 @@ class Footprint:
     def copy(self) -> "Footprint":
         """An independent footprint over a copy of the placement (for a strategy to try)."""
         other = object.__new__(Footprint)
+        self.layer_name  # worked out once, for every copy to share
         other.__dict__.update(self.__dict__, place=dict(self.place), streamed=dict(self.streamed),
                               staged=dict(self.staged), on_uva={k: list(v) for k, v in self.on_uva.items()})
         return other

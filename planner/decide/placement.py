@@ -86,7 +86,7 @@ Example: group_size 8, num_in_group 2 over 61 layers offloads layers
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from itertools import chain, compress, repeat
 from operator import is_, itemgetter
@@ -98,10 +98,10 @@ from ..inputs.patterns import Names
 from ..inputs.policy import Policy, resolve_backend
 from ..inputs.quantized import check_rules, partners
 from ..inputs.routing import RoutingProfile, check_fits
-from ..layers.alike import select
+from ..layers.alike import applies, select
 from ..layers.graph import LayerGraph
 from ..layers.groups import FusedGroups, experts_map
-from ..plan import Backend, Cost, LayerBytes, Placement, PrefetchSchedule, PrefillStaging, Role, Runs, Summary
+from ..plan import Backend, Cost, LayerBytes, Placement, PrefetchSchedule, PrefillStaging, Role, Summary
 from .backends import place_backend
 from .cost import CostModel
 from .notes import Outcome, notes
@@ -114,12 +114,12 @@ GPU, UVA, PREFETCH, CPU = Placement.GPU, Placement.UVA, Placement.PREFETCH, Plac
 _NBYTES = itemgetter(3)  # of a TensorInfo
 
 
-def bytes_by_placement(names: tuple[str, ...], place: Mapping[str, Placement], tensors: Mapping[str, TensorInfo]
-                       ) -> dict[Placement, int]:
+def bytes_by_placement(names: tuple[str, ...], place: Mapping[str, Placement], tensors: Mapping[str, TensorInfo],
+                       where: Sequence[Placement] | None = None) -> dict[Placement, int]:
     """The bytes of `names` on each placement (summed in C: a layer of DeepSeek-V3 holds 1,548 tensors; a
-    placement the layer has nothing on is not summed)."""
+    placement the layer has nothing on is not summed); `where`: their placements, when the caller has them."""
     sizes = list(map(_NBYTES, map(tensors.__getitem__, names)))
-    where = list(map(place.__getitem__, names))
+    where = list(map(place.__getitem__, names)) if where is None else where
     there = set(where)
     if len(there) == 1:
         return {p: sum(sizes) if p in there else 0 for p in (GPU, UVA, PREFETCH, CPU)}
@@ -186,9 +186,9 @@ def decide(graph: LayerGraph, tensors: Mapping[str, TensorInfo], policy: Policy,
     check_roles(groups, as_experts, policy)
     check_cpu(groups, won, policy, tensors, quantized)
     check_streamed_runs(graph, won, policy)
-    in_step = set(chain.from_iterable(l.params for l in graph.layers if l.runs is Runs.STEP))
+    rare = set(chain.from_iterable(l.params for l in graph.rarely_run()))  # every other tensor runs in each step
     moe = {g: count for g, members in groups.members.items()
-           if members[0] in in_step and (count := groups.experts(g))}
+           if members[0] not in rare and (count := groups.experts(g))}
     if routing is not None:
         check_fits(routing, moe, top_k, policy.where("workload.routing"), policy.checkpoint)
     work, stage = policy.workload, policy.uva.stage_prefill
@@ -234,16 +234,24 @@ def decide(graph: LayerGraph, tensors: Mapping[str, TensorInfo], policy: Policy,
     fp, prediction, backend, skipped = chosen.fp, chosen.prediction, chosen.backend, chosen.skipped
     mixed_notes, reasons = chosen.notes, chosen.reasons
     place = fp.place
-    schedule = make_schedule(graph, place, tensors, step, model.shapes)
+    schedule = make_schedule(graph, place, tensors, step, model.shapes, fp.streamed)
     if (staging.pool_bytes if staging else 0) != fp.stage_pool:  # one rule, two sums: a bug, not an input error
         raise AssertionError(f"staging pool {staging} against the footprint's {fp.stage_pool}")
     by = {GPU: 0, UVA: 0, PREFETCH: 0, CPU: 0}
     layers = []
+    alike: dict[tuple, tuple] = {}  # layers alike (alike.py), placed alike: bytes by placement, experts map
     for l, c in zip(graph.layers, prediction.layers):
-        mine = bytes_by_placement(l.params, place, tensors)
+        where = tuple(map(place.__getitem__, l.params))
+        key = (l.template, model.shapes(l), where) if l.template is not None and applies(l.name) else None
+        got = alike.get(key) if key is not None else None
+        if got is None:
+            got = (bytes_by_placement(l.params, place, tensors, where),
+                   experts_map(l.params, place.__getitem__, l.name + ".", l.expert_tensors))
+            if key is not None:
+                alike[key] = got
+        mine, split = got
         for k in by:
             by[k] += mine[k]
-        split = experts_map(l.params, place.__getitem__, l.name + ".", l.expert_tensors)
         layers.append(LayerBytes(l.name, mine[GPU], mine[UVA], mine[PREFETCH], c.h2d_bytes, c.gpu_us,
                                  reasons.get(l.name), l.runs, split, mine[CPU]))
     summary = Summary(by[GPU], by[UVA], by[PREFETCH], fp.pool, prediction.h2d_bytes, prediction.step_us,

@@ -131,7 +131,8 @@ def reads(graph: LayerGraph, tensors: Mapping[str, TensorInfo], groups: FusedGro
     embed = set() if graph.tied_embeddings else {
         n for l in graph.layers if l.kind is LayerKind.EMBED for n in l.params if len(tensors[n].shape) == 2}
     roles = roles or {}
-    routed = groups.index_of.keys() | groups.rows_of.keys()  # groups.routed, for all of them
+    # groups.routed, for all of them (a set of every routed tensor only where some are stored fused)
+    routed = groups.index_of.keys() | groups.rows_of.keys() if groups.rows_of else groups.index_of.keys()
     facts: dict[tuple, tuple] = {}  # (role, routed, read, shape, runs every step, head, query) -> what follows
 
     def tensor_facts(n: str, step: bool, kind: LayerKind) -> tuple:

@@ -10,7 +10,7 @@ one before). The runtime hooks the module at the layer's path.
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
 from ..inputs.checkpoint import TensorInfo
 from ..layers.graph import Layer, LayerGraph, schedule_problems
@@ -70,13 +70,17 @@ def spread(count: int, want: int) -> list[int]:
 
 
 def make_schedule(graph: LayerGraph, place: Mapping[str, Placement],
-                  tensors: Mapping[str, TensorInfo], step: int, shapes: Shapes | None = None
-                  ) -> PrefetchSchedule | None:
+                  tensors: Mapping[str, TensorInfo], step: int, shapes: Shapes | None = None,
+                  streamed: Collection[str] | None = None) -> PrefetchSchedule | None:
     """Slots, layouts and copy triggers for the layers holding prefetched tensors (module doc); `shapes`
-    (alike.py, over `tensors`): the layers' dtypes and shapes, when the caller keeps them."""
+    (alike.py, over `tensors`): the layers' dtypes and shapes, when the caller keeps them; `streamed`: the names
+    of those layers, when the caller knows them (the placement's footprint.py `streamed`)."""
     shapes = Shapes(tensors) if shapes is None else shapes
-    get = place.__getitem__
-    streamed = [l for l in graph.layers if PREFETCH in map(get, l.params)]  # the scan runs in C
+    if streamed is None:
+        get = place.__getitem__
+        streamed = [l for l in graph.layers if PREFETCH in map(get, l.params)]  # the scan runs in C
+    else:
+        streamed = [l for l in graph.layers if l.name in streamed]
     if not streamed:
         return None
     count = len(streamed)

@@ -86,7 +86,8 @@ from ..plan import LayerKind, Placement, PrefillStaging, Runs, StagedLayer
 
 STAGE_SLOTS = 2  # one slot runs while the next layer's copy fills the other
 RING_BYTES = 2**30  # the expert ring's most (module doc)
-_STAGED = frozenset({Placement.UVA, Placement.CPU})  # cpu: routed experts only (a rule puts nothing else there)
+UVA, CPU = Placement.UVA, Placement.CPU
+_STAGED = frozenset({UVA, CPU})  # cpu: routed experts only (a rule puts nothing else there)
 
 
 def stageable(layers: Iterable[Layer], quantized: Collection[str] = (), experts: bool = False) -> frozenset[str]:
@@ -94,15 +95,23 @@ def stageable(layers: Iterable[Layer], quantized: Collection[str] = (), experts:
     `quantized`: the quantized tensors and their scales (quantized.py `partners`), never staged;
     `experts`: routed experts staged too, but not in a layer whose experts are quantized (their biases
     alone would gain nothing)."""
-    out: set[str] = set()
+    return stageables(layers, quantized)[experts]
+
+
+def stageables(layers: Iterable[Layer], quantized: Collection[str] = ()) -> tuple[frozenset[str], frozenset[str]]:
+    """`stageable` without routed experts and with them, from one look at each tensor (the cost model
+    needs both)."""
+    without: set[str] = set()
+    extra: set[str] = set()  # the routed experts staged with `experts`
     for l in layers:
         if l.kind is LayerKind.EMBED or l.runs is Runs.MTP:
             continue
         routed = l.expert_tensors
-        mine = filterfalse(quantized.__contains__, l.params)  # a set or dict: looked up, not walked
-        out.update(mine if experts and not any(map(quantized.__contains__, routed))
-                   else filterfalse(routed.__contains__, mine))
-    return frozenset(out)
+        mine = list(filterfalse(quantized.__contains__, l.params))  # a set or dict: looked up, not walked
+        without.update(filterfalse(routed.__contains__, mine))
+        if not any(map(quantized.__contains__, routed)):
+            extra.update(filter(routed.__contains__, mine))
+    return frozenset(without), frozenset(without | extra)
 
 
 def stage_experts(touched: float, hw: Hardware) -> bool:
@@ -132,6 +141,8 @@ def make_staging(graph: LayerGraph, place: Mapping[str, Placement], tensors: Map
                  above_tokens: int, names: frozenset[str]) -> PrefillStaging | None:
     """The plan's `prefill:` section for `place`, or None when no layer holds a stageable uva tensor.
     `names`: `stageable(graph.layers, partners(tensors), experts)`."""
+    if UVA not in place.values() and CPU not in place.values():  # no layer has a tensor to stage
+        return None
     layers, host = [], []
     for l in graph.layers:
         mine, size = staged(l, names, place, tensors)

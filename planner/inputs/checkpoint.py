@@ -32,7 +32,7 @@ from .shard_header import TensorInfo, parse_tensors, read_header, read_raw
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
-_NBYTES = itemgetter(3)  # of a TensorInfo
+_NBYTES, _SHARD = itemgetter(3), itemgetter(4)  # of a TensorInfo
 
 
 @dataclass(frozen=True)
@@ -130,20 +130,22 @@ def _read_index(index: Path) -> tuple[bytes, dict[str, str]]:
 def _as_indexed(weight_map: dict[str, str], tensors_by_shard: dict[str, dict[str, TensorInfo]]
                 ) -> dict[str, TensorInfo] | None:
     """The tensors in index order when the index and the headers agree exactly (every name in the shard
-    the index names, no other); None when they do not, and the caller's loops say where."""
+    the index names, no other); None when they do not, and the caller's loops say where.
+
+    A copy of the index keeps its order, and the headers' tensors replace its shard names. The headers
+    list as many tensors as the index and add no name to it, so a name in two headers leaves one of the
+    index's shard names unreplaced; then each tensor's shard is the index's, compared in one walk of both
+    (a leftover shard name is no TensorInfo: `_SHARD` of it is a character, or an IndexError)."""
     if sum(map(len, tensors_by_shard.values())) != len(weight_map):
         return None
-    try:
-        if not all(all(map(shard.__eq__, map(weight_map.__getitem__, found))) for shard, found in
-                   tensors_by_shard.items()):
-            return None
-    except KeyError:  # a name the index lacks
-        return None
-    # Every header's names are the index's for that shard, so no two headers share one: as many as the index's,
-    # they are its names. A copy of the index keeps its order, the headers' tensors replace its shard names.
     tensors: dict = dict(weight_map)
     for found in tensors_by_shard.values():
         tensors.update(found)
+    try:
+        if len(tensors) != len(weight_map) or list(map(_SHARD, tensors.values())) != list(weight_map.values()):
+            return None
+    except IndexError:
+        return None
     return tensors
 
 
@@ -164,6 +166,7 @@ def _open_checkpoint(path: str | os.PathLike) -> Checkpoint:
         shards = sorted(set(weight_map.values()))
     tensors_by_shard: dict[str, dict[str, TensorInfo]] = {}
     metadata: dict[str, str] = {}
+    known: dict[tuple, tuple] = {}  # (dtype, shape) -> the objects its tensors share (parse_tensors)
     for shard in shards:
         file = root / shard
         if not file.is_file():
@@ -182,7 +185,7 @@ def _open_checkpoint(path: str | os.PathLike) -> Checkpoint:
         meta = header.get("__metadata__")
         if isinstance(meta, dict) and index is None:
             metadata = {str(k): str(v) for k, v in meta.items()}
-        tensors_by_shard[shard] = parse_tensors(shard, header, len(raw), size, problems)
+        tensors_by_shard[shard] = parse_tensors(shard, header, len(raw), size, problems, known)
 
     if weight_map is None:
         tensors = next(iter(tensors_by_shard.values()), {})

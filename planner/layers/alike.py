@@ -32,7 +32,7 @@ from operator import itemgetter
 from ..inputs.patterns import Names, Pattern
 from .expert_names import matches, piece
 
-_DTYPE_SHAPE = itemgetter(1, 2)  # of a TensorInfo
+_DTYPE, _SHAPE, _DTYPE_SHAPE = itemgetter(1), itemgetter(2), itemgetter(1, 2)  # of a TensorInfo
 
 
 def applies(layer_name: str) -> bool:
@@ -111,16 +111,34 @@ class Template:
 class Shapes:
     """Each layer's dtypes and shapes, tensor for tensor, as a number: layers of one number have the same
     ones. Read once per layer (a MoE layer of DeepSeek-V3 holds 1,548 tensors) for every question they
-    decide, then compared as one int. `tensors` is the plan's (one GPU's share under tensor parallelism)."""
+    decide, then compared as one int. `tensors` is the plan's (one GPU's share under tensor parallelism).
+
+    Every question also asks for the layer's template, so a layer of a template is compared with the
+    earlier layers of that template only, list to list (tensors of one dtype and shape share those
+    objects: shard_header.py), rather than hashed: its number may then differ from an equal layer's of
+    another template, which no question tells apart."""
 
     def __init__(self, tensors: Mapping[str, tuple]):
         self.tensors = tensors
         self._of: dict[str, int] = {}  # layer name -> its number
-        self._numbers: dict[tuple, int] = {}  # dtypes and shapes -> their number
+        self._numbers: dict[tuple, int] = {}  # dtypes and shapes -> their number (a layer of no template)
+        self._alike: dict[Template, list[tuple[list, list, int]]] = {}  # template -> (dtypes, shapes, number)
 
     def __call__(self, layer) -> int:
         number = self._of.get(layer.name)
         if number is None:
-            got = tuple(map(_DTYPE_SHAPE, map(self.tensors.__getitem__, layer.params)))
-            number = self._of[layer.name] = self._numbers.setdefault(got, len(self._numbers))
+            infos = list(map(self.tensors.__getitem__, layer.params))
+            if layer.template is None:
+                number = self._numbers.setdefault(tuple(map(_DTYPE_SHAPE, infos)), self._count())
+            else:
+                dtypes, shapes = list(map(_DTYPE, infos)), list(map(_SHAPE, infos))
+                known = self._alike.setdefault(layer.template, [])
+                number = next((n for d, s, n in known if s == shapes and d == dtypes), None)
+                if number is None:
+                    number = self._count()
+                    known.append((dtypes, shapes, number))
+            self._of[layer.name] = number
         return number
+
+    def _count(self) -> int:
+        return len(self._numbers) + sum(map(len, self._alike.values()))

@@ -39,8 +39,8 @@ import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from itertools import compress, groupby
-from operator import itemgetter
+from itertools import compress, groupby, repeat
+from operator import getitem, itemgetter
 
 import networkx as nx
 
@@ -146,7 +146,7 @@ def _natural_order(node: str, params: list[str], keys: dict[str, str], orders: d
     template of those local names (alike.py: one object per distinct list, shared by the layers alike).
     The order depends on the local names alone, so layers alike are sorted once (`orders`)."""
     cut = len(node) + 1
-    local = tuple([p[cut:] for p in params])
+    local = tuple(map(getitem, params, repeat(slice(cut, None))))  # in C: a layer of DeepSeek-V3 holds 1,548
     got = orders.get(local)
     if got is None:
         for name in set(local).difference(keys):

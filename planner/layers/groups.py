@@ -212,11 +212,12 @@ def _add(names: list[str], found: tuple[dict, dict, dict]) -> None:
 
 def whole_groups(names: list[str], groups: "FusedGroups") -> list[str]:
     """`names` without the members of any group they hold only part of: what prefetch may stream.
-    Each group is checked once, not once per member (a DeepSeek-V3 layer's group holds 1,536 tensors)."""
+    Each group is checked once, not once per member (a DeepSeek-V3 layer's group holds 1,536 tensors), and
+    `names` are walked again only where a group is split."""
     have = set(names)
     group_of, members = groups.group_of, groups.members
-    whole = {g for g in {group_of[n] for n in have if n in group_of} if have.issuperset(members[g])}
-    return [n for n in names if n not in group_of or group_of[n] in whole]
+    split = {g for g in set(map(group_of.get, names)) if g is not None and not have.issuperset(members[g])}
+    return [n for n in names if group_of.get(n) not in split] if split else list(names)
 
 
 def split_units(groups: FusedGroups, selected: Collection[str], what: str, whole_groups: bool) -> list[str]:
@@ -225,14 +226,16 @@ def split_units(groups: FusedGroups, selected: Collection[str], what: str, whole
     `whole_groups` (prefetch): the unit is the group; else the expert of a fused parameter.
     """
     problems = []
-    if whole_groups:  # each unit once (a group of DeepSeek-V3 holds 1,536 tensors)
+    if whole_groups and 4 * len(selected) < len(groups.group_of):  # each unit once: the groups of a few tensors
         units = [(g, groups.members[g]) for g in set(map(groups.group_of.get, selected)) - {None}]
+    elif whole_groups:  # many: every group's members looked up in their order (a set's order is at random in memory)
+        units = [(g, ms) for g, ms in groups.members.items() if any(map(selected.__contains__, ms))]
     else:
         units = [(groups.group_of[u[0]], u) for u in {groups.expert_of[m] for m in selected if m in groups.index_of}]
     for group, unit in units:
-        if len(unit) < 2:
+        if len(unit) < 2 or all(map(selected.__contains__, unit)):  # in C: a group of DeepSeek-V3 holds 1,536
             continue
-        picked = list(filter(selected.__contains__, unit))  # in C: a group of DeepSeek-V3 holds 1,536 tensors
+        picked = list(filter(selected.__contains__, unit))
         if len(picked) < len(unit):
             if whole_groups:
                 problems.append(
