@@ -136,9 +136,10 @@ def test_a_pair_routed_to_no_expert_is_an_error_and_nan(lib):
     x = torch.randn(1, 80).to(torch.bfloat16)
     ids = torch.tensor([1, 9])
     y = torch.zeros(2, 80, dtype=torch.bfloat16)
+    on_cpu = torch.ones(4, dtype=torch.uint8)  # alive for the job's life (native.job): it reads the mask
     pool = native.Pool(lib, 2)
     try:
-        job = native.job(pool, gate_up, down, torch.ones(4, dtype=torch.uint8), x, ids, y, 1, 2)
+        job = native.job(pool, gate_up, down, on_cpu, x, ids, y, 1, 2)
         native.run(lib, job)
     finally:
         pool.close()
