@@ -224,7 +224,7 @@ class Run:
                         self.reference.setdefault((used, mode, b), tokens)  # the first: transformers alone
                         if rate > self.best_gpu.get(key, (0, ""))[0]:
                             self.best_gpu[key] = (rate, used)
-                    like = arithmetic(b * self.top_k) if used == "offplan" else used
+                    like = {"offplan": arithmetic(b * self.top_k), "offplan_grouped_mm": "grouped_mm"}.get(used, used)
                     ref = self.reference.get((like, mode, b))
                     same = None if ref is None else tokens == ref
                     if same is False and used != "eager" and timing.host is None:  # the host's GEMVs round apart

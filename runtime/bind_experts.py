@@ -26,6 +26,7 @@ def bind_experts(h: OffloadHandle) -> None:
     pinned = [t for t in h.targets if t.placement is UVA and not h.staging and _experts_module(h.model, t) is not None]
     quantized = [m for m in h.quantized if experts.supports(m)]
     if not pinned and not quantized:
+        _lean_grouped(h)
         return
     experts.register()
     by_module: dict[torch.nn.Module, dict[str, Target]] = {}
@@ -44,10 +45,25 @@ def bind_experts(h: OffloadHandle) -> None:
             h.bound_experts.append(module)
     h.bound_experts += [m for m in quantized if m not in h.bound_experts]
     h.experts_before = h.model.config._experts_implementation
+    h.experts_set = True
     h.model.set_experts_implementation("offplan")
     host.bind(h, by_module)  # those with experts on cpu: their engine
     on_cpu = {m: h.host_experts.modules[i].on_cpu_device for m, i in h.host_bound}
     h.lookahead = lookahead(h.model, h.bound_experts, h.device, on_cpu)
+
+
+def _lean_grouped(h: OffloadHandle) -> None:
+    """A model whose experts all lie in HBM, run through transformers' `grouped_mm`: the same arithmetic less its
+    masks for expert parallelism (experts.py `grouped_mm_forward`: bitwise its outputs, faster). Only with bf16
+    experts: under torch.compile torch's grouped_mm takes nothing else, where transformers' falls back to its own
+    kernel. Any other implementation the model was given is left as it is."""
+    modules = [m for m in h.model.modules() if experts.supports(m)]
+    if h.model.config._experts_implementation != "grouped_mm" or not modules or \
+            any(m.down_proj.dtype != torch.bfloat16 for m in modules):
+        return
+    experts.register()
+    h.experts_before, h.experts_set = "grouped_mm", True
+    h.model.set_experts_implementation("offplan_grouped_mm")
 
 
 def lookahead(model: torch.nn.Module, bound: list[torch.nn.Module], device: torch.device,

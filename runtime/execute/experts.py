@@ -11,10 +11,9 @@ resident copy (`bind`). Per forward, for T tokens with top-k routing over E expe
 
 1. the unique experts touched, in a list of static size U = min(E, T*k): the
    hit experts first, by number, then padding (gather.py `route`, one launch on
-   CUDA). One token's k experts are distinct, so they are staged in its pairs'
-   order instead, and step 3 reads them as they lie (batched_mm would copy each
-   pair's weight first: 60 us per projection at Qwen3-30B-A3B's shape). No host
-   synchronization: a decode step is captured and replayed;
+   CUDA; no host synchronization: a decode step is captured and replayed). One
+   token's k experts are distinct: staged in its pairs' order instead, read as
+   they lie in step 3 (batched_mm would copy each pair's weight first);
 2. each fused parameter's rows for those U slots, staged in HBM (gather.py):
    copied from the resident rows for experts on the GPU, read once through the
    zero-copy view for the others, not at all for padding (no link bytes). With
@@ -22,45 +21,33 @@ resident copy (`bind`). Per forward, for T tokens with top-k routing over E expe
    A module's pinned tensors go in one launch (`gather_many`), except for one
    token where the module before guessed experts and read them ahead: those
    rows come from the lookahead's buffer in HBM (lookahead.py, `gather`);
-3. the experts' arithmetic over the staged rows, every (token, k) pair routed
-   to its slot (`arithmetic` says which): for T*k <= `BATCHED_PAIRS` (one or
-   two tokens), transformers' `batched_mm` arithmetic exactly (a GEMV per
-   pair over a weight copy per pair: the same kernels on the same values, so
-   outputs are bitwise those of `batched_mm` on the whole parameter); above,
-   transformers' `grouped_mm` arithmetic over the U staged experts, bitwise
-   that of `grouped_mm`. Measured on the H100 (benchmarks/RESULTS.md), these
-   are the fastest all-GPU paths at batch 1 and from batch 8 on; batched_mm's
-   weight copy per pair costs 2.4 GB of HBM traffic per layer at batch 32.
-   An FP8 parameter at one token is the exception: fp8_gemv.py's kernel
-   multiplies each pair by its expert's FP8 rows where they lie (gathered,
-   or in place when the whole parameter is in HBM), dequantizing in
-   registers, so its outputs equal batched_mm's on the dequantized experts
-   within one rounding (the kernel sums in another order), not bitwise.
+3. the experts' arithmetic over the staged rows, each (token, k) pair routed
+   to its slot (`arithmetic`): up to `BATCHED_PAIRS` pairs (one or two tokens)
+   transformers' `batched_mm`'s, above its `grouped_mm`'s over the U staged
+   experts; the same kernels on the same values, so bitwise their outputs on
+   the whole parameter. These are the fastest all-GPU paths at batch 1 and
+   from batch 8 on (H100, benchmarks/RESULTS.md). The exception, an FP8
+   parameter at one token: fp8_gemv.py multiplies each pair by its expert's
+   FP8 rows where they lie, dequantizing in registers (batched_mm's outputs
+   on the dequantized experts within one rounding: another summing order).
 
-The lookahead (step 2) runs where a decode step's kernels are launched ahead
-of the GPU: in a step captured in a CUDA graph or traced by torch.compile.
-An eager step on CUDA skips it: there the CPU's launches set the pace, and
-its two ops and side-stream launches cost more CPU time than the link time
-it saves (measured on the H100 at 8 layers of Qwen3-30B-A3B's shape, every
-expert on uva: 46 eager steps/s with it, 63 without). On the CPU it runs as
-it does under a graph, so that CI exercises its buffer.
+The lookahead (step 2) runs in a step captured in a CUDA graph or traced by
+torch.compile, and on the CPU (so CI exercises it). An eager step on CUDA skips
+it: there the CPU's launches set the pace, and its launches cost more than the
+link time it saves (H100, 8 Qwen3-30B-A3B layers on uva: 46 steps/s with, 63 without).
 
-At prefill of a layer that the plan stages (prefill.py), the unique list is
-every expert in expert order (U = E: a long prompt touches nearly all of
-them), step 2 gathers only the rows held in HBM, and the rows in pinned
-memory come from the expert ring (ring.py: copied ahead of the layer, over
-the link, while earlier layers computed), through `offplan::expert_fill`.
+At prefill of a layer that the plan stages (prefill.py), the unique list is every expert in expert order (U = E:
+a long prompt touches nearly all), step 2 gathers only the rows held in HBM, and those in pinned memory come from
+the expert ring (ring.py: copied over the link while earlier layers computed), through `offplan::expert_fill`.
 
-Experts on cpu (host/engine.py) lie in the pinned parameter as uva ones do. In a
-forward of at most the plan's prefill threshold in tokens, step 2 leaves their
-rows out (the lookahead guesses none of them), the host's outputs replace their
-pairs' before the pairs are weighted and summed. Above it, and in a staged
-prefill, they are read as uva experts.
+Experts on cpu (host/engine.py) lie in the pinned parameter as uva ones do. In a forward of at most the
+plan's prefill threshold in tokens, step 2 leaves their rows out (the lookahead guesses none of them), and the
+host's outputs replace their pairs' before the pairs are weighted and summed; above it they are read as uva ones.
 
-A module whose fused parameters are all in HBM (on the GPU, or prefetched into
-a slot) has nothing to deduplicate: it runs transformers' own implementation
-whose arithmetic `arithmetic` picks for its pairs (`batched_mm` or
-`grouped_mm`), so a model's resident and offloaded layers compute alike.
+A module whose fused parameters are all in HBM (on the GPU, or prefetched) has nothing to deduplicate: it runs
+the arithmetic `arithmetic` picks, as offloaded ones do: transformers' `batched_mm`, or (bf16) `grouped_mm_forward`,
+its `grouped_mm` less three masks for expert parallelism's sentinel ids (offplan routes none): bitwise its outputs,
+1.2x faster at 8192 tokens (docs/moe-prefill/); so does a bf16 model with none to bind (bind_experts.py).
 """
 from __future__ import annotations
 
@@ -191,8 +178,7 @@ def _ahead_pays(ids: torch.Tensor) -> bool:
 
 
 def _linear(x: torch.Tensor, w: torch.Tensor | Fp8Rows, b: torch.Tensor | None, transposed: bool) -> torch.Tensor:
-    """One GEMV per pair: x [S, in], w [S, out, in] ([S, in, out] transposed) -> [S, out], as batched_mm does;
-    FP8 rows in one kernel (fp8_gemv.py)."""
+    """One GEMV per pair, x [S, in], w [S, out, in] ([S, in, out] transposed) -> [S, out]; FP8 in fp8_gemv.py."""
     if isinstance(w, Fp8Rows):
         out = fp8_gemv.fp8_pairs(x, w.data, w.scale, w.ids, w.block)
     elif transposed:
@@ -232,14 +218,15 @@ def offplan_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, 
                             top_k_weights: torch.Tensor) -> torch.Tensor:
     """The "offplan" entry of ALL_EXPERTS_FUNCTIONS (module doc). hidden_states [T, H], top_k_* [T, k]."""
     if not quantized(self) and not any(bound(self, p) for p in fused_params(self)):
-        from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
         implementation = arithmetic(top_k_index.numel())
+        if implementation == "grouped_mm" and self.down_proj.dtype == torch.bfloat16:  # bf16 only: bind_experts.py
+            return grouped_mm_forward(self, hidden_states, top_k_index, top_k_weights)
+        from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
         return ALL_EXPERTS_FUNCTIONS[implementation](self, hidden_states, top_k_index, top_k_weights)
     num_tokens, k = top_k_index.shape
     experts, pairs = self.num_experts, top_k_index.numel()
     ids = top_k_index.reshape(-1)
     weights = top_k_weights.reshape(-1)
-    first = "gate_up_proj" if self.has_gate else "up_proj"
     ring = getattr(self, "_offplan_ring", None)  # set by prefill.py on the experts modules it stages
     host = getattr(self, "_offplan_host", None)  # set by host/bind.py where the plan puts experts on cpu
     staged = ring is not None and ring.state.staged
@@ -272,29 +259,42 @@ def offplan_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, 
         if merge is not None:  # the host's experts: not read here
             valid = valid * mine.index_select(0, order).logical_not().to(torch.int32)
         rows = _stage(self, fused_params(self), order, valid)
-    bias = (lambda p: rows[f"{p}_bias"]) if self.has_bias else (lambda p: None)
     if arithmetic(pairs) == "batched_mm":  # one weight copy per pair, from HBM
         return _batched(self, hidden_states, rows, weights, k, pos, merge)
-    # grouped_mm's arithmetic over the staged experts, pairs sorted by slot
+    return _grouped_pairs(self, hidden_states, rows, pos, size, weights, k, merge)
+
+
+def _grouped_pairs(self: torch.nn.Module, hidden_states: torch.Tensor, rows: dict[str, torch.Tensor],
+                   pos: torch.Tensor, size: int, weights: torch.Tensor, k: int, merge=None) -> torch.Tensor:
+    """grouped_mm's arithmetic over `size` staged experts: the pairs sorted by slot (`pos` [T*k]: each pair's),
+    one grouped GEMM per projection, back in pair order, weighted and summed. `merge` as in `_batched`."""
+    first = "gate_up_proj" if self.has_gate else "up_proj"
+    bias = (lambda p, at: rows[f"{p}_bias"][at]) if self.has_bias else (lambda p, at: None)
     pos_sorted, perm = torch.sort(pos)
     x = hidden_states[perm // k]
     counts = torch.histc(pos_sorted.float() if x.device.type == "cpu" else pos_sorted.int(), bins=size, min=0,
                          max=size - 1)
     offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
-    up = _grouped(x, rows[first], offsets, None if bias(first) is None else bias(first)[pos_sorted],
-                  self.is_transposed)
+    up = _grouped(x, rows[first], offsets, bias(first, pos_sorted), self.is_transposed)
     up = self._apply_gate(up) if self.has_gate else self.act_fn(up)
-    down = bias("down_proj")
-    out = _grouped(up, rows["down_proj"], offsets, None if down is None else down[pos_sorted], self.is_transposed)
+    out = _grouped(up, rows["down_proj"], offsets, bias("down_proj", pos_sorted), self.is_transposed)
     inverse = torch.empty_like(perm)
     inverse[perm] = torch.arange(perm.numel(), device=perm.device)
     out = out[inverse]  # pair order (then weighted: the same products as weighting first, then reordering)
-    if merge is not None:
-        out = merge(out)
-    return (out * weights.unsqueeze(-1)).view(num_tokens, k, -1).sum(dim=1).to(hidden_states.dtype)
+    out = out if merge is None else merge(out)
+    return (out * weights.unsqueeze(-1)).view(-1, k, out.shape[-1]).sum(dim=1).to(hidden_states.dtype)
+
+
+def grouped_mm_forward(self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                       top_k_weights: torch.Tensor) -> torch.Tensor:
+    """"offplan_grouped_mm": transformers' grouped_mm less its sentinel masks (module doc), experts all in HBM."""
+    rows = {p: getattr(self, p) for p in fused_params(self)}
+    return _grouped_pairs(self, hidden_states, rows, top_k_index.reshape(-1), self.num_experts,
+                          top_k_weights.reshape(-1), top_k_index.shape[1])
 
 
 def register() -> None:
-    """Add "offplan" to transformers' experts implementations (idempotent)."""
+    """Add "offplan" and "offplan_grouped_mm" to transformers' experts implementations (idempotent)."""
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
     ALL_EXPERTS_FUNCTIONS.register("offplan", offplan_experts_forward)
+    ALL_EXPERTS_FUNCTIONS.register("offplan_grouped_mm", grouped_mm_forward)

@@ -88,7 +88,8 @@ class OffloadHandle(Generating):
         self.host_experts: HostExperts | None = None  # the plan's experts on cpu (host/engine.py)
         self.host_bound: list[tuple[torch.nn.Module, int]] = []  # the modules it computes experts of
         self.host_warning = ""  # the load found the host much slower than the plan assumed (host/pace.py)
-        self.experts_before: str | None = None  # the experts implementation before "offplan"
+        self.experts_before: str | None = None  # the experts implementation before offplan's (bind_experts.py)
+        self.experts_set = False  # whether bind_experts.py set one
         self.generators: dict[tuple[bool, bool], Generator] = {}  # `generate`'s, by (eager, compile)
         self.parallel = None  # tensor parallelism: this process's place and collectives (distributed/collectives.py)
         self.shares = None  # tensor parallelism: this GPU's share of the checkpoint's headers
@@ -180,8 +181,9 @@ class OffloadHandle(Generating):
             self.host_experts = None
         for module in self.bound_experts:
             experts.unbind(module)
-        if self.bound_experts:
+        if self.experts_set:
             self.model.set_experts_implementation(self.experts_before)
+            self.experts_set = False
         self.bound_experts = []
         if self.engine is not None:
             self.engine.remove()

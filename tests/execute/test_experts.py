@@ -7,6 +7,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
+import runtime  # noqa: E402
 from runtime.execute import experts, gather  # noqa: E402
 from runtime.hf import from_pretrained  # noqa: E402
 from tiny_models import make_plan, qwen3_moe_config, reference, save_model  # noqa: E402
@@ -86,11 +87,42 @@ def test_every_expert_in_pinned_memory(tmp_path, models):
     handle.remove(restore=False)
 
 
-def test_nothing_in_pinned_memory_keeps_the_models_implementation(tmp_path, models):
-    plan = make_plan(tmp_path, models["qwen3-moe"], "prefetch: {group_size: 3, num_in_group: 1, step: 1}")
-    model, handle = from_pretrained(plan, progress=False)
-    assert model.config._experts_implementation != "offplan"
-    handle.remove(restore=False)
+@pytest.mark.parametrize("name", ["qwen3-moe", "mixtral", "qwen2-moe"])
+@pytest.mark.parametrize("body", ["", "prefetch: {group_size: 3, num_in_group: 1, step: 1}"])
+def test_nothing_in_pinned_memory_runs_grouped_mm_without_its_masks(tmp_path, models, name, body):
+    """All on the GPU, or prefetched: transformers' grouped_mm (the default) gives way to offplan's, which is its
+    arithmetic less the masks for expert parallelism: bitwise its logits at prefill and decode sizes."""
+    model, handle = from_pretrained(make_plan(tmp_path, models[name], body), progress=False)
+    assert model.config._experts_implementation == "offplan_grouped_mm"
+    ref = reference(models[name])
+    assert ref.config._experts_implementation == "grouped_mm"
+    for tokens in (1, 5, 40):
+        assert torch.equal(logits(model, tokens), logits(ref, tokens)), tokens
+    handle.remove()
+    assert model.config._experts_implementation == "grouped_mm"
+
+
+def test_float32_experts_keep_transformers_grouped_mm_and_compile(tmp_path):
+    """torch's grouped_mm takes bf16 only under torch.compile, where transformers' grouped_mm falls back to its own
+    kernel: a float32 model keeps transformers' implementation, and traces."""
+    model_dir = save_model(qwen3_moe_config(num_hidden_layers=2), tmp_path / "fp32", dtype=torch.float32)
+    model, handle = from_pretrained(make_plan(tmp_path, model_dir, ""), progress=False)
+    assert next(model.parameters()).dtype == torch.float32
+    assert model.config._experts_implementation == "grouped_mm"
+    ids = torch.randint(0, 256, (1, 20))
+    with torch.no_grad():
+        torch.testing.assert_close(torch.compile(model)(ids).logits, model(ids).logits)
+    torch._dynamo.reset()
+    handle.remove()
+
+
+def test_nothing_in_pinned_memory_keeps_another_implementation(tmp_path, models):
+    """A model given another experts implementation keeps it: offplan only stands in for grouped_mm."""
+    model = reference(models["qwen3-moe"])
+    model.set_experts_implementation("batched_mm")
+    handle = runtime.apply(model, make_plan(tmp_path, models["qwen3-moe"], ""))
+    assert model.config._experts_implementation == "batched_mm"
+    handle.remove()
 
 
 def test_gather_rows_takes_resident_rows_from_hbm_and_the_rest_in_place():

@@ -116,6 +116,21 @@ def test_a_resident_layer_computes_as_the_offloaded_ones(tmp_path, models):
     handle.remove(restore=False)
 
 
+@pytest.mark.parametrize("name", ["qwen3-moe", "mixtral", "qwen2-moe"])
+def test_all_on_the_gpu_runs_grouped_mm_without_its_masks_bitwise(tmp_path, models, name):
+    """Nothing offloaded: offplan_grouped_mm stands in for transformers' grouped_mm, bitwise at prefill sizes and
+    in a replayed decode step."""
+    model, handle = from_pretrained(make_plan(tmp_path, models[name], ""), progress=False)
+    assert model.config._experts_implementation == "offplan_grouped_mm"
+    ref = reference(models[name], "cuda")
+    for tokens in (3, 100):
+        ids = torch.randint(0, 256, (2, tokens), device="cuda", generator=torch.Generator("cuda").manual_seed(5))
+        with torch.no_grad():
+            assert torch.equal(model(ids).logits, ref(ids).logits), tokens
+    _replays_as(model, handle, ref)
+    handle.remove(restore=False)
+
+
 def test_uva_false_refuses_a_plan_that_splits_experts(tmp_path, models):
     from planner.errors import OffplanError
     plan = make_plan(tmp_path, models["qwen3-moe"], SPLIT)
