@@ -150,7 +150,8 @@ def _handover(lib, pool, repeat: int = 200) -> float:
     ids_host = torch.empty(pairs, dtype=torch.long, pin_memory=True)
     y_host = torch.empty((pairs, HIDDEN), dtype=torch.bfloat16, pin_memory=True)
     weights = torch.empty((1, 2, 2), dtype=torch.bfloat16), torch.empty((1, 2, 1), dtype=torch.bfloat16)
-    job = native.job(pool, *weights, torch.zeros(1, dtype=torch.uint8), x_host, ids_host, y_host, tokens, TOP_K)
+    on_cpu = torch.zeros(1, dtype=torch.uint8)  # none: kept alive for the job's life, as native.job asks
+    job = native.job(pool, *weights, on_cpu, x_host, ids_host, y_host, tokens, TOP_K)
     ids_host.zero_()
     x = torch.zeros((tokens, HIDDEN), dtype=torch.bfloat16, device="cuda")
     ids = torch.zeros(pairs, dtype=torch.long, device="cuda")
