@@ -119,6 +119,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--eager", action="store_true",
                    help="run each decode step eagerly (default on a GPU: capture one step in a CUDA graph and "
                         "replay it)")
+    p.add_argument("--compile", action="store_true",
+                   help="run the decode step under torch.compile (Inductor fuses its small kernels), replayed from "
+                        "a CUDA graph unless --eager; compiling costs tens of seconds once per process. Not with a "
+                        "tensor-parallel plan")
     p.add_argument("--device", default=None, choices=["cuda", "cpu"], help="default: cuda if available")
     p.add_argument("--gpus", type=_positive, metavar="N",
                    help="the GPUs a tensor-parallel plan runs on, one process each (default and only value: the "

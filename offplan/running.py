@@ -2,7 +2,8 @@
 
 `plan apply PLAN`: load the plan's checkpoint with transformers per the plan, report, and generate through
 the runtime's generation (runtime/execute/generation.py: on a GPU each decode step replayed from a CUDA graph,
-unless --eager), for one sequence per prompt or `--batch` of them.
+unless --eager; with --compile, the step compiled by torch.compile first), for one sequence per prompt or `--batch`
+of them.
 
 What the report says about the checkpoint, and how it knows:
 - no tokenizer: none of the files transformers reads one from (`TOKENIZER_FILES`)
@@ -63,6 +64,7 @@ class Request:
     device: str | None
     json: bool
     progress: bool | None
+    compile: bool = False
 
 
 def apply_command(args) -> int:
@@ -75,8 +77,11 @@ def apply_command(args) -> int:
                            f"--batch {len(texts)} or more, or fewer prompts")
     # The bar on a terminal; elsewhere nothing from the loader, since the report below says it all.
     req = Request(args.plan, tuple(texts), args.batch or len(texts), args.max_new_tokens, args.eager, args.device,
-                  args.json, None if sys.stderr.isatty() else False)
+                  args.json, None if sys.stderr.isatty() else False, args.compile)
     gpus = load_plan(args.plan).parallel
+    if args.compile and (gpus is not None or args.gpus is not None):
+        raise OffplanError(f"--compile: not with a tensor-parallel plan ({args.plan} runs on "
+                           f"{gpus.gpus if gpus else args.gpus} GPUs); leave --compile out")
     if gpus is not None or args.gpus is not None:
         out = apply_parallel(req, gpus.gpus if gpus else 1, args.gpus, apply_one)
     else:
@@ -96,7 +101,7 @@ def apply_one(req: Request, rank: int | None = None) -> str:
         root = Path(handle.checkpoint.root)
         facts = {"tokenizer": has_tokenizer(root), "random_weights": declares_random_weights(root)}
         gen = _generate(model, handle, list(req.texts), req.batch, req.max_new_tokens, req.eager,
-                        facts["tokenizer"])
+                        facts["tokenizer"], req.compile)
         plan = handle.plan
         if req.json:
             return json.dumps({"stats": {**dataclasses.asdict(stats), "pinned_ratio": stats.pinned_ratio,
@@ -149,7 +154,9 @@ def report(plan_path, s: LoadStats, facts: dict, gen: dict, plan, root: Path) ->
         out.append(f"note: the plan computes experts on cpu, but {native.why_not}: the engine's Python worker "
                    "computes them, much slower than the plan predicts")
     sequences = len(gen["sequences"])
-    how = "each decode step replayed from a CUDA graph" if "graph" in gen["mode"] else "each decode step eager"
+    how = {"graph": "each decode step replayed from a CUDA graph", "eager": "each decode step eager",
+           "compiled-graph": "each decode step compiled by torch.compile and replayed from a CUDA graph",
+           "compiled": "each decode step compiled by torch.compile, without a CUDA graph"}[gen["mode"]]
     out.append(f"generated {plural(sequences, 'sequence')} of up to {gen['max_new_tokens']} tokens, greedily, "
                f"{how} ({s.device})")
     out.append(f"  time to first token {ms(gen['ttft_s'] * 1e6)} (prefill of {gen['prompt_tokens']} prompt tokens)")
@@ -162,7 +169,8 @@ def report(plan_path, s: LoadStats, facts: dict, gen: dict, plan, root: Path) ->
         unlike = ("this run is on the CPU" if not cuda else
                   f"this run is at batch {sequences}" if c.batch_size != sequences else
                   "this run replays a CUDA graph" if predicted == "eager" and "graph" in gen["mode"] else
-                  "this run is eager" if predicted == "graph" and "graph" not in gen["mode"] else "")
+                  "this run is eager" if predicted == "graph" and "graph" not in gen["mode"] else
+                  "this run is compiled (the plan predicts uncompiled kernels)" if "compiled" in gen["mode"] else "")
         out.append(f"  predicted {ms(plan.summary.predicted_step_us)} per decode step by the plan, for batch "
                    f"{c.batch_size}, {'CUDA graph replay' if predicted == 'graph' else 'eager'}, on {c.hardware}"
                    + (f"; {unlike}: they do not compare" if unlike else ""))
@@ -176,7 +184,7 @@ def _predicted_mode(plan) -> str | None:
 
 
 def _generate(model, handle, texts: list[str], batch: int, max_new_tokens: int, eager: bool,
-              tokenizer_files: bool) -> dict:
+              tokenizer_files: bool, compile: bool = False) -> dict:
     """The runtime's generation (runtime/execute/generation.py) of `batch` sequences, the prompts taken in turn;
     the checkpoint's tokenizer when it has one (stopping at its end-of-sequence token), else each prompt's bytes
     as ids. `prepare` captures the decode step and warms up; the generation is timed."""
@@ -195,7 +203,7 @@ def _generate(model, handle, texts: list[str], batch: int, max_new_tokens: int, 
     if not all(prompts):  # a tokenizer that makes nothing of a prompt
         empty = texts[[bool(p) for p in prompts].index(False)]
         raise OffplanError(f"--prompt: the tokenizer makes no tokens of {empty!r}")
-    generator = handle.generator(eager=eager)
+    generator = handle.generator(eager=eager, compile=compile)
     generator.prepare(prompts, max_new_tokens, pad_id=pad)  # capture the decode step, warm up the prefill
     got = generator(prompts, max_new_tokens, pad_id=pad, stop=stop)
     return {"mode": got.mode, "max_new_tokens": max_new_tokens, "prompt_tokens": got.prompt_tokens,

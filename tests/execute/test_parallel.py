@@ -119,6 +119,9 @@ def test_plan_apply_starts_the_processes(tmp_path, checkpoints, capsys):
     assert "--gpus 3: the plan was built for 2 GPUs (parallel.gpus: 2)" in err and "Traceback" not in err
     assert main(["apply", str(one), "--device", "cpu", "--gpus", "2"]) == 1
     assert "the plan was built for one GPU" in capsys.readouterr().err
+    assert main(["apply", str(two), "--device", "cpu", "--compile"]) == 1
+    err = capsys.readouterr().err
+    assert "--compile: not with a tensor-parallel plan" in err and "runs on 2 GPUs" in err and "Traceback" not in err
 
 
 def test_each_rank_takes_its_share_of_the_cores(monkeypatch):

@@ -193,6 +193,18 @@ def test_cli_apply_generates(tmp_path, checkpoints, capsys):
     assert (out["mode"], out["decode_steps"], out["predicted_mode"]) == ("eager", 2, "eager")
 
 
+def test_cli_apply_compiles_the_decode_step(capsys):
+    """--compile: the step under torch.compile (no CUDA graph on the CPU), the bundled example's tokens unchanged."""
+    example = "plans/examples/tiny-moe.plan.yaml"
+    assert main(["apply", example, "--max-new-tokens", "4", "--device", "cpu", "--json"]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert main(["apply", example, "--max-new-tokens", "4", "--device", "cpu", "--json", "--compile"]) == 0
+    compiled = json.loads(capsys.readouterr().out)
+    assert (plain["mode"], compiled["mode"]) == ("eager", "compiled")
+    assert compiled["sequences"][0]["token_ids"] == plain["sequences"][0]["token_ids"]
+    torch._dynamo.reset()
+
+
 def test_cli_apply_generates_for_a_batch_of_prompts(tmp_path, checkpoints, capsys):
     """Several prompts, taken in turn up to --batch sequences: each sequence's tokens are those it would get
     alone (one prompt length: no padding, the same arithmetic; an MoE model: offplan's experts implementation

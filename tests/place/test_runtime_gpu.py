@@ -186,6 +186,14 @@ def test_bundled_example_applies_on_cuda(capsys):
     eager = capsys.readouterr().out
     assert "each decode step eager (cuda" in eager and "they do not compare" not in eager
     assert eager.splitlines()[-1] == out.splitlines()[-1]  # the same tokens
+    assert main(["apply", "plans/examples/tiny-moe.plan.yaml", "--max-new-tokens", "8", "--compile"]) == 0
+    compiled = capsys.readouterr().out
+    torch._dynamo.reset()
+    with capsys.disabled():
+        print(f"\n{compiled}")
+    assert "each decode step compiled by torch.compile and replayed from a CUDA graph (cuda" in compiled
+    assert "this run replays a CUDA graph: they do not compare" in compiled
+    assert compiled.splitlines()[-1].startswith("  token ids [") and compiled.splitlines()[-1].count(",") == 7
 
 
 def test_a_dropped_handle_leaves_no_registered_memory(tmp_path, checkpoints):
