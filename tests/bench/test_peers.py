@@ -169,7 +169,36 @@ def test_without_llama_cpp_offplan_s_rows_are_measured_and_llama_cpp_s_skipped_s
         (SPLIT, 1), (SPLIT, 8), ("8 bits, experts off the GPU", 1), ("all on the GPU", 1)}
     assert all(r["cpu_bytes"] >= 0 for (what, _), r in rows.items() if what.startswith(SPLIT))
     assert all(r["llama_cpp"] is None and r["ratio"] is None and r["command"] is None for r in rows.values())
+    assert all(r["mode"] == "eager" for (what, _), r in rows.items() if "decode" in what)  # on the CPU
     skipped = [r["why"] for r in records if r["kind"] == "skipped"]
     assert skipped == ["no llama.cpp build: give --llama-cpp DIR or --build",
                        "no GPU byte count from llama.cpp (no build, or no CUDA)"]
     assert not list((tmp_path / "work").rglob("*.gguf"))  # no llama.cpp, no GGUF
+
+
+def test_equal_memory_counts_llama_cpp_s_model_and_compute_buffers_on_the_gpu(tmp_path):
+    """gpu_bytes reads llama.cpp's log as it prints it: its GPU's model and compute buffers, each by kind (the
+    budget of the equal-memory plan is their sum); the KV cache and host buffers are left out."""
+    peers = load_benchmark("peers")
+    log = ("load_tensors:        CUDA0 model buffer size =  7801.65 MiB\n"
+           "load_tensors:   CPU_Mapped model buffer size =  2264.25 MiB\n"
+           "llama_kv_cache:      CUDA0 KV buffer size =    48.00 MiB\n"
+           "sched_reserve:      CUDA0 compute buffer size =   304.75 MiB\n"
+           "sched_reserve:  CUDA_Host compute buffer size =     5.01 MiB\n")
+    tool = tmp_path / "llama-bench"
+    tool.write_text(f"#!/bin/sh\nprintf '%s' '{log}' >&2\necho '{{\"avg_ts\": 1.0}}'\n")
+    tool.chmod(0o755)
+    llama = peers.LlamaCpp(tmp_path, 2, cuda=True)
+    assert llama.gpu_bytes(tmp_path / "m.gguf", 2) == {"model": round(7801.65 * 2**20),
+                                                       "compute": round(304.75 * 2**20)}
+    assert peers.LlamaCpp(tmp_path, 2, cuda=False).gpu_bytes(tmp_path / "m.gguf", 2) is None
+
+
+def test_rows_picks_the_groups_measured_and_label_names_the_record(tmp_path):
+    peers = load_benchmark("peers")
+    assert peers.main(["--model", "tiny", "--layers", "2", "--new-tokens", "4", "--device", "cpu", "--rows", "gpu",
+                       "--label", "part", "--dir", str(tmp_path / "work"), "--out", str(tmp_path / "out")]) == 0
+    records = [json.loads(line) for line in (tmp_path / "out" / "peers-tiny-part.jsonl").read_text().splitlines()]
+    assert [(r["what"], r["n"], r["mode"]) for r in records if r["kind"] == "row"] == [
+        ("all on the GPU: decode steps/s", 1, "eager")]
+    assert not (tmp_path / "work" / "tiny-128-2layers" / "fp8").exists()  # the 8-bit rows' checkpoint: not written
