@@ -45,12 +45,16 @@ pinned memory gathers its touched experts into HBM in each decode step
 (runtime/execute/experts.py), which at large batches costs more HBM traffic. The
 cost model weighs the two.
 
-With `cpu_experts: true` in the policy, the chosen placement is tried again
+With `cpu_experts: true` in the policy, each strategy's placement is tried again
 with a share of each layer's routed experts on uva moved to cpu, where the
 host computes them beside the GPU (cost.py): a tenth, two tenths, ... all,
 the least-read ones of each layer first (the host reads an expert once
-per pair routed to it, the GPU once per step however many). A share is kept if
-its request is predicted faster than none; a note gives both. cpu needs no
+per pair routed to it, the GPU once per step however many). The fastest
+request of every strategy with its best share wins, where a share is predicted
+faster than none; a note gives both. So under uniform routing the host's
+experts may sit in the first layers whole (strategy 1), as llama.cpp's
+`--n-cpu-moe` puts them, rather than spread round the layers: each layer with
+one pays the hand-over (cpu_expert_sync_us), and gathers its resident experts. cpu needs no
 GPU memory but the host engine's output buffer (working.py), and a share is
 tried only where that fits the budget. Whole experts only (the host computes an
 expert whole), block-scaled FP8 (E4M3) ones with their scales (the runtime's
@@ -172,10 +176,14 @@ def place_mixed(graph: LayerGraph, policy: Policy, fp: Footprint, fixed: set[str
     if policy.cpu_experts and policy.gpus > 1:  # each GPU's process would run its own host threads on one host
         notes += ("cpu_experts: not with several GPUs yet (each GPU's process would compute its share of the experts "
                   "on the same host cores; never measured): no expert on cpu",)
-    elif policy.cpu_experts:
-        chosen, prediction, note = on_cpu(chosen, prediction, groups, model, new,
-                                          lambda f: f.total + room(f.place) <= budget)
-        notes += (note,)
+    elif policy.cpu_experts:  # each strategy's placement with its best share on cpu: the fastest request of those
+        fits = lambda f: f.total + room(f.place) <= budget  # noqa: E731
+        shared = {k: on_cpu(strategies[k], preds[k], groups, model, new, fits) for k in fitting}
+        pick = min(fitting, key=lambda k: (shared[k][1].request_us(new), shared[k][1].h2d_bytes))
+        moved = shared[pick][0] is not strategies[pick]  # on_cpu gives the placement itself back when none pays
+        chosen, prediction, note = shared[pick] if moved else (chosen, prediction, shared[best][2])
+        notes += (note + (f", on the placement of {pick!r}: the fastest request with its share on cpu"
+                          + ("" if pick == best else f" ({best!r} was without)") if moved else ""),)
     return MixedChoice(chosen, prediction, notes, explain(graph, chosen.place, model))
 
 

@@ -145,3 +145,36 @@ def test_vllms_offload_params_naming_part_of_a_pre_fused_group_is_refused_under_
         "model.layers.0.mlp.experts.gate_up_proj); prefetch streams a group whole")
     d, _ = plan_of(t, policy(backend="uva", offload_gib=1, uva_params=gate_up))
     assert placed(d, UVA) == [f"model.layers.{i}.mlp.experts.{p}" for i in (0, 1) for p in gate_up]
+
+
+def test_mixed_gives_each_strategy_its_share_on_cpu_and_keeps_the_fastest_request(monkeypatch):
+    """cpu_experts: every fitting strategy's placement is tried with its best share on cpu, not only the one mixed
+    picks without the host; here the spread one wins with the host where the one in execution order won without."""
+    import dataclasses
+
+    from headeronly import infos, placed, policy
+    from planner.decide import mixed
+    from planner.decide.placement import decide
+    from planner.inputs.policy import Workload
+    from planner.layers.graph import build_graph
+    from planner.plan import Placement
+    from test_cost import HW, moe
+    tried = []
+    real = mixed.on_cpu
+    monkeypatch.setattr(mixed, "on_cpu", lambda fp, *a: tried.append(real(fp, *a)) or tried[-1])
+    t = infos(moe())
+    pol = dataclasses.replace(policy("mixed", budget_gib=70 * 10**6 / 2**30, step=2),
+                              workload=Workload(1, cuda_graphs=True))
+    hw = dataclasses.replace(HW, cpu_expert_gbps=4.0, cpu_expert_sync_us=50.0)
+    without = decide(build_graph(t), t, pol, hw, 2)
+    assert not tried and any(n.startswith("mixed chose 'sparse->uva, dense->prefetch'") for n in without.notes)
+    d = decide(build_graph(t), t, dataclasses.replace(pol, cpu_experts=True), hw, 2)
+    assert len(tried) >= 2  # one per fitting strategy
+    new = pol.workload.new_tokens
+    fastest = min((p for _, p, _ in tried), key=lambda p: p.request_us(new))
+    assert d.summary.predicted_step_us == fastest.step_us
+    assert fastest.request_us(new) < tried[0][1].request_us(new)  # not the first strategy's
+    note = next(n for n in d.notes if n.startswith("cpu_experts: "))
+    assert note.endswith("on the placement of 'sparse round the layers->uva, dense->prefetch': the fastest request "
+                         "with its share on cpu ('sparse->uva, dense->prefetch' was without)")
+    assert {n.split(".")[2] for n in placed(d, Placement.CPU)} == {"0", "1", "2", "3"}
