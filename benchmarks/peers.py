@@ -18,12 +18,13 @@ with its command line (llama.cpp) or plan (offplan) and its thread count:
    offplan splitting the experts between the host's cores and the link as its plan chooses (`backend: mixed`,
    `cpu_experts: true`, the all-uva plan's GPU footprint as the budget, one plan per batch);
 2. equal GPU memory: `--n-cpu-moe N` for each `--n-cpu-moe` N, against an offplan `backend: mixed` plan whose budget
-   is the GPU bytes llama.cpp's own log reports for its model and compute buffers at that N ("CUDA0 model buffer
-   size", "CUDA0 compute buffer size"), with `cpu_experts: true` (llama.cpp's cores compute what it keeps off the
-   GPU: the plan may use them); decode, batch 1. Both sides' working memory is in: offplan's budget counts its own
-   (the prefill's expert ring and gathered rows, the host engine's buffers: planner/decide/working.py), and
-   llama.cpp's compute buffer holds its activations and, at prefill, the copies of its host experts (op offload).
-   Neither counts the KV cache; offplan's leaves out transformers' activations too;
+   is the GPU bytes llama.cpp's own log reports for its model and compute buffers at that N, set up to process a
+   `PROMPT`-token prompt ("CUDA0 model buffer size", "CUDA0 compute buffer size"), with `cpu_experts: true`
+   (llama.cpp's cores compute what it keeps off the GPU: the plan may use them) and that prompt in its workload;
+   decode, batch 1. Both sides' working memory for that prompt is in: offplan's budget counts its own (the prefill's
+   expert ring and gathered rows, the host engine's buffers: planner/decide/working.py), and llama.cpp's compute
+   buffer holds its activations and the copies of its host experts that op offload makes at prefill. Neither counts
+   the KV cache; offplan's leaves out transformers' activations too;
 3. 8 bits: llama.cpp Q8_0 against offplan's FP8 checkpoint, every expert off the GPU, decode at batch 1;
 4. all on the GPU, both (`--n-cpu-moe 0`; offplan's all-GPU plan): the engines' own speed.
 
@@ -64,6 +65,7 @@ from quantized_models import write_fp8  # noqa: E402  (the published FP8 layout'
 from llama_cpp import LlamaCpp, gguf_writer  # noqa: E402  (peers/llama_cpp.py)
 
 ROWS = ("uva", "split", "equal", "8bit", "gpu")  # the row groups, as the module doc numbers them
+PROMPT = 512  # the prompt both sides make room for in the equal-memory rows (a plan's default workload.prompt_tokens)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -219,14 +221,14 @@ def main(argv=None) -> int:
                     cpu_bytes=loads(p.read_text()).summary.cpu_bytes)
     equal = args.n_cpu_moe or sorted({max(1, layers // 4), layers // 2, 3 * layers // 4})
     for n in equal if "equal" in groups else ():  # 2. equal GPU memory
-        buffers = llama.gpu_bytes(ggufs["bf16"], n) if llama else None
+        buffers = llama.gpu_bytes(ggufs["bf16"], n, PROMPT) if llama else None
         if buffers is None:
             record(kind="skipped", what=f"equal GPU memory at --n-cpu-moe {n}",
                    why="no GPU byte count from llama.cpp (no build, or no CUDA)")
             continue
         gpu_bytes = sum(buffers.values())  # its weights and its working memory, as offplan's budget counts both
         p = plan(f"budget-{n}", f"backend: mixed\ncpu_experts: true\nbudget_gib: {gpu_bytes / 2**30!r}\n"
-                                "workload: {cuda_graphs: true}\n")
+                                f"workload: {{cuda_graphs: true, prompt_tokens: {PROMPT}}}\n")
         rates = ours.measure(p, [1], new, [], compiled)
         rows, cmd = llama.bench(ggufs["bf16"], n, ["-p", "0", "-n", str(new)])
         decode_rows("equal GPU memory: decode steps/s", 1, rates, rows[0]["avg_ts"], n_cpu_moe=n,

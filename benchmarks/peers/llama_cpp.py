@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-GPU_BUFFER = re.compile(r"CUDA\d+ (model|compute) buffer size\s*=\s*([\d.]+) MiB")
+GPU_BUFFER = re.compile(r"(CUDA\d+) (model|compute) buffer size\s*=\s*([\d.]+) MiB")
 
 
 def gguf_writer(bin_dir: Path | None):
@@ -79,14 +79,19 @@ class LlamaCpp:
             "-npl", str(batch), "--output-format", "jsonl"], tries=8)
         return rows[-1]["speed_tg"] / batch, cmd
 
-    def gpu_bytes(self, gguf: Path, cpu_moe: int) -> dict[str, int] | None:
-        """The bytes llama.cpp's log says it put in GPU memory at `--n-cpu-moe cpu_moe`, by buffer: "model" (its
-        weights) and "compute" (activations, and the copies of host experts that op offload makes at prefill)."""
+    def gpu_bytes(self, gguf: Path, cpu_moe: int, prompt: int) -> dict[str, int] | None:
+        """The bytes llama.cpp's log says it holds in GPU memory at `--n-cpu-moe cpu_moe` to process a `prompt`-token
+        prompt (its default micro-batch, 512), by buffer: "model" (its weights) and "compute" (activations, and the
+        copies of host experts that op offload makes at prefill); each buffer's largest (a context's buffers are
+        logged again by each context made), summed over the GPUs. The KV cache is left out."""
         if not self.cuda:
             return None
-        _, _, log = self._run("llama-bench", ["-m", str(gguf), "-ngl", "99", "--n-cpu-moe", str(cpu_moe), "-p", "0",
-                                              "-n", "1", "-r", "1", "-v", "-o", "jsonl"])
+        _, _, log = self._run("llama-bench", ["-m", str(gguf), "-ngl", "99", "--n-cpu-moe", str(cpu_moe), "-p",
+                                              str(prompt), "-n", "0", "-r", "1", "-v", "-o", "jsonl"])
+        largest: dict[tuple[str, str], int] = {}
+        for gpu, kind, mib in GPU_BUFFER.findall(log):
+            largest[gpu, kind] = max(largest.get((gpu, kind), 0), round(float(mib) * 2**20))
         sizes = {}
-        for kind, mib in GPU_BUFFER.findall(log):
-            sizes[kind] = sizes.get(kind, 0) + round(float(mib) * 2**20)
+        for (_, kind), size in largest.items():
+            sizes[kind] = sizes.get(kind, 0) + size
         return sizes if "model" in sizes else None

@@ -177,21 +177,23 @@ def test_without_llama_cpp_offplan_s_rows_are_measured_and_llama_cpp_s_skipped_s
 
 
 def test_equal_memory_counts_llama_cpp_s_model_and_compute_buffers_on_the_gpu(tmp_path):
-    """gpu_bytes reads llama.cpp's log as it prints it: its GPU's model and compute buffers, each by kind (the
-    budget of the equal-memory plan is their sum); the KV cache and host buffers are left out."""
+    """gpu_bytes reads llama.cpp's log as it prints it: its GPU's model and compute buffers, each by kind, the
+    largest where a buffer is logged again (the budget of the equal-memory plan is their sum); the KV cache and host
+    buffers are left out."""
     peers = load_benchmark("peers")
     log = ("load_tensors:        CUDA0 model buffer size =  7801.65 MiB\n"
            "load_tensors:   CPU_Mapped model buffer size =  2264.25 MiB\n"
            "llama_kv_cache:      CUDA0 KV buffer size =    48.00 MiB\n"
            "sched_reserve:      CUDA0 compute buffer size =   304.75 MiB\n"
-           "sched_reserve:  CUDA_Host compute buffer size =     5.01 MiB\n")
+           "sched_reserve:  CUDA_Host compute buffer size =     5.01 MiB\n"
+           "sched_reserve:      CUDA0 compute buffer size =   300.75 MiB\n")  # a second context: the same buffer
     tool = tmp_path / "llama-bench"
     tool.write_text(f"#!/bin/sh\nprintf '%s' '{log}' >&2\necho '{{\"avg_ts\": 1.0}}'\n")
     tool.chmod(0o755)
     llama = peers.LlamaCpp(tmp_path, 2, cuda=True)
-    assert llama.gpu_bytes(tmp_path / "m.gguf", 2) == {"model": round(7801.65 * 2**20),
+    assert llama.gpu_bytes(tmp_path / "m.gguf", 2, 512) == {"model": round(7801.65 * 2**20),
                                                        "compute": round(304.75 * 2**20)}
-    assert peers.LlamaCpp(tmp_path, 2, cuda=False).gpu_bytes(tmp_path / "m.gguf", 2) is None
+    assert peers.LlamaCpp(tmp_path, 2, cuda=False).gpu_bytes(tmp_path / "m.gguf", 2, 512) is None
 
 
 def test_rows_picks_the_groups_measured_and_label_names_the_record(tmp_path):
