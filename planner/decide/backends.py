@@ -134,7 +134,7 @@ def _prefetch(stack, fixed, fp: Footprint, policy: Policy, graph: LayerGraph, se
                                             f"prefetch.group_size {g} / num_in_group {k} streams layers "
                                             f"{layer_list(picked)}, but "))
         for layer in picked:
-            fp.move(chosen(layer), PREFETCH)
+            fp.move(chosen(layer), PREFETCH, layer)
         return
     if policy.budget_bytes is None:  # only `backend: prefetch` gets here
         raise PolicyError(
@@ -147,4 +147,4 @@ def _prefetch(stack, fixed, fp: Footprint, policy: Policy, graph: LayerGraph, se
         raise PolicyError(nothing_left(policy, "prefetch", stack, selected))
     if not fp.fit(_rarely_run_first(rare, fixed, fp, groups, selected), UVA, budget):
         for layer, names in fewest_layers(eligible, fp, budget):
-            fp.move(names, PREFETCH)
+            fp.move(names, PREFETCH, layer)

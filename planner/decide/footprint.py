@@ -126,23 +126,25 @@ class Footprint:
         else:
             self.staged.pop(layer, None)
 
-    def _count(self, n: str, sign: int) -> None:
-        """`n` (stageable) came to uva (sign 1) or left it (-1)."""
-        counts = self.on_uva[self.layer_name[n]]
+    def _count(self, n: str, sign: int, layer: str) -> None:
+        """`n` (stageable, of the layer named `layer`) came to uva (sign 1) or left it (-1)."""
+        counts = self.on_uva[layer]
         counts[0] += sign * align(self.tensors[n].nbytes)
         counts[1] += sign
 
     def _stage_pool(self) -> int:
         return min(STAGE_SLOTS, len(self.staged)) * max(self.staged.values(), default=0)
 
-    def move(self, names: Iterable[str], to: Placement) -> None:
+    def move(self, names: Iterable[str], to: Placement, layer: Layer | None = None) -> None:
         """Place `names` at `to`, each with its quantization scales (quantized.py), updating the placement
-        and the bytes. Many names (a layer's tensors, to prefetch) are moved in bulk."""
+        and the bytes. Many names (a layer's tensors, to prefetch) are moved in bulk. `layer`: the layer that
+        holds all of them (and so their scales), when the caller knows it: no tensor's layer is looked up."""
         names = with_partners(names, self.partner)
         if len(names) > _BULK:
-            return self._move_many(names, to)
+            return self._move_many(names, to, layer)
         touched: dict[str, bool] = {}  # layer names, in order
         staged: dict[str, bool] = {}
+        layer_name = self.layer_name if layer is None else dict.fromkeys(names, layer.name)
         for n in names:
             was = self.place[n]
             if was is to:
@@ -151,15 +153,15 @@ class Footprint:
                 size = self.tensors[n].nbytes
                 self._resident += (size if to is GPU else 0) - (size if was is GPU else 0)
             if PREFETCH in (was, to):
-                touched[self.layer_name[n]] = True
+                touched[layer_name[n]] = True
             if UVA in (was, to) and n in self.stageable:
-                staged[self.layer_name[n]] = True
-                self._count(n, 1 if to is UVA else -1)
+                staged[layer_name[n]] = True
+                self._count(n, 1 if to is UVA else -1, layer_name[n])
             self.place[n] = to
         self._refresh(touched, staged)
 
-    def _move_many(self, names: list[str], to: Placement) -> None:
-        """`move`, each step over all of `names` at once (in C where it can be)."""
+    def _move_many(self, names: list[str], to: Placement, layer: Layer | None = None) -> None:
+        """`move`, each step over all of `names` at once (in C where it can be); `layer`: `move`'s."""
         place = self.place
         was = list(map(place.__getitem__, names))
         if to in was:  # those already there stay out
@@ -169,12 +171,16 @@ class Footprint:
             sizes = list(map(_NBYTES, map(self.tensors.__getitem__, names)))
             self._resident += sum(sizes) if to is GPU else -sum(compress(sizes, map(is_, was, repeat(GPU))))
         streams = names if to is PREFETCH else compress(names, map(is_, was, repeat(PREFETCH)))
-        touched = dict.fromkeys(map(self.layer_name.__getitem__, streams))  # layers by name: hashing one is slow
+        if layer is None:
+            touched = dict.fromkeys(map(self.layer_name.__getitem__, streams))  # layers by name: hashing one is slow
+        else:
+            touched = dict.fromkeys([layer.name] if any(True for _ in streams) else [])
         stages = names if to is UVA else compress(names, map(is_, was, repeat(UVA)))
         staged = {}
         for n in filter(self.stageable.__contains__, stages):
-            staged[self.layer_name[n]] = True
-            self._count(n, 1 if to is UVA else -1)
+            mine = self.layer_name[n] if layer is None else layer.name
+            staged[mine] = True
+            self._count(n, 1 if to is UVA else -1, mine)
         place.update(zip(names, repeat(to)))
         self._refresh(touched, staged)
 

@@ -138,8 +138,8 @@ def place_mixed(graph: LayerGraph, policy: Policy, fp: Footprint, fixed: set[str
                 by_layer.setdefault(u.layer.name, []).extend(u.names)
         eligible = [(l, names) for l in graph.stack_layers() if l.name in by_layer
                     for names in [whole_groups(by_layer[l.name], groups)] if names]
-        for _, names in fewest_layers(eligible, f, b):
-            f.move(names, PREFETCH)
+        for layer, names in fewest_layers(eligible, f, b):
+            f.move(names, PREFETCH, layer)
         return f
 
     def then_prefetch(f: Footprint, b: int) -> Footprint:

@@ -38,7 +38,8 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from operator import itemgetter
+from itertools import compress, repeat
+from operator import eq, itemgetter
 from typing import Protocol, TypeVar
 
 from ..inputs.checkpoint import TensorInfo
@@ -46,7 +47,7 @@ from ..plan import Placement, working_peak
 
 TRIES = 3  # walks per budget-driven placement (`within`)
 LOOKAHEAD = 2  # experts the lookahead reads ahead; runtime/execute/lookahead.py LOOKAHEAD (a test holds them equal)
-_NBYTES = itemgetter(3)  # of a TensorInfo
+_DTYPE, _NBYTES = itemgetter(1), itemgetter(3)  # of a TensorInfo
 _DEQUANTIZED = {"F8_E4M3": 2, "F8_E5M2": 2}  # bf16 bytes per stored byte; MXFP4 blocks: `_per_byte`
 
 
@@ -68,6 +69,17 @@ def _per_byte(t: TensorInfo) -> int:
     if t.dtype in _DEQUANTIZED:
         return _DEQUANTIZED[t.dtype]
     return 4 if t.name.endswith("_blocks") and t.dtype == "U8" else 0  # two E2M1 values a byte, 2 bytes each
+
+
+def _dequantized(infos: list[TensorInfo], dtypes: set[str]) -> int:
+    """The bf16 bytes that the quantized tensors of `infos` (whose dtypes are `dtypes`) dequantize to
+    (`_per_byte`), summed a dtype at a time: an experts group of DeepSeek-V3 holds 1,536 tensors."""
+    total = 0
+    for dtype in dtypes.intersection(_DEQUANTIZED):
+        total += _DEQUANTIZED[dtype] * sum(map(_NBYTES, compress(infos, map(eq, map(_DTYPE, infos), repeat(dtype)))))
+    if "U8" in dtypes:
+        total += sum(t.nbytes * _per_byte(t) for t in infos if t.dtype == "U8")
+    return total
 
 
 def _scale(name: str) -> bool:
@@ -93,12 +105,12 @@ def working(members: Mapping[str, tuple[str, ...]], experts: Mapping[str, int], 
             down = next(t for t in infos if "down" in t.name and not _scale(t.name) and "bias" not in t.name)
             hidden = {3: down.shape[-1], 2: down.shape[0]}.get(len(down.shape), 0)  # [E, I, H] stored fused; [H, I]
             host = max(host, host_tokens * k * hidden * (down.nbytes // math.prod(down.shape)))
-        quantized = [t for t in infos if t.dtype in _DEQUANTIZED or t.dtype == "U8"]
-        dequantized = sum(t.nbytes * _per_byte(t) for t in quantized) // count
+        dtypes = set(map(_DTYPE, infos))
+        dequantized = _dequantized(infos, dtypes) // count
         if where == {Placement.GPU} and not dequantized:
             continue  # likewise: nothing staged
         stored = sum(map(_NBYTES, infos)) // count
-        fp8 = any(t.dtype in _DEQUANTIZED for t in quantized)
+        fp8 = not dtypes.isdisjoint(_DEQUANTIZED)
         slots = k if batch == 1 else min(count, batch * k)
         if batch == 1 and fp8:  # multiplied where it lies: gathered from pinned memory, in place if all in HBM
             decode = max(decode, 0 if where == {Placement.GPU} else slots * stored)

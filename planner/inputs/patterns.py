@@ -13,6 +13,7 @@ import difflib
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
+from functools import cached_property
 
 _NUM = re.compile(r"(?<=\.)\d+(?=\.|$)")
 
@@ -41,12 +42,21 @@ class Names:
     A plain pattern set becomes one multiline regex whose matches are whole
     lines (`(^|.)p(.|$)` within a line is exactly the segment rule), so
     selecting among 90k names is a single `finditer` instead of 90k Python calls.
-    `re:` patterns are searched name by name, as their anchors mean.
+    `re:` patterns are searched name by name, as their anchors mean. Both are
+    made when a pattern first needs them: a policy whose patterns are single
+    segments is matched per layer template (layers/alike.py `select`), never here.
     """
 
     def __init__(self, names: Iterable[str]):
-        self.names = list(names)
-        self.text = "\n".join(self.names)
+        self._given = names
+
+    @cached_property
+    def names(self) -> list[str]:
+        return list(self._given)
+
+    @cached_property
+    def text(self) -> str:
+        return "\n".join(self.names)
 
     def select(self, patterns: Iterable[Pattern]) -> set[str]:
         """The names that any of `patterns` matches."""
