@@ -45,8 +45,9 @@ def peers_tables() -> list[str]:
                 "the link (`backend: mixed`, `cpu_experts: true`, the all-uva plan's GPU footprint as the budget); "
                 "llama.cpp computes the experts of `--n-cpu-moe` layers on the host's cores. Equal GPU memory: offplan's "
                 "`mixed` plan gets the GPU bytes llama.cpp reports for its model"
-                + (" and compute buffers (its weights and working memory: offplan's budget counts its own working "
-                   "memory too; neither counts the KV cache)" if computed else "")
+                + (" and compute buffers, set up for a 512-token prompt (its weights and working memory; offplan's "
+                   "budget counts its own working memory for that prompt too; neither counts the KV cache)"
+                   if computed else "")
                 + " at that `--n-cpu-moe` (and the host's cores, where its plan says `cpu_experts`). Rates: "
                 f"steps/s for decode ({run['new_tokens']} new tokens), tokens/s for prefill.", ""]
         out += rows_table(records) + [""]
