@@ -54,7 +54,10 @@ Steps:
    embeddings copy them through 2 GPU slots at prefill, unless
    `uva.stage_prefill: false`; routed experts only when the workload's prompt
    is predicted to touch most of them (cost.py `favours_staged_experts`),
-   through the expert ring, which each staged forward allocates. The slots
+   through the expert ring, which each staged forward allocates; under a
+   budget, `backend: mixed` also places without staging them (the ring's GPU
+   memory then holds experts) and keeps the faster request, unless
+   `uva.stage_experts` says which. The slots
    count in the footprint like the prefetch pool, so every budget-driven walk
    sees them grow as it moves tensors to uva (footprint.py `fit`).
 9. The experts' working memory (working.py: their touched rows per forward,
@@ -87,6 +90,7 @@ Example: group_size 8, num_in_group 2 over 61 layers offloads layers
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+import dataclasses
 from dataclasses import dataclass
 from itertools import chain, compress, repeat
 from operator import is_, itemgetter
@@ -200,28 +204,46 @@ def decide(graph: LayerGraph, tensors: Mapping[str, TensorInfo], policy: Policy,
     if (backend is Backend.PREFETCH or PREFETCH in place.values()) and step < 1:
         raise PolicyError(f"{policy.path}: prefetch.step must be >= 1: rules place tensors on prefetch")
     want = policy.uva.stage_experts  # None: the planner decides (policy.py UvaPolicy)
-    experts = model.favours_staged_experts if want is None else want  # their ring: working memory (working.py)
-    staged = model.staged_experts if experts else model.unstaged_experts
 
-    def running(place: Mapping[str, Placement]):
-        """The prefill staging of `place` and its experts' working memory (working.py)."""
-        staging = make_staging(graph, place, tensors, hardware.stage_above_tokens, staged) if stage else None
-        ring = {g: staging.ring_bytes for g in moe for s in (staging.layers if staging and staging.experts else ())
-                if g.startswith(s.layer + ".")}
-        host = staging.above_tokens if staging else H100.stage_above_tokens  # runtime/execute/host/bind.py
-        return staging, working(groups.members, moe if policy.gpus == 1 else {}, tensors, place, top_k,
-                                work.batch_size, work.prompt_tokens, ring, host)  # a GPU's share: not sized yet
+    def attempt(experts: bool):
+        """The backend's placement with routed experts staged at prefill or not (their ring: working memory)."""
+        staged = model.staged_experts if experts else model.unstaged_experts
 
-    room = lambda p: running(p)[1].peak_bytes  # noqa: E731
-    most = room({**place, **{n: UVA for g in moe for n in groups.members[g] if n not in fixed}}) if (
-        budget is not None and moe) else 0
+        def running(place: Mapping[str, Placement]):
+            """The prefill staging of `place` and its experts' working memory (working.py)."""
+            staging = make_staging(graph, place, tensors, hardware.stage_above_tokens, staged) if stage else None
+            ring = {g: staging.ring_bytes for g in moe for s in (staging.layers if staging and staging.experts else ())
+                    if g.startswith(s.layer + ".")}
+            host = staging.above_tokens if staging else H100.stage_above_tokens  # runtime/execute/host/bind.py
+            return staging, working(groups.members, moe if policy.gpus == 1 else {}, tensors, place, top_k,
+                                    work.batch_size, work.prompt_tokens, ring, host)  # a GPU's share: not sized yet
 
-    def walk(b: int | None):
-        return place_backend(model.staging_experts(experts), graph, tensors, dict(place), stage, policy, backend,
-                             stack, fixed, groups, selected, b, room, most)
+        room = lambda p: running(p)[1].peak_bytes  # noqa: E731
+        most = room({**place, **{n: UVA for g in moe for n in groups.members[g] if n not in fixed}}) if (
+            budget is not None and moe) else 0
 
-    # mixed leaves each strategy its own room (mixed.py); the other walks theirs, as working.py `within` says
-    chosen = walk(budget) if budget is None or backend is Backend.MIXED else within(walk, budget, room, most)[0]
+        def walk(b: int | None):
+            return place_backend(model.staging_experts(experts), graph, tensors, dict(place), stage, policy, backend,
+                                 stack, fixed, groups, selected, b, room, most)
+
+        # mixed leaves each strategy its own room (mixed.py); the other walks theirs, as working.py `within` says
+        chosen = walk(budget) if budget is None or backend is Backend.MIXED else within(walk, budget, room, most)[0]
+        return chosen, running, room
+
+    favoured = model.favours_staged_experts if want is None else want
+    chosen, running, room = attempt(favoured)
+    if want is None and favoured and backend is Backend.MIXED and budget is not None:
+        # the ring holds GPU memory that experts could: mixed weighs the request both ways (staging.py)
+        other, *rest = attempt(False)
+        new = policy.workload.new_tokens
+        request = lambda c: c.prediction.request_us(new)  # noqa: E731
+        fits = lambda c, r: c.prediction is not None and c.fp.total + r(c.fp.place) <= budget  # noqa: E731
+        if fits(other, rest[1]) and (not fits(chosen, room) or request(other) < request(chosen)):
+            said = (f"routed experts not staged at prefill: predicted request {request(other) / 1e3:.3f} ms, against "
+                    + (f"{request(chosen) / 1e3:.3f} ms" if fits(chosen, room) else "no fit") + " staged through "
+                    "their ring, whose GPU memory holds experts instead")
+            chosen = dataclasses.replace(other, notes=other.notes + (said,))
+            running, room = rest
     staging, runs = running(chosen.fp.place)
     if budget is not None and chosen.fp.total + runs.peak_bytes > budget:
         # the smallest budget that fits: the walk's least, or the rules' placement alone where working memory makes

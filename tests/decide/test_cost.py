@@ -131,15 +131,15 @@ def test_eager_cpu_time_per_layer_dense_or_with_routed_experts():
         assert CostModel(g, t, hw, 1, groups, 1, graphs=True).predict(place).cpu_us == 0
 
 
-def mixed(tensors, budget_mb, batch=1, step=2, top_k=2, rules=(), stage=True):
+def mixed(tensors, budget_mb, batch=1, step=2, top_k=2, rules=(), stage=True, stage_experts=None):
     pol = dataclasses.replace(policy("mixed", budget_gib=budget_mb * 10**6 / 2**30, step=step, rules=rules,
-                                     stage_prefill=stage), workload=Workload(batch))
+                                     stage_prefill=stage, stage_experts=stage_experts), workload=Workload(batch))
     t = infos(tensors)
     return decide(build_graph(t), t, pol, HW, top_k)
 
 
 def test_mixed_puts_sparse_experts_on_uva_at_batch_1():
-    d = mixed(moe(), budget_mb=84)  # 102 MB in all; experts are 3 MB each, 24 MB a layer
+    d = mixed(moe(), budget_mb=84, stage_experts=True)  # 102 MB in all; experts are 3 MB each, 24 MB a layer
     uva = {n for n, p in d.params.items() if p is UVA}
     # Experts on uva cost working memory (planner/decide/working.py): a decode step's 2 (6 MB), a staged prefill's
     # whole layer (24 MB) and its ring of the layer's host experts, the lookahead's 2 (6 MB). Each walk is repeated
@@ -160,6 +160,20 @@ def test_mixed_puts_sparse_experts_on_uva_at_batch_1():
     rows = {l.name: l for l in d.layers}
     assert rows["model.layers.0"].why == "expert -> uva (25.0% read per step)"
     assert [rows[f"model.layers.{i}"].experts for i in range(4)] == ["mlp.experts: gpu 6-7, uva 0-5"] * 4
+
+
+def test_mixed_weighs_the_expert_ring_against_the_experts_its_memory_would_hold():
+    """The same budget with the planner left to decide: without a ring of host experts at prefill (18 MB) the plan
+    holds 24 MB more on the GPU (two layers' experts whole) and predicts a faster step and request; the note says
+    both."""
+    staged, free = mixed(moe(), budget_mb=84, stage_experts=True), mixed(moe(), budget_mb=84)
+    assert staged.prefill.experts and free.prefill is None  # nothing else on uva is staged either
+    assert (free.summary.uva_bytes, free.summary.working_peak_bytes) == (49 * 10**6, 30 * 10**6)
+    assert free.summary.gpu_footprint_bytes <= 84 * 10**6
+    assert free.summary.predicted_step_us < staged.summary.predicted_step_us
+    assert ("routed experts not staged at prefill: predicted request 8525.279 ms, against 11107.236 ms staged through "
+            "their ring, whose GPU memory holds experts instead") in free.notes
+    assert mixed(moe(), budget_mb=84, stage_experts=False).params == free.params
 
 
 def test_mixed_at_batch_64_offloads_no_more_than_it_must():
