@@ -29,11 +29,12 @@ with its command line (llama.cpp) or plan (offplan) and its thread count:
 4. all on the GPU, both (`--n-cpu-moe 0`; offplan's all-GPU plan): the engines' own speed.
 
 offplan decodes through the runtime's generation (each step replayed from a CUDA graph on a GPU, as `plan apply`
-runs; with `--compiled`, the batch-1 decode rows once more with the step compiled by torch.compile first, as
-`plan apply --compile` runs), greedy, `--new-tokens` steps after a 16-token prompt (batch 8: 8 distinct prompts); llama.cpp draws its
-own token ids (the GGUF has no tokenizer). Ratios: offplan over llama.cpp, row by row. Without a llama.cpp build
-(no `--llama-cpp`, no `--build`) the llama.cpp rows are skipped, saying why, and no GGUF is written. Records go to
-OUT/peers-MODEL.jsonl, a table is printed last (benchmarks/reporting/peers.py puts it in RESULTS.md).
+runs; with `--compiled`, the batch-1 decode rows once more with the step compiled by torch.compile first, as `plan
+apply --compile` runs), greedy, `--new-tokens` steps after a 16-token prompt (batch 8: 8 distinct prompts); llama.cpp
+draws its own token ids (the GGUF has no tokenizer). Ratios: offplan over llama.cpp, row by row. Without a llama.cpp
+build (no `--llama-cpp`, no `--build`) the llama.cpp rows are skipped, saying why, and no GGUF is written. Records go
+to OUT/peers-MODEL.jsonl (peers-MODEL-LABEL.jsonl with `--label`; `--rows` picks the groups above: uva, split,
+equal, 8bit, gpu), a table is printed last (benchmarks/reporting/peers.py puts it in RESULTS.md).
 
 The GGUF writer needs llama.cpp's `gguf` package: installed (the `test` extra), or else from the source that build.sh
 unpacked beside its `bin` (`--build`, or `--llama-cpp BUILD/bin`), as on the GPU machine (no registry there).

@@ -54,8 +54,8 @@ request of every strategy with its best share wins, where a share is predicted
 faster than none; a note gives both. So under uniform routing the host's
 experts may sit in the first layers whole (strategy 1), as llama.cpp's
 `--n-cpu-moe` puts them, rather than spread round the layers: each layer with
-one pays the hand-over (cpu_expert_sync_us), and gathers its resident experts. cpu needs no
-GPU memory but the host engine's output buffer (working.py), and a share is
+one pays the hand-over (cpu_expert_sync_us), and gathers its resident experts.
+cpu needs no GPU memory but the host engine's output buffer (working.py), and a share is
 tried only where that fits the budget. Whole experts only (the host computes an
 expert whole), block-scaled FP8 (E4M3) ones with their scales (the runtime's
 host kernel converts them as it reads them; the cost model counts their stored

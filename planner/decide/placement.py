@@ -239,9 +239,10 @@ def decide(graph: LayerGraph, tensors: Mapping[str, TensorInfo], policy: Policy,
         request = lambda c: c.prediction.request_us(new)  # noqa: E731
         fits = lambda c, r: c.prediction is not None and c.fp.total + r(c.fp.place) <= budget  # noqa: E731
         if fits(other, rest[1]) and (not fits(chosen, room) or request(other) < request(chosen)):
-            said = (f"routed experts not staged at prefill: predicted request {request(other) / 1e3:.3f} ms, against "
-                    + (f"{request(chosen) / 1e3:.3f} ms" if fits(chosen, room) else "no fit") + " staged through "
-                    "their ring, whose GPU memory holds experts instead")
+            said = "routed experts not staged at prefill: " + (
+                f"predicted request {request(other) / 1e3:.3f} ms, against {request(chosen) / 1e3:.3f} ms staged "
+                "through their ring, whose GPU memory holds experts instead" if fits(chosen, room) else
+                "staged, their ring would not fit the budget")
             chosen = dataclasses.replace(other, notes=other.notes + (said,))
             running, room = rest
     staging, runs = running(chosen.fp.place)

@@ -38,7 +38,10 @@ overlap aside, so the planner stages experts when the routing it assumes
 k/E)^T) of its E experts) touches that share at the workload's prompt length
 T (cost.py). Under uniform routing that holds from a few dozen tokens for
 every MoE model known to us (Qwen3-30B-A3B: 128 experts, top 8, 99.8% at 100
-tokens): a long prompt touches every expert.
+tokens): a long prompt touches every expert. Under a budget, `backend: mixed`
+places the experts both ways and keeps the faster request, since the ring's
+GPU memory could hold experts instead (placement.py; at the equal-memory
+budgets of README's "Beside llama.cpp", unstaged won).
 
 Staged experts do not go through the slots. Offplan's experts implementation
 gathers a forward's expert rows into a tensor of its own (runtime/execute/experts.py),
