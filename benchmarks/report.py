@@ -103,7 +103,7 @@ def render(models: dict, with_plot: bool) -> str:
              "results/prefill-qwen3-30b-a3b-spread2-cpu.jsonl",
              "python benchmarks/prefill.py --model qwen3-30b-a3b --layers 8 --spread 2 --strategies experts-host "
              "--hardware H200.yaml   # on an H200, at 98ebed3 (its all-GPU experts without grouped_mm's masks, "
-             "since reverted: branch lean-grouped, docs/moe-prefill/), with a profile `plan calibrate` wrote there "
+             "as main's since 4822f74: docs/moe-prefill/), with a profile `plan calibrate` wrote there "
              "earlier; then: mv results/prefill-qwen3-30b-a3b-spread2.jsonl "
              "results/prefill-qwen3-30b-a3b-spread2-h200.jsonl",
              "python docs/moe-prefill/probe.py --out docs/moe-prefill   # on an H200: where an all-GPU MoE prefill "

@@ -89,8 +89,9 @@ profile's prompts were; the overlap of prefetch is assumed perfect, so a plan wh
 (transformers' eager norms, rotary embeddings, activations, residual adds; with routed experts, their sorts, gathers
 and masks: small elementwise kernels, most not vectorized) take the profile's prefill_token_ns per token, or
 moe_prefill_token_ns in a layer with routed experts: 357 ns left over by an all-GPU Llama-3.1-8B prefill of 8192
-tokens on an H100 (1.54x its prediction without it, 1.00x with it), 484 ns in a profile of 8 Qwen3-30B-A3B layers'
-on an H200 (docs/moe-prefill/; 1.09-1.15x, from 2.8-3.0x, on the H100), not calibrated yet. Attention and every
+tokens on an H100 (1.54x its prediction without it, 1.00x with it), 335 ns in a profile of 8 Qwen3-30B-A3B layers'
+on an H200 under offplan's grouped arithmetic, transformers' less its masks for expert parallelism (docs/moe-prefill/:
+484 ns with them; 1.08x the recorded H200 prefill of 8192 tokens), not calibrated yet. Attention and every
 GEMM run at matmul_tflops whatever their shape (FlashAttention and small GEMMs run below it), and what runs only
 with images (vision towers) is left out.
 """

@@ -37,7 +37,7 @@ class Hardware:
     # prefill of 8192 tokens on an H100 took beyond the rest of its prediction, and what a profile of a Qwen3-30B-A3B
     # one on an H200 spent in those kernels (planner/decide/cost.py); `plan calibrate` does not measure them
     prefill_token_ns: float = 357.0
-    moe_prefill_token_ns: float = 484.0
+    moe_prefill_token_ns: float = 335.0
     # GPU time per decode step beyond reading weights (kernel launch latency, tiny grids), at batch 1:
     layer_gpu_us: float = 0.0  # per dense decoder layer
     moe_layer_gpu_us: float = 0.0  # per decoder layer with routed experts

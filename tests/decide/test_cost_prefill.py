@@ -130,15 +130,15 @@ def test_mixed_minimises_the_request_not_the_step():
         assert (d.cost.step_us, d.cost.prefill_us, d.cost.prompt_tokens) == (*want[best], 1024)
 
 
-@pytest.mark.parametrize("dense, moe", [(357.0, 484.0), (0.0, 484.0), (500.0, 250.0)])
+@pytest.mark.parametrize("dense, moe", [(357.0, 335.0), (0.0, 335.0), (500.0, 250.0)])
 def test_a_profile_round_trips_the_prefill_token_times(tmp_path, dense, moe):
-    """prefill_token_ns and moe_prefill_token_ns are written where they differ from the built-in 357 and 484 ns,
+    """prefill_token_ns and moe_prefill_token_ns are written where they differ from the built-in 357 and 335 ns,
     read back, and valid to the schema; a profile without them (every one `plan calibrate` has written) takes those."""
     from planner.inputs.hardware import H100, dumps_hardware, load_hardware
     hw = dataclasses.replace(H100, prefill_token_ns=dense, moe_prefill_token_ns=moe)
     (tmp_path / "hw.yaml").write_text(dumps_hardware(hw))
     text = dumps_hardware(hw)
-    assert ("\nprefill_token_ns" in text, "moe_prefill_token_ns" in text) == (dense != 357.0, moe != 484.0)
+    assert ("\nprefill_token_ns" in text, "moe_prefill_token_ns" in text) == (dense != 357.0, moe != 335.0)
     back = load_hardware(tmp_path / "hw.yaml")
     assert (back.prefill_token_ns, back.moe_prefill_token_ns) == (dense, moe)
 
