@@ -1,19 +1,15 @@
 """The cost model: bytes over the host link and time per decode step, and the prefill, predicted from a placement.
 
-Roles say what fraction of a tensor one decode step (one new token per
-sequence, batch b) reads:
-- expert: a member of a fused expert group (see groups.py). Routing picks
-  expert e for a token with probability p_e, so a step of b tokens reads it
-  with probability 1 - (1 - p_e)^b. With a routing profile (routing.py), p_e
-  is the expert's share of the profile's decode tokens (decode hits / decode
-  tokens: top-k routing makes them add up to k); without one, routing is
-  assumed uniform, p_e = k/E for each of a layer's E experts. A tensor that
-  holds every expert at once (prefused.py: GPT-OSS, Llama 4; its first
-  dimension the E experts) reads each expert's row with that probability:
-  the mean of 1 - (1 - p_e)^b over its rows, 1 - (1 - k/E)^b of its bytes
-  under uniform routing (gpt-oss-120b at batch 1: 4 of 128 rows, 1/32);
-- embedding: a 2-D tensor of an embedding module: b of its V rows per step
-  (unless the embedding is tied to the head, which reads it whole);
+Roles say what fraction of a tensor one decode step (one new token per sequence, batch b) reads:
+- expert: a member of a fused expert group (see groups.py). Routing picks expert e for a token with probability p_e, so
+  a step of b tokens reads it with probability 1 - (1 - p_e)^b. With a routing profile (routing.py), p_e is the
+  expert's share of the profile's decode tokens (decode hits / decode tokens: top-k routing makes them add up to k);
+  without one, routing is assumed uniform, p_e = k/E for each of a layer's E experts. A tensor that holds every expert
+  at once (prefused.py: GPT-OSS, Llama 4; its first dimension the E experts) reads each expert's row with that
+  probability: the mean of 1 - (1 - p_e)^b over its rows, 1 - (1 - k/E)^b of its bytes under uniform routing
+  (gpt-oss-120b at batch 1: 4 of 128 rows, 1/32);
+- embedding: a 2-D tensor of an embedding module: b of its V rows per step (unless the embedding is tied to the head,
+  which reads it whole);
 - dense: everything else, read whole every step.
 Rules may override a role (`rules: [{match: [lm_head], role: dense}]`).
 Only what runs in every decode step counts (graph.py `Runs`): a vision tower
@@ -64,18 +60,19 @@ threshold, 3 at 512 tokens with the default 192 (measured on the H100: 2.1x a co
 predicted pessimistic). A short prompt is launch-bound (Llama-3.1-8B's at 128 and 512 tokens on the H100: 2.75x and
 1.40x their prediction without the launch term, 0.91x and 0.90x with it).
 
-Experts on cpu: the host reads each touched expert once (the share above), beside the GPU, which sums both: layer
-gpu = E[max(its GPU time, layer GPU time + host)] as both vary with routing (reads.py `later`), host = those bytes /
+Experts on cpu: the host reads each touched expert once (the share above), beside the GPU, which sums both: layer gpu =
+E[max(its GPU time, layer GPU time + host)] as both vary with routing (reads.py `later`), host = those bytes /
 cpu_expert_gbps (cpu_expert_alone_gbps where the layer has no expert on uva) + cpu_expert_sync_us (the hand-over and
-the host's fixed cost; native.cpp, docs/host-experts/), its uva experts read at uva_read_beside_cpu_gbps.
-FP8: its stored bytes (data, scales) at that rate, measured on bf16 experts (`plan calibrate`); native.cpp converts
-FP8 as read, so a host bound by its cores, not memory, runs FP8 slower per byte than predicted. Prefill: staged
-(staging.py), copied and computed on the GPU; unstaged above the threshold, gathered over uva as uva experts are
-(the runtime's host takes at most stage_above_tokens tokens); up to it, the host's reads add.
+the host's fixed cost; native.cpp, docs/host-experts/), its uva experts read at uva_read_beside_cpu_gbps. FP8:
+native.cpp converts each byte as it reads it, so the cores set the pace: an FP8 byte counts twice at the bf16 rate
+(H200 machine, every FP8 expert of 8 Qwen3-30B-A3B layers on cpu: 9.86 ms a step, 5.08 predicted at once;
+docs/fp8-cpu/). Prefill: staged (staging.py), copied and computed on the GPU; unstaged above the threshold, gathered
+over uva as uva experts are (the runtime's host takes at most stage_above_tokens tokens); up to it, the host's reads
+add.
 
 Tensor parallelism (layers/shards.py): the tensors are one GPU's share, so every figure above is each GPU's, over its
-own link, at once. A layer whose outputs the GPUs sum (an all-reduce: attention's o projection, the MLP or experts)
-or gather (the head) waits for each such collective: `collectives` gives a layer's count and the bytes they move per
+own link, at once. A layer whose outputs the GPUs sum (an all-reduce: attention's o projection, the MLP or experts) or
+gather (the head) waits for each such collective: `collectives` gives a layer's count and the bytes they move per
 token, and each costs the hardware profile's latency (`allreduce_us`) plus its bytes over `allreduce_gbps`, for the
 step's batch tokens in the GPU time and for the prompt's tokens in the prefill.
 
@@ -88,12 +85,11 @@ profile's prompts were; the overlap of prefetch is assumed perfect, so a plan wh
 (nothing to overlap with) is predicted optimistic. A decoder layer's prefill kernels besides GEMMs and attention
 (transformers' eager norms, rotary embeddings, activations, residual adds; with routed experts, their sorts, gathers
 and masks: small elementwise kernels, most not vectorized) take the profile's prefill_token_ns per token, or
-moe_prefill_token_ns in a layer with routed experts: 357 ns left over by an all-GPU Llama-3.1-8B prefill of 8192
-tokens on an H100 (1.54x its prediction without it, 1.00x with it), 335 ns in a profile of 8 Qwen3-30B-A3B layers'
-on an H200 under offplan's grouped arithmetic, transformers' less its masks for expert parallelism (docs/moe-prefill/:
-484 ns with them; 1.08x the recorded H200 prefill of 8192 tokens), not calibrated yet. Attention and every
-GEMM run at matmul_tflops whatever their shape (FlashAttention and small GEMMs run below it), and what runs only
-with images (vision towers) is left out.
+moe_prefill_token_ns in a layer with routed experts: 357 ns left by an all-GPU Llama-3.1-8B prefill of 8192 tokens on
+an H100 (1.54x its prediction without it, 1.00x with it), 335 ns profiled in 8 Qwen3-30B-A3B layers on an H200 under
+offplan's masks-free grouped arithmetic (docs/moe-prefill/), not calibrated yet. Attention and every GEMM run at
+matmul_tflops whatever their shape (FlashAttention and small GEMMs run below it), and what runs only with images
+(vision towers) is left out.
 """
 from __future__ import annotations
 
@@ -264,10 +260,11 @@ class CostModel:
             p, size = place[n], self.tensors[n].nbytes
             b, pre = size * frac, size * pre_frac
             flops += f
+            w = 2 if p is CPU and self.tensors[n].dtype == "F8_E4M3" else 1  # FP8: converted as read (module doc)
             if split and (p is CPU or p is UVA) and routed and n in self.groups.index_of:  # split: its sides vary
-                touch.setdefault((self.groups.group_of[n], self.groups.index_of[n]), [0, 0, frac])[p is UVA] += size
+                touch.setdefault((self.groups.group_of[n], self.groups.index_of[n]), [0, 0, frac])[p is UVA] += size * w
             if p is CPU:  # the host computes it (module doc); a long prompt: staged, or gathered over uva
-                read_cpu += b  # each touched expert once (module doc)
+                read_cpu += b * w  # each touched expert once (module doc)
                 at = 0 if n in self.staged else 1 if self.tokens > hw.stage_above_tokens else 2
                 pre_copied, pre_hbm = pre_copied + size * (at == 0), pre_hbm + pre * (at == 0)
                 pre_uva, pre_cpu = pre_uva + pre * (at == 1), pre_cpu + pre * (at == 2)

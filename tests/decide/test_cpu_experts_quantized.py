@@ -54,3 +54,26 @@ def test_mixed_puts_no_mxfp4_expert_on_cpu():
     d = decide(build_graph(t), t, pol, dataclasses.replace(H100, cpu_expert_gbps=1e4), 2)
     assert any(".experts.gate_up_proj_blocks" in n for n in placed(d, UVA)) and CPU not in d.params.values()
     assert "cpu_experts: no whole routed expert of a decode layer on uva to compute on cpu" in d.notes
+
+
+def test_the_host_costs_an_fp8_byte_what_a_bf16_element_costs():
+    """native.cpp converts FP8 as it reads it and its cores set the pace (docs/fp8-cpu/: every FP8 expert on cpu ran
+    at 0.52x its prediction at the bf16 byte rate): a layer of FP8 experts on cpu takes the host time of bf16 experts
+    of the same elements, twice its bytes, plus its scales' bytes."""
+    from test_cost import HW, moe
+    from planner.decide.cost import CostModel
+    from planner.layers.groups import FusedGroups
+
+    def host_us(tensors, hw):
+        t = infos(tensors)
+        graph = build_graph(t)
+        model = CostModel(graph, t, hw, 1, FusedGroups.of_layers(graph.stack_layers(), t), 2)
+        place = {n: CPU if ".experts." in n else Placement.GPU for n in t}
+        return model.predict(place).layers[1].gpu_us
+
+    hw = dataclasses.replace(HW, cpu_expert_gbps=4.0, cpu_expert_alone_gbps=4.0, cpu_expert_sync_us=0.0)
+    fp8 = host_us(_quantized(moe(), "F8_E4M3"), hw)
+    bf16 = host_us([(n, "BF16", s) if ".experts." in n else (n, d, s) for n, d, s in moe()], hw)
+    fp8_no_scales = host_us([(n, "F8_E4M3", s) if ".experts." in n else (n, d, s) for n, d, s in moe()], hw)
+    assert fp8_no_scales == bf16 > 2000  # a layer of 2 touched experts: 12 MB of bf16 elements at 4 GB/s, not half
+    assert 0 <= fp8 - fp8_no_scales <= 1  # the scales: 768 bytes an expert
