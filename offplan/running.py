@@ -30,6 +30,7 @@ import torch
 
 from planner.errors import OffplanError
 from planner.files import write_atomic
+from planner.layers.groups import BATCHED_PAIRS
 from planner.inputs.hardware import dumps_hardware
 from planner.planfile import load_plan
 from planner.units import human, ms, plural
@@ -37,6 +38,7 @@ from runtime.execute.handle import LoadStats
 from runtime.execute.host import native
 from runtime.execute.host.pace import HostSlowerWarning
 from runtime.hf import from_pretrained
+from runtime.place.dequant import quantized
 from runtime.measure.calibrate import calibrate
 
 from .output import emit
@@ -79,9 +81,11 @@ def apply_command(args) -> int:
     req = Request(args.plan, tuple(texts), args.batch or len(texts), args.max_new_tokens, args.eager, args.device,
                   args.json, None if sys.stderr.isatty() else False, args.compile)
     gpus = load_plan(args.plan).parallel
-    if args.compile and (gpus is not None or args.gpus is not None):
-        raise OffplanError(f"--compile: not with a tensor-parallel plan ({args.plan} runs on "
-                           f"{gpus.gpus if gpus else args.gpus} GPUs); leave --compile out")
+    if args.compile and gpus is not None:
+        raise OffplanError(f"--compile: not with a tensor-parallel plan ({args.plan} runs on {gpus.gpus} GPUs); "
+                           "leave --compile out")
+    if args.compile and args.gpus is not None:
+        raise OffplanError(f"--compile: not with --gpus {args.gpus} (one process per GPU); leave one of them out")
     if gpus is not None or args.gpus is not None:
         out = apply_parallel(req, gpus.gpus if gpus else 1, args.gpus, apply_one)
     else:
@@ -169,7 +173,8 @@ def report(plan_path, s: LoadStats, facts: dict, gen: dict, plan, root: Path) ->
         unlike = ("this run is on the CPU" if not cuda else
                   f"this run is at batch {sequences}" if c.batch_size != sequences else
                   "this run replays a CUDA graph" if predicted == "eager" and "graph" in gen["mode"] else
-                  "this run is eager" if predicted == "graph" and "graph" not in gen["mode"] else
+                  ("this run is eager" if gen["mode"] == "eager" else "this run replays no CUDA graph")
+                  if predicted == "graph" and "graph" not in gen["mode"] else
                   "this run is compiled (the plan predicts uncompiled kernels)" if "compiled" in gen["mode"] else "")
         out.append(f"  predicted {ms(plan.summary.predicted_step_us)} per decode step by the plan, for batch "
                    f"{c.batch_size}, {'CUDA graph replay' if predicted == 'graph' else 'eager'}, on {c.hardware}"
@@ -203,6 +208,8 @@ def _generate(model, handle, texts: list[str], batch: int, max_new_tokens: int, 
     if not all(prompts):  # a tokenizer that makes nothing of a prompt
         empty = texts[[bool(p) for p in prompts].index(False)]
         raise OffplanError(f"--prompt: the tokenizer makes no tokens of {empty!r}")
+    if compile:
+        check_compiles(model, handle, batch)
     generator = handle.generator(eager=eager, compile=compile)
     generator.prepare(prompts, max_new_tokens, pad_id=pad)  # capture the decode step, warm up the prefill
     got = generator(prompts, max_new_tokens, pad_id=pad, stop=stop)
@@ -212,6 +219,19 @@ def _generate(model, handle, texts: list[str], batch: int, max_new_tokens: int, 
             "step_us": got.decode_s / got.decode_steps * 1e6 if got.decode_steps else None,
             "sequences": [{"prompt": text, "token_ids": ids, "text": tokenizer.decode(ids) if tokenizer else None}
                           for text, ids in zip(texts, got.tokens)]}
+
+
+def check_compiles(model, handle, batch: int) -> None:
+    """--compile: above BATCHED_PAIRS (token, expert) pairs a step's offloaded experts run a grouped GEMM
+    (runtime/execute/experts.py), which torch.compile traces for bf16 only; refuse other dtypes before compiling."""
+    k = getattr(model.config, "num_experts_per_tok", None)
+    odd = {next(iter(q.values())).dtype if (q := quantized(m)) else m.down_proj.dtype  # each one's arithmetic
+           for m in handle.bound_experts} - {torch.bfloat16}
+    if odd and (k is None or batch * k > BATCHED_PAIRS):
+        dtype = ", ".join(sorted(str(d).removeprefix("torch.") for d in odd))
+        fits = f", or run at batch {BATCHED_PAIRS // k} or less" if k else ""
+        raise OffplanError(f"--compile: at batch {batch} the decode step's offloaded experts run a grouped GEMM, which "
+                           f"torch.compile takes in bf16 only, and this model is {dtype}: leave --compile out{fits}")
 
 
 def calibrate_command(args) -> int:

@@ -87,9 +87,9 @@ profile's prompts were; the overlap of prefetch is assumed perfect, so a plan wh
 and masks: small elementwise kernels, most not vectorized) take the profile's prefill_token_ns per token, or
 moe_prefill_token_ns in a layer with routed experts: 357 ns left by an all-GPU Llama-3.1-8B prefill of 8192 tokens on
 an H100 (1.54x its prediction without it, 1.00x with it), 335 ns profiled in 8 Qwen3-30B-A3B layers on an H200 under
-offplan's masks-free grouped arithmetic (docs/moe-prefill/), not calibrated yet. Attention and every GEMM run at
-matmul_tflops whatever their shape (FlashAttention and small GEMMs run below it), and what runs only with images
-(vision towers) is left out.
+offplan's masks-free grouped arithmetic (docs/moe-prefill/; bf16 experts: fp16 and fp32 ones run transformers' masked
+grouped_mm, about 484), not calibrated yet. Attention and every GEMM run at matmul_tflops whatever their shape
+(FlashAttention and small GEMMs run below it), and what runs only with images (vision towers) is left out.
 """
 from __future__ import annotations
 
@@ -267,7 +267,7 @@ class CostModel:
                 read_cpu += b * w  # each touched expert once (module doc)
                 at = 0 if n in self.staged else 1 if self.tokens > hw.stage_above_tokens else 2
                 pre_copied, pre_hbm = pre_copied + size * (at == 0), pre_hbm + pre * (at == 0)
-                pre_uva, pre_cpu = pre_uva + pre * (at == 1), pre_cpu + pre * (at == 2)
+                pre_uva, pre_cpu = pre_uva + pre * (at == 1), pre_cpu + pre * w * (at == 2)
                 continue
             if stages and routed:
                 staged += 2 * b if p is UVA else 4 * b  # written to HBM, read back: gathered from HBM, slower
@@ -287,7 +287,7 @@ class CostModel:
         beside = hw.uva_beside_cpu_gbps * 1e3 if read_cpu else uva  # the cores read host memory too (module doc)
         gpu = latency + (read_hbm + staged) / hbm + read_uva / beside
         if read_cpu:  # the GPU sums the CPU's outputs: the layer ends when the later side does (module doc)
-            host = (hw.cpu_expert_gbps if read_uva else hw.cpu_alone_gbps) * 1e3  # bytes/us, FP8's too (module doc)
+            host = (hw.cpu_expert_gbps if read_uva else hw.cpu_alone_gbps) * 1e3  # bytes/us (FP8 counted twice: doc)
             var = sum(q * (1 - q) * (c / host - u / beside) ** 2 for c, u, q in touch.values())
             gpu = later(gpu, latency + read_cpu / host + hw.cpu_expert_sync_us - gpu, var)
         link = read_uva / uva + copied / h2d

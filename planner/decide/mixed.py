@@ -51,15 +51,16 @@ host computes them beside the GPU (cost.py): a tenth, two tenths, ... all,
 the least-read ones of each layer first (the host reads an expert once
 per pair routed to it, the GPU once per step however many). The fastest
 request of every strategy with its best share wins, where a share is predicted
-faster than none; a note gives both. So under uniform routing the host's
-experts may sit in the first layers whole (strategy 1), as llama.cpp's
-`--n-cpu-moe` puts them, rather than spread round the layers: each layer with
-one pays the hand-over (cpu_expert_sync_us), and gathers its resident experts.
+faster than none; a note gives both. So under uniform routing the experts
+kept off the GPU may fill the first layers whole (strategy 1), as llama.cpp's
+`--n-cpu-moe` keeps whole layers' experts on the host, rather than spread round
+the layers: each layer with one on cpu pays the hand-over (cpu_expert_sync_us),
+and each with one off the GPU gathers its resident experts.
 cpu needs no GPU memory but the host engine's output buffer (working.py), and a share is
 tried only where that fits the budget. Whole experts only (the host computes an
 expert whole), block-scaled FP8 (E4M3) ones with their scales (the runtime's
-host kernel converts them as it reads them; the cost model counts their stored
-bytes), never MXFP4 ones (the host does not compute them), and not with
+host kernel converts them as it reads them, at a bf16 element's cost a byte:
+cost.py), never MXFP4 ones (the host does not compute them), and not with
 several GPUs (each one's process would run its own host threads on the same
 cores).
 

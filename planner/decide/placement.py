@@ -245,6 +245,9 @@ def decide(graph: LayerGraph, tensors: Mapping[str, TensorInfo], policy: Policy,
                 "staged, their ring would not fit the budget")
             chosen = dataclasses.replace(other, notes=other.notes + (said,))
             running, room = rest
+        elif not fits(chosen, room) and other.fp.total + rest[1](other.fp.place) < chosen.fp.total + room(
+                chosen.fp.place):  # neither fits: the budget error below names the nearer one's least
+            chosen, (running, room) = other, rest
     staging, runs = running(chosen.fp.place)
     if budget is not None and chosen.fp.total + runs.peak_bytes > budget:
         # the smallest budget that fits: the walk's least, or the rules' placement alone where working memory makes

@@ -174,6 +174,12 @@ def test_mixed_weighs_the_expert_ring_against_the_experts_its_memory_would_hold(
     assert ("routed experts not staged at prefill: predicted request 8525.279 ms, against 11107.236 ms staged through "
             "their ring, whose GPU memory holds experts instead") in free.notes
     assert mixed(moe(), budget_mb=84, stage_experts=False).params == free.params
+    # a budget neither fits: the error names the smallest that does, without the ring (with it: 49.6 MiB)
+    from planner.errors import BudgetError
+    with pytest.raises(BudgetError, match=r"the smallest budget that fits this policy is budget_gib: 0\.030734003 "
+                                          r"\(31\.5 MiB\)"):
+        mixed(moe(), budget_mb=20)
+    assert mixed(moe(), budget_mb=34).summary.gpu_footprint_bytes <= 34 * 10**6
 
 
 def test_mixed_at_batch_64_offloads_no_more_than_it_must():
@@ -203,10 +209,14 @@ def test_mixed_respects_rules_and_budget_check():
                                           r"it are the experts' working memory"):
         mixed(moe(), budget_mb=0.5, stage=False)
     # staged at prefill, the uva plans would add 2 slots of 1 MB and a 24 MB ring: streaming whole layers (2 slots
-    # of 25 MB, 256-aligned; the embedding and lm_head stay) needs the least, and no working memory
+    # of 25 MB, 256-aligned; the embedding and lm_head stay) needs the least of those, and no working memory
     with pytest.raises(BudgetError, match=r"the plan needs 49.6 MiB \(52,000,384 bytes\) of GPU memory") as e:
-        mixed(moe(), budget_mb=0.5)
+        mixed(moe(), budget_mb=0.5, stage_experts=True)
     assert "working memory" not in str(e.value)
+    # left to the planner, the experts unstaged (no ring; the embedding's slots stay) need less: that is the answer
+    with pytest.raises(BudgetError, match=r"the plan needs 31.5 MiB \(33,000,384 bytes\) of GPU memory(.|\n)*28.6 MiB "
+                                          r"of it are the experts' working memory"):
+        mixed(moe(), budget_mb=0.5)
 
 
 def test_rule_roles_feed_the_model():

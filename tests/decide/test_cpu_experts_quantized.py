@@ -64,12 +64,12 @@ def test_the_host_costs_an_fp8_byte_what_a_bf16_element_costs():
     from planner.decide.cost import CostModel
     from planner.layers.groups import FusedGroups
 
-    def host_us(tensors, hw):
+    def host_us(tensors, hw, prefill=False):
         t = infos(tensors)
         graph = build_graph(t)
-        model = CostModel(graph, t, hw, 1, FusedGroups.of_layers(graph.stack_layers(), t), 2)
-        place = {n: CPU if ".experts." in n else Placement.GPU for n in t}
-        return model.predict(place).layers[1].gpu_us
+        model = CostModel(graph, t, hw, 1, FusedGroups.of_layers(graph.stack_layers(), t), 2, prompt_tokens=4)
+        got = model.predict({n: CPU if ".experts." in n else Placement.GPU for n in t})
+        return got.prefill_us if prefill else got.layers[1].gpu_us  # a 4-token prompt: the host computes it too
 
     hw = dataclasses.replace(HW, cpu_expert_gbps=4.0, cpu_expert_alone_gbps=4.0, cpu_expert_sync_us=0.0)
     fp8 = host_us(_quantized(moe(), "F8_E4M3"), hw)
@@ -77,3 +77,6 @@ def test_the_host_costs_an_fp8_byte_what_a_bf16_element_costs():
     fp8_no_scales = host_us([(n, "F8_E4M3", s) if ".experts." in n else (n, d, s) for n, d, s in moe()], hw)
     assert fp8_no_scales == bf16 > 2000  # a layer of 2 touched experts: 12 MB of bf16 elements at 4 GB/s, not half
     assert 0 <= fp8 - fp8_no_scales <= 1  # the scales: 768 bytes an expert
+    bf16_prompt, fp8_prompt = (host_us([(n, dtype, s) if ".experts." in n else (n, d, s) for n, d, s in moe()], hw, True)
+                               for dtype in ("BF16", "F8_E4M3"))
+    assert fp8_prompt == bf16_prompt > 2000

@@ -200,3 +200,16 @@ def test_gather_rows_takes_guessed_experts_from_the_lookahead_buffer():
     order = torch.tensor([4, 1, 0])
     rows = gather.gather_rows(full, resident, slot, order, torch.ones(3, dtype=torch.int32), key, "down_proj", 2)
     assert torch.equal(rows, torch.stack([torch.full((3,), -5.0), resident[0], full[0]]))
+
+
+def test_plan_apply_refuses_to_compile_a_grouped_gemm_of_float32_experts(tmp_path, capsys):
+    """Above BATCHED_PAIRS pairs offloaded experts run torch's grouped GEMM, which torch.compile takes in bf16 only:
+    `plan apply --compile` says so before compiling, and names the batch that compiles (top-2: 8)."""
+    from offplan.cli import main
+    model_dir = save_model(qwen3_moe_config(num_hidden_layers=2), tmp_path / "fp32", dtype=torch.float32)
+    plan = make_plan(tmp_path, model_dir, "rules:\n  - {match: [experts], place: uva}")
+    assert main(["apply", str(plan), "--device", "cpu", "--compile", "--batch", "12", "--max-new-tokens", "2"]) == 1
+    err = capsys.readouterr().err
+    assert ("--compile: at batch 12 the decode step's offloaded experts run a grouped GEMM, which torch.compile takes "
+            "in bf16 only, and this model is float32: leave --compile out, or run at batch 8 or less") in err
+    assert "Traceback" not in err
