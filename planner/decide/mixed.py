@@ -179,10 +179,12 @@ def place_mixed(graph: LayerGraph, policy: Policy, fp: Footprint, fixed: set[str
                   "on the same host cores; never measured): no expert on cpu",)
     elif policy.cpu_experts:  # each strategy's placement with its best share on cpu: the fastest request of those
         fits = lambda f: f.total + room(f.place) <= budget  # noqa: E731
-        shared = {k: on_cpu(strategies[k], preds[k], groups, model, new, fits) for k in fitting}
-        pick = min(fitting, key=lambda k: (shared[k][1].request_us(new), shared[k][1].h2d_bytes))
+        tried = [k for i, k in enumerate(fitting)  # a placement two strategies reached: once
+                 if not any(strategies[k].place == strategies[j].place for j in fitting[:i])]
+        shared = {k: on_cpu(strategies[k], preds[k], groups, model, new, fits) for k in tried}
+        pick = min(tried, key=lambda k: (shared[k][1].request_us(new), shared[k][1].h2d_bytes))
         moved = shared[pick][0] is not strategies[pick]  # on_cpu gives the placement itself back when none pays
-        chosen, prediction, note = shared[pick] if moved else (chosen, prediction, shared[best][2])
+        chosen, prediction, note = shared[pick] if moved else (chosen, prediction, shared[pick][2])
         notes += (note + (f", on the placement of {pick!r}: the fastest request with its share on cpu"
                           + ("" if pick == best else f" ({best!r} was without)") if moved else ""),)
     return MixedChoice(chosen, prediction, notes, explain(graph, chosen.place, model))
