@@ -30,16 +30,16 @@ import torch
 
 from planner.errors import OffplanError
 from planner.files import write_atomic
-from planner.layers.groups import BATCHED_PAIRS
 from planner.inputs.hardware import dumps_hardware
+from planner.layers.groups import BATCHED_PAIRS
 from planner.planfile import load_plan
 from planner.units import human, ms, plural
 from runtime.execute.handle import LoadStats
 from runtime.execute.host import native
 from runtime.execute.host.pace import HostSlowerWarning
 from runtime.hf import from_pretrained
-from runtime.place.dequant import quantized
 from runtime.measure.calibrate import calibrate
+from runtime.place.dequant import quantized
 
 from .output import emit
 from .parallel_apply import apply_parallel
