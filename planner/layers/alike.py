@@ -107,6 +107,15 @@ class Template:
             every.append(i)
         return [(g, *map(tuple, lists)) for g, lists in found.items()]
 
+    @cached_property
+    def numbered(self) -> tuple[tuple[bool, ...], tuple[int | None, ...]]:
+        """Per local name: whether its tensor is one expert's (`groups`), and that expert's number (None for none)."""
+        numbers: list[int | None] = [None] * len(self.names)
+        for _, _, each, their, _ in self.groups:
+            for i, (_, expert, _) in zip(each, their):
+                numbers[i] = expert
+        return tuple(e is not None for e in numbers), tuple(numbers)
+
 
 class Shapes:
     """Each layer's dtypes and shapes, tensor for tensor, as a number: layers of one number have the same

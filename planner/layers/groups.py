@@ -67,12 +67,11 @@ class FusedGroups:
     """A checkpoint's fused expert groups, found once per plan; the three units of the module doc.
 
     Kept per group: its members, and for those stored one expert each their pieces (parameter,
-    expert, place in the expert's block); the parameter and expert units (`param_of`, `expert_of`)
-    are put together from the pieces when first asked for (a prefetch plan never asks)."""
+    expert, place in the expert's block); the units (`param_of`, `expert_of`) and experts (`index_of`)
+    are put together from the pieces when first asked for (a prefetch plan never asks: reads.py)."""
 
     members: dict[str, tuple[str, ...]]  # group -> its member tensors, in checkpoint order
     group_of: dict[str, str]  # member -> its group
-    index_of: dict[str, int]  # member -> its expert number (per-expert tensors)
     rows_of: dict[str, int] = field(default_factory=dict)  # pre-fused member -> its experts, along dim 0
     not_experts: dict[str, str] = field(default_factory=dict)  # pre-fused member whose rows are not -> why
     # group -> (its per-expert members, in order; their pieces: (parameter, expert, place in the expert's block))
@@ -116,15 +115,12 @@ class FusedGroups:
         group_of: dict[str, str] = {}
         for g, ms in members.items():
             group_of.update(dict.fromkeys(ms, g))
-        index_of: dict[str, int] = {}
-        for ns, ps in pieces.values():
-            index_of.update(zip(ns, map(_EXPERT, ps)))
         rows_of: dict[str, int] = {}
         not_experts: dict[str, str] = {}
         if shapes is not None and stacked:
             counted = {g: len(set(map(_EXPERT, pieces[g][1]))) if g in pieces else 0 for g in stacked}
             rows_of, not_experts = expert_rows(stacked, shapes, counted, experts)
-        return cls({g: tuple(ms) for g, ms in members.items()}, group_of, index_of, rows_of, not_experts, pieces)
+        return cls({g: tuple(ms) for g, ms in members.items()}, group_of, rows_of, not_experts, pieces)
 
     def _units(self, per_expert: bool) -> dict[str, tuple[str, ...]]:
         """Member -> its parameter unit (or, `per_expert`, its expert unit), in memory order."""
@@ -137,6 +133,11 @@ class FusedGroups:
                 unit = tuple(n for _, n in sorted(ms))
                 out.update(dict.fromkeys(unit, unit))
         return out
+
+    @cached_property
+    def index_of(self) -> dict[str, int]:
+        """Member -> its expert number (per-expert tensors)."""
+        return {n: p[1] for ns, ps in self.pieces.values() for n, p in zip(ns, ps)}
 
     @cached_property
     def param_of(self) -> dict[str, tuple[str, ...]]:
