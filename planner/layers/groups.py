@@ -135,8 +135,7 @@ class FusedGroups:
         return out
 
     @cached_property
-    def index_of(self) -> dict[str, int]:
-        """Member -> its expert number (per-expert tensors)."""
+    def index_of(self) -> dict[str, int]:  # member -> its expert number (per-expert tensors)
         return {n: p[1] for ns, ps in self.pieces.values() for n, p in zip(ns, ps)}
 
     @cached_property
@@ -231,8 +230,9 @@ def split_units(groups: FusedGroups, selected: Collection[str], what: str, whole
         units = [(g, groups.members[g]) for g in set(map(groups.group_of.get, selected)) - {None}]
     elif whole_groups:  # many: every group's members looked up in their order (a set's order is at random in memory)
         units = [(g, ms) for g, ms in groups.members.items() if any(map(selected.__contains__, ms))]
-    else:
-        units = [(groups.group_of[u[0]], u) for u in {groups.expert_of[m] for m in selected if m in groups.index_of}]
+    else:  # one expert's tensors; `index_of` only asked of group members (a rule of a few others builds none)
+        units = [(groups.group_of[u[0]], u) for u in {groups.expert_of[m] for m in selected
+                                                       if m in groups.group_of and m in groups.index_of}]
     for group, unit in units:
         if len(unit) < 2 or all(map(selected.__contains__, unit)):  # in C: a group of DeepSeek-V3 holds 1,536
             continue
