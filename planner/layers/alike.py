@@ -108,13 +108,17 @@ class Template:
         return [(g, *map(tuple, lists)) for g, lists in found.items()]
 
     @cached_property
-    def numbered(self) -> tuple[tuple[bool, ...], tuple[int | None, ...]]:
-        """Per local name: whether its tensor is one expert's (`groups`), and that expert's number (None for none)."""
+    def numbered(self) -> tuple[tuple[bool, ...], tuple[int | None, ...], tuple[str | None, ...]]:
+        """Per local name: whether its tensor is one expert's (`groups`), that expert's number and its group's
+        name after the layer's (None for none; a pre-fused member has a group, no number)."""
         numbers: list[int | None] = [None] * len(self.names)
-        for _, _, each, their, _ in self.groups:
+        local: list[str | None] = [None] * len(self.names)
+        for group, every, each, their, _ in self.groups:
+            for i in every:
+                local[i] = group
             for i, (_, expert, _) in zip(each, their):
                 numbers[i] = expert
-        return tuple(e is not None for e in numbers), tuple(numbers)
+        return tuple(e is not None for e in numbers), tuple(numbers), tuple(local)
 
 
 class Shapes:
