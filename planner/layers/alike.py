@@ -9,7 +9,9 @@ template, not once per tensor (90k tensors, a handful of templates):
 - `matches`: which tensors belong to fused expert groups, and as what
   (expert_names.py `matches`), which gives `Layer.expert_tensors`;
 - `groups`: the fused expert groups they form, which `FusedGroups.of_layers`
-  instantiates for each layer;
+  instantiates for each layer and prefetch's `whole_groups` reads, and
+  `numbered`: each tensor's expert and group, which the cost model (reads.py)
+  reads instead of maps by tensor name;
 - which of them a policy's patterns select (`select`): a plain pattern without a
   dot matches a name iff it is one of its segments, so of the layer's name or of
   its local name; other patterns are matched name by name, as patterns.py does.
