@@ -116,7 +116,7 @@ def _prefetch(stack, fixed, fp: Footprint, policy: Policy, graph: LayerGraph, se
 
     def chosen(layer: Layer) -> list[str]:
         names = layer.params if selected is None else compress(layer.params, map(selected.__contains__, layer.params))
-        return whole_groups(list(filterfalse(fixed.__contains__, names)), groups)
+        return whole_groups(list(filterfalse(fixed.__contains__, names)), groups, layer)
 
     if pre.group_size > 0:
         g, k = pre.group_size, pre.num_in_group

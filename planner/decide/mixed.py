@@ -138,7 +138,7 @@ def place_mixed(graph: LayerGraph, policy: Policy, fp: Footprint, fixed: set[str
             if u.layer.kind is LayerKind.LAYER and u.layer.runs is Runs.STEP and f.place[u.names[0]] is GPU:
                 by_layer.setdefault(u.layer.name, []).extend(u.names)
         eligible = [(l, names) for l in graph.stack_layers() if l.name in by_layer
-                    for names in [whole_groups(by_layer[l.name], groups)] if names]
+                    for names in [whole_groups(by_layer[l.name], groups, l)] if names]
         for layer, names in fewest_layers(eligible, f, b):
             f.move(names, PREFETCH, layer)
         return f

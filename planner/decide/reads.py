@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from functools import cached_property
-from itertools import compress
+from itertools import compress, repeat
 
 from ..inputs.checkpoint import TensorInfo
 from ..inputs.routing import RoutingProfile
@@ -131,17 +131,15 @@ def reads(graph: LayerGraph, tensors: Mapping[str, TensorInfo], groups: FusedGro
     embed = set() if graph.tied_embeddings else {
         n for l in graph.layers if l.kind is LayerKind.EMBED for n in l.params if len(tensors[n].shape) == 2}
     roles = roles or {}
-    # groups.routed, for all of them (a set of every routed tensor only where some are stored fused)
-    routed = groups.index_of.keys() | groups.rows_of.keys() if groups.rows_of else groups.index_of.keys()
     facts: dict[tuple, tuple] = {}  # (role, routed, read, shape, runs every step, head, query) -> what follows
 
-    def tensor_facts(n: str, step: bool, kind: LayerKind) -> tuple:
-        """(role, frac, pre_frac, flops, gathered) of one tensor of a layer of `kind`."""
-        is_routed = n in routed
+    def tensor_facts(n: str, is_routed: bool, e: int | None, group: str | None, step: bool, kind: LayerKind) -> tuple:
+        """(role, frac, pre_frac, flops, gathered) of one tensor of a layer of `kind`: `e` its expert, `group`
+        its group (None: ask `groups`)."""
         role = roles.get(n) or (Role.EXPERT if is_routed else Role.EMBEDDING if n in embed else Role.DENSE)
         shape = tensors[n].shape
-        g = groups.group_of[n] if is_routed and role is Role.EXPERT else None
-        e = None if g is None else groups.index_of.get(n)
+        g = (group or groups.group_of[n]) if is_routed and role is Role.EXPERT else None
+        e = None if g is None else e
         # the GEMM's tokens: the last position's at the head (module doc); a query projection's attention
         last = kind is LayerKind.HEAD or kind is LayerKind.EMBED
         attention = kind is LayerKind.LAYER and n.endswith(ATTENTION) and len(shape) == 2
@@ -168,12 +166,14 @@ def reads(graph: LayerGraph, tensors: Mapping[str, TensorInfo], groups: FusedGro
     kinds: dict[tuple, tuple[int, tuple]] = {}  # a layer's kind -> (its number, its facts tensor by tensor)
     for i, layer in enumerate(graph.layers):
         params = layer.params
-        flags = tuple(map(routed.__contains__, params))
+        flags, numbers, local = _routed(layer, groups)
         kind = _kind(layer, flags, shapes, groups, depends, roles)
         number, got = kinds.get(kind, (-1 - i, None)) if kind is not None else (-1 - i, None)
         if got is None:
             step = layer.runs is Runs.STEP
-            got = tuple(zip(*(tensor_facts(n, step, layer.kind) for n in params))) or ((),) * 5
+            named = repeat(None) if local is None else (g and layer.name + g for g in local)  # a kind's first layer
+            got = tuple(zip(*map(tensor_facts, params, flags, numbers, named, repeat(step), repeat(layer.kind)))) \
+                or ((),) * 5
             if kind is not None:
                 number = len(kinds)
                 kinds[kind] = (number, got)
@@ -181,6 +181,25 @@ def reads(graph: LayerGraph, tensors: Mapping[str, TensorInfo], groups: FusedGro
         out._names[layer.name] = params
         out.experts[layer.name] = list(compress(params, flags))
     return out
+
+
+def _routed(layer: Layer, groups: FusedGroups) -> tuple[tuple[bool, ...], tuple[int | None, ...], tuple | None]:
+    """Per tensor of `layer`: `groups.routed`, its expert (`groups.index_of`; None for none) and, where read from
+    the layer's template (alike.py: where `groups` holds every per-expert tensor of its groups), its group's name
+    after the layer's (else None: by name, `groups.group_of`)."""
+    t, pieces = layer.template, groups.pieces
+    if t is not None and applies(layer.name) and all(
+            len(pieces.get(layer.name + g, ((),))[0]) == len(each) for g, _, each, _, _ in t.groups):
+        flags, numbers, local = t.numbered
+        whole = [i for *_, ws in t.groups for i in ws]
+        if whole:  # stored fused: routed where its rows are the group's experts
+            flags = list(flags)
+            for i in whole:
+                flags[i] = layer.params[i] in groups.rows_of
+            flags = tuple(flags)
+        return flags, numbers, local
+    numbers = tuple(map(groups.index_of.get, layer.params))
+    return tuple(e is not None or n in groups.rows_of for n, e in zip(layer.params, numbers)), numbers, None
 
 
 def _kind(layer: Layer, routed: tuple[bool, ...], shapes: Shapes, groups: FusedGroups,

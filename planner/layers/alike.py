@@ -9,7 +9,9 @@ template, not once per tensor (90k tensors, a handful of templates):
 - `matches`: which tensors belong to fused expert groups, and as what
   (expert_names.py `matches`), which gives `Layer.expert_tensors`;
 - `groups`: the fused expert groups they form, which `FusedGroups.of_layers`
-  instantiates for each layer;
+  instantiates for each layer and prefetch's `whole_groups` reads, and
+  `numbered`: each tensor's expert and group, which the cost model (reads.py)
+  reads instead of maps by tensor name;
 - which of them a policy's patterns select (`select`): a plain pattern without a
   dot matches a name iff it is one of its segments, so of the layer's name or of
   its local name; other patterns are matched name by name, as patterns.py does.
@@ -106,6 +108,19 @@ class Template:
                 continue
             every.append(i)
         return [(g, *map(tuple, lists)) for g, lists in found.items()]
+
+    @cached_property
+    def numbered(self) -> tuple[tuple[bool, ...], tuple[int | None, ...], tuple[str | None, ...]]:
+        """Per local name: whether its tensor is one expert's (`groups`), that expert's number and its group's
+        name after the layer's (None for none; a pre-fused member has a group, no number)."""
+        numbers: list[int | None] = [None] * len(self.names)
+        local: list[str | None] = [None] * len(self.names)
+        for group, every, each, their, _ in self.groups:
+            for i in every:
+                local[i] = group
+            for i, (_, expert, _) in zip(each, their):
+                numbers[i] = expert
+        return tuple(e is not None for e in numbers), tuple(numbers), tuple(local)
 
 
 class Shapes:

@@ -38,6 +38,7 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
+from itertools import filterfalse, groupby
 from operator import itemgetter
 
 from ..inputs.checkpoint import TensorInfo
@@ -67,12 +68,10 @@ class FusedGroups:
     """A checkpoint's fused expert groups, found once per plan; the three units of the module doc.
 
     Kept per group: its members, and for those stored one expert each their pieces (parameter,
-    expert, place in the expert's block); the parameter and expert units (`param_of`, `expert_of`)
-    are put together from the pieces when first asked for (a prefetch plan never asks)."""
+    expert, place in the expert's block); the maps by member (`group_of`, `index_of`, `param_of`, `expert_of`)
+    are put together when first asked for (a prefetch plan asks none: layer by layer, its templates tell)."""
 
     members: dict[str, tuple[str, ...]]  # group -> its member tensors, in checkpoint order
-    group_of: dict[str, str]  # member -> its group
-    index_of: dict[str, int]  # member -> its expert number (per-expert tensors)
     rows_of: dict[str, int] = field(default_factory=dict)  # pre-fused member -> its experts, along dim 0
     not_experts: dict[str, str] = field(default_factory=dict)  # pre-fused member whose rows are not -> why
     # group -> (its per-expert members, in order; their pieces: (parameter, expert, place in the expert's block))
@@ -113,18 +112,11 @@ class FusedGroups:
 
     @classmethod
     def _made(cls, members: dict, stacked: dict, pieces: dict, shapes, experts: int | None) -> "FusedGroups":
-        group_of: dict[str, str] = {}
-        for g, ms in members.items():
-            group_of.update(dict.fromkeys(ms, g))
-        index_of: dict[str, int] = {}
-        for ns, ps in pieces.values():
-            index_of.update(zip(ns, map(_EXPERT, ps)))
-        rows_of: dict[str, int] = {}
-        not_experts: dict[str, str] = {}
+        rows_of, not_experts = {}, {}  # pre-fused member -> its experts; -> why its rows are not
         if shapes is not None and stacked:
             counted = {g: len(set(map(_EXPERT, pieces[g][1]))) if g in pieces else 0 for g in stacked}
             rows_of, not_experts = expert_rows(stacked, shapes, counted, experts)
-        return cls({g: tuple(ms) for g, ms in members.items()}, group_of, index_of, rows_of, not_experts, pieces)
+        return cls({g: tuple(ms) for g, ms in members.items()}, rows_of, not_experts, pieces)
 
     def _units(self, per_expert: bool) -> dict[str, tuple[str, ...]]:
         """Member -> its parameter unit (or, `per_expert`, its expert unit), in memory order."""
@@ -137,6 +129,17 @@ class FusedGroups:
                 unit = tuple(n for _, n in sorted(ms))
                 out.update(dict.fromkeys(unit, unit))
         return out
+
+    @cached_property
+    def group_of(self) -> dict[str, str]:  # member -> its group
+        out: dict[str, str] = {}
+        for g, ms in self.members.items():
+            out.update(dict.fromkeys(ms, g))
+        return out
+
+    @cached_property
+    def index_of(self) -> dict[str, int]:  # member -> its expert number (per-expert tensors)
+        return {n: p[1] for ns, ps in self.pieces.values() for n, p in zip(ns, ps)}
 
     @cached_property
     def param_of(self) -> dict[str, tuple[str, ...]]:
@@ -210,14 +213,16 @@ def _add(names: list[str], found: tuple[dict, dict, dict]) -> None:
             members[group] = [n]
 
 
-def whole_groups(names: list[str], groups: "FusedGroups") -> list[str]:
-    """`names` without the members of any group they hold only part of: what prefetch may stream.
-    Each group is checked once, not once per member (a DeepSeek-V3 layer's group holds 1,536 tensors), and
-    `names` are walked again only where a group is split."""
-    have = set(names)
-    group_of, members = groups.group_of, groups.members
-    split = {g for g in set(map(group_of.get, names)) if g is not None and not have.issuperset(members[g])}
-    return [n for n in names if group_of.get(n) not in split] if split else list(names)
+def whole_groups(names: list[str], groups: "FusedGroups", layer) -> list[str]:
+    """`names` (of `layer`, graph.py) without the members of any group they hold only part of: what prefetch may
+    stream. Each group is checked once (a DeepSeek-V3 layer's holds 1,536 tensors), named by the layer's template
+    (alike.py) where it has one, and `names` are walked again only where a group is split."""
+    have, t = set(names), layer.template
+    named = (layer.name + local for local, *_ in t.groups) if t is not None and applies(layer.name) else set(
+        map(groups.group_of.get, names))  # the groups of its names: None for none, in no group's `members`
+    mine = [groups.members[g] for g in named if g in groups.members]
+    split = [ms for ms in mine if not have.issuperset(ms) and not have.isdisjoint(ms)]
+    return list(filterfalse(set().union(*split).__contains__, names)) if split else list(names)
 
 
 def split_units(groups: FusedGroups, selected: Collection[str], what: str, whole_groups: bool) -> list[str]:
@@ -226,12 +231,13 @@ def split_units(groups: FusedGroups, selected: Collection[str], what: str, whole
     `whole_groups` (prefetch): the unit is the group; else the expert of a fused parameter.
     """
     problems = []
-    if whole_groups and 4 * len(selected) < len(groups.group_of):  # each unit once: the groups of a few tensors
+    if whole_groups and 4 * len(selected) < sum(map(len, groups.members.values())):  # a few: each unit once
         units = [(g, groups.members[g]) for g in set(map(groups.group_of.get, selected)) - {None}]
     elif whole_groups:  # many: every group's members looked up in their order (a set's order is at random in memory)
         units = [(g, ms) for g, ms in groups.members.items() if any(map(selected.__contains__, ms))]
-    else:
-        units = [(groups.group_of[u[0]], u) for u in {groups.expert_of[m] for m in selected if m in groups.index_of}]
+    else:  # one expert's tensors (`key`: named `.experts.`; a rule of a few others asks no map)
+        units = [(groups.group_of[u[0]], u) for u in {groups.expert_of[m] for m in selected
+                                                       if ".experts." in m and m in groups.index_of}]
     for group, unit in units:
         if len(unit) < 2 or all(map(selected.__contains__, unit)):  # in C: a group of DeepSeek-V3 holds 1,536
             continue
@@ -252,17 +258,8 @@ def split_units(groups: FusedGroups, selected: Collection[str], what: str, whole
 
 def ranges(numbers: Iterable[int]) -> str:
     """`0-3,7,9-10`: sorted numbers with runs folded."""
-    out, run = [], []
-    for n in sorted(numbers):
-        if run and n == run[-1] + 1:
-            run.append(n)
-            continue
-        if run:
-            out.append(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}")
-        run = [n]
-    if run:
-        out.append(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}")
-    return ",".join(out)
+    runs = [[n for _, n in run] for _, run in groupby(enumerate(sorted(numbers)), lambda p: p[1] - p[0])]
+    return ",".join(str(r[0]) if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in runs)
 
 
 def experts_map(names: Iterable[str], placement_of, prefix: str, experts: Collection[str] | None = None
