@@ -31,9 +31,9 @@ import torch
 from planner.errors import OffplanError
 from planner.files import write_atomic
 from planner.inputs.hardware import dumps_hardware
-from planner.layers.groups import BATCHED_PAIRS
 from planner.planfile import load_plan
 from planner.units import human, ms, plural
+from runtime.execute import experts
 from runtime.execute.handle import LoadStats
 from runtime.execute.host import native
 from runtime.execute.host.pace import HostSlowerWarning
@@ -222,14 +222,15 @@ def _generate(model, handle, texts: list[str], batch: int, max_new_tokens: int, 
 
 
 def check_compiles(model, handle, batch: int) -> None:
-    """--compile: above BATCHED_PAIRS (token, expert) pairs a step's offloaded experts run a grouped GEMM
-    (runtime/execute/experts.py), which torch.compile traces for bf16 only; refuse other dtypes before compiling."""
+    """--compile: where a step's offloaded experts run a grouped GEMM (experts.py `arithmetic`), torch.compile traces
+    it for bf16 only; refuse other dtypes before compiling."""
     k = getattr(model.config, "num_experts_per_tok", None)
     odd = {next(iter(q.values())).dtype if (q := quantized(m)) else m.down_proj.dtype  # each one's arithmetic
            for m in handle.bound_experts} - {torch.bfloat16}
-    if odd and (k is None or batch * k > BATCHED_PAIRS):
+    if odd and (k is None or experts.arithmetic(batch * k) == "grouped_mm"):
         dtype = ", ".join(sorted(str(d).removeprefix("torch.") for d in odd))
-        fits = f", or run at batch {BATCHED_PAIRS // k} or less" if k else ""
+        most = max((b for b in range(1, batch) if experts.arithmetic(b * k) != "grouped_mm"), default=0) if k else 0
+        fits = f", or run at batch {most} or less" if most else ""
         raise OffplanError(f"--compile: at batch {batch} the decode step's offloaded experts run a grouped GEMM, which "
                            f"torch.compile takes in bf16 only, and this model is {dtype}: leave --compile out{fits}")
 

@@ -232,12 +232,14 @@ def decide(graph: LayerGraph, tensors: Mapping[str, TensorInfo], policy: Policy,
 
     favoured = model.favours_staged_experts if want is None else want
     chosen, running, room = attempt(favoured)
-    if want is None and favoured and backend is Backend.MIXED and budget is not None:
-        # the ring holds GPU memory that experts could: mixed weighs the request both ways (staging.py)
+    fits = lambda c, r: c.prediction is not None and c.fp.total + r(c.fp.place) <= budget  # noqa: E731
+    if want is None and favoured and backend is Backend.MIXED and budget is not None and (
+            not fits(chosen, room) or getattr(running(chosen.fp.place)[0], "experts", False)):
+        # the ring holds GPU memory that experts could: mixed weighs the request both ways (staging.py); a plan
+        # that fits with no expert staged would place the same without
         other, *rest = attempt(False)
         new = policy.workload.new_tokens
         request = lambda c: c.prediction.request_us(new)  # noqa: E731
-        fits = lambda c, r: c.prediction is not None and c.fp.total + r(c.fp.place) <= budget  # noqa: E731
         if fits(other, rest[1]) and (not fits(chosen, room) or request(other) < request(chosen)):
             said = "routed experts not staged at prefill: " + (
                 f"predicted request {request(other) / 1e3:.3f} ms, against {request(chosen) / 1e3:.3f} ms staged "
