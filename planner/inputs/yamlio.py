@@ -234,13 +234,18 @@ _PLAIN = re.compile(r"^[A-Za-z_][A-Za-z0-9_./\-]*$")
 _RESERVED = {"true", "false", "null", "yes", "no", "on", "off", "y", "n", "~"}
 
 
-_ALL_PLAIN = re.compile(r"(?:[A-Za-z_][A-Za-z0-9_./\-]*\n)*[A-Za-z_][A-Za-z0-9_./\-]*")
-_RESERVED_LINE = re.compile("\n(?:" + "|".join(map(re.escape, sorted(_RESERVED))) + ")(?=\n)", re.I)
+_PLAIN_BYTES = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_./-\n"  # _PLAIN's, and newlines
+# after a newline: what may not start a plain line, or a line that may be reserved (checked against _RESERVED)
+_LINE_START = re.compile(r"\n(?:[^A-Za-z_]|([fFnNoOtTyY][A-Za-z]{0,4})(?=\n))")
 
 
 def all_plain(lines: str) -> bool:
-    """Whether `scalar` writes every line of `lines` (strings joined by newlines) plain: one scan, not one per line."""
-    return _ALL_PLAIN.fullmatch(lines) is not None and _RESERVED_LINE.search(f"\n{lines}\n") is None
+    """Whether `scalar` writes every line of `lines` (strings joined by newlines) plain, in a few scans in C rather
+    than one per line: every character one of _PLAIN's (or a newline), and each line, read between newlines added at
+    both ends, starting as _PLAIN says and no reserved word (no empty line either: a newline follows a newline)."""
+    if not lines.isascii() or lines.encode().translate(None, _PLAIN_BYTES):
+        return False
+    return all(m[1] is not None and m[1].lower() not in _RESERVED for m in _LINE_START.finditer(f"\n{lines}\n"))
 
 
 def scalar(text: str) -> str:
