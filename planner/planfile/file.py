@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from itertools import repeat
+from itertools import groupby
+from operator import itemgetter
 from pathlib import Path
 
 from ..errors import InconsistentPlanError, OffplanError, PlanFileError
@@ -66,6 +67,12 @@ def _row(layer: LayerBytes) -> str:
 
 def _flow(**items) -> str:
     return "{" + ", ".join(f"{k}: {_v(v)}" for k, v in items.items()) + "}"
+
+
+def _buffer(b: Buffer) -> str:
+    """A slot layout's line: `_flow` of its fields, written out (a layer's 1.5k experts' tensors each)."""
+    return (f"        - {{name: {_s(b.name)}, dtype: {_s(b.dtype)}, shape: [{', '.join(map(str, b.shape))}], "
+            f"offset: {b.offset}, bytes: {b.bytes}}}\n")
 
 
 def dumps(plan: Plan) -> str:
@@ -131,8 +138,7 @@ def _dumps(plan: Plan) -> str:
                 f"  slot_bytes: {p.slot_bytes}\n", "  layouts:\n"]
         for layout in p.layouts:
             out += [f"    - bytes: {layout.bytes}\n", "      buffers:\n"]
-            out += [f"        - {_flow(name=b.name, dtype=b.dtype, shape=list(b.shape), offset=b.offset, bytes=b.bytes)}\n"
-                    for b in layout.buffers]
+            out += map(_buffer, layout.buffers)
         out.append("  schedule:\n")
         out += [f"    - {_flow(layer=t.layer, module=t.module, layout=t.layout, slot=t.slot, after=t.after)}\n"
                 for t in p.schedule]
@@ -159,15 +165,18 @@ def _parallel(par: Parallel | None) -> list[str]:
 
 
 _AS_PARAM = {p: f": {p.value}\n" for p in Placement}
+_NAME, _PLACE = itemgetter(0), itemgetter(1)  # of a params item
 
 
 def _params(params: dict[str, Placement]) -> Iterable[str]:
     """`  name: placement` lines, as the pieces of one join. Names are written as `scalar` writes them; when
-    all of them are plain (checked at once, over the names joined by newlines), they need no look each."""
+    all of them are plain (checked at once, over the names joined by newlines), they need no look each, and
+    each run of names of one placement (a layer's experts, its attention) is written by one join."""
     names = "\n".join(params)
     if not (names.count("\n") == len(params) - 1 and yamlio.all_plain(names)):  # no name holds a newline
         return [f"  {_s(name)}: {place.value}\n" for name, place in params.items()]
-    return map("".join, zip(repeat("  "), params, map(_AS_PARAM.__getitem__, params.values())))
+    return ["  " + (end + "  ").join(map(_NAME, run)) + end
+            for place, run in groupby(params.items(), key=_PLACE) for end in [_AS_PARAM[place]]]
 
 
 # ---------------------------------------------------------------- reading
