@@ -15,7 +15,9 @@ from ..inputs.policy import Policy, load_policy
 from ..inputs.prefused import prefused_key
 from ..inputs.quantized import pairs
 from ..inputs.routing import load_profile
+from ..layers.alike import Shapes
 from ..layers.graph import build_graph
+from ..layers.scales import layer_pairs
 from ..layers.shards import collectives, find_split, local_tensors
 from ..nogc import no_gc
 from ..plan import Built, Parallel, Plan, RoutingRef
@@ -80,12 +82,19 @@ def _build(policy: Policy, plan_dir: Path, checkpoint: Checkpoint | None) -> Pla
                           "or directory (the path is relative to the policy file)")
     ckpt = checkpoint or open_checkpoint(policy.checkpoint)
     facts = read_config(ckpt.root)
-    quantized, problems = pairs(ckpt.tensors, facts.fp8_block)
+    names = list(ckpt.tensors)
+    try:  # the layers first, which pair quantized weights with their scales; their error after the checks below
+        graph, unfit = build_graph(names, policy.stacks, policy.where, facts), None
+    except PolicyError as e:
+        graph, unfit = None, e
+    shapes = Shapes(ckpt.tensors)  # each layer's dtypes and shapes, read once for the pairs and the cost model
+    quantized, problems = pairs(ckpt.tensors, facts.fp8_block) if graph is None else layer_pairs(
+        graph.layers, ckpt.tensors, facts.fp8_block, shapes)
     if problems:  # the runtime could not load the plan: say so now, not at apply
         raise CheckpointError(f"{ckpt.root}: quantized tensors offplan cannot load", problems)
-    names = list(ckpt.tensors)
     check_patterns(policy, names)
-    graph = build_graph(names, policy.stacks, policy.where, facts)
+    if unfit is not None:
+        raise unfit
     hardware = load_hardware(policy.hardware) if policy.hardware else H100
     top_k = policy.workload.experts_per_token or facts.top_k
     routing = load_profile(policy.workload.routing) if policy.workload.routing else None
@@ -100,7 +109,8 @@ def _build(policy: Policy, plan_dir: Path, checkpoint: Checkpoint | None) -> Pla
         hardware = dataclasses.replace(hardware, h2d_copy_gbps=hardware.parallel_h2d_copy_gbps)
         parallel = Parallel(policy.gpus, tuple(split.dims.items()), split.reduce, split.gather,
                             policy.gpu_budgets_bytes)
-    d = decide(graph, tensors, policy, hardware, top_k, routing, ckpt.fingerprint, facts.experts, quantized, waits)
+    d = decide(graph, tensors, policy, hardware, top_k, routing, ckpt.fingerprint, facts.experts, quantized, waits,
+               shapes if tensors is ckpt.tensors else None)
     if parallel is not None:
         parallel = dataclasses.replace(parallel, collectives_per_step=d.collectives[0], collectives_us=d.collectives[1])
         d = dataclasses.replace(d, notes=(*parallel_notes(policy.gpus, facts.model_type, hardware.h2d_copy_gbps,

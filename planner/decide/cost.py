@@ -104,6 +104,7 @@ from ..inputs.checkpoint import TensorInfo
 from ..inputs.hardware import Hardware
 from ..inputs.quantized import partners
 from ..inputs.routing import RoutingProfile
+from ..layers.alike import Shapes
 from ..layers.graph import Layer, LayerGraph
 from ..layers.groups import BATCHED_PAIRS, FusedGroups
 from ..plan import LayerKind, Placement, Role, Runs
@@ -151,17 +152,18 @@ class CostModel:
                  groups: FusedGroups, top_k: int | None, roles: Mapping[str, Role] | None = None,
                  routing: RoutingProfile | None = None, graphs: bool = False, *, prompt_tokens: int = 512,
                  stage: bool = True, quantized: Mapping[str, str] | None = None,
-                 collectives: Mapping[str, tuple[int, int]] | None = None):
+                 collectives: Mapping[str, tuple[int, int]] | None = None, shapes: Shapes | None = None):
         """`routing`: a profile that counts every group that runs in decode (routing.mismatches
         checks it); None: uniform routing over `top_k` of each group's experts. `prompt_tokens`: the
         prefill to predict; `stage`: the policy's `uva.stage_prefill`; `quantized`: quantized.py
         `partners(tensors)`, when the caller has it; `collectives`: layer -> (collectives, bytes they move per
-        token) under tensor parallelism (shards.py `collectives`). The per-tensor facts are reads.py's."""
+        token) under tensor parallelism (shards.py `collectives`); `shapes`: alike.py's, over `tensors`, when the
+        caller has read them. The per-tensor facts are reads.py's."""
         self.graphs = graphs  # steps replayed from a CUDA graph: no CPU launch time
         self.graph = graph
         self.batched = top_k is not None and batch * top_k <= BATCHED_PAIRS  # batched_mm's: touched ones staged
         self.hw, self.batch, self.tokens, self.groups = hw, batch, prompt_tokens, groups
-        self.facts = facts = reads(graph, tensors, groups, top_k, roles, routing, batch, prompt_tokens)
+        self.facts = facts = reads(graph, tensors, groups, top_k, roles, routing, batch, prompt_tokens, shapes)
         self.shapes = facts.shapes  # each layer's dtypes and shapes, read once (alike.py), for the slot images
         self.experts = facts.experts  # layer -> its routed tensors (staged by the experts forward)
         self.tensors = tensors

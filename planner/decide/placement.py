@@ -102,7 +102,7 @@ from ..inputs.patterns import Names
 from ..inputs.policy import Policy, resolve_backend
 from ..inputs.quantized import check_rules, partners
 from ..inputs.routing import RoutingProfile, check_fits
-from ..layers.alike import applies, select
+from ..layers.alike import Shapes, applies, select
 from ..layers.graph import LayerGraph
 from ..layers.groups import FusedGroups, experts_map
 from ..plan import Backend, Cost, LayerBytes, Placement, PrefetchSchedule, PrefillStaging, Role, Summary
@@ -148,17 +148,18 @@ class Decision:
 def decide(graph: LayerGraph, tensors: Mapping[str, TensorInfo], policy: Policy,
            hardware: Hardware = H100, top_k: int | None = None, routing: RoutingProfile | None = None,
            checkpoint_fingerprint: str | None = None, num_experts: int | None = None,
-           quantized: Mapping[str, str] | None = None,
-           collectives: Mapping[str, tuple[int, int]] | None = None) -> Decision:
+           quantized: Mapping[str, str] | None = None, collectives: Mapping[str, tuple[int, int]] | None = None,
+           shapes: Shapes | None = None) -> Decision:
     """Placements for every tensor (see the module doc); `hardware`, `top_k` (experts per
     token, from the workload or config.json) and `routing` (the policy's routing profile,
     which must fit the checkpoint's MoE layers) feed the cost model that every plan reports
     and that `backend: mixed` decides with. `checkpoint_fingerprint` tells the notes whether
     the profile was recorded on this checkpoint; `num_experts` (config.json's) checks the
     first dimension of experts stored already fused (prefused.py); `quantized` is quantized.py's
-    `partners(tensors)`, when the caller has it. Under tensor parallelism `tensors` is one GPU's share
-    (shards.py `local_tensors`), the policy's budget each GPU's, and `collectives` the all-reduces and
-    all-gathers of each layer (shards.py `collectives`), which the cost model adds to its predictions.
+    `partners(tensors)` and `shapes` alike.py's over `tensors`, when the caller has them. Under tensor
+    parallelism `tensors` is one GPU's share (shards.py `local_tensors`), the policy's budget each GPU's, and
+    `collectives` the all-reduces and all-gathers of each layer (shards.py `collectives`), which the cost model
+    adds to its predictions.
 
     A pipeline over one state: the placement and its `Footprint`, which every step
     moves tensors through, and the fused groups, found once.
@@ -197,7 +198,8 @@ def decide(graph: LayerGraph, tensors: Mapping[str, TensorInfo], policy: Policy,
         check_fits(routing, moe, top_k, policy.where("workload.routing"), policy.checkpoint)
     work, stage = policy.workload, policy.uva.stage_prefill
     model = CostModel(graph, tensors, hardware, work.batch_size, groups, top_k, roles, routing, work.cuda_graphs,
-                      prompt_tokens=work.prompt_tokens, stage=stage, quantized=quantized, collectives=collectives)
+                      prompt_tokens=work.prompt_tokens, stage=stage, quantized=quantized, collectives=collectives,
+                      shapes=shapes)
     backend, reason = resolve_backend(policy)
     budget = policy.budget_bytes
     step = policy.prefetch.step

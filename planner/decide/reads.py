@@ -99,9 +99,11 @@ class Reads:
 
 
 def reads(graph: LayerGraph, tensors: Mapping[str, TensorInfo], groups: FusedGroups, top_k: int | None,
-          roles: Mapping[str, Role] | None, routing: RoutingProfile | None, batch: int, prompt_tokens: int) -> Reads:
+          roles: Mapping[str, Role] | None, routing: RoutingProfile | None, batch: int, prompt_tokens: int,
+          shapes: Shapes | None = None) -> Reads:
     """Every tensor's facts (module doc): `roles` are the rules' overrides; `routing` a profile that counts
-    every group that runs in decode, or None for uniform routing over `top_k` of each group's experts."""
+    every group that runs in decode, or None for uniform routing over `top_k` of each group's experts; `shapes`:
+    the layers' dtypes and shapes (alike.py, over `tensors`) where the caller has read them."""
     counts = {g: groups.experts(g) for g in groups.members}
     chance = {g: routing.probabilities(g) for g in groups.members if g in routing.layers} if routing else {}
     phase = "prefill" if routing and routing.prefill_tokens else "decode"
@@ -162,7 +164,7 @@ def reads(graph: LayerGraph, tensors: Mapping[str, TensorInfo], groups: FusedGro
             got = facts[key] = (role, frac, pre_frac, flops, role is Role.EMBEDDING or is_routed)
         return got
 
-    out = Reads(shapes := Shapes(tensors))
+    out = Reads(shapes := Shapes(tensors) if shapes is None else shapes)
     kinds: dict[tuple, tuple[int, tuple]] = {}  # a layer's kind -> (its number, its facts tensor by tensor)
     for i, layer in enumerate(graph.layers):
         params = layer.params

@@ -56,9 +56,20 @@ def block_scales(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, .
 
 def pairs(tensors: Mapping[str, TensorInfo], block: tuple[int, int] | None = None
           ) -> tuple[dict[str, str], list[str]]:
-    """`partners` and `unreadable` in one pass over the checkpoint: `plan build` needs both."""
+    """`partners` and `unreadable` in one pass over the checkpoint (layers/scales.py finds the partners once per
+    kind of layer where it can: `plan build` needs both)."""
     out: dict[str, str] = {}
-    problems = []
+    problems: list[str] = []
+    for weight, scale in matched(tensors, block, problems):
+        out[weight], out[scale] = scale, weight
+    return out, problems
+
+
+def matched(tensors: Mapping[str, TensorInfo], block: tuple[int, int] | None, problems: list[str]
+            ) -> list[tuple[str, str]]:
+    """Each quantized weight with its scales, (weight, scales), in the order of `tensors`; a line in `problems`
+    for each quantized tensor `unreadable` names."""
+    out: list[tuple[str, str]] = []
     fix = "use the model's block-scaled FP8 release, or its bf16 one"
     shaped: dict[tuple, bool] = {}  # (weight shape, scales shape) -> whether those are its block scales
     stored = compress(tensors.items(), map(_STORED.__contains__, map(_DTYPE, tensors.values())))  # sifted in C
@@ -71,7 +82,7 @@ def pairs(tensors: Mapping[str, TensorInfo], block: tuple[int, int] | None = Non
         else:
             continue
         if scale in tensors:
-            out[name], out[scale] = scale, name
+            out.append((name, scale))
             if block is None or not fp8:
                 continue
             got = tensors[scale].shape
@@ -90,7 +101,7 @@ def pairs(tensors: Mapping[str, TensorInfo], block: tuple[int, int] | None = Non
                             f"`weight_scale` and compressed-tensors checkpoints are not): {fix}")
         else:
             problems.append(f"{name}: MXFP4 blocks without {scale}")
-    return out, problems
+    return out
 
 
 def host_computes(name: str, tensors: Mapping[str, TensorInfo], partner: Mapping[str, str]) -> bool:
@@ -117,8 +128,8 @@ def check_rules(path, place: Mapping[str, object], fixed: set[str], partner: Map
     `partner`: `partners(tensors)`. `place` has what the rules placed and nothing else off its default, so
     only pairs with a member in `fixed` can be apart (they are picked first, in C)."""
     near = {m for n in fixed for m in (n, partner.get(n)) if m in partner}
-    odd = [f"{w} and {s}" for w in compress(partner, map(near.__contains__, partner)) for s in [partner[w]]
-           if w < s and ((w in fixed) != (s in fixed) or place[w] is not place[s])]
+    odd = sorted(f"{w} and {s}" for w in compress(partner, map(near.__contains__, partner)) for s in [partner[w]]
+                 if w < s and ((w in fixed) != (s in fixed) or place[w] is not place[s]))  # by name: `partner`'s order is its maker's
     if odd:
         raise PolicyError(f"{path}: rules place {len(odd)} quantized weights apart from their scales; a weight "
                           "and its scales are one unit (the runtime dequantizes one with the other): make the "
