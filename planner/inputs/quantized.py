@@ -129,7 +129,7 @@ def check_rules(path, place: Mapping[str, object], fixed: set[str], partner: Map
     only pairs with a member in `fixed` can be apart (they are picked first, in C)."""
     near = {m for n in fixed for m in (n, partner.get(n)) if m in partner}
     odd = sorted(f"{w} and {s}" for w in compress(partner, map(near.__contains__, partner)) for s in [partner[w]]
-                 if w < s and ((w in fixed) != (s in fixed) or place[w] is not place[s]))  # by name: `partner`'s order is its maker's
+                 if w < s and ((w in fixed) != (s in fixed) or place[w] is not place[s]))  # by name, any order
     if odd:
         raise PolicyError(f"{path}: rules place {len(odd)} quantized weights apart from their scales; a weight "
                           "and its scales are one unit (the runtime dequantizes one with the other): make the "

@@ -34,7 +34,8 @@ CASES = {
     "a layer stored in bf16": lambda: edited(edited(deepseek_v3(**SMALL), W, [(W, "BF16", (128, 256))]),
                                              W + "_scale_inv", []),
     "a missing scale": lambda: edited(deepseek_v3(**SMALL), W + "_scale_inv", []),
-    "a scale of another shape": lambda: edited(deepseek_v3(**SMALL), W + "_scale_inv", [(W + "_scale_inv", "F32", (3,))]),
+    "a scale of another shape": lambda: edited(deepseek_v3(**SMALL), W + "_scale_inv",
+                                               [(W + "_scale_inv", "F32", (3,))]),
     "scales that are a quantized weight too": lambda: edited(deepseek_v3(**SMALL), W + "_scale_inv", [
         (W + "_scale_inv", "F8_E4M3", (1, 2)), (W + "_scale_inv_scale_inv", "F32", (1, 1))]),
     # a weight and its scales in two layers (a name without a dot is its own module)
