@@ -126,10 +126,10 @@ def apart(place: Mapping[str, object], tensors: Mapping[str, TensorInfo]) -> lis
 def check_rules(path, place: Mapping[str, object], fixed: set[str], partner: Mapping[str, str]) -> None:
     """Refuse rules that place a quantized weight apart from its scales, or one without the other;
     `partner`: `partners(tensors)`. `place` has what the rules placed and nothing else off its default, so
-    only pairs with a member in `fixed` can be apart (they are picked first, in C)."""
+    only pairs with a member in `fixed` can be apart: only those are looked at, and named in order of name."""
     near = {m for n in fixed for m in (n, partner.get(n)) if m in partner}
-    odd = sorted(f"{w} and {s}" for w in compress(partner, map(near.__contains__, partner)) for s in [partner[w]]
-                 if w < s and ((w in fixed) != (s in fixed) or place[w] is not place[s]))  # by name, any order
+    odd = sorted(f"{w} and {s}" for w in near for s in [partner[w]]
+                 if w < s and ((w in fixed) != (s in fixed) or place[w] is not place[s]))
     if odd:
         raise PolicyError(f"{path}: rules place {len(odd)} quantized weights apart from their scales; a weight "
                           "and its scales are one unit (the runtime dequantizes one with the other): make the "
