@@ -172,8 +172,8 @@ class CostModel:
         self.quantized = quantized = partners(tensors) if quantized is None else quantized
         self.stages = stages = stage and prompt_tokens > hw.stage_above_tokens
         unstaged_experts, staged_experts = stageables(graph.layers, quantized)
-        routed, pre = [], []  # the routed tensors that prefill may stage, in order, and their prefill fractions
-        for l in graph.layers:
+        routed, pre = [], []  # the routed tensors prefill may stage (staged_experts' extras), their prefill fractions
+        for l in graph.layers if stages and len(staged_experts) > len(unstaged_experts) else ():
             if l.runs is Runs.STEP and self.experts[l.name]:
                 _, got, flags = facts.layers[l.name]
                 mask = list(map(and_, flags, map(staged_experts.__contains__, l.params)))
