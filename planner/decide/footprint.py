@@ -103,19 +103,20 @@ class Footprint:
         """Tensor -> its layer's name (moves that change a layer's stream or staging ask)."""
         return dict(chain.from_iterable(zip(l.params, repeat(l.name)) for l in self.layers.values()))
 
-    def image_bytes(self, layer: Layer, names: list[str]) -> int:
-        """The bytes of the slot image of `names`, `layer`'s (slots.py); layers alike stream alike images,
-        so each is laid out once."""
-        key = image_key(layer, names, self.tensors, self.shapes)
+    def image_bytes(self, layer: Layer, names: list[str], chosen: tuple[bool, ...] | None = None) -> int:
+        """The bytes of the slot image of `names`, `layer`'s (slots.py; `chosen`: its `image_key`'s); layers
+        alike stream alike images, so each is laid out once."""
+        key = image_key(layer, names, self.tensors, self.shapes, chosen)
         size = self._images.get(key)
         if size is None:
             size = self._images[key] = layout_bytes(names, self.tensors)
         return size
 
     def _restream(self, layer: Layer) -> None:
-        names = list(compress(layer.params, map(is_, map(self.place.__getitem__, layer.params), repeat(PREFETCH))))
+        chosen = tuple(map(is_, map(self.place.__getitem__, layer.params), repeat(PREFETCH)))
+        names = list(compress(layer.params, chosen))
         if names:
-            self.streamed[layer.name] = self.image_bytes(layer, names)
+            self.streamed[layer.name] = self.image_bytes(layer, names, chosen)
         else:
             self.streamed.pop(layer.name, None)
 

@@ -11,6 +11,8 @@ one before). The runtime hooks the module at the layer's path.
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping
+from itertools import compress, repeat
+from operator import is_
 
 from ..inputs.checkpoint import TensorInfo
 from ..layers.graph import Layer, LayerGraph, schedule_problems
@@ -89,8 +91,9 @@ def make_schedule(graph: LayerGraph, place: Mapping[str, Placement],
     known: dict[tuple, int] = {}  # slots.image_key -> its layout's index: layers alike are laid out once
     schedule = []
     for k, l in enumerate(streamed):
-        names = [n for n in l.params if place[n] is PREFETCH]
-        key = image_key(l, names, tensors, shapes)
+        chosen = tuple(map(is_, map(place.__getitem__, l.params), repeat(PREFETCH)))
+        names = list(compress(l.params, chosen))
+        key = image_key(l, names, tensors, shapes, chosen)
         index = known.get(key)
         if index is None:
             index = known[key] = layouts.setdefault(layout_of(l, names, tensors), len(layouts))

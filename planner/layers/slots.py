@@ -52,14 +52,14 @@ def layout_bytes(names: Iterable[str], tensors: Mapping[str, TensorInfo]) -> int
     return align(cursor)
 
 
-def image_key(layer: Layer, names: list[str], tensors: Mapping[str, TensorInfo], shapes: Shapes) -> tuple:
+def image_key(layer: Layer, names: list[str], tensors: Mapping[str, TensorInfo], shapes: Shapes,
+              chosen: tuple[bool, ...] | None = None) -> tuple:
     """What the slot image of `names` (some of `layer`'s tensors, in its order) depends on: their local names,
     dtypes and shapes. Layers alike (a stack's MoE layers) have equal keys, so their image is laid out once. A
     layer of a template (alike.py) is told by the template, its dtypes and shapes' number (`shapes`, over
-    `tensors`) and which of its tensors are `names`: no tensor read again; another by its names' local parts,
-    dtypes and shapes."""
+    `tensors`) and which of its tensors are `names` (`chosen`, when the caller picked them by it): no tensor
+    read again; another by its names' local parts, dtypes and shapes."""
     if layer.template is not None:
-        chosen = set(names)
-        return layer.template, shapes(layer), tuple(map(chosen.__contains__, layer.params))
+        return layer.template, shapes(layer), chosen or tuple(map(set(names).__contains__, layer.params))
     cut = len(layer.name) + 1
     return tuple([n[cut:] for n in names]), tuple(map(_DTYPE_SHAPE, map(tensors.__getitem__, names)))
