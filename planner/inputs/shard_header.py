@@ -102,7 +102,10 @@ def parse_tensors(shard: str, header: dict, header_len: int, size: int, problems
             continue
         try:
             key = (entry["dtype"], tuple(entry["shape"]))
-            dtype, shape, want = known[key] if key in known else known.setdefault(key, (*key, _size(*key)))
+            got = known.get(key)  # one hash of the key (a tuple's is not kept)
+            if got is None:
+                got = known[key] = (*key, _size(*key))
+            dtype, shape, want = got
             begin, end = entry["data_offsets"]
             ok = (want is not None and type(begin) is int and type(end) is int
                   and 0 <= begin and end - begin == want and end <= data_len)
