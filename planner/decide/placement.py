@@ -112,7 +112,7 @@ from .notes import Outcome, notes
 from .placement_errors import check_cpu, check_groups, check_roles, check_streamed_runs, over_budget
 from .schedule import make_schedule
 from .staging import make_staging
-from .working import within, working
+from .working import GroupFacts, within, working
 
 GPU, UVA, PREFETCH, CPU = Placement.GPU, Placement.UVA, Placement.PREFETCH, Placement.CPU
 _NBYTES = itemgetter(3)  # of a TensorInfo
@@ -206,6 +206,7 @@ def decide(graph: LayerGraph, tensors: Mapping[str, TensorInfo], policy: Policy,
     if (backend is Backend.PREFETCH or PREFETCH in place.values()) and step < 1:
         raise PolicyError(f"{policy.path}: prefetch.step must be >= 1: rules place tensors on prefetch")
     want = policy.uva.stage_experts  # None: the planner decides (policy.py UvaPolicy)
+    facts = GroupFacts(groups.members, tensors, stack, model.shapes)  # each kind of experts group read once
 
     def attempt(experts: bool):
         """The backend's placement with routed experts staged at prefill or not (their ring: working memory)."""
@@ -218,7 +219,7 @@ def decide(graph: LayerGraph, tensors: Mapping[str, TensorInfo], policy: Policy,
                     if g.startswith(s.layer + ".")}
             host = staging.above_tokens if staging else H100.stage_above_tokens  # runtime/execute/host/bind.py
             return staging, working(groups.members, moe if policy.gpus == 1 else {}, tensors, place, top_k,
-                                    work.batch_size, work.prompt_tokens, ring, host)  # a GPU's share: not sized yet
+                                    work.batch_size, work.prompt_tokens, ring, host, facts)  # TP share: unsized
 
         room = lambda p: running(p)[1].peak_bytes  # noqa: E731
         most = room({**place, **{n: UVA for g in moe for n in groups.members[g] if n not in fixed}}) if (

@@ -36,13 +36,15 @@ and 604 MB at batch 8, prefill 2.28 GB (a layer's 128 experts, 1.21 GB, and the
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from itertools import compress, repeat
 from operator import eq, itemgetter
 from typing import Protocol, TypeVar
 
 from ..inputs.checkpoint import TensorInfo
+from ..layers.alike import Shapes, applies
+from ..layers.graph import Layer
 from ..plan import Placement, working_peak
 
 TRIES = 3  # walks per budget-driven placement (`within`)
@@ -86,31 +88,70 @@ def _scale(name: str) -> bool:
     return name.endswith(("_scale_inv", "_scales", "_scale"))
 
 
+class GroupFacts:
+    """What `working` reads of each experts group's tensors (their names, dtypes and shapes), found once per kind
+    of group: those of layers alike (one template and `Shapes` number, alike.py, and alike in the words `working`
+    looks for in a name) hold the same, and DeepSeek-V3's 58 groups of 1,536 tensors are read once."""
+
+    def __init__(self, members: Mapping[str, tuple[str, ...]], tensors: Mapping[str, TensorInfo],
+                 layers: Iterable[Layer] = (), shapes: Shapes | None = None):
+        """`layers` (the stack's, whose groups `members` holds) and `shapes` (over `tensors`) tell the kinds."""
+        self.members, self.tensors = members, tensors
+        self.kinds = {l.name + local: (l.template, shapes(l), local, "down" in l.name, "bias" in l.name)
+                      for l in layers if shapes is not None and l.template is not None and applies(l.name)
+                      for local, every, *_ in l.template.groups if len(members.get(l.name + local, ())) == len(every)}
+        self._known: dict = {}  # (kind or group, what) -> its fact
+
+    def _get(self, group: str, what: Callable[[list[TensorInfo]], object]):
+        key = (self.kinds.get(group, group), what)
+        if key not in self._known:
+            self._known[key] = what(list(map(self.tensors.__getitem__, self.members[group])))
+        return self._known[key]
+
+    def bytes(self, group: str) -> tuple[int, int, bool, int]:
+        """(stored bytes, dequantized bytes, whether FP8, bytes read over the link but scales and biases)."""
+        return self._get(group, _bytes)
+
+    def down(self, group: str) -> tuple[int, int]:
+        """The hidden size and bytes per element of its down projection's output (the host engine's)."""
+        return self._get(group, _down)
+
+
+def _bytes(infos: list[TensorInfo]) -> tuple[int, int, bool, int]:
+    dtypes = set(map(_DTYPE, infos))
+    return (sum(map(_NBYTES, infos)), _dequantized(infos, dtypes), not dtypes.isdisjoint(_DEQUANTIZED),
+            sum(t.nbytes for t in infos if not _scale(t.name) and "bias" not in t.name))
+
+
+def _down(infos: list[TensorInfo]) -> tuple[int, int]:
+    down = next(t for t in infos if "down" in t.name and not _scale(t.name) and "bias" not in t.name)
+    hidden = {3: down.shape[-1], 2: down.shape[0]}.get(len(down.shape), 0)  # [E, I, H] stored fused; [H, I]
+    return hidden, down.nbytes // math.prod(down.shape)
+
+
 def working(members: Mapping[str, tuple[str, ...]], experts: Mapping[str, int], tensors: Mapping[str, TensorInfo],
             place: Mapping[str, Placement], top_k: int | None, batch: int, prompt_tokens: int,
-            staged: Mapping[str, int], host_tokens: int = 0) -> Working:
+            staged: Mapping[str, int], host_tokens: int = 0, facts: GroupFacts | None = None) -> Working:
     """`members`: each fused experts group's tensors; `experts`: the decode step's groups and their expert
     counts; `staged`: the groups a staged prefill streams, each with its ring's bytes (0: not staged);
-    `host_tokens`: the most tokens a forward hands the host engine (the plan's stage_above_tokens)."""
+    `host_tokens`: the most tokens a forward hands the host engine (the plan's stage_above_tokens); `facts`:
+    a `GroupFacts` of `members` and `tensors` kept across calls."""
+    facts = GroupFacts(members, tensors) if facts is None else facts
     decode = prefill = host = 0
     over_link: list[int] = []  # per group read over the link: one expert's weights (gate_up_proj and down_proj)
     for group, count in experts.items():
-        names = members[group]
-        where = set(map(place.__getitem__, names))
+        where = set(map(place.__getitem__, members[group]))
         if Placement.PREFETCH in where:
             continue  # all in HBM, in a slot: transformers' own experts implementation (experts.py)
-        infos = list(map(tensors.__getitem__, names))
         k = top_k or count
         if Placement.CPU in where:  # one engine for every module: its outputs sized by the widest
-            down = next(t for t in infos if "down" in t.name and not _scale(t.name) and "bias" not in t.name)
-            hidden = {3: down.shape[-1], 2: down.shape[0]}.get(len(down.shape), 0)  # [E, I, H] stored fused; [H, I]
-            host = max(host, host_tokens * k * hidden * (down.nbytes // math.prod(down.shape)))
-        dtypes = set(map(_DTYPE, infos))
-        dequantized = _dequantized(infos, dtypes) // count
+            hidden, size = facts.down(group)
+            host = max(host, host_tokens * k * hidden * size)
+        stored, dequantized, fp8, weights = facts.bytes(group)
+        dequantized //= count
         if where == {Placement.GPU} and not dequantized:
             continue  # likewise: nothing staged
-        stored = sum(map(_NBYTES, infos)) // count
-        fp8 = not dtypes.isdisjoint(_DEQUANTIZED)
+        stored //= count
         slots = k if batch == 1 else min(count, batch * k)
         if batch == 1 and fp8:  # multiplied where it lies: gathered from pinned memory, in place if all in HBM
             decode = max(decode, 0 if where == {Placement.GPU} else slots * stored)
@@ -120,7 +161,7 @@ def working(members: Mapping[str, tuple[str, ...]], experts: Mapping[str, int], 
         slots = count if ring is not None else min(count, max(1, prompt_tokens) * k)
         prefill = max(prefill, slots * (stored + dequantized) + (ring or 0))
         if Placement.UVA in where and Placement.CPU not in where:  # the lookahead's modules (bind_experts.py)
-            over_link.append(sum(t.nbytes for t in infos if not _scale(t.name) and "bias" not in t.name) // count)
+            over_link.append(weights // count)
     buffers = LOOKAHEAD * max(over_link) if len(over_link) > 1 else 0
     return Working(decode, prefill, buffers + host)
 

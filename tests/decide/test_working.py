@@ -108,3 +108,30 @@ def test_qwen3_30b_a3b_experts_on_uva_count_their_working_memory_against_the_bud
     assert (f"experts' working memory: a decode step at batch {batch} {'72.0' if batch == 1 else '576.0'} MiB, a "
             "prefill 2.12 GiB, buffers 18.0 MiB; the footprint counts the buffers and the larger phase") in out
     assert build(repr((resident + peak - 1) / 2**30)) == 1
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_groups_read_once_per_kind_of_layer_size_what_each_group_read_alone_sizes(seed):
+    """working.py `GroupFacts` reads the groups of layers alike once (alike.py): the same bytes as reading each."""
+    import random
+
+    from headeronly import infos
+    from planner.decide.working import GroupFacts
+    from planner.layers.alike import Shapes
+    from planner.layers.graph import build_graph
+    from planner.layers.groups import FusedGroups
+    from synthetic import deepseek_v3
+
+    t = infos(deepseek_v3(layers=6, dense_layers=1, hidden=256, intermediate=384, experts=6, moe_intermediate=128,
+                          heads=2, q_lora=128, kv_lora=128, nope=16, rope=8, v_head=16, vocab=64))
+    stack = build_graph(list(t)).stack_layers()
+    groups = FusedGroups.of_layers(stack, t)
+    moe = {g: groups.experts(g) for g in groups.members}
+    facts = GroupFacts(groups.members, t, stack, Shapes(t))
+    assert len(facts.kinds) == len(moe) == 6 and len(set(facts.kinds.values())) == 2  # layer 6 (MTP): its own
+    rng = random.Random(seed)
+    for _ in range(5):
+        place = {n: rng.choice([GPU, UVA, CPU, PREFETCH]) if rng.random() < 0.3 else GPU for n in t}
+        for batch in (1, 4):
+            assert working(groups.members, moe, t, place, 2, batch, 512, {}, 64, facts) == working(
+                groups.members, moe, t, place, 2, batch, 512, {}, 64)
