@@ -54,8 +54,8 @@ class Hardware:
     # bytes per second while the GPU reads others over uva, its threads, and a cost per MoE layer's call (the
     # hand-over: copies, host node, the outputs' copy). Fitted on the H100 machine's 16-core host, 15 threads
     # (benchmarks/results/moe-cpu-qwen3-30b-a3b-run3.jsonl, docs/host-experts/predict_recorded.py): the host's
-    # time per call 16 us + bytes at 75 GB/s; 100 us per call puts 11 of the 12 rows' steps within 20%. Not yet
-    # measured by `plan calibrate`: calibrated profiles carry these figures too.
+    # time per call 16 us + bytes at 75 GB/s; 100 us per call puts 11 of the 12 rows' steps within 20%. `plan
+    # calibrate` measures all three on the machine it runs on (runtime/measure/host.py).
     cpu_expert_gbps: float = 75.0
     cpu_threads: int = 15
     cpu_expert_sync_us: float = 100.0
