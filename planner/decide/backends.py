@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from itertools import chain, compress, filterfalse
+from itertools import chain, filterfalse
 
 from ..errors import PolicyError
 from ..inputs.checkpoint import TensorInfo
@@ -115,7 +115,7 @@ def _prefetch(stack, fixed, fp: Footprint, policy: Policy, graph: LayerGraph, se
     pre = policy.prefetch
 
     def chosen(layer: Layer) -> list[str]:
-        names = layer.params if selected is None else compress(layer.params, map(selected.__contains__, layer.params))
+        names = layer.params if selected is None else selected.of(layer)
         return whole_groups(list(filterfalse(fixed.__contains__, names)), groups, layer)
 
     if pre.group_size > 0:

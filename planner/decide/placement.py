@@ -104,6 +104,7 @@ from ..inputs.quantized import check_rules, partners
 from ..inputs.routing import RoutingProfile, check_fits
 from ..layers.alike import Shapes, applies, select
 from ..layers.graph import LayerGraph
+from ..layers.selection import Selection
 from ..layers.groups import FusedGroups, experts_map
 from ..plan import Backend, Cost, LayerBytes, Placement, PrefetchSchedule, PrefillStaging, Role, Summary
 from .backends import place_backend
@@ -185,8 +186,8 @@ def decide(graph: LayerGraph, tensors: Mapping[str, TensorInfo], policy: Policy,
     check_rules(policy.path, place, fixed, quantized)
     stack = graph.stack_layers()
     groups = FusedGroups.of_layers(stack, tensors, num_experts)
-    selected = {"uva": select(graph.layers, policy.uva.params, names) if policy.uva.params else None,
-                "prefetch": select(graph.layers, policy.prefetch.params, names) if policy.prefetch.params else None}
+    selected = {"uva": Selection(graph.layers, policy.uva.params, names) if policy.uva.params else None,
+                "prefetch": Selection(graph.layers, policy.prefetch.params, names) if policy.prefetch.params else None}
     check_groups(groups, won, selected, policy)
     check_roles(groups, as_experts, policy)
     check_cpu(groups, won, policy, tensors, quantized)
