@@ -95,10 +95,10 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from itertools import compress
-from operator import and_, mul
+from operator import add, and_, mul
 
 from ..inputs.checkpoint import TensorInfo
 from ..inputs.hardware import Hardware
@@ -135,6 +135,7 @@ class Prediction:
     prefill_us: int = 0  # the time to first token for prompt_tokens
     collectives: int = 0  # all-reduces and all-gathers per step (tensor parallelism)
     collectives_us: int = 0  # their time per step, in gpu_us
+    wheres: tuple = field(default=(), repr=False, compare=False)  # each layer's placements (None: in no step)
 
     @property
     def step_us(self) -> int:
@@ -218,12 +219,14 @@ class CostModel:
         moe_overhead = hw.moe_layer_overhead_us or hw.layer_overhead_us
         costs = self._layer_costs
         count = together = launch = 0.0
-        for layer in self.graph.layers:
+        wheres = [None] * len(self.graph.layers)
+        for i, layer in enumerate(self.graph.layers):
             if layer.runs is not Runs.STEP:
                 layers.append(LayerCost(layer.name, 0, 0, 0))
                 continue
             # a layer of a kind (reads.py) placed and staged alike costs alike: worked out once
-            key = (self.facts.layers[layer.name][0], tuple(map(place.__getitem__, layer.params)),
+            wheres[i] = where = tuple(map(place.__getitem__, layer.params))
+            key = (self.facts.layers[layer.name][0], where,
                    tuple(map(self.staged.__contains__, layer.params)) if self.staged else ())
             got = costs.get(key)
             if got is None:
@@ -238,12 +241,9 @@ class CostModel:
                 overhead = moe_overhead if self.experts[layer.name] else hw.layer_overhead_us
                 launch, cpu = launch + overhead, cpu + (0.0 if self.graphs else overhead)
             layers.append(LayerCost(layer.name, h2d_bytes, round(gpu), round(link), round(prefill)))
-            total[0] += h2d_bytes
-            total[1] += gpu
-            total[2] += link
-            total[3] += prefill
+            total = list(map(add, total, (h2d_bytes, gpu, link, prefill)))
         return Prediction(self.batch, total[0], round(cpu), round(total[1]), round(total[2]), tuple(layers),
-                          self.tokens, round(max(total[3], launch)), int(count), round(together))
+                          self.tokens, round(max(total[3], launch)), int(count), round(together), tuple(wheres))
 
     def _layer(self, layer: Layer, place: Mapping[str, Placement]) -> tuple[int, float, float, float]:
         """One layer's (bytes over the link, GPU us, link us, prefill us) per step (module doc)."""

@@ -266,14 +266,14 @@ def decide(graph: LayerGraph, tensors: Mapping[str, TensorInfo], policy: Policy,
     fp, prediction, backend, skipped = chosen.fp, chosen.prediction, chosen.backend, chosen.skipped
     mixed_notes, reasons = chosen.notes, chosen.reasons
     place = fp.place
-    schedule = make_schedule(graph, place, tensors, step, model.shapes, fp.streamed)
     if (staging.pool_bytes if staging else 0) != fp.stage_pool:  # one rule, two sums: a bug, not an input error
         raise AssertionError(f"staging pool {staging} against the footprint's {fp.stage_pool}")
     by = {GPU: 0, UVA: 0, PREFETCH: 0, CPU: 0}
     layers = []
     alike: dict[tuple, tuple] = {}  # layers alike (alike.py), placed alike: bytes by placement, experts map
-    for l, c in zip(graph.layers, prediction.layers):
-        where = tuple(map(place.__getitem__, l.params))
+    wheres = {}  # layer name -> its tensors' placements, as the cost model read them where it did
+    for l, c, where in zip(graph.layers, prediction.layers, prediction.wheres or repeat(None)):
+        wheres[l.name] = where = tuple(map(place.__getitem__, l.params)) if where is None else where
         key = (l.template, model.shapes(l), where) if l.template is not None and applies(l.name) else None
         got = alike.get(key) if key is not None else None
         if got is None:
@@ -282,10 +282,10 @@ def decide(graph: LayerGraph, tensors: Mapping[str, TensorInfo], policy: Policy,
             if key is not None:
                 alike[key] = got
         mine, split = got
-        for k in by:
-            by[k] += mine[k]
+        by = {k: by[k] + mine[k] for k in by}
         layers.append(LayerBytes(l.name, mine[GPU], mine[UVA], mine[PREFETCH], c.h2d_bytes, c.gpu_us,
                                  reasons.get(l.name), l.runs, split, mine[CPU]))
+    schedule = make_schedule(graph, place, tensors, step, model.shapes, fp.streamed, wheres)
     summary = Summary(by[GPU], by[UVA], by[PREFETCH], fp.pool, prediction.h2d_bytes, prediction.step_us,
                       fp.stage_pool, by[CPU], runs.decode_bytes, runs.prefill_bytes, runs.buffer_bytes)
     cost = Cost(hardware.name, prediction.batch_size, prediction.cpu_us, prediction.gpu_us, prediction.link_us,
@@ -294,7 +294,7 @@ def decide(graph: LayerGraph, tensors: Mapping[str, TensorInfo], policy: Policy,
     outcome = Outcome(policy, backend, reason, skipped, place, frozenset(fixed), tensors, graph, schedule,
                       mixed_notes, bool(groups.members) and top_k is None and routing is None,
                       routing, bool(moe) and top_k is not None and routing is None, checkpoint_fingerprint, staging,
-                      groups.not_experts, by)
+                      groups.not_experts, by, wheres)
     said = notes(outcome)
     return Decision(backend, place, schedule, tuple(layers), said, summary, cost, staging,
                     (prediction.collectives, prediction.collectives_us))
