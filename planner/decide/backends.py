@@ -51,7 +51,7 @@ def place_backend(model: CostModel, graph: LayerGraph, tensors: Mapping[str, Ten
     placement.py keeps for the experts' working memory. mixed.py keeps each strategy's own room free
     (`room(place)`, at most `most`: working.py `within`)."""
     fp = Footprint(graph, tensors, place, policy.prefetch.step, stage, partner=model.quantized,
-                   stageable_names=model.unstaged_experts, shapes=model.shapes)
+                   stageable_names=lambda: model.unstaged_experts, shapes=model.shapes)
     skipped, prediction, notes, reasons = None, None, (), {}
     if backend is not Backend.NONE and budget is not None and fp.total + room(fp.place) <= budget:
         skipped, backend = backend, Backend.NONE  # offloading more would only cost speed

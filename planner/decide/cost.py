@@ -109,7 +109,7 @@ from ..layers.graph import Layer, LayerGraph
 from ..layers.groups import BATCHED_PAIRS, FusedGroups
 from ..plan import LayerKind, Placement, Role, Runs
 from .reads import later, reads
-from .staging import stage_experts, stageables
+from .staging import Stageables, stage_experts
 
 GPU, UVA, PREFETCH, CPU = Placement.GPU, Placement.UVA, Placement.PREFETCH, Placement.CPU
 
@@ -163,21 +163,20 @@ class CostModel:
         self.graphs = graphs  # steps replayed from a CUDA graph: no CPU launch time
         self.graph = graph
         self.batched = top_k is not None and batch * top_k <= BATCHED_PAIRS  # batched_mm's: touched ones staged
-        self.hw, self.batch, self.tokens, self.groups = hw, batch, prompt_tokens, groups
+        self.hw, self.batch, self.tokens, self.groups, self.tensors = hw, batch, prompt_tokens, groups, tensors
         self.facts = facts = reads(graph, tensors, groups, top_k, roles, routing, batch, prompt_tokens, shapes)
         self.shapes = facts.shapes  # each layer's dtypes and shapes, read once (alike.py), for the slot images
         self.experts = facts.experts  # layer -> its routed tensors (staged by the experts forward)
-        self.tensors = tensors
         # prefill: staged tensors are copied once above the threshold; GEMMs re-read in-place ones per tile.
         # Quantized ones are dequantized on access: read once, never staged (quantized.py)
         self.quantized = quantized = partners(tensors) if quantized is None else quantized
         self.stages = stages = stage and prompt_tokens > hw.stage_above_tokens
-        unstaged_experts, staged_experts = stageables(graph.layers, quantized)
+        self.stageable = Stageables(graph.layers, quantized)  # worked out where a placement stages (staging.py)
         routed, pre = [], []  # the routed tensors prefill may stage (staged_experts' extras), their prefill fractions
-        for l in graph.layers if stages and len(staged_experts) > len(unstaged_experts) else ():
+        for l in graph.layers if stages and self.stageable.routed else ():
             if l.runs is Runs.STEP and self.experts[l.name]:
                 _, got, flags = facts.layers[l.name]
-                mask = list(map(and_, flags, map(staged_experts.__contains__, l.params)))
+                mask = list(map(and_, flags, map(self.staged_experts.__contains__, l.params)))
                 routed += compress(l.params, mask)
                 pre += compress(got[2], mask)
         sizes = [tensors[n].nbytes for n in routed]
@@ -185,13 +184,14 @@ class CostModel:
         # the share of the routed bytes the prompt touches: whether prefill streams experts ahead (staging.py)
         touched = sum(map(mul, sizes, pre)) / total if total else 0.0
         self.favours_staged_experts = bool(stages and total and stage_experts(touched, hw))
-        self.staged_experts, self.unstaged_experts = staged_experts, unstaged_experts
-        self.staged = frozenset() if not stages else (
-            staged_experts if self.favours_staged_experts else self.unstaged_experts)
+        self._staging = None if not stages else int(self.favours_staged_experts)  # `staged`: none, or Stageables'
         self.reread = -(-prompt_tokens // hw.stage_above_tokens)
         self._layer_costs: dict[tuple, tuple] = {}  # (kind, placements, staged) -> a layer's cost (`_layer`)
         self.collectives = collectives or {}
 
+    unstaged_experts = property(lambda self: self.stageable.both[0])
+    staged_experts = property(lambda self: self.stageable.both[1])
+    staged = property(lambda self: frozenset() if self._staging is None else self.stageable.both[self._staging])
     # per tensor, by name (reads.py)
     role = property(lambda self: self.facts.role)
     frac = property(lambda self: self.facts.frac)
@@ -207,7 +207,7 @@ class CostModel:
         """This model with prefill staging routed experts (`on`) or reading each touched one in place, whatever
         `favours_staged_experts` says: the policy may force either (placement.py)."""
         other = copy.copy(self)
-        other.staged = (self.staged_experts if on else self.unstaged_experts) if self.stages else frozenset()
+        other._staging = int(on) if self.stages else None
         return other
 
     def predict(self, place: Mapping[str, Placement]) -> Prediction:
@@ -226,8 +226,8 @@ class CostModel:
                 continue
             # a layer of a kind (reads.py) placed and staged alike costs alike: worked out once
             wheres[i] = where = tuple(map(place.__getitem__, layer.params))
-            key = (self.facts.layers[layer.name][0], where,
-                   tuple(map(self.staged.__contains__, layer.params)) if self.staged else ())
+            key = (self.facts.layers[layer.name][0], where, tuple(map(self.staged.__contains__, layer.params))
+                   if self._staging is not None and (UVA in where or CPU in where) and self.staged else ())
             got = costs.get(key)
             if got is None:
                 got = costs[key] = self._layer(layer, place)

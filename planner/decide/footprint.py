@@ -27,7 +27,7 @@ budget at which the walk would have stopped, which the budget error quotes.
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from functools import cached_property
 from itertools import chain, compress, repeat
 from operator import is_, is_not, itemgetter
@@ -55,13 +55,14 @@ class Footprint:
 
     `place` is the caller's placement dict: `move` updates it together with the bytes.
     `stage`: the policy's `uva.stage_prefill` (False: no staging pool). `partner` (quantized.py
-    `partners`), `stageable_names` (`stageable(graph.layers, partner)`) and `shapes` (alike.py, over
+    `partners`), `stageable_names` (`stageable(graph.layers, partner)`, asked for where a tensor is on uva or cpu)
+    and `shapes` (alike.py, over
     `tensors`) spare computing them again.
     """
 
     def __init__(self, graph: LayerGraph, tensors: Mapping[str, TensorInfo], place: dict[str, Placement],
                  step: int, stage: bool = True, *, partner: Mapping[str, str] | None = None,
-                 stageable_names: frozenset[str] | None = None, shapes: Shapes | None = None):
+                 stageable_names: Callable[[], frozenset[str]] | None = None, shapes: Shapes | None = None):
         self.tensors = tensors
         self.shapes = Shapes(tensors) if shapes is None else shapes
         self.place = place
@@ -71,12 +72,9 @@ class Footprint:
         self.streamed: dict[str, int] = {}  # layer name -> its slot image's bytes
         self._images: dict[tuple, int] = {}  # slots.image_key -> the image's bytes (shared by copies)
         self.partner = partners(tensors) if partner is None else partner
-        if not stage:
-            self.stageable = frozenset()
-        elif stageable_names is None:  # `stageable_names`: what the caller computed alike (the cost model)
-            self.stageable = stageable(graph.layers, self.partner)  # routed experts go through the ring
-        else:
-            self.stageable = stageable_names
+        # `stageable_names`: what the caller computes alike (the cost model); routed experts go through the ring
+        self._stageable = (lambda: frozenset()) if not stage else stageable_names or (
+            lambda: stageable(graph.layers, self.partner))
         self.staged: dict[str, int] = {}  # layer name -> its staged bytes
         # layer -> [staged bytes, staged tensors] on uva, kept as tensors move
         self.on_uva: dict[str, list[int]] = {l.name: [0, 0] for l in graph.layers}
@@ -84,12 +82,17 @@ class Footprint:
         if PREFETCH in place.values():
             for layer in graph.layers:
                 self._restream(layer)
-        if self.stageable and (UVA in place.values() or CPU in place.values()):
+        if (UVA in place.values() or CPU in place.values()) and self.stageable:
             for layer in graph.layers:
                 names, size = staged(layer, self.stageable, self.place, self.tensors)
                 self.on_uva[layer.name] = [size, len(names)]
                 self._stage_bytes(layer.name)
         self.stage_pool = self._stage_pool()
+
+    @cached_property
+    def stageable(self) -> frozenset[str]:
+        """The tensors prefill stages on uva (staging.py), asked for once a tensor is on uva or cpu."""
+        return self._stageable()
 
     @property
     def resident(self) -> int:
@@ -176,9 +179,9 @@ class Footprint:
             touched = dict.fromkeys(map(self.layer_name.__getitem__, streams))  # layers by name: hashing one is slow
         else:
             touched = dict.fromkeys([layer.name] if any(True for _ in streams) else [])
-        stages = names if to is UVA else compress(names, map(is_, was, repeat(UVA)))
+        stages = names if to is UVA else list(compress(names, map(is_, was, repeat(UVA))))
         staged = {}
-        for n in filter(self.stageable.__contains__, stages):
+        for n in filter(self.stageable.__contains__, stages) if stages else ():
             mine = self.layer_name[n] if layer is None else layer.name
             staged[mine] = True
             self._count(n, 1 if to is UVA else -1, mine)

@@ -211,7 +211,7 @@ def decide(graph: LayerGraph, tensors: Mapping[str, TensorInfo], policy: Policy,
 
     def attempt(experts: bool):
         """The backend's placement with routed experts staged at prefill or not (their ring: working memory)."""
-        staged = model.staged_experts if experts else model.unstaged_experts
+        staged = (lambda: model.staged_experts) if experts else (lambda: model.unstaged_experts)  # noqa: E731
 
         def running(place: Mapping[str, Placement]):
             """The prefill staging of `place` and its experts' working memory (working.py)."""
