@@ -71,6 +71,7 @@ class Footprint:
         self._resident: int | None = None  # worked out when first asked for (`resident`), then kept as tensors move
         self.streamed: dict[str, int] = {}  # layer name -> its slot image's bytes
         self._images: dict[tuple, int] = {}  # slots.image_key -> the image's bytes (shared by copies)
+        self._closed: dict[tuple, tuple[bool, ...]] = {}  # `move_picked`: (pairs' places, marks) -> with scales
         self.partner = partners(tensors) if partner is None else partner
         # `stageable_names`: what the caller computes alike (the cost model); routed experts go through the ring
         self._stageable = (lambda: frozenset()) if not stage else stageable_names or (
@@ -115,8 +116,9 @@ class Footprint:
             size = self._images[key] = layout_bytes(names, self.tensors)
         return size
 
-    def _restream(self, layer: Layer) -> None:
-        chosen = tuple(map(is_, map(self.place.__getitem__, layer.params), repeat(PREFETCH)))
+    def _restream(self, layer: Layer, chosen: tuple[bool, ...] | None = None) -> None:
+        """`chosen`: the layer's prefetched tensors, where the caller knows them."""
+        chosen = chosen or tuple(map(is_, map(self.place.__getitem__, layer.params), repeat(PREFETCH)))
         names = list(compress(layer.params, chosen))
         if names:
             self.streamed[layer.name] = self.image_bytes(layer, names, chosen)
@@ -164,8 +166,30 @@ class Footprint:
             self.place[n] = to
         self._refresh(touched, staged)
 
-    def _move_many(self, names: list[str], to: Placement, layer: Layer | None = None) -> None:
-        """`move`, each step over all of `names` at once (in C where it can be); `layer`: `move`'s."""
+    def move_picked(self, layer: Layer, picked: tuple[bool, ...], to: Placement) -> None:
+        """`move` of the tensors of `layer` that `picked` marks (over its tensors, in order). Where its quantized
+        pairs are known by place (scales.py `LayerPairs`), their scales are added by place, once for each kind of
+        layer and marks, and a layer that streamed nothing before streams by the marks, its tensors not looked
+        up again (a prefetch walk moves a layer's 1,536 experts so)."""
+        pos = getattr(self.partner, "positions", {}).get(layer.name)
+        if pos is None:
+            return self.move(compress(layer.params, picked), to, layer)
+        key = (id(pos), picked)
+        marks = self._closed.get(key)
+        if marks is None:
+            got = list(picked)
+            for w, s in zip(*pos):
+                got[w] = got[s] = picked[w] or picked[s]
+            marks = self._closed[key] = tuple(got)
+        names = list(compress(layer.params, marks))
+        if len(names) <= _BULK:
+            return self.move(names, to, layer)
+        self._move_many(names, to, layer, marks if to is PREFETCH and layer.name not in self.streamed else None)
+
+    def _move_many(self, names: list[str], to: Placement, layer: Layer | None = None,
+                   chosen: tuple[bool, ...] | None = None) -> None:
+        """`move`, each step over all of `names` at once (in C where it can be); `layer`: `move`'s; `chosen`: the
+        layer's prefetched tensors after the move, where the caller knows them."""
         place = self.place
         was = list(map(place.__getitem__, names))
         if to in was:  # those already there stay out
@@ -186,13 +210,14 @@ class Footprint:
             staged[mine] = True
             self._count(n, 1 if to is UVA else -1, mine)
         place.update(zip(names, repeat(to)))
-        self._refresh(touched, staged)
+        self._refresh(touched, staged, chosen)
 
-    def _refresh(self, touched, staged) -> None:
+    def _refresh(self, touched, staged, chosen: tuple[bool, ...] | None = None) -> None:
         """After moves: the slot images of the layers whose prefetched tensors changed (`touched`, by name), the
-        staged bytes of those whose stageable uva tensors changed (`staged`), and the staging pool."""
+        staged bytes of those whose stageable uva tensors changed (`staged`), and the staging pool; `chosen`:
+        the prefetched tensors of the one layer touched, where the caller knows them."""
         for name in touched:
-            self._restream(self.layers[name])
+            self._restream(self.layers[name], chosen)
         for name in staged:
             self._stage_bytes(name)
         if staged:

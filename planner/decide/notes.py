@@ -184,7 +184,8 @@ def _backend_note(o: Outcome, by_backend: Mapping[Placement, int], rules_offload
     pol = o.policy
     if o.skipped is not None:
         if not rules_offload:
-            return (f"the whole checkpoint ({human(sum(map(_NBYTES, o.tensors.values())))}) fits budget_gib {pol.budget_gib}: nothing is "
+            total = sum(map(_NBYTES, o.tensors.values()))
+            return (f"the whole checkpoint ({human(total)}) fits budget_gib {pol.budget_gib}: nothing is "
                     "offloaded (offloading would only cost speed)")
         return (f"the plan fits budget_gib {pol.budget_gib} with the rules' placements alone: backend "
                 f"{o.skipped.value} offloads nothing more (offloading would only cost speed)")

@@ -80,6 +80,11 @@ class Template:
         return self._selected[segments]
 
     @cached_property
+    def every(self) -> tuple[bool, ...]:
+        """Marks picking every local name (selection.py `Selection.marks`)."""
+        return (True,) * len(self.names)
+
+    @cached_property
     def matches(self) -> list[tuple[str, ...]]:
         """expert_names.py `matches` of "." + each local name: a group is the part after the layer's name."""
         return matches(["." + n for n in self.names])

@@ -59,6 +59,12 @@ class Selection:
             return list(compress(layer.params, map(self.names.__contains__, layer.params)))
         return list(layer.params) if mask is True else list(compress(layer.params, mask))
 
+    def marks(self, layer) -> tuple[bool, ...] | None:
+        """The layer's picks as marks over its tensors, one object per template and answer; None where they are
+        matched one by one."""
+        mask = None if self.masks is None else self.masks.get(layer.name)
+        return layer.template.every if mask is True else mask
+
     def splits_no_group(self, groups) -> bool:
         """True where no fused group (groups.py `FusedGroups`, of these layers) is selected in part, as the
         layers' masks show: each template's groups are looked at once. False: not known (ask groups.py)."""
@@ -79,3 +85,4 @@ class Selection:
             if not seen[l.template]:
                 return False
         return True
+
