@@ -9,12 +9,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from itertools import chain, compress, filterfalse
+from itertools import chain, filterfalse
 
 from ..errors import PolicyError
 from ..inputs.checkpoint import TensorInfo
 from ..inputs.policy import Policy
 from ..layers.graph import Layer, LayerGraph
+from ..layers.alike import applies
 from ..layers.groups import FusedGroups, whole_groups
 from ..plan import Backend, Placement, Runs
 from ..units import GIB, plural
@@ -51,7 +52,7 @@ def place_backend(model: CostModel, graph: LayerGraph, tensors: Mapping[str, Ten
     placement.py keeps for the experts' working memory. mixed.py keeps each strategy's own room free
     (`room(place)`, at most `most`: working.py `within`)."""
     fp = Footprint(graph, tensors, place, policy.prefetch.step, stage, partner=model.quantized,
-                   stageable_names=model.unstaged_experts, shapes=model.shapes)
+                   stageable_names=lambda: model.unstaged_experts, shapes=model.shapes)
     skipped, prediction, notes, reasons = None, None, (), {}
     if backend is not Backend.NONE and budget is not None and fp.total + room(fp.place) <= budget:
         skipped, backend = backend, Backend.NONE  # offloading more would only cost speed
@@ -115,7 +116,7 @@ def _prefetch(stack, fixed, fp: Footprint, policy: Policy, graph: LayerGraph, se
     pre = policy.prefetch
 
     def chosen(layer: Layer) -> list[str]:
-        names = layer.params if selected is None else compress(layer.params, map(selected.__contains__, layer.params))
+        names = layer.params if selected is None else selected.of(layer)
         return whole_groups(list(filterfalse(fixed.__contains__, names)), groups, layer)
 
     if pre.group_size > 0:
@@ -133,8 +134,14 @@ def _prefetch(stack, fixed, fp: Footprint, policy: Policy, graph: LayerGraph, se
             raise PolicyError(nothing_left(policy, "prefetch", picked, selected,
                                             f"prefetch.group_size {g} / num_in_group {k} streams layers "
                                             f"{layer_list(picked)}, but "))
+        fixed_in = {p for n in fixed for p in _prefixes(n)}  # the names of the layers that may hold them
+        known: dict[tuple, tuple[bool, ...]] = {}
         for layer in picked:
-            fp.move(chosen(layer), PREFETCH, layer)
+            marks = None if layer.name in fixed_in else _streamable(layer, selected, groups, known)
+            if marks is None:
+                fp.move(chosen(layer), PREFETCH, layer)
+            else:
+                fp.move_picked(layer, marks, PREFETCH)
         return
     if policy.budget_bytes is None:  # only `backend: prefetch` gets here
         raise PolicyError(
@@ -148,3 +155,33 @@ def _prefetch(stack, fixed, fp: Footprint, policy: Policy, graph: LayerGraph, se
     if not fp.fit(_rarely_run_first(rare, fixed, fp, groups, selected), UVA, budget):
         for layer, names in fewest_layers(eligible, fp, budget):
             fp.move(names, PREFETCH, layer)
+
+
+def _prefixes(name: str):
+    """`name` and each name it extends by dotted parts: a layer holds only tensors named as it or under it."""
+    while name:
+        yield name
+        name = name.rpartition(".")[0]
+
+
+def _streamable(layer: Layer, selected, groups: FusedGroups, known: dict) -> tuple[bool, ...] | None:
+    """What `_prefetch` streams of a layer no rule placed a tensor of, as marks over its tensors: what `selected`
+    picks, less every fused group it picks part of (groups.py `whole_groups`); found once per template (alike.py)
+    and picks. None where its picks or groups are not its template's (then named one by one)."""
+    t = layer.template
+    if t is None or not applies(layer.name):
+        return None
+    picks = t.every if selected is None else selected.marks(layer)
+    mine = [(groups.members.get(layer.name + g), every) for g, every, *_ in t.groups]
+    if picks is None or any(ms is not None and len(ms) != len(every) for ms, every in mine):
+        return None  # a group with members elsewhere
+    key = (t, id(picks), tuple(ms is not None for ms, _ in mine))
+    marks = known.get(key)
+    if marks is None:
+        got = list(picks)
+        for ms, every in mine:
+            if ms is not None and len(set(map(picks.__getitem__, every))) == 2:  # picked in part: left
+                for i in every:
+                    got[i] = False
+        marks = known[key] = tuple(got)
+    return marks

@@ -95,10 +95,10 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from itertools import compress
-from operator import and_, mul
+from operator import add, and_, mul
 
 from ..inputs.checkpoint import TensorInfo
 from ..inputs.hardware import Hardware
@@ -109,7 +109,7 @@ from ..layers.graph import Layer, LayerGraph
 from ..layers.groups import BATCHED_PAIRS, FusedGroups
 from ..plan import LayerKind, Placement, Role, Runs
 from .reads import later, reads
-from .staging import stage_experts, stageables
+from .staging import Stageables, stage_experts
 
 GPU, UVA, PREFETCH, CPU = Placement.GPU, Placement.UVA, Placement.PREFETCH, Placement.CPU
 
@@ -135,6 +135,7 @@ class Prediction:
     prefill_us: int = 0  # the time to first token for prompt_tokens
     collectives: int = 0  # all-reduces and all-gathers per step (tensor parallelism)
     collectives_us: int = 0  # their time per step, in gpu_us
+    wheres: tuple = field(default=(), repr=False, compare=False)  # each layer's placements (None: in no step)
 
     @property
     def step_us(self) -> int:
@@ -162,21 +163,20 @@ class CostModel:
         self.graphs = graphs  # steps replayed from a CUDA graph: no CPU launch time
         self.graph = graph
         self.batched = top_k is not None and batch * top_k <= BATCHED_PAIRS  # batched_mm's: touched ones staged
-        self.hw, self.batch, self.tokens, self.groups = hw, batch, prompt_tokens, groups
+        self.hw, self.batch, self.tokens, self.groups, self.tensors = hw, batch, prompt_tokens, groups, tensors
         self.facts = facts = reads(graph, tensors, groups, top_k, roles, routing, batch, prompt_tokens, shapes)
         self.shapes = facts.shapes  # each layer's dtypes and shapes, read once (alike.py), for the slot images
         self.experts = facts.experts  # layer -> its routed tensors (staged by the experts forward)
-        self.tensors = tensors
         # prefill: staged tensors are copied once above the threshold; GEMMs re-read in-place ones per tile.
         # Quantized ones are dequantized on access: read once, never staged (quantized.py)
         self.quantized = quantized = partners(tensors) if quantized is None else quantized
         self.stages = stages = stage and prompt_tokens > hw.stage_above_tokens
-        unstaged_experts, staged_experts = stageables(graph.layers, quantized)
+        self.stageable = Stageables(graph.layers, quantized)  # worked out where a placement stages (staging.py)
         routed, pre = [], []  # the routed tensors prefill may stage (staged_experts' extras), their prefill fractions
-        for l in graph.layers if stages and len(staged_experts) > len(unstaged_experts) else ():
+        for l in graph.layers if stages and self.stageable.routed else ():
             if l.runs is Runs.STEP and self.experts[l.name]:
                 _, got, flags = facts.layers[l.name]
-                mask = list(map(and_, flags, map(staged_experts.__contains__, l.params)))
+                mask = list(map(and_, flags, map(self.staged_experts.__contains__, l.params)))
                 routed += compress(l.params, mask)
                 pre += compress(got[2], mask)
         sizes = [tensors[n].nbytes for n in routed]
@@ -184,13 +184,14 @@ class CostModel:
         # the share of the routed bytes the prompt touches: whether prefill streams experts ahead (staging.py)
         touched = sum(map(mul, sizes, pre)) / total if total else 0.0
         self.favours_staged_experts = bool(stages and total and stage_experts(touched, hw))
-        self.staged_experts, self.unstaged_experts = staged_experts, unstaged_experts
-        self.staged = frozenset() if not stages else (
-            staged_experts if self.favours_staged_experts else self.unstaged_experts)
+        self._staging = None if not stages else int(self.favours_staged_experts)  # `staged`: none, or Stageables'
         self.reread = -(-prompt_tokens // hw.stage_above_tokens)
         self._layer_costs: dict[tuple, tuple] = {}  # (kind, placements, staged) -> a layer's cost (`_layer`)
         self.collectives = collectives or {}
 
+    unstaged_experts = property(lambda self: self.stageable.both[0])
+    staged_experts = property(lambda self: self.stageable.both[1])
+    staged = property(lambda self: frozenset() if self._staging is None else self.stageable.both[self._staging])
     # per tensor, by name (reads.py)
     role = property(lambda self: self.facts.role)
     frac = property(lambda self: self.facts.frac)
@@ -206,7 +207,7 @@ class CostModel:
         """This model with prefill staging routed experts (`on`) or reading each touched one in place, whatever
         `favours_staged_experts` says: the policy may force either (placement.py)."""
         other = copy.copy(self)
-        other.staged = (self.staged_experts if on else self.unstaged_experts) if self.stages else frozenset()
+        other._staging = int(on) if self.stages else None
         return other
 
     def predict(self, place: Mapping[str, Placement]) -> Prediction:
@@ -218,13 +219,15 @@ class CostModel:
         moe_overhead = hw.moe_layer_overhead_us or hw.layer_overhead_us
         costs = self._layer_costs
         count = together = launch = 0.0
-        for layer in self.graph.layers:
+        wheres = [None] * len(self.graph.layers)
+        for i, layer in enumerate(self.graph.layers):
             if layer.runs is not Runs.STEP:
                 layers.append(LayerCost(layer.name, 0, 0, 0))
                 continue
             # a layer of a kind (reads.py) placed and staged alike costs alike: worked out once
-            key = (self.facts.layers[layer.name][0], tuple(map(place.__getitem__, layer.params)),
-                   tuple(map(self.staged.__contains__, layer.params)) if self.staged else ())
+            wheres[i] = where = tuple(map(place.__getitem__, layer.params))
+            key = (self.facts.layers[layer.name][0], where, tuple(map(self.staged.__contains__, layer.params))
+                   if self._staging is not None and (UVA in where or CPU in where) and self.staged else ())
             got = costs.get(key)
             if got is None:
                 got = costs[key] = self._layer(layer, place)
@@ -238,12 +241,9 @@ class CostModel:
                 overhead = moe_overhead if self.experts[layer.name] else hw.layer_overhead_us
                 launch, cpu = launch + overhead, cpu + (0.0 if self.graphs else overhead)
             layers.append(LayerCost(layer.name, h2d_bytes, round(gpu), round(link), round(prefill)))
-            total[0] += h2d_bytes
-            total[1] += gpu
-            total[2] += link
-            total[3] += prefill
+            total = list(map(add, total, (h2d_bytes, gpu, link, prefill)))
         return Prediction(self.batch, total[0], round(cpu), round(total[1]), round(total[2]), tuple(layers),
-                          self.tokens, round(max(total[3], launch)), int(count), round(together))
+                          self.tokens, round(max(total[3], launch)), int(count), round(together), tuple(wheres))
 
     def _layer(self, layer: Layer, place: Mapping[str, Placement]) -> tuple[int, float, float, float]:
         """One layer's (bytes over the link, GPU us, link us, prefill us) per step (module doc)."""

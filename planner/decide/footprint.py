@@ -27,7 +27,7 @@ budget at which the walk would have stopped, which the budget error quotes.
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from functools import cached_property
 from itertools import chain, compress, repeat
 from operator import is_, is_not, itemgetter
@@ -49,19 +49,32 @@ def _bytes(tensors: Mapping[str, TensorInfo], names: Iterable[str]) -> int:
     return sum(map(_NBYTES, map(tensors.__getitem__, names)))
 
 
+def bytes_by_placement(names: tuple[str, ...], place: Mapping[str, Placement], tensors: Mapping[str, TensorInfo],
+                       where: Sequence[Placement] | None = None) -> dict[Placement, int]:
+    """The bytes of `names` on each placement (summed in C: a layer of DeepSeek-V3 holds 1,548 tensors; a
+    placement the layer has nothing on is not summed); `where`: their placements, when the caller has them."""
+    sizes = list(map(_NBYTES, map(tensors.__getitem__, names)))
+    where = list(map(place.__getitem__, names)) if where is None else where
+    there = set(where)
+    if len(there) == 1:
+        return {p: sum(sizes) if p in there else 0 for p in (GPU, UVA, PREFETCH, CPU)}
+    return {p: sum(compress(sizes, map(is_, where, repeat(p)))) if p in there else 0 for p in (GPU, UVA, PREFETCH, CPU)}
+
+
 class Footprint:
     """Resident bytes (once asked for: a prefetch walk with no budget never does) and each streamed layer's
     slot image, kept current as tensors move.
 
     `place` is the caller's placement dict: `move` updates it together with the bytes.
     `stage`: the policy's `uva.stage_prefill` (False: no staging pool). `partner` (quantized.py
-    `partners`), `stageable_names` (`stageable(graph.layers, partner)`) and `shapes` (alike.py, over
+    `partners`), `stageable_names` (`stageable(graph.layers, partner)`, asked for where a tensor is on uva or cpu)
+    and `shapes` (alike.py, over
     `tensors`) spare computing them again.
     """
 
     def __init__(self, graph: LayerGraph, tensors: Mapping[str, TensorInfo], place: dict[str, Placement],
                  step: int, stage: bool = True, *, partner: Mapping[str, str] | None = None,
-                 stageable_names: frozenset[str] | None = None, shapes: Shapes | None = None):
+                 stageable_names: Callable[[], frozenset[str]] | None = None, shapes: Shapes | None = None):
         self.tensors = tensors
         self.shapes = Shapes(tensors) if shapes is None else shapes
         self.place = place
@@ -70,13 +83,11 @@ class Footprint:
         self._resident: int | None = None  # worked out when first asked for (`resident`), then kept as tensors move
         self.streamed: dict[str, int] = {}  # layer name -> its slot image's bytes
         self._images: dict[tuple, int] = {}  # slots.image_key -> the image's bytes (shared by copies)
+        self._closed: dict[tuple, tuple[bool, ...]] = {}  # `move_picked`: (pairs' places, marks) -> with scales
         self.partner = partners(tensors) if partner is None else partner
-        if not stage:
-            self.stageable = frozenset()
-        elif stageable_names is None:  # `stageable_names`: what the caller computed alike (the cost model)
-            self.stageable = stageable(graph.layers, self.partner)  # routed experts go through the ring
-        else:
-            self.stageable = stageable_names
+        # `stageable_names`: what the caller computes alike (the cost model); routed experts go through the ring
+        self._stageable = (lambda: frozenset()) if not stage else stageable_names or (
+            lambda: stageable(graph.layers, self.partner))
         self.staged: dict[str, int] = {}  # layer name -> its staged bytes
         # layer -> [staged bytes, staged tensors] on uva, kept as tensors move
         self.on_uva: dict[str, list[int]] = {l.name: [0, 0] for l in graph.layers}
@@ -84,12 +95,17 @@ class Footprint:
         if PREFETCH in place.values():
             for layer in graph.layers:
                 self._restream(layer)
-        if self.stageable and (UVA in place.values() or CPU in place.values()):
+        if (UVA in place.values() or CPU in place.values()) and self.stageable:
             for layer in graph.layers:
                 names, size = staged(layer, self.stageable, self.place, self.tensors)
                 self.on_uva[layer.name] = [size, len(names)]
                 self._stage_bytes(layer.name)
         self.stage_pool = self._stage_pool()
+
+    @cached_property
+    def stageable(self) -> frozenset[str]:
+        """The tensors prefill stages on uva (staging.py), asked for once a tensor is on uva or cpu."""
+        return self._stageable()
 
     @property
     def resident(self) -> int:
@@ -112,8 +128,9 @@ class Footprint:
             size = self._images[key] = layout_bytes(names, self.tensors)
         return size
 
-    def _restream(self, layer: Layer) -> None:
-        chosen = tuple(map(is_, map(self.place.__getitem__, layer.params), repeat(PREFETCH)))
+    def _restream(self, layer: Layer, chosen: tuple[bool, ...] | None = None) -> None:
+        """`chosen`: the layer's prefetched tensors, where the caller knows them."""
+        chosen = chosen or tuple(map(is_, map(self.place.__getitem__, layer.params), repeat(PREFETCH)))
         names = list(compress(layer.params, chosen))
         if names:
             self.streamed[layer.name] = self.image_bytes(layer, names, chosen)
@@ -161,8 +178,30 @@ class Footprint:
             self.place[n] = to
         self._refresh(touched, staged)
 
-    def _move_many(self, names: list[str], to: Placement, layer: Layer | None = None) -> None:
-        """`move`, each step over all of `names` at once (in C where it can be); `layer`: `move`'s."""
+    def move_picked(self, layer: Layer, picked: tuple[bool, ...], to: Placement) -> None:
+        """`move` of the tensors of `layer` that `picked` marks (over its tensors, in order). Where its quantized
+        pairs are known by place (scales.py `LayerPairs`), their scales are added by place, once for each kind of
+        layer and marks, and a layer that streamed nothing before streams by the marks, its tensors not looked
+        up again (a prefetch walk moves a layer's 1,536 experts so)."""
+        pos = getattr(self.partner, "positions", {}).get(layer.name)
+        if pos is None:
+            return self.move(compress(layer.params, picked), to, layer)
+        key = (id(pos), picked)
+        marks = self._closed.get(key)
+        if marks is None:
+            got = list(picked)
+            for w, s in zip(*pos):
+                got[w] = got[s] = picked[w] or picked[s]
+            marks = self._closed[key] = tuple(got)
+        names = list(compress(layer.params, marks))
+        if len(names) <= _BULK:
+            return self.move(names, to, layer)
+        self._move_many(names, to, layer, marks if to is PREFETCH and layer.name not in self.streamed else None)
+
+    def _move_many(self, names: list[str], to: Placement, layer: Layer | None = None,
+                   chosen: tuple[bool, ...] | None = None) -> None:
+        """`move`, each step over all of `names` at once (in C where it can be); `layer`: `move`'s; `chosen`: the
+        layer's prefetched tensors after the move, where the caller knows them."""
         place = self.place
         was = list(map(place.__getitem__, names))
         if to in was:  # those already there stay out
@@ -176,20 +215,21 @@ class Footprint:
             touched = dict.fromkeys(map(self.layer_name.__getitem__, streams))  # layers by name: hashing one is slow
         else:
             touched = dict.fromkeys([layer.name] if any(True for _ in streams) else [])
-        stages = names if to is UVA else compress(names, map(is_, was, repeat(UVA)))
+        stages = names if to is UVA else list(compress(names, map(is_, was, repeat(UVA))))
         staged = {}
-        for n in filter(self.stageable.__contains__, stages):
+        for n in filter(self.stageable.__contains__, stages) if stages else ():
             mine = self.layer_name[n] if layer is None else layer.name
             staged[mine] = True
             self._count(n, 1 if to is UVA else -1, mine)
         place.update(zip(names, repeat(to)))
-        self._refresh(touched, staged)
+        self._refresh(touched, staged, chosen)
 
-    def _refresh(self, touched, staged) -> None:
+    def _refresh(self, touched, staged, chosen: tuple[bool, ...] | None = None) -> None:
         """After moves: the slot images of the layers whose prefetched tensors changed (`touched`, by name), the
-        staged bytes of those whose stageable uva tensors changed (`staged`), and the staging pool."""
+        staged bytes of those whose stageable uva tensors changed (`staged`), and the staging pool; `chosen`:
+        the prefetched tensors of the one layer touched, where the caller knows them."""
         for name in touched:
-            self._restream(self.layers[name])
+            self._restream(self.layers[name], chosen)
         for name in staged:
             self._stage_bytes(name)
         if staged:

@@ -70,6 +70,7 @@ class Outcome:
     staging: PrefillStaging | None = None  # the prefill staging section (staging.py)
     not_experts: Mapping[str, str] = field(default_factory=dict)  # tensor -> why its rows are not experts
     on: Mapping[Placement, int] | None = None  # bytes on each placement, as decide summed them; None: summed here
+    wheres: Mapping[str, tuple] | None = None  # layer name -> its tensors' placements, as decide read them
 
 
 def notes(o: Outcome) -> tuple[str, ...]:
@@ -91,7 +92,7 @@ def notes(o: Outcome) -> tuple[str, ...]:
         out.append(f"{human(by_rules[CPU])} of routed experts on cpu: the host CPU computes them beside the GPU, as "
                    "the hardware profile's cpu figures predict (cpu_threads host threads; the runtime refuses the "
                    "plan where fewer cores are free)")
-    out.append(_backend_note(o, by_backend, any(by_rules.values()), sum(map(_NBYTES, o.tensors.values()))))
+    out.append(_backend_note(o, by_backend, any(by_rules.values())))
     out += o.mixed
     out += _rarely_run(o)
     out += _routing(o)
@@ -179,10 +180,11 @@ def _amounts(by: Mapping[Placement, int]) -> str:
     return " and ".join(parts)
 
 
-def _backend_note(o: Outcome, by_backend: Mapping[Placement, int], rules_offload: bool, total: int) -> str:
+def _backend_note(o: Outcome, by_backend: Mapping[Placement, int], rules_offload: bool) -> str:
     pol = o.policy
     if o.skipped is not None:
         if not rules_offload:
+            total = sum(map(_NBYTES, o.tensors.values()))
             return (f"the whole checkpoint ({human(total)}) fits budget_gib {pol.budget_gib}: nothing is "
                     "offloaded (offloading would only cost speed)")
         return (f"the plan fits budget_gib {pol.budget_gib} with the rules' placements alone: backend "
@@ -197,9 +199,9 @@ def _backend_note(o: Outcome, by_backend: Mapping[Placement, int], rules_offload
                 f"prefetch.group_size or budget_gib){hint}")
     origin = "named by the policy" if o.reason is None else f"auto: {o.reason}"
     # the layers holding an offloaded tensor that no rule placed (picked in C: most of a layer stays)
-    layers = sum(1 for l in o.graph.layers
-                 if not o.fixed.issuperset(compress(l.params, map(is_not, map(o.place.__getitem__, l.params),
-                                                                  repeat(GPU)))))
+    where = (lambda l: map(o.place.__getitem__, l.params)) if o.wheres is None else (lambda l: o.wheres[l.name])
+    layers = sum(1 for l in o.graph.layers if not o.fixed.issuperset(compress(l.params, map(is_not, where(l),
+                                                                                             repeat(GPU)))))
     return f"backend {o.backend.value} ({origin}): {_amounts(by_backend)} from {plural(layers, 'layer')}"
 
 

@@ -89,11 +89,10 @@ Example: group_size 8, num_in_group 2 over 61 layers offloads layers
 """
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 import dataclasses
 from dataclasses import dataclass
-from itertools import chain, compress, repeat
-from operator import is_, itemgetter
+from itertools import chain, repeat
 
 from ..errors import BudgetError, PolicyError
 from ..inputs.checkpoint import TensorInfo
@@ -105,9 +104,11 @@ from ..inputs.routing import RoutingProfile, check_fits
 from ..layers.alike import Shapes, applies, select
 from ..layers.graph import LayerGraph
 from ..layers.groups import FusedGroups, experts_map
+from ..layers.selection import Selection
 from ..plan import Backend, Cost, LayerBytes, Placement, PrefetchSchedule, PrefillStaging, Role, Summary
 from .backends import place_backend
 from .cost import CostModel
+from .footprint import bytes_by_placement
 from .notes import Outcome, notes
 from .placement_errors import check_cpu, check_groups, check_roles, check_streamed_runs, over_budget
 from .schedule import make_schedule
@@ -115,19 +116,6 @@ from .staging import make_staging
 from .working import GroupFacts, within, working
 
 GPU, UVA, PREFETCH, CPU = Placement.GPU, Placement.UVA, Placement.PREFETCH, Placement.CPU
-_NBYTES = itemgetter(3)  # of a TensorInfo
-
-
-def bytes_by_placement(names: tuple[str, ...], place: Mapping[str, Placement], tensors: Mapping[str, TensorInfo],
-                       where: Sequence[Placement] | None = None) -> dict[Placement, int]:
-    """The bytes of `names` on each placement (summed in C: a layer of DeepSeek-V3 holds 1,548 tensors; a
-    placement the layer has nothing on is not summed); `where`: their placements, when the caller has them."""
-    sizes = list(map(_NBYTES, map(tensors.__getitem__, names)))
-    where = list(map(place.__getitem__, names)) if where is None else where
-    there = set(where)
-    if len(there) == 1:
-        return {p: sum(sizes) if p in there else 0 for p in (GPU, UVA, PREFETCH, CPU)}
-    return {p: sum(compress(sizes, map(is_, where, repeat(p)))) if p in there else 0 for p in (GPU, UVA, PREFETCH, CPU)}
 
 
 @dataclass(frozen=True)
@@ -185,8 +173,8 @@ def decide(graph: LayerGraph, tensors: Mapping[str, TensorInfo], policy: Policy,
     check_rules(policy.path, place, fixed, quantized)
     stack = graph.stack_layers()
     groups = FusedGroups.of_layers(stack, tensors, num_experts)
-    selected = {"uva": select(graph.layers, policy.uva.params, names) if policy.uva.params else None,
-                "prefetch": select(graph.layers, policy.prefetch.params, names) if policy.prefetch.params else None}
+    selected = {"uva": Selection(graph.layers, policy.uva.params, names) if policy.uva.params else None,
+                "prefetch": Selection(graph.layers, policy.prefetch.params, names) if policy.prefetch.params else None}
     check_groups(groups, won, selected, policy)
     check_roles(groups, as_experts, policy)
     check_cpu(groups, won, policy, tensors, quantized)
@@ -210,16 +198,16 @@ def decide(graph: LayerGraph, tensors: Mapping[str, TensorInfo], policy: Policy,
 
     def attempt(experts: bool):
         """The backend's placement with routed experts staged at prefill or not (their ring: working memory)."""
-        staged = model.staged_experts if experts else model.unstaged_experts
+        staged = (lambda: model.staged_experts) if experts else (lambda: model.unstaged_experts)  # noqa: E731
 
-        def running(place: Mapping[str, Placement]):
-            """The prefill staging of `place` and its experts' working memory (working.py)."""
+        def running(place: Mapping[str, Placement], wheres=None):
+            """The prefill staging of `place` and its experts' working memory (working.py; `wheres`: its)."""
             staging = make_staging(graph, place, tensors, hardware.stage_above_tokens, staged) if stage else None
             ring = {g: staging.ring_bytes for g in moe for s in (staging.layers if staging and staging.experts else ())
                     if g.startswith(s.layer + ".")}
             host = staging.above_tokens if staging else H100.stage_above_tokens  # runtime/execute/host/bind.py
             return staging, working(groups.members, moe if policy.gpus == 1 else {}, tensors, place, top_k,
-                                    work.batch_size, work.prompt_tokens, ring, host, facts)  # TP share: unsized
+                                    work.batch_size, work.prompt_tokens, ring, host, facts, wheres)  # TP share: unsized
 
         room = lambda p: running(p)[1].peak_bytes  # noqa: E731
         most = room({**place, **{n: UVA for g in moe for n in groups.members[g] if n not in fixed}}) if (
@@ -253,7 +241,10 @@ def decide(graph: LayerGraph, tensors: Mapping[str, TensorInfo], policy: Policy,
         elif not fits(chosen, room) and other.fp.total + rest[1](other.fp.place) < chosen.fp.total + room(
                 chosen.fp.place):  # neither fits: the budget error below names the nearer one's least
             chosen, (running, room) = other, rest
-    staging, runs = running(chosen.fp.place)
+    # each layer's placements, as the cost model read them where it did (Prediction.wheres)
+    wheres = {l.name: tuple(map(chosen.fp.place.__getitem__, l.params)) if where is None else where
+              for l, where in zip(graph.layers, chosen.prediction.wheres or repeat(None))}
+    staging, runs = running(chosen.fp.place, wheres)
     if budget is not None and chosen.fp.total + runs.peak_bytes > budget:
         # the smallest budget that fits: the walk's least, or the rules' placement alone where working memory makes
         # offloading cost more than it saves (a budget that holds it offloads nothing: backends.py)
@@ -265,14 +256,13 @@ def decide(graph: LayerGraph, tensors: Mapping[str, TensorInfo], policy: Policy,
     fp, prediction, backend, skipped = chosen.fp, chosen.prediction, chosen.backend, chosen.skipped
     mixed_notes, reasons = chosen.notes, chosen.reasons
     place = fp.place
-    schedule = make_schedule(graph, place, tensors, step, model.shapes, fp.streamed)
     if (staging.pool_bytes if staging else 0) != fp.stage_pool:  # one rule, two sums: a bug, not an input error
         raise AssertionError(f"staging pool {staging} against the footprint's {fp.stage_pool}")
     by = {GPU: 0, UVA: 0, PREFETCH: 0, CPU: 0}
     layers = []
     alike: dict[tuple, tuple] = {}  # layers alike (alike.py), placed alike: bytes by placement, experts map
     for l, c in zip(graph.layers, prediction.layers):
-        where = tuple(map(place.__getitem__, l.params))
+        where = wheres[l.name]
         key = (l.template, model.shapes(l), where) if l.template is not None and applies(l.name) else None
         got = alike.get(key) if key is not None else None
         if got is None:
@@ -281,10 +271,10 @@ def decide(graph: LayerGraph, tensors: Mapping[str, TensorInfo], policy: Policy,
             if key is not None:
                 alike[key] = got
         mine, split = got
-        for k in by:
-            by[k] += mine[k]
+        by = {k: by[k] + mine[k] for k in by}
         layers.append(LayerBytes(l.name, mine[GPU], mine[UVA], mine[PREFETCH], c.h2d_bytes, c.gpu_us,
                                  reasons.get(l.name), l.runs, split, mine[CPU]))
+    schedule = make_schedule(graph, place, tensors, step, model.shapes, fp.streamed, wheres)
     summary = Summary(by[GPU], by[UVA], by[PREFETCH], fp.pool, prediction.h2d_bytes, prediction.step_us,
                       fp.stage_pool, by[CPU], runs.decode_bytes, runs.prefill_bytes, runs.buffer_bytes)
     cost = Cost(hardware.name, prediction.batch_size, prediction.cpu_us, prediction.gpu_us, prediction.link_us,
@@ -293,7 +283,7 @@ def decide(graph: LayerGraph, tensors: Mapping[str, TensorInfo], policy: Policy,
     outcome = Outcome(policy, backend, reason, skipped, place, frozenset(fixed), tensors, graph, schedule,
                       mixed_notes, bool(groups.members) and top_k is None and routing is None,
                       routing, bool(moe) and top_k is not None and routing is None, checkpoint_fingerprint, staging,
-                      groups.not_experts, by)
+                      groups.not_experts, by, wheres)
     said = notes(outcome)
     return Decision(backend, place, schedule, tuple(layers), said, summary, cost, staging,
                     (prediction.collectives, prediction.collectives_us))

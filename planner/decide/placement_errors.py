@@ -41,13 +41,14 @@ def smallest_budget_gib(nbytes: int) -> str:
 
 def check_groups(groups: FusedGroups, won: list[set[str]], selected: dict, policy: Policy) -> None:
     """Rules and `params` patterns select experts whole, and prefetch whole groups (see groups.py):
-    `won[i]` is what rule i places, `selected` what `uva.params` and `prefetch.params` select."""
+    `won[i]` is what rule i places, `selected` what `uva.params` and `prefetch.params` select (selection.py:
+    their layers' masks, where they show that no group is selected in part, spare looking at each group)."""
     problems = []
     for i, (rule, mine) in enumerate(zip(policy.rules, won)):
         if rule.place is not None:
             problems += split_units(groups, mine, f"rules[{i}] (place: {rule.place.value})", rule.place is PREFETCH)
     for key in ("uva", "prefetch"):
-        if selected[key] is not None:
+        if selected[key] is not None and not selected[key].splits_no_group(groups):
             problems += split_units(groups, selected[key], f"{key}.params", key == "prefetch")
     if problems:
         raise PolicyError(f"{policy.path}: the policy splits fused experts", problems)

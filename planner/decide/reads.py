@@ -209,7 +209,7 @@ def _kind(layer: Layer, routed: tuple[bool, ...], shapes: Shapes, groups: FusedG
     """What a layer's facts depend on (module doc), or None when they are its own: a rule gives one of its
     tensors a role, a routing profile counts its experts, or its names are no template's (alike.py)."""
     t = layer.template
-    if t is None or not applies(layer.name) or not roles.keys().isdisjoint(layer.params):
+    if t is None or not applies(layer.name) or roles and not roles.keys().isdisjoint(layer.params):
         return None
     mine = [layer.name + g[0] for g in t.groups if layer.name + g[0] in groups.members]
     if any(depends[g] is None for g in mine):

@@ -73,10 +73,12 @@ def spread(count: int, want: int) -> list[int]:
 
 def make_schedule(graph: LayerGraph, place: Mapping[str, Placement],
                   tensors: Mapping[str, TensorInfo], step: int, shapes: Shapes | None = None,
-                  streamed: Collection[str] | None = None) -> PrefetchSchedule | None:
+                  streamed: Collection[str] | None = None, wheres: Mapping[str, tuple] | None = None
+                  ) -> PrefetchSchedule | None:
     """Slots, layouts and copy triggers for the layers holding prefetched tensors (module doc); `shapes`
     (alike.py, over `tensors`): the layers' dtypes and shapes, when the caller keeps them; `streamed`: the names
-    of those layers, when the caller knows them (the placement's footprint.py `streamed`)."""
+    of those layers, when the caller knows them (the placement's footprint.py `streamed`); `wheres`: layer name ->
+    its tensors' placements, when the caller has read them."""
     shapes = Shapes(tensors) if shapes is None else shapes
     if streamed is None:
         get = place.__getitem__
@@ -91,7 +93,8 @@ def make_schedule(graph: LayerGraph, place: Mapping[str, Placement],
     known: dict[tuple, int] = {}  # slots.image_key -> its layout's index: layers alike are laid out once
     schedule = []
     for k, l in enumerate(streamed):
-        chosen = tuple(map(is_, map(place.__getitem__, l.params), repeat(PREFETCH)))
+        where = map(place.__getitem__, l.params) if wheres is None else wheres[l.name]
+        chosen = tuple(map(is_, where, repeat(PREFETCH)))
         names = list(compress(l.params, chosen))
         key = image_key(l, names, tensors, shapes, chosen)
         index = known.get(key)

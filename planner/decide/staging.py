@@ -78,7 +78,8 @@ runtime then reads uva tensors in place at prefill too, and the pool costs nothi
 """
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from functools import cached_property
 from itertools import compress, filterfalse
 
 from ..inputs.checkpoint import TensorInfo
@@ -117,6 +118,24 @@ def stageables(layers: Iterable[Layer], quantized: Collection[str] = ()) -> tupl
     return frozenset(without), frozenset(without | extra)
 
 
+class Stageables:
+    """`stageables(layers, quantized)`, worked out when first asked for (`both`): a placement with nothing on uva
+    or cpu stages nothing, so a prefetch plan never asks. `routed`: whether routed experts add any, from a look at
+    each layer's experts that stops at the first quantized one."""
+
+    def __init__(self, layers: Sequence[Layer], quantized: Collection[str] = ()):
+        self.layers, self.quantized = layers, quantized
+
+    @cached_property
+    def both(self) -> tuple[frozenset[str], frozenset[str]]:
+        return stageables(self.layers, self.quantized)
+
+    @cached_property
+    def routed(self) -> bool:
+        return any(l.expert_tensors and not any(map(self.quantized.__contains__, l.expert_tensors))
+                   for l in self.layers if l.kind is not LayerKind.EMBED and l.runs is not Runs.MTP)
+
+
 def stage_experts(touched: float, hw: Hardware) -> bool:
     """Whether prefill stages routed experts, given the share of their bytes the prompt touches (module doc)."""
     return touched >= hw.uva_read_gbps / hw.h2d_copy_gbps
@@ -141,11 +160,12 @@ def ring_bytes(host_experts: Iterable[int]) -> int:
 
 
 def make_staging(graph: LayerGraph, place: Mapping[str, Placement], tensors: Mapping[str, TensorInfo],
-                 above_tokens: int, names: frozenset[str]) -> PrefillStaging | None:
+                 above_tokens: int, names: Callable[[], frozenset[str]]) -> PrefillStaging | None:
     """The plan's `prefill:` section for `place`, or None when no layer holds a stageable uva tensor.
-    `names`: `stageable(graph.layers, partners(tensors), experts)`."""
+    `names()`: `stageable(graph.layers, partners(tensors), experts)`, asked for where a tensor is on uva or cpu."""
     if UVA not in place.values() and CPU not in place.values():  # no layer has a tensor to stage
         return None
+    names = names()
     layers, host = [], []
     for l in graph.layers:
         mine, size = staged(l, names, place, tensors)

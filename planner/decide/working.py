@@ -97,6 +97,9 @@ class GroupFacts:
                  layers: Iterable[Layer] = (), shapes: Shapes | None = None):
         """`layers` (the stack's, whose groups `members` holds) and `shapes` (over `tensors`) tell the kinds."""
         self.members, self.tensors = members, tensors
+        # group -> (its layer's name, its members' places among the layer's tensors), where its template says
+        self.at = {l.name + local: (l.name, every) for l in layers if l.template is not None and applies(l.name)
+                   for local, every, *_ in l.template.groups if len(members.get(l.name + local, ())) == len(every)}
         self.kinds = {l.name + local: (l.template, shapes(l), local, "down" in l.name, "bias" in l.name)
                       for l in layers if shapes is not None and l.template is not None and applies(l.name)
                       for local, every, *_ in l.template.groups if len(members.get(l.name + local, ())) == len(every)}
@@ -131,16 +134,19 @@ def _down(infos: list[TensorInfo]) -> tuple[int, int]:
 
 def working(members: Mapping[str, tuple[str, ...]], experts: Mapping[str, int], tensors: Mapping[str, TensorInfo],
             place: Mapping[str, Placement], top_k: int | None, batch: int, prompt_tokens: int,
-            staged: Mapping[str, int], host_tokens: int = 0, facts: GroupFacts | None = None) -> Working:
+            staged: Mapping[str, int], host_tokens: int = 0, facts: GroupFacts | None = None,
+            wheres: Mapping[str, tuple[Placement, ...]] | None = None) -> Working:
     """`members`: each fused experts group's tensors; `experts`: the decode step's groups and their expert
     counts; `staged`: the groups a staged prefill streams, each with its ring's bytes (0: not staged);
     `host_tokens`: the most tokens a forward hands the host engine (the plan's stage_above_tokens); `facts`:
-    a `GroupFacts` of `members` and `tensors` kept across calls."""
+    a `GroupFacts` of `members` and `tensors` kept across calls; `wheres`: layer name -> its tensors' placements
+    in `place`, where the caller has read them (a group's are then read by place, `GroupFacts.at`)."""
     facts = GroupFacts(members, tensors) if facts is None else facts
     decode = prefill = host = 0
     over_link: list[int] = []  # per group read over the link: one expert's weights (gate_up_proj and down_proj)
     for group, count in experts.items():
-        where = set(map(place.__getitem__, members[group]))
+        at = facts.at.get(group) if wheres is not None else None
+        where = set(map(place.__getitem__, members[group]) if at is None else map(wheres[at[0]].__getitem__, at[1]))
         if Placement.PREFETCH in where:
             continue  # all in HBM, in a slot: transformers' own experts implementation (experts.py)
         k = top_k or count

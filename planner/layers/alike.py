@@ -26,7 +26,7 @@ names are classified one by one, as before.
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from functools import cached_property
 from itertools import compress
 from operator import itemgetter
@@ -61,6 +61,13 @@ def select(layers: Sequence, patterns: Iterable[Pattern], names: Names) -> set[s
     return out
 
 
+def _taker(places: tuple[int, ...]) -> Callable[[Sequence], tuple]:
+    """The items of a sequence at `places`, as a tuple (itemgetter's, which gives one item bare)."""
+    if len(places) == 1:
+        return lambda seq, i=places[0]: (seq[i],)
+    return itemgetter(*places) if places else lambda seq: ()
+
+
 class Template:
     """The local names of layers alike, and what they say (module doc)."""
 
@@ -78,6 +85,11 @@ class Template:
         if segments not in self._selected:
             self._selected[segments] = tuple(not segments.isdisjoint(n.split(".")) for n in self.names)
         return self._selected[segments]
+
+    @cached_property
+    def every(self) -> tuple[bool, ...]:
+        """Marks picking every local name (selection.py `Selection.marks`)."""
+        return (True,) * len(self.names)
 
     @cached_property
     def matches(self) -> list[tuple[str, ...]]:
@@ -108,6 +120,13 @@ class Template:
                 continue
             every.append(i)
         return [(g, *map(tuple, lists)) for g, lists in found.items()]
+
+    @cached_property
+    def takers(self) -> list[tuple[str, Callable, Callable, tuple, Callable | None]]:
+        """`groups`, each list of places as a function that takes those of a layer's tensors as a tuple, in C
+        (`FusedGroups.of_layers`); None for a group with no member holding every expert."""
+        return [(g, _taker(every), _taker(each), their, _taker(whole) if whole else None)
+                for g, every, each, their, whole in self.groups]
 
     @cached_property
     def numbered(self) -> tuple[tuple[bool, ...], tuple[int | None, ...], tuple[str | None, ...]]:

@@ -97,16 +97,16 @@ class FusedGroups:
             if l.template is None or not applies(l.name):
                 _add(list(l.params), found)
                 continue
-            get = l.params.__getitem__
-            for local, every, each, their, whole in l.template.groups:
+            params = l.params
+            for local, every, each, their, whole in l.template.takers:  # each takes its tensors at once, in C
                 group = l.name + local
-                members.setdefault(group, []).extend(map(get, every))
-                if each:
+                members.setdefault(group, []).extend(every(params))
+                if their:
                     mine = pieces.setdefault(group, ([], []))
-                    mine[0].extend(map(get, each))
+                    mine[0].extend(each(params))
                     mine[1].extend(their)
-                if whole:
-                    stacked.setdefault(group, []).extend(map(get, whole))
+                if whole is not None:
+                    stacked.setdefault(group, []).extend(whole(params))
         shapes = {n: tensors[n].shape for ms in stacked.values() for n in ms}
         return cls._made(members, stacked, pieces, shapes, experts)
 

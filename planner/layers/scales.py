@@ -23,13 +23,24 @@ from .alike import Shapes
 from .graph import Layer
 
 
+class LayerPairs(dict):
+    """`pairs`' partners (weight -> scales, scales -> weight), paired layer by layer: `positions[layer name]` is
+    (its weights' places, their scales' places) among the layer's tensors, one object for the layers of a kind.
+    Every pair sits in one layer, so a layer's tensors and their scales are found from their places alone
+    (footprint.py moves a streamed layer's so)."""
+
+    positions: dict[str, tuple[list[int], list[int]]]
+
+
 def layer_pairs(layers: Sequence[Layer], tensors: Mapping[str, TensorInfo], block: tuple[int, int] | None,
                 shapes: Shapes) -> tuple[dict[str, str], list[str]]:
     """`pairs(tensors, block)`, the tensors being those of `layers` (a layer graph's, over the same `tensors`
-    as `shapes`): the same partners, weights first, and the same problems (module doc)."""
+    as `shapes`): the same partners, weights first, and the same problems (module doc); a `LayerPairs` unless
+    it fell back to `pairs`."""
     kinds: dict[tuple, tuple[list[int], list[int]]] = {}  # (template, Shapes number) -> weights', scales' places
     weights: list[str] = []
     scales: list[str] = []
+    positions: dict[str, tuple[list[int], list[int]]] = {}
     for layer in layers:
         params = layer.params
         kind = None if layer.template is None else (layer.template, shapes(layer))
@@ -45,6 +56,8 @@ def layer_pairs(layers: Sequence[Layer], tensors: Mapping[str, TensorInfo], bloc
                 kinds[kind] = got
         weights += map(params.__getitem__, got[0])
         scales += map(params.__getitem__, got[1])
-    out = dict(zip(weights, scales))
+        positions[layer.name] = got
+    out = LayerPairs(zip(weights, scales))
     out.update(zip(scales, weights))
+    out.positions = positions
     return out, []

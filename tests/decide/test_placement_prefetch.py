@@ -211,3 +211,27 @@ def test_rules_prefetching_with_step_zero_is_an_error():
 
 
 # ---------------------------------------------------------------- fused expert groups
+
+
+@pytest.mark.parametrize("params", [(), ("experts",), ("mlp",), ("self_attn",), ("weight", "experts"),
+                                    ("shared_experts", "kv_a_proj_with_mqa"), ("layers",)])
+@pytest.mark.parametrize("rules", [(), ((("model.layers.3.self_attn",), "gpu"),)])
+def test_streamed_layers_moved_by_their_marks_are_moved_by_name(params, rules, monkeypatch):
+    """backends.py `_streamable` and footprint.py `move_picked` (a layer's picks and their scales by place) place
+    what `chosen` and `move` (by name) place: the whole decision, on an FP8 checkpoint whose weights' scales the
+    picks leave out or take."""
+    from planner.decide import backends
+    from planner.decide.placement import decide
+    from planner.layers.alike import Shapes
+    from planner.layers.scales import layer_pairs
+    from synthetic import deepseek_v3
+    t = infos(deepseek_v3(layers=9, dense_layers=1, hidden=256, intermediate=384, experts=16, moe_intermediate=128,
+                          heads=2, q_lora=128, kv_lora=128, nope=16, rope=8, v_head=16, vocab=64))
+    graph, shapes = build_graph(t), Shapes(t)
+    quantized, _ = layer_pairs(graph.layers, t, (128, 128), shapes)
+    assert quantized.positions
+    pol = policy(group_size=2, num_in_group=1, step=2, prefetch_params=params, rules=rules)
+    fast = decide(graph, t, pol, quantized=quantized, shapes=shapes)
+    monkeypatch.setattr(backends, "_streamable", lambda *a: None)
+    assert fast == decide(graph, t, pol, quantized=dict(quantized), shapes=shapes)
+    assert fast.prefetch is not None

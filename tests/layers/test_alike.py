@@ -85,3 +85,25 @@ def test_layer_numbers_and_order_do_not_depend_on_how_the_names_come():
         mixed = random.Random(1).sample(ns, len(ns))
         assert [(l.name, l.params) for l in build_graph(mixed).layers] == \
                [(l.name, l.params) for l in build_graph(ns).layers], model
+
+
+@pytest.mark.parametrize("model", CHECKPOINTS)
+def test_a_selection_per_layer_is_the_set_of_names(model):
+    """selection.py: each layer's picks are the set's, in the layer's order; a group it says none splits, none
+    does (groups.py `split_units`); the patterns here include some that select part of a group."""
+    from planner.layers.groups import split_units
+    from planner.layers.selection import Selection
+    names = CHECKPOINTS[model]
+    graph = build_graph(names)
+    groups = FusedGroups.of_layers(graph.stack_layers(), infos((n, "BF16", (4, 4, 4)) for n in names), 4)
+    index = Names(n for l in graph.layers for n in l.params)
+    for texts in (["experts"], ["layers"], ["0"], ["weight"], ["w1", "b"], ["down_proj", "experts"], ["1"],
+                  ["mlp"], ["re:experts\\.1"], ["experts.0"], ["gate_up_proj"], [""]):
+        patterns = [compile_pattern(t) for t in texts]
+        picked = Selection(graph.layers, patterns, index)
+        want = index.select(patterns)
+        assert set(picked) == want and len(picked) == len(want), texts
+        for layer in graph.layers:
+            assert picked.of(layer) == [n for n in layer.params if n in want], (texts, layer.name)
+        if picked.splits_no_group(groups):
+            assert split_units(groups, want, "x", True) == split_units(groups, want, "x", False) == [], texts
