@@ -97,12 +97,16 @@ class GroupFacts:
                  layers: Iterable[Layer] = (), shapes: Shapes | None = None):
         """`layers` (the stack's, whose groups `members` holds) and `shapes` (over `tensors`) tell the kinds."""
         self.members, self.tensors = members, tensors
-        # group -> (its layer's name, its members' places among the layer's tensors), where its template says
-        self.at = {l.name + local: (l.name, every) for l in layers if l.template is not None and applies(l.name)
-                   for local, every, *_ in l.template.groups if len(members.get(l.name + local, ())) == len(every)}
-        self.kinds = {l.name + local: (l.template, shapes(l), local, "down" in l.name, "bias" in l.name)
-                      for l in layers if shapes is not None and l.template is not None and applies(l.name)
-                      for local, every, *_ in l.template.groups if len(members.get(l.name + local, ())) == len(every)}
+        self.at: dict[str, tuple[str, tuple[int, ...]]] = {}  # group -> (its layer's name, its members' places)
+        self.kinds: dict[str, tuple] = {}  # group -> its kind, where `shapes` tells it
+        for l in layers:  # the groups whose members are where the layer's template says
+            if l.template is None or not applies(l.name):
+                continue
+            for local, every, *_ in l.template.groups:
+                if len(members.get(l.name + local, ())) == len(every):
+                    self.at[l.name + local] = (l.name, every)
+                    if shapes is not None:
+                        self.kinds[l.name + local] = (l.template, shapes(l), local, "down" in l.name, "bias" in l.name)
         self._known: dict = {}  # (kind or group, what) -> its fact
 
     def _get(self, group: str, what: Callable[[list[TensorInfo]], object]):
