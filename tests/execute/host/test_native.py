@@ -156,3 +156,42 @@ def test_an_instruction_set_the_cpu_lacks_is_refused(lib):
             pool.isa(best + 1)
     finally:
         pool.close()
+
+
+def test_the_listener_runs_the_job_a_stream_names_and_says_when_it_is_done(lib):
+    """Python plays the stream's part on the two words (native.py `Jobs`, native.cpp `Listener`): `done` cleared,
+    `start` set to a job's number, then a wait for `done`; each round computes that job's pairs, the listener
+    clears `start`, and `close` stops it (a stopped listener runs nothing more)."""
+    import time
+
+    count, inter, hidden, tokens, k = SHAPES[1]
+    gate_up, down = experts(count, inter, hidden)
+    x = torch.randn(tokens, hidden).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(count)[:k] for _ in range(tokens)]).flatten()
+    on_cpu = torch.ones(count, dtype=torch.uint8)
+    flags = torch.zeros(2, dtype=torch.int32)
+    jobs = native.Jobs(lib, 2, flags)
+    ys = [torch.zeros((tokens * k, hidden), dtype=torch.bfloat16) for _ in range(2)]
+    made = [native.job(jobs.pool, gate_up, down, on_cpu, x[:t], ids[:t * k], y, t, k)
+            for t, y in zip((tokens, 2), ys)]
+    numbers = [jobs._number(job) for job in made]
+    assert numbers == [1, 2] and jobs._number(made[0]) == 1  # one number a job, kept
+    try:
+        for round_ in range(3):
+            for number in (2, 1):
+                flags[1] = 0
+                flags[0] = number
+                deadline = time.monotonic() + 10
+                while int(flags[1]) != 1:
+                    assert time.monotonic() < deadline, "the listener did not answer"
+                    time.sleep(1e-4)
+                assert int(flags[0]) == 0
+        assert [job.calls for job in made] == [3, 3] and not any(job.error for job in made)
+    finally:
+        jobs.close()
+    want = kernel.gated_eager(x, torch.arange(tokens * k) // k, gate_up, down, ids)
+    assert (ys[0].float() - want.float()).abs().max() <= 2 ** -7 * want.float().abs().max()
+    assert torch.equal(ys[1][2 * k:], torch.zeros_like(ys[1][2 * k:]))  # job 2 had 2 tokens
+    flags[0] = 1
+    time.sleep(0.01)
+    assert made[0].calls == 3  # stopped
