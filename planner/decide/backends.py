@@ -14,8 +14,8 @@ from itertools import chain, filterfalse
 from ..errors import PolicyError
 from ..inputs.checkpoint import TensorInfo
 from ..inputs.policy import Policy
+from ..layers.alike import template_groups
 from ..layers.graph import Layer, LayerGraph
-from ..layers.alike import applies
 from ..layers.groups import FusedGroups, whole_groups
 from ..plan import Backend, Placement, Runs
 from ..units import GIB, plural
@@ -168,18 +168,15 @@ def _streamable(layer: Layer, selected, groups: FusedGroups, known: dict) -> tup
     """What `_prefetch` streams of a layer no rule placed a tensor of, as marks over its tensors: what `selected`
     picks, less every fused group it picks part of (groups.py `whole_groups`); found once per template (alike.py)
     and picks. None where its picks or groups are not its template's (then named one by one)."""
-    t = layer.template
-    if t is None or not applies(layer.name):
+    mine = template_groups(groups.members, layer)
+    picks = None if mine is None else layer.template.every if selected is None else selected.marks(layer)
+    if picks is None:
         return None
-    picks = t.every if selected is None else selected.marks(layer)
-    mine = [(groups.members.get(layer.name + g), every) for g, every, *_ in t.groups]
-    if picks is None or any(ms is not None and len(ms) != len(every) for ms, every in mine):
-        return None  # a group with members elsewhere
-    key = (t, id(picks), tuple(ms is not None for ms, _ in mine))
+    key = (layer.template, id(picks), tuple(ms is not None for _, ms, _ in mine))
     marks = known.get(key)
     if marks is None:
         got = list(picks)
-        for ms, every in mine:
+        for _, ms, every in mine:
             if ms is not None and len(set(map(picks.__getitem__, every))) == 2:  # picked in part: left
                 for i in every:
                     got[i] = False

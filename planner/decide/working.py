@@ -43,7 +43,7 @@ from operator import eq, itemgetter
 from typing import Protocol, TypeVar
 
 from ..inputs.checkpoint import TensorInfo
-from ..layers.alike import Shapes, applies
+from ..layers.alike import Shapes, template_groups
 from ..layers.graph import Layer
 from ..plan import Placement, working_peak
 
@@ -100,13 +100,12 @@ class GroupFacts:
         self.at: dict[str, tuple[str, tuple[int, ...]]] = {}  # group -> (its layer's name, its members' places)
         self.kinds: dict[str, tuple] = {}  # group -> its kind, where `shapes` tells it
         for l in layers:  # the groups whose members are where the layer's template says
-            if l.template is None or not applies(l.name):
-                continue
-            for local, every, *_ in l.template.groups:
-                if len(members.get(l.name + local, ())) == len(every):
-                    self.at[l.name + local] = (l.name, every)
+            for group, ms, every in template_groups(members, l) or ():
+                if ms is not None:
+                    self.at[group] = (l.name, every)
                     if shapes is not None:
-                        self.kinds[l.name + local] = (l.template, shapes(l), local, "down" in l.name, "bias" in l.name)
+                        local = group[len(l.name):]
+                        self.kinds[group] = (l.template, shapes(l), local, "down" in l.name, "bias" in l.name)
         self._known: dict = {}  # (kind or group, what) -> its fact
 
     def _get(self, group: str, what: Callable[[list[TensorInfo]], object]):

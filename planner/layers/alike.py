@@ -26,7 +26,7 @@ names are classified one by one, as before.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from functools import cached_property
 from itertools import compress
 from operator import itemgetter
@@ -176,3 +176,21 @@ class Shapes:
 
     def _count(self) -> int:
         return len(self._numbers) + sum(map(len, self._alike.values()))
+
+
+def template_groups(members: Mapping[str, Collection[str]], layer) -> list[tuple[str, Collection[str] | None,
+                                                                                    tuple[int, ...]]] | None:
+    """Each fused group (groups.py: `members`, group -> its member tensors) of `layer`'s template as (the group's name, its members in `members`, None where
+    it has none there, and the places of its members among the layer's tensors, as the template says); None where
+    the layer has no template that applies, or a group has members the template does not place (some in another
+    layer): then its groups are found by name. What the passes that work per template of layers ask first."""
+    t = layer.template
+    if t is None or not applies(layer.name):
+        return None
+    out = []
+    for local, every, *_ in t.groups:
+        ms = members.get(layer.name + local)
+        if ms is not None and len(ms) != len(every):
+            return None
+        out.append((layer.name + local, ms, every))
+    return out

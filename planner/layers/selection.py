@@ -18,7 +18,7 @@ from functools import cached_property
 from itertools import compress
 
 from ..inputs.patterns import Names, Pattern
-from .alike import applies, select
+from .alike import select, template_groups
 
 
 class Selection:
@@ -72,16 +72,14 @@ class Selection:
             return False
         seen: dict[object, bool] = {}
         for l in self.layers:
-            if not applies(l.name):  # its groups are not its template's (alike.py)
+            mine = template_groups(groups.members, l)
+            if mine is None:
                 return False
-            mine = [(l.name + g, every) for g, every, *_ in l.template.groups]
-            if any(len(groups.members.get(g, every)) != len(every) for g, every in mine):
-                return False  # a group with members elsewhere
             mask = self.masks[l.name]
             if mask is True:
                 continue
             if l.template not in seen:  # each group selected whole or not at all
-                seen[l.template] = all(len(set(map(mask.__getitem__, every))) == 1 for _, every in mine)
+                seen[l.template] = all(len(set(map(mask.__getitem__, every))) == 1 for _, _, every in mine)
             if not seen[l.template]:
                 return False
         return True
