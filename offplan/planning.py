@@ -9,13 +9,14 @@ from pathlib import Path
 from planner.decide.build import build, default_output
 from planner.decide.notes import is_warning
 from planner.errors import InconsistentPlanError, OffplanError, PolicyError
-from planner.files import write_atomic
+from planner.files import refuse_to_replace, write_atomic
 from planner.inputs import yamlio
 from planner.inputs.checkpoint import INDEX_NAME, open_checkpoint, resolve
 from planner.inputs.hardware import load_hardware
 from planner.inputs.policy import Policy, load_policy
 from planner.inputs.routing import load_profile, skew
 from planner.planfile import dumps, load_plan, read_plan
+from planner.planfile.file import HEADER
 from planner.planfile.diff import diff_data, diff_text
 from planner.planfile.show import show, show_data, show_tensors, tensors_data
 from planner.planfile.staleness import stale_reasons, up_to_date
@@ -30,8 +31,10 @@ def build_command(args) -> int:
         print(f"warning: {w}", file=sys.stderr)
     to_stdout = args.output == "-"
     out = Path(args.output) if args.output and not to_stdout else default_output(Path(args.policy))
-    if not to_stdout:
-        _refuse_to_overwrite_an_input(out, policy)  # before planning: nothing to plan for that cannot be written
+    if not to_stdout:  # before planning: nothing to plan for that cannot be written
+        _refuse_to_overwrite_an_input(out, policy)
+        refuse_to_replace(out, HEADER, "plan", f"choose another -o (default: {default_output(policy.path)}), or "
+                                               "remove that file first")
     plan = build(policy, Path.cwd() if to_stdout else out.parent)
     text = dumps(plan)
     warnings = [n for n in plan.notes if is_warning(n)]

@@ -33,6 +33,22 @@ def write_atomic(path: str | Path, text: str, what: str = "plan") -> None:
         raise
 
 
+def refuse_to_replace(path: Path, header: str, what: str, fix: str) -> None:
+    """An existing file at `path` may be replaced by a `what` only where it is one (it starts with the first line of
+    `header`, as every `what` offplan writes does): anything else there, a policy, a file of a checkpoint's folder
+    or a user's notes, would be destroyed. Raises OffplanError naming the file, the line looked for and `fix`."""
+    first = header.splitlines()[0]
+    try:
+        with open(path, "rb") as f:
+            found = f.read(len(first.encode()))
+    except OSError:
+        return  # none there, or unreadable: write_atomic says what it cannot write
+    if found != first.encode():
+        tag = first.split(":")[0].split(",")[0]
+        raise OffplanError(f"{path}: exists and is not a {what} (its first line is not the `{tag} ...` line offplan "
+                           f"writes): writing the {what} there would destroy it. Nothing was written; {fix}")
+
+
 def relpath(target: Path, start_dir: Path) -> str:
     """`target` relative to `start_dir` when possible, in POSIX form."""
     try:

@@ -31,6 +31,32 @@ def test_an_output_linked_to_an_input_is_refused(work, capsys):
     assert snapshot(work) == before
 
 
+def test_an_output_that_is_a_file_but_no_plan_is_refused(work, capsys):
+    """A file no rule names as an input (a checkpoint folder's other files, another policy, notes) is replaced only
+    where it is a plan: an empty file or any other content stays, and the message says how to go on."""
+    (work / "ckpt" / "generation_config.json").write_text('{"do_sample": false}\n')
+    (work / "other.policy.yaml").write_text(POLICY)
+    (work / "empty.yaml").write_text("")
+    before = snapshot(work)
+    for out in ("ckpt/generation_config.json", "other.policy.yaml", "empty.yaml"):
+        assert main(["build", "p.policy.yaml", "-o", out]) == 1
+        assert capsys.readouterr().err == (
+            f"error: {out}: exists and is not a plan (its first line is not the `# offplan plan ...` line offplan "
+            "writes): writing the plan there would destroy it. Nothing was written; choose another -o (default: "
+            "p.plan.yaml), or remove that file first\n")
+    assert snapshot(work) == before
+
+
+def test_calibrate_refuses_an_output_that_is_no_hardware_profile_before_measuring(work, capsys):
+    before = snapshot(work)
+    assert main(["calibrate", "-o", "p.policy.yaml"]) == 1  # on any machine: refused before the GPU is asked
+    assert capsys.readouterr().err == (
+        "error: p.policy.yaml: exists and is not a hardware profile (its first line is not the `# offplan hardware "
+        "profile ...` line offplan writes): writing the hardware profile there would destroy it. Nothing was "
+        "written; choose another -o, or remove that file first\n")
+    assert snapshot(work) == before
+
+
 def test_rebuilding_over_the_previous_plan_is_allowed(work, capsys):
     before = (work / "p.plan.yaml").read_bytes()
     assert main(["build", "p.policy.yaml", "-o", "./p.plan.yaml"]) == 0

@@ -167,6 +167,8 @@ def snapshot(directory) -> dict:
     (["-o", "nowhere/r.yaml"], "nowhere/r.yaml: no such directory nowhere (nothing was written)"),
     (["-o", "{moe}/config.json"], "{moe}/config.json: this is a file of the checkpoint, an input of the profile: "
                                   "writing the profile there would destroy it. Nothing was written; choose another -o"),
+    (["-o", "prompts.txt"], "prompts.txt: exists and is not a routing profile (its first line is not the `# offplan "
+                            "routing profile ...` line offplan writes)"),
     (["--new-tokens", "1"], "argument --new-tokens: must be at least 2, not 1 (see `plan profile --help`)"),
     (["--device", "cuda"], "--device cuda: no CUDA device here (leave --device out to use the CPU)")
     if not torch.cuda.is_available() else (["--device", "tpu"], "argument --device: invalid choice: 'tpu'"),
