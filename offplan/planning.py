@@ -19,7 +19,7 @@ from planner.planfile import dumps, load_plan, read_plan
 from planner.planfile.file import HEADER
 from planner.planfile.diff import diff_data, diff_text
 from planner.planfile.show import show, show_data, show_tensors, tensors_data
-from planner.planfile.staleness import stale_reasons, up_to_date
+from planner.planfile.staleness import checkpoint_of, stale_reasons, up_to_date
 from planner.units import human, ms, plural
 
 from .output import emit
@@ -71,13 +71,13 @@ def _refuse_to_overwrite_an_input(out: Path, policy: Policy) -> None:
         raise OffplanError(f"{out}: is a directory; -o names the plan file to write (nothing was written)")
     if not out.exists():
         return
-    root = resolve(policy.checkpoint)[0]
+    root = resolve(policy.checkpoint)[0] if policy.checkpoint.exists() else None  # else build says it is missing
     inputs = [("the policy", policy.path)]
     if policy.hardware is not None:
         inputs.append(("the hardware profile", policy.hardware))
     if policy.workload.routing is not None:
         inputs.append(("the routing profile", policy.workload.routing))
-    for file in [root / INDEX_NAME, root / "config.json", *sorted(root.glob("*.safetensors"))]:
+    for file in [root / INDEX_NAME, root / "config.json", *sorted(root.glob("*.safetensors"))] if root else []:
         inputs.append(("a file of the checkpoint", file))
     for what, path in inputs:
         if path.exists() and os.path.samefile(out, path):
@@ -150,7 +150,7 @@ def check_command(args) -> int:
         return _stale(args, plan_path, [e.headline, *e.problems], None)
     ckpt_dir = plan.checkpoint_dir(plan_path)
     policy_path = plan_path.parent / plan.policy_path
-    problems = stale_reasons(plan, plan_path, open_checkpoint(ckpt_dir))
+    problems = stale_reasons(plan, plan_path, open_checkpoint(checkpoint_of(plan, plan_path)))
     if problems:
         return _stale(args, plan_path, problems, policy_path)
     return _current(args, plan_path, ckpt_dir, policy_path,

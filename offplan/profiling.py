@@ -20,6 +20,7 @@ from planner.inputs import yamlio
 from planner.inputs.checkpoint import INDEX_NAME, Checkpoint, open_checkpoint
 from planner.inputs.routing import HEADER, skew, write_profile
 from planner.planfile import load_plan
+from planner.planfile.staleness import checkpoint_of
 from planner.units import plural
 from runtime.hf import from_pretrained
 from runtime.measure.routing import checkpoint_groups, record_routing
@@ -92,7 +93,7 @@ def _profile_source(source: Path) -> tuple[Path | None, Checkpoint]:
         if kind != "plan":
             raise OffplanError(f"{source}: not a plan{f' (a {kind})' if kind else ''}; plan profile takes a "
                                "checkpoint directory or a plan")
-        return source, open_checkpoint(load_plan(source).checkpoint_dir(source))
+        return source, open_checkpoint(checkpoint_of(load_plan(source), source))
     if not source.exists():
         raise OffplanError(f"{source}: no such checkpoint or plan")
     ckpt = open_checkpoint(source)

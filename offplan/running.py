@@ -32,6 +32,7 @@ from planner.errors import OffplanError
 from planner.files import refuse_to_replace, write_atomic
 from planner.inputs.hardware import H100, dumps_hardware
 from planner.planfile import load_plan
+from planner.planfile.staleness import checkpoint_of
 from planner.units import human, ms, plural
 from runtime.execute import experts
 from runtime.execute.handle import LoadStats
@@ -80,7 +81,9 @@ def apply_command(args) -> int:
     # The bar on a terminal; elsewhere nothing from the loader, since the report below says it all.
     req = Request(args.plan, tuple(texts), args.batch or len(texts), args.max_new_tokens, args.eager, args.device,
                   args.json, None if sys.stderr.isatty() else False, args.compile)
-    gpus = load_plan(args.plan).parallel
+    plan = load_plan(args.plan)
+    checkpoint_of(plan, Path(args.plan))  # missing: said here, naming the plan's key, before anything loads
+    gpus = plan.parallel
     if args.compile and gpus is not None:
         raise OffplanError(f"--compile: not with a tensor-parallel plan ({args.plan} runs on {gpus.gpus} GPUs); "
                            "leave --compile out")

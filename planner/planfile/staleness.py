@@ -81,14 +81,32 @@ def stale_reasons(plan: Plan, plan_path: Path, ckpt: Checkpoint) -> list[str]:
             problems.append(f"the routing profile {routing_path} changed since the plan was built")
     if problems:
         return problems
-    fresh = build(load_policy(policy_path), plan_path.parent, ckpt)
-    if dumps(fresh) != plan_path.read_text():
+    policy = load_policy(policy_path)
+    fresh = build(policy, plan_path.parent, ckpt)
+    text = plan_path.read_text()
+    if dumps(fresh) != text:
         moved = [n for n, p in fresh.params.items() if plan.params.get(n) is not p]
         where = (f" ({len(moved)} placements differ, e.g. {moved[0]}: the plan says {plan.params[moved[0]].value}, "
                  f"the policy gives {fresh.params[moved[0]].value})" if moved and moved[0] in plan.params else "")
-        problems.append("the plan is not what `plan build` makes of its policy and checkpoint "
-                        f"(edited by hand, or built with another hardware profile or offplan version){where}")
+        b, offplan = plan.built, version()
+        why = ("edited by hand, or built with another hardware profile, config.json or offplan version"
+               if b is None or b.offplan != offplan or not signed(text)
+               or b.inputs == inputs_fingerprint(offplan, policy.hardware, ckpt.root) else
+               "the checkpoint's config.json changed since it was built" if policy.hardware is None else
+               f"the hardware profile {policy.hardware} or the checkpoint's config.json changed since it was built")
+        problems.append(f"the plan is not what `plan build` makes of its policy and checkpoint ({why}){where}")
     return problems
+
+
+def checkpoint_of(plan: Plan, plan_path: Path) -> Path:
+    """Where the plan's checkpoint is (its `checkpoint.path`, relative to the plan); an error saying so where
+    nothing is there."""
+    where = plan.checkpoint_dir(plan_path)
+    if not where.exists():
+        raise PlanFileError(f"{plan_path}: its checkpoint {where} (checkpoint.path: {plan.checkpoint_path}, relative "
+                            "to the plan) is missing: put it back there, or build the plan again from a policy that "
+                            "names where it is now")
+    return where
 
 
 @dataclass(frozen=True)

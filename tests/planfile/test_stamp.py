@@ -78,7 +78,29 @@ def test_what_the_stamp_does_not_vouch_for_is_built_again_and_found_stale(plan, 
     assert staleness.up_to_date(plan) is None
     assert calls == [1]  # the stamp declined; one build said no
     assert main(["check", str(plan)]) == 2
-    assert "STALE" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "STALE" in err
+    if change in ("hardware", "config"):  # what the stamp's `inputs` covers, named
+        assert (f"(the hardware profile {root / 'hw.yaml'} or the checkpoint's config.json changed since it was "
+                "built)") in err
+    if change == "version":
+        assert "(edited by hand, or built with another hardware profile, config.json or offplan version)" in err
+
+
+def test_a_plans_missing_checkpoint_is_one_error_naming_the_plans_key(plan, capsys):
+    """check, apply and profile of a plan whose checkpoint was moved: exit 1 naming the plan, its checkpoint and
+    the fix, before anything loads; build of its policy (the plan there) names the policy's key."""
+    root = plan.parent
+    (root / "ckpt").rename(root / "moved")
+    want = (f"error: {plan}: its checkpoint {root / 'ckpt'} (checkpoint.path: ckpt, relative to the plan) is "
+            "missing: put it back there, or build the plan again from a policy that names where it is now\n")
+    for argv in (["check", str(plan)], ["apply", str(plan), "--max-new-tokens", "2"],
+                 ["profile", str(plan), "-o", str(root / "r.yaml")]):
+        assert main(argv) == 1
+        assert capsys.readouterr().err == want, argv
+    assert main(["build", str(root / "p.policy.yaml")]) == 1
+    assert capsys.readouterr().err == (f"error: {root / 'p.policy.yaml'}: checkpoint: ./ckpt -> {root / 'ckpt'}: no "
+                                       "such file or directory (the path is relative to the policy file)\n")
 
 
 def test_a_plan_from_before_stamps_is_checked_by_building_it(plan, monkeypatch, capsys):
