@@ -48,6 +48,14 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message):
         raise _UsageError(f"{message} (see `{self.prog} --help`)")
 
+    def parse_args(self, args=None, namespace=None):
+        """As argparse's, but arguments left over point at the command's own help, where its options are."""
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            prog = f"{self.prog} {parsed.command}" if getattr(parsed, "command", None) else self.prog
+            raise _UsageError(f"unrecognized arguments: {' '.join(extras)} (see `{prog} --help`)")
+        return parsed
+
 
 class _Version(argparse.Action):
     """`plan --version`: looked up only when asked (reading distribution metadata takes ~20 ms)."""
@@ -112,10 +120,12 @@ def _parser() -> argparse.ArgumentParser:
     p = cmd("apply", "load the plan's checkpoint with transformers, per the plan, and generate")
     p.add_argument("plan", metavar="PLAN")
     p.add_argument("--prompt", action="append", metavar="TEXT",
-                   help="a prompt; give several for a batch of them (default: 'The capital of France is')")
+                   help="a prompt, quoted where it has spaces; repeat --prompt for a batch of them (default: 'The "
+                        "capital of France is')")
     p.add_argument("--batch", type=_positive, metavar="B",
                    help="generate for B sequences, the prompts taken in turn (default: one per prompt)")
-    p.add_argument("--max-new-tokens", type=_positive, default=16, metavar="N")
+    p.add_argument("--max-new-tokens", type=_positive, default=16, metavar="N",
+                   help="tokens to generate per sequence (default: 16)")
     p.add_argument("--eager", action="store_true",
                    help="run each decode step eagerly (default on a GPU: capture one step in a CUDA graph and "
                         "replay it)")

@@ -91,7 +91,7 @@ BAD_INPUTS = [
     (["diff", "only-one.plan.yaml"], "the following arguments are required: NEW (see `plan diff --help`)"),
     (["frobnicate"], "invalid choice: 'frobnicate'"),
     ([], "the following arguments are required: COMMAND"),
-    (["build", "uva.policy.yaml", "--bogus"], "unrecognized arguments: --bogus"),
+    (["build", "uva.policy.yaml", "--bogus"], "unrecognized arguments: --bogus (see `plan build --help`)"),
 ]
 
 
