@@ -12,9 +12,9 @@ from planner.errors import InconsistentPlanError, OffplanError, PolicyError
 from planner.files import refuse_to_replace, write_atomic
 from planner.inputs import yamlio
 from planner.inputs.checkpoint import INDEX_NAME, open_checkpoint, resolve
-from planner.inputs.hardware import load_hardware
+from planner.inputs.hardware import H100, dumps_hardware, load_hardware
 from planner.inputs.policy import Policy, load_policy
-from planner.inputs.routing import load_profile, skew
+from planner.inputs.routing import HEADER as ROUTING_HEADER, load_profile, skew
 from planner.planfile import dumps, load_plan, read_plan
 from planner.planfile.file import HEADER
 from planner.planfile.diff import diff_data, diff_text
@@ -110,8 +110,12 @@ def diff_command(args) -> int:
 
 def validate_command(args) -> int:
     path = Path(args.file)
-    doc = yamlio.parse(path, yamlio.read(path, PolicyError, "policy or plan"), PolicyError)
+    text = yamlio.read(path, PolicyError, "policy or plan")
+    doc = yamlio.parse(path, text, PolicyError)
     kind = yamlio.kind(doc.data)
+    if kind in (None, "policy"):  # a file cut short: its first line, offplan's own, still says what it is
+        heads = (("plan", HEADER), ("routing profile", ROUTING_HEADER), ("hardware profile", dumps_hardware(H100)))
+        kind = next((k for k, head in heads if text.startswith(head.splitlines()[0])), kind)
     if kind == "plan":
         plan = load_plan(path)
         emit(args, {"file": str(path), "kind": "plan", "valid": True, "tensors": plan.tensors},

@@ -243,7 +243,8 @@ def _parse(text: str, path: Path) -> tuple[Plan, yamlio.Located]:
     if wrong:
         raise PlanFileError(wrong)
     if not isinstance(doc.data, dict) or "params" not in doc.data:
-        raise PlanFileError(f"{path}: not an offplan plan (no `params:` mapping); build one with "
+        cut = " (it starts as one: cut short?)" if text.startswith(HEADER.splitlines()[0]) else ""
+        raise PlanFileError(f"{path}: not an offplan plan (no `params:` mapping){cut}; build one with "
                             "`plan build POLICY`")
     if isinstance(doc.data, dict) and doc.data.get("format_version") == 1:
         raise PlanFileError(f"{path}: a format 1 plan, from an offplan without slot layouts in plans; "

@@ -174,3 +174,15 @@ def test_validate_tells_policy_from_plan_by_content_not_comments(work, capsys):
     (work / "commented.policy.yaml").write_text("# compare with the offplan plan of last week\n" + text)
     code, out, _ = run(capsys, "validate", "commented.policy.yaml")
     assert code == 0 and "valid policy" in out
+
+
+@pytest.mark.parametrize("cut", [100, 300])
+def test_a_plan_cut_short_is_said_to_be_one_by_every_reader(work, capsys, cut):
+    """Its first line, offplan's, still says it is a plan: `validate` reads it as one (not as a policy missing its
+    keys), and every reader says what it lacks and that it may be cut short."""
+    run(capsys, "build", "uva.policy.yaml")
+    (work / "cut.plan.yaml").write_bytes((work / "uva.plan.yaml").read_bytes()[:cut])
+    for command in ("validate", "show", "check"):
+        code, out, err = run(capsys, command, "cut.plan.yaml")
+        assert_one_error(code, out, err, "cut.plan.yaml: not an offplan plan (no `params:` mapping) (it starts as "
+                         "one: cut short?); build one with `plan build POLICY`")
