@@ -51,7 +51,8 @@ def build_command(args) -> int:
                                               (s.working_peak_bytes, "experts' working memory")) if b]
     buffers = (" (" + ", ".join(f"{b} of it {what}" if i == 0 else f"{b} {what}" for i, (b, what) in enumerate(pools))
                + ")" if pools else "")
-    host = human(s.uva_bytes + s.prefetch_bytes) if s.uva_bytes + s.prefetch_bytes else "nothing offloaded"
+    off = s.uva_bytes + s.prefetch_bytes + s.cpu_bytes
+    host = human(off) + (f" ({human(s.cpu_bytes)} of it on cpu)" if s.cpu_bytes else "") if off else "nothing offloaded"
     c = plan.cost
     prefill = f", prefill of {c.prompt_tokens} tokens {ms(c.prefill_us)}" if c and c.prompt_tokens else ""
     emit(args, data, [f"wrote {out}: {plural(plan.tensors, 'tensor')}, backend {plan.backend.value}; GPU "

@@ -194,7 +194,7 @@ def _footprint(plan: Plan) -> list[str]:
         out.append(f"host CPU{per}: computes {human(s.cpu_bytes)} of routed experts{threads}, kept in host memory")
     offloaded = s.uva_bytes + s.prefetch_bytes
     if not offloaded:
-        out.append(f"host (pinned){per}: nothing offloaded")
+        out.append(f"host (pinned){per}: nothing offloaded" + (" beyond the experts on cpu" if s.cpu_bytes else ""))
         return out
     host = " + ".join(f"{human(b)} {k}" for k, b in (("uva", s.uva_bytes), ("prefetch", s.prefetch_bytes)) if b)
     saved = offloaded - s.prefetch_buffer_bytes - s.stage_buffer_bytes
