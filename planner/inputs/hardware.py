@@ -14,6 +14,7 @@ rates measured there (`plan calibrate` does not measure them yet).
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -96,8 +97,13 @@ H100 = Hardware(
 )
 
 
+_CORE = ("h2d_copy_gbps", "uva_read_gbps", "hbm_read_gbps", "layer_overhead_us")  # every calibrated profile's
+
+
 def load_hardware(path: str | Path) -> Hardware:
-    """Read and validate a profile written by `plan calibrate` (errors name file:line:column)."""
+    """Read and validate a profile written by `plan calibrate`, or by hand with some figures only (each left out
+    is the built-in H100 profile's: a machine without a GPU to calibrate sets `cpu_threads`, say); errors name
+    file:line:column."""
     path = Path(path)
     doc = yamlio.parse(path, yamlio.read(path, HardwareProfileError, "hardware profile"), HardwareProfileError)
     wrong = yamlio.wrong_kind(path, doc.data, "hardware profile")
@@ -105,6 +111,14 @@ def load_hardware(path: str | Path) -> Hardware:
         raise HardwareProfileError(wrong)
     validate(doc, "hardware.schema.json", HardwareProfileError, f"{path}: the hardware profile is invalid")
     d = doc.data
+    if not all(k in d for k in _CORE):  # written by hand, some figures only: the built-in ones with those in place
+        kinds = {f.name: f.type for f in dataclasses.fields(Hardware)}
+        given = {k: (int if kinds[k] == "int" else float)(v) for k, v in d.items()
+                 if k in kinds and k not in ("name", "measured")}
+        if "h2d_copy_gbps" in given and "parallel_h2d_copy_gbps" not in given:  # shared as the built-in figures are
+            given["parallel_h2d_copy_gbps"] = given["h2d_copy_gbps"] * H100.parallel_h2d_copy_gbps / H100.h2d_copy_gbps
+        return dataclasses.replace(H100, name=d["name"], **given, measured=d.get(
+            "measured", f"{path.name}: {', '.join(given) or 'no figure'}; the rest {H100.measured}"))
     return Hardware(d["name"], float(d["h2d_copy_gbps"]), float(d["uva_read_gbps"]),
                     float(d["hbm_read_gbps"]), float(d["layer_overhead_us"]),
                     step_overhead_us=float(d.get("step_overhead_us", 0.0)),

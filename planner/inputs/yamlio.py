@@ -180,7 +180,7 @@ def kind(data) -> str | None:
         return "routing profile"
     if isinstance(data.get("checkpoint"), dict):  # a policy's checkpoint is a path
         return "plan"
-    if "h2d_copy_gbps" in data:
+    if "h2d_copy_gbps" in data or "name" in data and "checkpoint" not in data:  # a profile may hold a few figures
         return "hardware profile"
     if "checkpoint" in data:
         return "policy"

@@ -9,9 +9,9 @@ import pytest
 from headeronly import GPU, PREFETCH, UVA, infos, policy
 from planner.decide.cost import CostModel
 from planner.decide.placement import decide
-from planner.errors import PolicyError
+from planner.errors import HardwareProfileError, PolicyError
 from planner.inputs.config import ModelFacts, read_config
-from planner.inputs.hardware import Hardware, dumps_hardware, load_hardware
+from planner.inputs.hardware import H100, Hardware, dumps_hardware, load_hardware
 from planner.inputs.patterns import compile_pattern
 from planner.inputs.policy import Rule, Workload, load_policy
 from planner.layers.graph import build_graph
@@ -271,3 +271,21 @@ def test_graph_replay_costs_no_launch_time():
     graphs = CostModel(g, i, HW, 1, FusedGroups.find(n for l in g.stack_layers() for n in l.params), 1, graphs=True)
     assert eager.predict(place).cpu_us == 200 and graphs.predict(place).cpu_us == 0
     assert graphs.predict(place).gpu_us == eager.predict(place).gpu_us
+
+
+def test_a_hand_written_profile_may_hold_a_few_figures_the_rest_the_builtin_ones(tmp_path, capsys):
+    """A machine without a GPU to calibrate gives its own cores (`cpu_threads`) and keeps the H100's other
+    figures; `plan validate` knows the file for a hardware profile; a name is still asked for."""
+    from offplan.cli import main
+
+    path = tmp_path / "two-cores.yaml"
+    path.write_text("format_version: 1\nname: two cores\ncpu_threads: 2\n")
+    assert load_hardware(path) == dataclasses.replace(H100, name="two cores", cpu_threads=2, measured=(
+        f"two-cores.yaml: cpu_threads; the rest {H100.measured}"))
+    (tmp_path / "h2d.yaml").write_text("format_version: 1\nname: slower link\nh2d_copy_gbps: 27.5\n")
+    assert load_hardware(tmp_path / "h2d.yaml").parallel_h2d_copy_gbps == H100.parallel_h2d_copy_gbps / 2
+    assert main(["validate", str(path)]) == 0
+    assert capsys.readouterr().out == f"{path}: valid hardware profile (two cores)\n"
+    path.write_text("format_version: 1\ncpu_threads: 2\n")
+    with pytest.raises(HardwareProfileError, match="'name' is required"):
+        load_hardware(path)
