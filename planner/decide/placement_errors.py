@@ -80,22 +80,23 @@ def check_cpu(groups: FusedGroups, won: list[set[str]], policy: Policy, tensors:
     for i, (rule, mine) in enumerate(zip(policy.rules, won)):
         if rule.place is not CPU:
             continue
+        at = f"{policy.where(f'rules[{i}].match[0]')}: rules[{i}] (place: cpu)"
         wrong = sorted(n for n in mine if not groups.routed(n))
         if wrong:
-            problems.append(f"rules[{i}] (place: cpu) selects {_few(wrong)}, which "
+            problems.append(f"{at} selects {_few(wrong)}, which "
                             f"{'is not a routed expert' if len(wrong) == 1 else 'are not routed experts'}: "
                             "cpu holds routed experts only (the CPU computes the tokens routed to them); narrow "
                             "the rule's match to the experts (e.g. `experts`)")
             continue
         stored = sorted(n for n in mine if not host_computes(n, tensors, partner))
         if stored:
-            problems.append(f"rules[{i}] (place: cpu) selects {_few(stored)}, quantized: the host computes bf16, fp16, "
+            problems.append(f"{at} selects {_few(stored)}, quantized: the host computes bf16, fp16, "
                             "fp32 and block-scaled FP8 (E4M3) experts only (the runtime would refuse the plan); place "
                             "them on uva")
             continue
         left = sorted({m for n in mine for m in _expert(groups, n)} - on_cpu)
         if left:
-            problems.append(f"rules[{i}] (place: cpu) puts part of an expert on cpu, leaving out {_few(left)}: "
+            problems.append(f"{at} puts part of an expert on cpu, leaving out {_few(left)}: "
                             "the host computes an expert whole (its gate, up and down projections), so select all "
                             "of its tensors (e.g. `re:experts\\.0\\.` for expert 0, or `experts`)")
     if problems:

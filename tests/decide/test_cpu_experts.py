@@ -105,10 +105,10 @@ def test_some_experts_on_cpu_others_on_uva_and_gpu_in_one_layer():
 
 
 @pytest.mark.parametrize("match, named", [
-    (["o_proj"], "rules[0] (place: cpu) selects model.layers.0.self_attn.o_proj.weight, "
+    (["o_proj"], "test.policy.yaml: rules[0] (place: cpu) selects model.layers.0.self_attn.o_proj.weight, "
                  "model.layers.1.self_attn.o_proj.weight, model.layers.2.self_attn.o_proj.weight, which are not "
                  "routed experts"),
-    (["lm_head"], "rules[0] (place: cpu) selects lm_head.weight, which is not a routed expert"),
+    (["lm_head"], "test.policy.yaml: rules[0] (place: cpu) selects lm_head.weight, which is not a routed expert"),
 ])
 def test_cpu_on_what_is_no_routed_expert_is_refused_naming_it(match, named):
     with pytest.raises(PolicyError) as e:
@@ -122,9 +122,9 @@ def test_part_of_an_expert_on_cpu_is_refused_naming_what_the_rule_left_out():
     """The runtime computes an expert whole on the host, and refused such a plan only at load."""
     with pytest.raises(PolicyError) as e:
         plan_of(moe_toy(2), policy(rules=[(["re:experts\\.0\\.(gate|up)_proj"], "cpu")]))
-    assert e.value.problems == [
-        "rules[0] (place: cpu) puts part of an expert on cpu, leaving out model.layers.0.mlp.experts.0.down_proj.weight, "
-        "model.layers.1.mlp.experts.0.down_proj.weight: the host computes an expert whole (its gate, up and down "
+    assert e.value.problems == [  # (a policy read from a file: file:line:column of the rule's match)
+        "test.policy.yaml: rules[0] (place: cpu) puts part of an expert on cpu, leaving out "
+        "model.layers.0.mlp.experts.0.down_proj.weight, model.layers.1.mlp.experts.0.down_proj.weight: the host computes an expert whole (its gate, up and down "
         "projections), so select all of its tensors (e.g. `re:experts\\.0\\.` for expert 0, or `experts`)"]
     d, _ = plan_of(moe_toy(2), policy(rules=[(["re:experts\\.0\\.(gate|up)_proj"], "cpu"),
                                              (["re:experts\\.0\\.down_proj"], "cpu")]))  # two rules, one expert
@@ -285,7 +285,7 @@ def test_fp8_experts_on_cpu_by_rule_are_built_and_mxfp4_ones_refused_naming_them
         plan_of(tensors, policy(rules=[(["re:layers\\.1\\.mlp\\.experts\\."], "cpu")]))
     assert str(e.value).splitlines()[0] == "test.policy.yaml: place: cpu on tensors that are not whole routed experts"
     assert len(e.value.problems) == 1 and e.value.problems[0].startswith(
-        "rules[0] (place: cpu) selects model.layers.1.mlp.experts.down_proj_blocks, ")
+        "test.policy.yaml: rules[0] (place: cpu) selects model.layers.1.mlp.experts.down_proj_blocks, ")
     assert e.value.problems[0].endswith(
         "quantized: the host computes bf16, fp16, fp32 and block-scaled FP8 (E4M3) experts only (the runtime would "
         "refuse the plan); place them on uva")
