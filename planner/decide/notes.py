@@ -236,7 +236,8 @@ def saving_warnings(place: Mapping[str, Placement], tensors: Mapping[str, Tensor
                        f"{human(schedule.slot_bytes)})")
             if slots >= layers:
                 why[-1] += (f": there are as many slots as prefetched layers ({layers}), so each prefetched layer "
-                            "has a slot of its own; lower prefetch.step or prefetch more layers")
+                            "has a slot of its own; " + ("lower prefetch.step or prefetch more layers"
+                                                         if schedule.step > 1 else "prefetch more layers"))
         if staging is not None:
             why.append(f"the prefill staging buffers take {human(staging.pool_bytes)} ({plural(staging.slots, 'slot')}"
                        f" x {human(staging.slot_bytes)} for {plural(len(staging.layers), 'uva layer')}); offload "
