@@ -92,3 +92,18 @@ def test_a_closed_stdout_ends_quietly(work, argv):
     proc.stdout.close()
     err = proc.stderr.read().decode()
     assert (proc.wait(), err) == (141, "")
+
+
+def test_ctrl_c_while_the_cli_is_imported_is_one_line_and_exit_130(monkeypatch, capsys):
+    """`plan` (offplan/__main__.py `run`) imports the CLI inside the handler: an interrupt there, as in a command,
+    prints `interrupted`, no traceback."""
+    import types
+
+    import offplan.__main__ as entry
+
+    class Interrupted(types.ModuleType):
+        def __getattr__(self, name):
+            raise KeyboardInterrupt
+    monkeypatch.setitem(sys.modules, "offplan.cli", Interrupted("offplan.cli"))
+    assert entry.run() == 130
+    assert capsys.readouterr().err == "interrupted\n"
