@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import os
 import sys
 from importlib import metadata
@@ -182,6 +183,9 @@ def main(argv: list[str] | None = None) -> int:
         return code
     except (OffplanError, _UsageError) as e:
         print(f"error: {e}", file=sys.stderr)
+        if "--json" in (sys.argv[1:] if argv is None else argv):  # and for a program reading stdout, as JSON
+            problems = getattr(e, "problems", [])
+            print(json.dumps({"error": getattr(e, "headline", str(e)) if problems else str(e), "problems": problems}))
         return 1
     except BrokenPipeError:
         _drop_stdout()

@@ -186,3 +186,14 @@ def test_a_plan_cut_short_is_said_to_be_one_by_every_reader(work, capsys, cut):
         code, out, err = run(capsys, command, "cut.plan.yaml")
         assert_one_error(code, out, err, "cut.plan.yaml: not an offplan plan (no `params:` mapping) (it starts as "
                          "one: cut short?); build one with `plan build POLICY`")
+
+
+def test_with_json_an_error_goes_to_stdout_as_json_too(work, capsys):
+    write_policy(work, "uva:\n  params: [mlp.dwon_proj]\n", name="typo.policy.yaml")
+    code, out, err = run(capsys, "build", "typo.policy.yaml", "--json")
+    assert code == 1 and err.startswith("error: typo.policy.yaml: ")
+    assert json.loads(out) == {"error": "typo.policy.yaml: patterns that match nothing", "problems": [
+        "typo.policy.yaml:4:12: uva.params[0]: 'mlp.dwon_proj' matches no tensor of the checkpoint; did you mean "
+        "'mlp.down_proj'?"]}
+    code, out, err = run(capsys, "show", "nope.plan.yaml", "--json")
+    assert code == 1 and json.loads(out) == {"error": "nope.plan.yaml: no such plan file", "problems": []}
