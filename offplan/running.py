@@ -32,7 +32,7 @@ from planner.errors import OffplanError
 from planner.files import refuse_to_replace, write_atomic
 from planner.inputs.hardware import H100, dumps_hardware
 from planner.planfile import load_plan
-from planner.planfile.staleness import checkpoint_of
+from planner.planfile.staleness import checkpoint_of, stale_but_loadable
 from planner.units import human, ms, plural
 from runtime.execute import experts
 from runtime.execute.handle import LoadStats
@@ -83,6 +83,10 @@ def apply_command(args) -> int:
                   args.json, None if sys.stderr.isatty() else False, args.compile)
     plan = load_plan(args.plan)
     checkpoint_of(plan, Path(args.plan))  # missing: said here, naming the plan's key, before anything loads
+    stale = stale_but_loadable(plan, Path(args.plan))
+    if stale:
+        print(f"warning: {args.plan} is stale ({'; '.join(stale)}); applied as it is: rebuild it for what its "
+              "inputs now ask (`plan check` says how)", file=sys.stderr)
     gpus = plan.parallel
     if args.compile and gpus is not None:
         raise OffplanError(f"--compile: not with a tensor-parallel plan ({args.plan} runs on {gpus.gpus} GPUs); "

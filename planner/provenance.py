@@ -51,6 +51,15 @@ def inputs_fingerprint(offplan: str, hardware: Path | None, checkpoint_root: Pat
     return "sha256:" + digest.hexdigest()
 
 
+_STAMP = re.compile(r"\nbuilt:\n(?:  .*\n){3}(?=checkpoint:\n)")
+
+
+def unstamped(text: str) -> str:
+    """A plan's text without its stamp: what an offplan of unknown version (not installed) builds of the same
+    inputs, where the planner is the same."""
+    return _STAMP.sub("\n", text, count=1)
+
+
 def sign(text: str) -> str:
     """`text`, written with PLACEHOLDER as its digest, with the digest of itself in its place."""
     return text.replace(PLACEHOLDER, "sha256:" + hashlib.sha256(text.encode()).hexdigest(), 1)

@@ -41,7 +41,7 @@ from ..inputs.policy import load_policy, policy_fingerprint
 from ..inputs.routing import profile_fingerprint
 from ..nogc import no_gc
 from ..plan import Plan
-from ..provenance import inputs_fingerprint, signed, version
+from ..provenance import inputs_fingerprint, signed, unstamped, version
 from .file import dumps
 
 
@@ -84,7 +84,7 @@ def stale_reasons(plan: Plan, plan_path: Path, ckpt: Checkpoint) -> list[str]:
     policy = load_policy(policy_path)
     fresh = build(policy, plan_path.parent, ckpt)
     text = plan_path.read_text()
-    if dumps(fresh) != text:
+    if dumps(fresh) != (text if fresh.built is not None else unstamped(text)):  # uninstalled: no stamp to match
         moved = [n for n, p in fresh.params.items() if plan.params.get(n) is not p]
         where = (f" ({len(moved)} placements differ, e.g. {moved[0]}: the plan says {plan.params[moved[0]].value}, "
                  f"the policy gives {fresh.params[moved[0]].value})" if moved and moved[0] in plan.params else "")
@@ -96,6 +96,22 @@ def stale_reasons(plan: Plan, plan_path: Path, ckpt: Checkpoint) -> list[str]:
                f"the hardware profile {policy.hardware} or the checkpoint's config.json changed since it was built")
         problems.append(f"the plan is not what `plan build` makes of its policy and checkpoint ({why}){where}")
     return problems
+
+
+def stale_but_loadable(plan: Plan, plan_path: Path) -> list[str]:
+    """Why `plan check` would call the plan stale, where the runtime still loads it (its checkpoint unchanged:
+    a changed policy, routing profile, hardware profile or config.json, a hand edit); [] where it is current, where
+    the checkpoint changed (the runtime refuses that, saying so) and where an input cannot be read (the load says
+    what). `plan apply` warns with it: the plan is applied as it is, never re-decided."""
+    if up_to_date(plan_path) is not None:
+        return []
+    try:
+        ckpt = open_checkpoint(checkpoint_of(plan, plan_path))
+        if checkpoint_change(plan, ckpt, plan.checkpoint_dir(plan_path)):
+            return []
+        return stale_reasons(plan, plan_path, ckpt)
+    except OffplanError:
+        return []
 
 
 def checkpoint_of(plan: Plan, plan_path: Path) -> Path:
@@ -137,7 +153,7 @@ def up_to_date(plan_path: Path, rebuild: bool = False) -> Inputs | None:
             fresh = build(load_policy(where.policy), plan_path.parent, open_checkpoint(where.checkpoint))
         except (OffplanError, OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError):
             return None
-        return where if dumps(fresh) == text else None
+        return where if dumps(fresh) == (text if fresh.built is not None else unstamped(text)) else None
 
 
 def _stamp_holds(head: dict, text: str, where: Inputs) -> bool:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from importlib import metadata
 
 import pytest
 
@@ -120,3 +121,18 @@ def test_the_quick_fingerprint_is_the_checkpoint_readers(tmp_path, single):
     if not single:
         next((tmp_path / "ckpt").glob("*.safetensors")).unlink()
         assert fingerprint(tmp_path / "ckpt") is None
+
+
+def test_an_uninstalled_offplan_finds_a_stamped_plan_current_by_building_it(plan, monkeypatch, capsys):
+    """Run from a source tree (no version: its builds carry no stamp), a plan an installed offplan built and
+    stamped is current where the rest of it is what the build makes; an edit is still stale."""
+    def unknown(_):
+        raise metadata.PackageNotFoundError("offplan")
+    monkeypatch.setattr("planner.provenance.metadata.version", unknown)
+    calls = builds_counted(monkeypatch)
+    assert staleness.up_to_date(plan) is not None and calls == [1]
+    assert main(["check", str(plan)]) == 0
+    assert "up to date" in capsys.readouterr().out
+    plan.write_text(plan.read_text() + "# reviewed\n")  # any other byte: not what the build makes
+    assert main(["check", str(plan)]) == 2
+
