@@ -43,6 +43,7 @@ from operator import itemgetter
 
 from ..inputs.checkpoint import TensorInfo
 from ..inputs.prefused import expert_rows, prefused_key
+from ..units import plural
 from .alike import applies
 from .expert_names import key, matches, piece
 
@@ -226,11 +227,11 @@ def whole_groups(names: list[str], groups: "FusedGroups", layer) -> list[str]:
 
 
 def split_units(groups: FusedGroups, selected: Collection[str], what: str, whole_groups: bool) -> list[str]:
-    """Problems where `selected` holds part of a unit it must take whole, one line per unit.
+    """The problem where `selected` holds part of units it must take whole: one line for `what` (a rule or a
+    section), naming the first such unit, and how many there are where more than one.
 
     `whole_groups` (prefetch): the unit is the group; else the expert of a fused parameter.
     """
-    problems = []
     if whole_groups and 4 * len(selected) < sum(map(len, groups.members.values())):  # a few: each unit once
         units = [(g, groups.members[g]) for g in set(map(groups.group_of.get, selected)) - {None}]
     elif whole_groups:  # many: every group's members looked up in their order (a set's order is at random in memory)
@@ -238,22 +239,21 @@ def split_units(groups: FusedGroups, selected: Collection[str], what: str, whole
     else:  # one expert's tensors (`key`: named `.experts.`; a rule of a few others asks no map)
         units = [(groups.group_of[u[0]], u) for u in {groups.expert_of[m] for m in selected
                                                        if ".experts." in m and m in groups.index_of}]
-    for group, unit in units:
-        if len(unit) < 2 or all(map(selected.__contains__, unit)):  # in C: a group of DeepSeek-V3 holds 1,536
-            continue
-        picked = list(filter(selected.__contains__, unit))
-        if len(picked) < len(unit):
-            if whole_groups:
-                problems.append(
-                    f"{what} selects {len(picked)} of the {len(unit)} tensors of fused group {group} "
-                    f"(e.g. {picked[0]}); prefetch streams a group whole, since its fused parameters are views of "
-                    "one slot: select all of them (for example with the pattern `experts`), or place experts on uva")
-            else:
-                missing = next(n for n in unit if n not in selected)
-                problems.append(
-                    f"{what} selects {picked[0]} but not {missing}: they are one row of a fused parameter at run "
-                    "time (transformers and vLLM join gate and up), so select both")
-    return sorted(problems)
+    split = sorted((group, unit) for group, unit in units  # in C: a group of DeepSeek-V3 holds 1,536
+                   if len(unit) >= 2 and not all(map(selected.__contains__, unit)))
+    if not split:
+        return []
+    group, unit = split[0]
+    picked = list(filter(selected.__contains__, unit))
+    if whole_groups:
+        more = f" (and {plural(len(split) - 1, 'more group')} alike)" if len(split) > 1 else ""
+        return [f"{what} selects {len(picked)} of the {len(unit)} tensors of fused group {group} (e.g. {picked[0]})"
+                f"{more}; prefetch streams a group whole, since its fused parameters are views of one slot: select "
+                "all of them (for example with the pattern `experts`), or place experts on uva"]
+    missing = next(n for n in unit if n not in selected)
+    more = f" (and in {plural(len(split) - 1, 'more expert')} alike)" if len(split) > 1 else ""
+    return [f"{what} selects {picked[0]} but not {missing}{more}: they are one row of a fused parameter at run time "
+            "(transformers and vLLM join gate and up), so select both"]
 
 
 def ranges(numbers: Iterable[int]) -> str:

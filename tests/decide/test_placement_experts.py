@@ -40,13 +40,14 @@ def test_uva_budget_walk_moves_one_expert_of_one_parameter_at_a_time():
 @pytest.mark.parametrize("pol, where", [
     (dict(rules=[(["re:experts\\.1\\.gate_proj"], "uva")]),
      "rules[0] (place: uva) selects model.layers.0.mlp.experts.1.gate_proj.weight but not "
-     "model.layers.0.mlp.experts.1.up_proj.weight: they are one row of a fused parameter at run time"),
+     "model.layers.0.mlp.experts.1.up_proj.weight (and in 2 more experts alike): they are one row of a fused "
+     "parameter at run time"),
     (dict(offload_gib=1, uva_params=["up_proj"]),
      "uva.params selects model.layers.0.mlp.experts.0.up_proj.weight but not "
      "model.layers.0.mlp.experts.0.gate_proj.weight"),
     (dict(backend="prefetch", group_size=1, prefetch_params=["gate_proj"]),
      "prefetch.params selects 2 of the 6 tensors of fused group model.layers.0.mlp.experts (e.g. "
-     "model.layers.0.mlp.experts.0.gate_proj.weight); prefetch streams a group whole"),
+     "model.layers.0.mlp.experts.0.gate_proj.weight) (and 2 more groups alike); prefetch streams a group whole"),
 ])
 def test_splitting_a_fused_expert_or_prefetching_part_of_a_group_is_an_error(pol, where):
     with pytest.raises(PolicyError) as err:
@@ -142,7 +143,7 @@ def test_vllms_offload_params_naming_part_of_a_pre_fused_group_is_refused_under_
         plan_of(t, policy(backend="prefetch", group_size=2, prefetch_params=gate_up))
     assert err.value.problems[0].startswith(
         "prefetch.params selects 2 of the 4 tensors of fused group model.layers.0.mlp.experts (e.g. "
-        "model.layers.0.mlp.experts.gate_up_proj); prefetch streams a group whole")
+        "model.layers.0.mlp.experts.gate_up_proj) (and 1 more group alike); prefetch streams a group whole")
     d, _ = plan_of(t, policy(backend="uva", offload_gib=1, uva_params=gate_up))
     assert placed(d, UVA) == [f"model.layers.{i}.mlp.experts.{p}" for i in (0, 1) for p in gate_up]
 
