@@ -27,6 +27,7 @@ from ..plan import (Backend, Buffer, Built, Cost, LayerBytes, Layout, Parallel, 
                     PrefillStaging, RoutingRef, Runs, StagedLayer, Summary, Transfer)
 from ..provenance import PLACEHOLDER, sign
 from .consistency import inconsistencies
+from .reading import parse_plan
 
 FORMAT_VERSION = 2  # 2: slot layouts with offsets, module paths, `runs`
 HEADER = (
@@ -238,7 +239,7 @@ def _refuse_inconsistent(plan: Plan, doc: yamlio.Located, tensors, unchecked: st
 
 
 def _parse(text: str, path: Path) -> tuple[Plan, yamlio.Located]:
-    doc = yamlio.parse(path, text, PlanFileError)
+    doc = parse_plan(path, text)
     wrong = yamlio.wrong_kind(path, doc.data, "plan")
     if wrong:
         raise PlanFileError(wrong)
