@@ -1,0 +1,25 @@
+"""`plan apply` of a plan `plan check` calls stale while the runtime still loads it (its checkpoint unchanged):
+applied as it is, with one warning saying why; a current plan gets none."""
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from offplan.cli import main  # noqa: E402
+from planner.planfile import load_plan  # noqa: E402
+from tiny_models import make_plan, qwen3_moe_config, save_model  # noqa: E402
+
+
+def test_a_stale_plan_that_still_loads_is_applied_with_a_warning(tmp_path, capsys):
+    checkpoint = save_model(qwen3_moe_config(num_hidden_layers=2), tmp_path / "m")
+    plan = make_plan(tmp_path, checkpoint, "prefetch: {group_size: 1, num_in_group: 1, step: 2}")
+    assert main(["apply", str(plan), "--max-new-tokens", "2"]) == 0
+    assert "warning" not in capsys.readouterr().err
+    policy = plan.parent / load_plan(plan).policy_path
+    policy.write_text(policy.read_text() + "# edited\n")
+    assert main(["apply", str(plan), "--max-new-tokens", "2"]) == 0
+    assert capsys.readouterr().err == (
+        f"warning: {plan} is stale (the policy {policy} changed since the plan was built); applied as it is: rebuild "
+        "it for what its inputs now ask (`plan check` says how)\n")
