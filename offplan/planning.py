@@ -100,7 +100,8 @@ def show_command(args) -> int:
 
 
 def diff_command(args) -> int:
-    old, new = read_plan(args.old), read_plan(args.new)
+    old = read_plan(args.old)
+    new = read_plan(args.new, beside=old)  # their checkpoint read once where it is the same
     sizes = None  # bytes per moved tensor need the checkpoints' headers; counts do without
     if old.checkpoint or new.checkpoint:
         sizes = {n: t.nbytes for c in (old.checkpoint, new.checkpoint) if c for n, t in c.tensors.items()}

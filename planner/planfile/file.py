@@ -199,13 +199,14 @@ def loads(text: str, path: str | Path = "<plan>", tensors: Mapping[str, TensorIn
     return plan
 
 
-def read_plan(path: str | Path) -> LoadedPlan:
+def read_plan(path: str | Path, beside: LoadedPlan | None = None) -> LoadedPlan:
     """Read a plan file and check it, against its checkpoint's headers when they are at hand
     (the checkpoint exists and its fingerprint is the plan's): `plan show`, `plan validate`,
-    `plan diff`, `plan check` and the runtime all read plans through here."""
+    `plan diff`, `plan check` and the runtime all read plans through here. `beside`: another plan read,
+    whose checkpoint is taken where it is this one's (the same directory and fingerprint: `plan diff`)."""
     path = Path(path)
     plan, doc = _parse(yamlio.read(path, PlanFileError, "plan"), path)
-    ckpt, unchecked = _checkpoint_at_hand(plan, path)
+    ckpt, unchecked = _checkpoint_at_hand(plan, path, beside.checkpoint if beside else None)
     _refuse_inconsistent(plan, doc, ckpt.tensors if ckpt else None, unchecked)
     return LoadedPlan(plan, ckpt, unchecked)
 
@@ -214,8 +215,10 @@ def load_plan(path: str | Path) -> Plan:
     return read_plan(path).plan
 
 
-def _checkpoint_at_hand(plan: Plan, path: Path) -> tuple[Checkpoint | None, str | None]:
+def _checkpoint_at_hand(plan: Plan, path: Path, read: Checkpoint | None = None) -> tuple[Checkpoint | None, str | None]:
     where = plan.checkpoint_dir(path)
+    if read is not None and read.fingerprint == plan.checkpoint_fingerprint and read.root.resolve() == where.resolve():
+        return read, None  # read already, for another plan
     if not where.exists():
         return None, f"its checkpoint {plan.checkpoint_path} is not at hand"
     try:

@@ -46,3 +46,15 @@ def test_a_name_twice_is_pyyamls_duplicate_key_error_with_both_lines():
         parse_plan(Path("p.plan.yaml"), text)
     with pytest.raises(PlanFileError, match="'params' again"):  # a second params: above the block
         parse_plan(Path("p.plan.yaml"), text.replace("\nnotes:\n", "\nparams: {}\nnotes:\n", 1))
+
+
+def test_diff_reads_a_checkpoint_both_plans_share_once(monkeypatch, capsys):
+    import planner.planfile.file as file
+    from offplan.cli import main
+
+    opened = []
+    real = file.open_checkpoint
+    monkeypatch.setattr(file, "open_checkpoint", lambda where: opened.append(where) or real(where))
+    tiny = [p for p in EXAMPLES if p.name == "tiny-moe.plan.yaml"]
+    assert main(["diff", *map(str, tiny * 2)]) == 0
+    assert len(opened) == 1 and "no changes" in capsys.readouterr().out.lower()
