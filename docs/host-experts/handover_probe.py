@@ -4,6 +4,9 @@ copied back), through native.cpp's listener and through a host node, alternating
 median replay of each round, in microseconds. Prints and writes one JSON object.
 
     python docs/host-experts/handover_probe.py --rounds 3 --out handover.json
+
+Runs against commit 52bf1f6's runtime, whose listener is not on main (README.md here, "native.cpp's listener"):
+`git worktree add /tmp/listener 52bf1f6`, then run it there.
 """
 from __future__ import annotations
 

@@ -4,6 +4,9 @@ decodes `--new-tokens` steps at batch 1 through the runtime's generation (CUDA g
 call. Prints and writes JSONL rows: steps/s per round and hand-over.
 
     python docs/host-experts/listener_ab.py PLAN --rounds 3 --out listener-ab.jsonl
+
+Runs against commit 52bf1f6's runtime, whose listener is not on main (README.md here, "native.cpp's listener"):
+`git worktree add /tmp/listener 52bf1f6`, then run it there.
 """
 from __future__ import annotations
 

@@ -13,8 +13,8 @@
 - `cpu_expert_alone_gbps`: the same calls with the GPU idle, the rate of a layer whose experts off the GPU are
   all on cpu (the cost model takes it there);
 - the hand-over: a captured graph of what a decode step enqueues per layer with experts on cpu (the tokens and
-  their routing copied to pinned memory, the hand-over to native.cpp, the outputs copied back), its job
-  computing nothing (no expert on cpu), replayed: the median replay.
+  their routing copied to pinned memory, the host node, the outputs copied back), its job computing nothing
+  (no expert on cpu), replayed: the median replay.
 
 `cpu_expert_sync_us` = the hand-over + the fit's fixed cost. `cpu_threads`: the cores this process may run on,
 less one for the Python thread that launches the GPU's work.
@@ -25,6 +25,7 @@ the GPU's UVA reads run at full rate throughout, where a step's run only while i
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import statistics
 import threading
@@ -34,7 +35,8 @@ from dataclasses import dataclass
 import torch
 
 from ..execute.host import native
-from ..place.arena import PinnedArena, typed
+from ..execute.host.handoff import launch_host_func
+from ..place.arena import PinnedArena
 from .bandwidth import mlp_weights, random_bytes
 
 EXPERTS, INTER, HIDDEN, TOP_K = 128, 768, 2048, 8
@@ -47,7 +49,7 @@ class HostFigures:
     gbps: float  # the touched experts' bytes per second, beside the GPU's UVA reads
     alone_gbps: float  # the same, with the GPU idle
     fixed_us: float  # per call, the fit's intercept
-    handover_us: float  # per layer: copies, the host's turn (listener or host node), copy back
+    handover_us: float  # per layer: copies, host node, copy back
     r2: float  # of the fit
     isa: str  # native.cpp's instruction set
 
@@ -66,7 +68,8 @@ def host_figures(calls: int = 24) -> HostFigures | None:
     try:
         fixed, gbps, r2 = _rate(lib, pool, calls, _uva_reads())
         alone = _rate(lib, pool, calls, contextlib.nullcontext())[1]
-        return HostFigures(threads, gbps, alone, fixed, handover(lib, native.can_listen()), r2, pool.isa())
+        handover = _handover(lib, pool)
+        return HostFigures(threads, gbps, alone, fixed, handover, r2, pool.isa())
     finally:
         pool.close()
 
@@ -140,44 +143,35 @@ class _uva_reads:
         self.arena.release()
 
 
-def handover(lib, listen: bool, repeat: int = 200) -> float:
-    """The per-layer hand-over as a decode step's graph runs it (module doc), through native.cpp's listener or a
-    host node (the engine takes the listener where `native.can_listen()`): median replay, us."""
+def _handover(lib, pool, repeat: int = 200) -> float:
+    """The per-layer hand-over as a decode step's graph runs it (module doc): median replay, us."""
     tokens, pairs = 1, TOP_K
-    arena = PinnedArena(12288 + pairs * HIDDEN * 2, cuda=True)  # x, ids, the listener's two words, y: a page each
-    x_host = typed(arena.host_view(0, tokens * HIDDEN * 2), torch.bfloat16, (tokens, HIDDEN))
-    ids_host = typed(arena.host_view(4096, pairs * 8), torch.long, (pairs,))
-    flags = typed(arena.host_view(8192, 8), torch.int32, (2,))
-    y_host = typed(arena.host_view(12288, pairs * HIDDEN * 2), torch.bfloat16, (pairs, HIDDEN))
+    x_host = torch.empty((tokens, HIDDEN), dtype=torch.bfloat16, pin_memory=True)
+    ids_host = torch.empty(pairs, dtype=torch.long, pin_memory=True)
+    y_host = torch.empty((pairs, HIDDEN), dtype=torch.bfloat16, pin_memory=True)
     weights = torch.empty((1, 2, 2), dtype=torch.bfloat16), torch.empty((1, 2, 1), dtype=torch.bfloat16)
     on_cpu = torch.zeros(1, dtype=torch.uint8)  # none: kept alive for the job's life, as native.job asks
-    jobs = native.Jobs(lib, 1, flags if listen else None)
-    try:
-        job = native.job(jobs.pool, *weights, on_cpu, x_host, ids_host, y_host, tokens, TOP_K)
-        ids_host.zero_()
-        x = torch.zeros((tokens, HIDDEN), dtype=torch.bfloat16, device="cuda")
-        ids = torch.zeros(pairs, dtype=torch.long, device="cuda")
-        y = torch.empty((pairs, HIDDEN), dtype=torch.bfloat16, device="cuda")
-        stream = torch.cuda.Stream()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            x_host.copy_(x, non_blocking=True)
-            ids_host.copy_(ids, non_blocking=True)
-            jobs.capture(torch.cuda.current_stream().cuda_stream, job)
-            y.copy_(y_host, non_blocking=True)
-        times = []
-        for i in range(repeat + 10):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            if i >= 10:
-                times.append(1e3 * start.elapsed_time(end))
-        if job.error or job.calls != repeat + 10:
-            raise RuntimeError(f"offplan: the hand-over's job failed in calibration ({job.calls} calls run)")
-    finally:
-        torch.cuda.synchronize()
-        jobs.close()
-        arena.release()
+    job = native.job(pool, *weights, on_cpu, x_host, ids_host, y_host, tokens, TOP_K)
+    ids_host.zero_()
+    x = torch.zeros((tokens, HIDDEN), dtype=torch.bfloat16, device="cuda")
+    ids = torch.zeros(pairs, dtype=torch.long, device="cuda")
+    y = torch.empty((pairs, HIDDEN), dtype=torch.bfloat16, device="cuda")
+    stream = torch.cuda.Stream()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        x_host.copy_(x, non_blocking=True)
+        ids_host.copy_(ids, non_blocking=True)
+        launch_host_func(torch.cuda.current_stream().cuda_stream, native.address(lib), ctypes.addressof(job))
+        y.copy_(y_host, non_blocking=True)
+    times = []
+    for i in range(repeat + 10):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        if i >= 10:
+            times.append(1e3 * start.elapsed_time(end))
+    if job.error:
+        raise RuntimeError("offplan: the hand-over's job failed in calibration")
     return statistics.median(times)

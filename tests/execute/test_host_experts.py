@@ -40,11 +40,9 @@ def path(request, monkeypatch):
 
 
 def uses(engine, path: str) -> None:
-    """The engine's modules are computed by `path` (the fixture's, or the GPU tests' "host-node": native.cpp run
-    by a host function rather than its listener), and only its machinery runs."""
-    if path in ("native", "host-node"):
+    """The engine's modules are computed by `path` (the fixture's), and only its machinery runs."""
+    if path == "native":
         assert all(m.native for m in engine.modules) and engine.native is not None and engine._worker is None
-        assert engine.native.listening == (engine.cuda and path == "native")
     else:
         assert all(m.gated and not m.native for m in engine.modules) and engine.native is None
         assert engine.kernel.compiled, engine.kernel.why_eager

@@ -1,6 +1,5 @@
-"""Experts on cpu on CUDA (marked `gpu`): the host computes its experts beside the GPU (native.cpp, handed over
-through its listener or a host node, or the engine's worker, while the GPU computes its own), eagerly and in
-replayed CUDA graphs; the logits are transformers' within the tolerance
+"""Experts on cpu on CUDA (marked `gpu`): the host computes its experts beside the GPU (native.cpp, or the engine's
+worker, while the GPU computes its own), eagerly and in replayed CUDA graphs; the logits are transformers' within the tolerance
 of test_host_experts.py, and so are the greedy tokens up to near ties; replayed and eager generation agree token
 for token (the same kernels on both sides).
 
@@ -18,25 +17,9 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.gpu
 
-from runtime.execute.host import native  # noqa: E402
 from runtime.hf import from_pretrained  # noqa: E402
-from test_host_experts import LOUD, SPLIT, TOLERANCE, fail, hardware, lockstep, logits, uses  # noqa: E402
+from test_host_experts import LOUD, SPLIT, TOLERANCE, fail, hardware, lockstep, logits, path, uses  # noqa: E402, F401
 from tiny_models import make_plan, qwen3_moe_config, reference, save_model, transformers_greedy  # noqa: E402
-
-
-@pytest.fixture(params=["native", "host-node", "worker"])
-def path(request, monkeypatch):
-    """Who computes the gated experts and how the stream hands them over: native.cpp through its listener (the
-    default where the driver has stream memory operations), native.cpp as a host function (where it has none), or
-    the engine's Python worker (where native.cpp is not built)."""
-    if request.param != "worker":
-        assert native.library() is not None, native.why_not  # `pip install -e .` builds it
-        assert native.can_listen()  # CUDA 12 and later
-        if request.param == "host-node":
-            monkeypatch.setattr(native, "can_listen", lambda: False)
-    else:
-        monkeypatch.setattr(native, "library", lambda: None)
-    return request.param
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +35,7 @@ def test_eager_forwards_take_the_hosts_outputs(tmp_path, qwen, batch, tokens, mo
         uses(engine, path)
         ref = reference(qwen, "cuda")
         ref.set_experts_implementation("batched_mm" if batch * tokens * 2 <= 16 else "grouped_mm")
-        if path != "worker":  # native.cpp's eager jobs are handed over on the stream: this thread runs none
+        if path == "native":  # native.cpp's eager jobs are host functions: this thread never runs one
             monkeypatch.setattr(engine, "_hand_over", lambda index, tokens: pytest.fail("ran on the eager thread"))
         calls = engine.host_calls
         x = logits(model, tokens, batch)
@@ -114,8 +97,8 @@ def test_a_failure_on_the_host_is_raised_and_the_replay_does_not_hang(tmp_path, 
 
 
 def test_compiled_generation_replays_with_the_host_computing_every_layer(tmp_path, qwen):
-    """Under torch.compile the hand-over's custom ops stay opaque to Inductor, so the captured step holds the
-    hand-over as the plain capture does; Inductor's own kernels round otherwise, so the tokens are the reference's up
+    """Under torch.compile the hand-over's custom ops stay opaque to Inductor, so the captured step holds the host
+    node as the plain capture does; Inductor's own kernels round otherwise, so the tokens are the reference's up
     to near ties, as above."""
     model, handle = from_pretrained(make_plan(tmp_path, qwen, SPLIT + hardware(tmp_path)), progress=False)
     try:

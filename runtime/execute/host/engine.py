@@ -17,18 +17,17 @@ block-scaled FP8, where it is built: a C function over its own threads, which ne
 own Python thread (its worker, kernel.py: Inductor's kernel or the eager loop; never FP8), woken and awaited through
 two barriers (handoff.py). How the GPU hands the work over:
 - in a step captured in a CUDA graph (decode's fast path): on a side stream forked from the current one, the two
-  copies, then the hand-over, then the copy of `y`; the current stream joins the side stream before step 4's
-  `where`. The GPU's experts run on the current stream in between, so the two sides overlap. For native.cpp the
-  hand-over names the call's job (native.py `Job`: the module, the token count, the buffers) to its listener
-  through two words of pinned memory (`flags`), or is a host node running the job (native.py says which, and
-  why). For the worker it is a copy of the call's number into pinned memory and two host nodes, libc's
+  copies, then one host node, then the copy of `y`; the current stream joins the side stream before step 4's
+  `where`. The GPU's experts run on the current stream in between, so the two sides overlap. The host node is
+  native.cpp's `offplan_run` itself, with the call's job (native.py `Job`: the module, the token count, the buffers)
+  as its argument. For the worker it is a copy of the call's number into pinned memory and two host nodes, libc's
   barrier wait itself (the first wakes the worker, the second holds the side stream until it is done); the worker
-  needs the GIL, so the generator keeps at most two replays in flight and sleeps otherwise (generation.py). Why
-  these: a graph replays them with no Python, and no SM spins while the host works. Why native: a host node
-  running the kernel in Python took it 1.58x as long as the main thread did (1.17 against 0.74 ms,
-  docs/host-experts/host_node_timing.py), and the worker's Python and OpenMP's waking cost some 0.6 ms a call
-  (docs/host-experts/README.md);
-- eager on CUDA, native.cpp's modules: as in a capture, the job handed over on the side stream (one job per
+  needs the GIL, so the generator keeps at most two replays in flight and sleeps otherwise (generation.py). Why host
+  nodes: a CUDA graph replays them with no Python; a GPU kernel spinning on a flag in pinned memory would hold an SM
+  for the whole wait. Why native: a host node running the kernel in Python took it 1.58x as long as the main thread
+  did (1.17 against 0.74 ms, docs/host-experts/host_node_timing.py), and the worker's Python and OpenMP's waking
+  cost some 0.6 ms a call (docs/host-experts/README.md);
+- eager on CUDA, native.cpp's modules: as in a capture, the job a host function on the side stream (one job per
   (module, token count), which the stream's calls share one after another). The Python thread never waits for the
   host: it goes on launching the step's kernels, as a replay would, where waiting for the copies and running the
   job itself held every later launch (eager decode with 70% of the experts on cpu ran at 0.51x the link floor);
@@ -41,13 +40,13 @@ Above `max_tokens` tokens (a long prompt) the host computes nothing: the GPU rea
 ones (experts.py). `max_tokens` is the plan's prefill threshold, above which a GEMM on the GPU over copied weights
 beats a GEMV per pair on the host.
 
-A failure on the host (which the stream cannot be told of) fills `y` with NaN, so the step's outputs show it, and
+A failure on the host (which a host function cannot report) fills `y` with NaN, so the step's outputs show it, and
 a later `end` or `check` raises it: in the worker, any exception; in native.cpp, a pair routed to no expert. One
 stream at a time hands work over: the buffers and the barriers are the engine's one set, so an eager forward on
 another stream while a replay's host nodes wait would meet the driver's thread instead of the worker.
 
 The worker holds the engine weakly: an engine dropped without `close` (its model and handle dropped) stops its
-worker, and its pool's threads and listener, as it is collected.
+worker, and its pool's threads, as it is collected.
 
 Lifecycle: `HostExperts(...)` -> `kernel.start` (compiling, where the worker computes gated experts, while the load
 runs) -> `add` per module -> `finish` (the exchange buffers, native.cpp's pool, the worker where one is needed) ->
@@ -86,7 +85,10 @@ class HostExperts:
     """The experts that the plan puts on cpu, for every experts module that has some (module doc)."""
 
     def __init__(self, device: torch.device, threads: int, max_tokens: int, compile: bool = True):
-        self.device, self.cuda, self.threads, self.max_tokens = device, device.type == "cuda", threads, max_tokens
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.threads = threads
+        self.max_tokens = max_tokens
         self.kernel = Kernel(threads, compile)
         self.modules: list[HostModule] = []
         self.key = ops.register(self)
@@ -123,7 +125,7 @@ class HostExperts:
         pairs = self.max_tokens * max(m.top_k for m in self.modules)
         dtype = self.modules[0].dtype
         layout = (("x", dtype, (self.max_tokens, hidden)), ("ids", torch.long, (pairs,)),
-                  ("y", dtype, (pairs, hidden)), ("call", torch.long, (1,)), ("flags", torch.int32, (2,)))
+                  ("y", dtype, (pairs, hidden)), ("call", torch.long, (1,)))
         offsets, total = [], 0
         for _, d, shape in layout:
             offsets.append(total)
@@ -137,8 +139,7 @@ class HostExperts:
             self._stream = torch.cuda.Stream(self.device)
             self._event, self._copied = torch.cuda.Event(), torch.cuda.Event()
         if any(m.native for m in self.modules):
-            self.native = native.Jobs(self.lib, self.threads,
-                                      self._views["flags"] if self.cuda and native.can_listen() else None)
+            self.native = native.Jobs(self.lib, self.threads)
         if all(m.native for m in self.modules):
             return  # native.cpp computes every module: no worker
         self._handoff = Handoff()
@@ -172,7 +173,7 @@ class HostExperts:
             self._views["x"][:tokens].copy_(x, non_blocking=True)  # copies by the copy engine (memcpy)
             self._views["ids"][:pairs].copy_(ids, non_blocking=True)
             self._copied.record(self._stream)
-            if fast:  # native.cpp's own thread or host function: no worker, no GIL, no wait in Python
+            if fast:  # native.cpp itself is the host function (node): no worker, no GIL, no wait in Python
                 self._enqueue(index, tokens, capturing)
             elif capturing:
                 call = len(self._calls) + 1
@@ -233,11 +234,12 @@ class HostExperts:
             self.native.error()
 
     def _job(self, index: int, tokens: int) -> native.Job:
-        return self.modules[index].job(self.native.pool, *(self._views[k] for k in ("x", "ids", "y")), tokens)
+        return self.modules[index].job(self.native.pool, self._views["x"], self._views["ids"], self._views["y"],
+                                       tokens)
 
     def _enqueue(self, index: int, tokens: int, capturing: bool) -> None:
-        """Step 3 by native.cpp, handed over on the side stream: a captured call has its own job, which its graph
-        keeps; eager calls of one (module, tokens) share one."""
+        """Step 3 by native.cpp as a host function on the side stream (a host node in a capture): a captured call
+        has its own job, which its graph keeps; eager calls of one (module, tokens) share one."""
         if capturing:
             self.native.capture(self._stream.cuda_stream, self._job(index, tokens))
         else:

@@ -29,9 +29,6 @@ of other streams wait too (the runtime enqueues none). Our thread must keep
 meeting the barriers as long as a stream or a captured graph may enqueue them:
 a replay with no thread to meet it stalls its stream for good (`close` says
 when that is safe).
-
-The driver calls that enqueue such work live here too: `launch_host_func`, and the stream memory operations
-`write_value` / `wait_value` that native.cpp's listener is driven by (native.py), with no host function at all.
 """
 from __future__ import annotations
 
@@ -88,50 +85,18 @@ class Handoff:
 def launch_host_func(stream: int, function: int, argument: int) -> None:
     """Enqueue `function(argument)` (addresses: a C function of one pointer, and that pointer) on CUDA stream
     `stream` as a host function (a host node where the stream is being captured)."""
-    _call("cuLaunchHostFunc", stream, function, argument)
-
-
-def write_value(stream: int, address: int, value: int) -> None:
-    """Enqueue on `stream` a write of the 32-bit `value` at `address` (pinned host memory, mapped: its host
-    address is its device one), after a fence that makes the stream's earlier writes visible first (a memory
-    operation node where the stream is being captured)."""
-    _call("cuStreamWriteValue32_v2", stream, address, ctypes.c_uint32(value), ctypes.c_uint(0))
-
-
-def wait_value(stream: int, address: int, value: int) -> None:
-    """Enqueue on `stream` a wait until the 32-bit word at `address` equals `value` (the stream holds; no SM
-    spins)."""
-    _call("cuStreamWaitValue32_v2", stream, address, ctypes.c_uint32(value), ctypes.c_uint(_WAIT_EQ))
-
-
-def stream_memops() -> bool:
-    """Whether this driver has the stream memory operations that `write_value` and `wait_value` enqueue (the
-    `_v2` entry points, which CUDA 12 and later take on every device)."""
-    try:
-        driver = _load()
-        return all(hasattr(driver, name) for name in ("cuStreamWriteValue32_v2", "cuStreamWaitValue32_v2"))
-    except OSError:
-        return False
-
-
-_WAIT_EQ = 0x1  # CU_STREAM_WAIT_VALUE_EQ
-
-
-def _load():
     global _driver
     if _driver is None:
-        _driver = ctypes.CDLL("libcuda.so.1")
-    return _driver
-
-
-def _call(name: str, stream: int, *args) -> None:
-    status = getattr(_load(), name)(ctypes.c_void_p(stream), *(
-        a if isinstance(a, (ctypes.c_uint32, ctypes.c_uint)) else ctypes.c_void_p(a) for a in args))
+        driver = ctypes.CDLL("libcuda.so.1")
+        driver.cuLaunchHostFunc.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+        driver.cuLaunchHostFunc.restype = ctypes.c_int
+        _driver = driver
+    status = _driver.cuLaunchHostFunc(ctypes.c_void_p(stream), ctypes.c_void_p(function), ctypes.c_void_p(argument))
     if status != 0:
-        raise RuntimeError(f"offplan: {name} failed (CUresult {status})")
+        raise RuntimeError(f"offplan: cuLaunchHostFunc failed (CUresult {status})")
 
 
-_driver = None  # libcuda, loaded at the first driver call
+_driver = None  # libcuda, loaded at the first host function
 
 
 def serve(target_ref, handoff: Handoff, call_slot) -> None:

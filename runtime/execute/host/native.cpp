@@ -1,6 +1,6 @@
 // The host CPU's kernel for gated bf16 experts on cpu, bf16 or block-scaled FP8 weights, with its own threads and
-// no Python: native.py's loader binds it with ctypes, and a captured decode step hands it a job through its listener
-// (two words of pinned memory, below) or calls `offplan_run` as a CUDA host node.
+// no Python: native.py's loader binds it with ctypes, and a captured decode step calls `offplan_run` as a CUDA
+// host node.
 //
 // A job is one experts module's forward of T tokens (engine.py): for each (token, expert) pair p whose expert
 // is on cpu, y[p] = down[e] @ (silu(gate_up[e][:I] @ x[t]) * gate_up[e][I:] @ x[t]), t = p / k, e = ids[p].
@@ -414,43 +414,6 @@ API void offplan_pool_free(void* handle) {
   delete pool;
 }
 
-API void offplan_run(void* handle);
-
-// ---------------------------------------------------------------- the listener
-//
-// A thread that takes jobs from the GPU through two 32-bit words of pinned host memory, with no host function in
-// the way: the stream writes `done` = 0, then `start` = n (a job's number, 1-based, in `jobs`), and waits until
-// `done` is 1 (cuStreamWriteValue32 / cuStreamWaitValue32, which a capture records as memory-operation nodes).
-// The listener sees `start`, clears it, runs job n on the pool (itself its calling thread) and sets `done`. The
-// stream's writes are fenced (the copies before them are visible first); the thread's release store of `done`
-// comes after its stores of y. It spins for `spin_ns` after each job, then polls every 50 us until the next.
-struct Listener {
-  volatile uint32_t* flags;  // [start, done]
-  Job* const* jobs;          // [capacity]: filled by the caller before the stream names them
-  int64_t capacity, spin_ns;
-  std::atomic<bool> stopping{false};
-  std::thread thread;
-
-  void serve() {
-    auto idle = Clock::now();
-    for (;;) {
-      uint32_t n = __atomic_load_n(&flags[0], __ATOMIC_ACQUIRE);
-      if (n == 0) {
-        if (stopping.load(std::memory_order_relaxed)) return;
-        if (Clock::now() - idle > std::chrono::nanoseconds(spin_ns))
-          std::this_thread::sleep_for(std::chrono::microseconds(50));
-        else
-          _mm_pause();
-        continue;
-      }
-      __atomic_store_n(&flags[0], 0u, __ATOMIC_RELAXED);
-      if (int64_t(n) <= capacity && jobs[n - 1]) offplan_run(jobs[n - 1]);
-      __atomic_store_n(&flags[1], 1u, __ATOMIC_RELEASE);
-      idle = Clock::now();
-    }
-  }
-};
-
 // A job, by the calling thread and the pool's workers (a CUDA host function's signature: one pointer).
 API void offplan_run(void* handle) {
   Job& j = *static_cast<Job*>(handle);
@@ -469,25 +432,6 @@ API void offplan_run(void* handle) {
   static_cast<Pool*>(j.pool)->run(j);
   j.nanos += std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - start).count();
   j.calls += 1;
-}
-
-// Start a listener (above) on `flags` [2] (pinned, the GPU's to write) over `jobs` [capacity].
-API void* offplan_listen(uint32_t* flags, Job* const* jobs, int64_t capacity, int64_t spin_us) {
-  Listener* l = new Listener;
-  l->flags = flags;
-  l->jobs = jobs;
-  l->capacity = capacity;
-  l->spin_ns = spin_us * 1000;
-  l->thread = std::thread([l] { l->serve(); });
-  return l;
-}
-
-// Stop it: it returns once no job is asked for (the caller makes sure none will be).
-API void offplan_listen_stop(void* handle) {
-  Listener* l = static_cast<Listener*>(handle);
-  l->stopping.store(true, std::memory_order_release);
-  l->thread.join();
-  delete l;
 }
 
 }  // extern "C"

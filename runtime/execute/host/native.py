@@ -9,16 +9,6 @@ host node.
     job.error, job.calls, job.nanos
 
 `Jobs` is the engine's (engine.py): its pool, and its jobs, kept alive as long as a captured graph may run them.
-It hands a job to the host in one of two ways:
-- the listener (where the driver has stream memory operations, `can_listen`): native.cpp's own thread, the
-  pool's calling one, polls two words of pinned memory, and the stream writes a job's number into one and waits
-  on the other (handoff.py `write_value`, `wait_value`), a capture recording them as memory-operation nodes;
-- else a host function (a host node in a capture), `offplan_run` itself with the job as its argument.
-Why the listener: the driver runs host functions on a thread of its own, which it wakes for each; the listener is
-awake already, spinning through a decode step (`SPIN_US`), then polling every 50 us. On the H200 machine a layer's
-hand-over (copies in, the host's turn with no expert to compute, the copy back: `plan calibrate`'s figure) took
-21.8 us through the listener against 32.8 through a host node (docs/host-experts/README.md); whole decode steps,
-whose host calls take about 1 ms a layer, were within the noise of each other.
 
 Why native: torch's own ops and an Inductor-compiled kernel were measured on the H200 machine's host
 (docs/host-experts/README.md): 26-44 GB/s for a decode step's 8 experts, and at batch 1 a fixed cost of about
@@ -40,12 +30,11 @@ from pathlib import Path
 
 import torch
 
-from .handoff import launch_host_func, stream_memops, wait_value, write_value
+from .handoff import launch_host_func
 
 _HERE = Path(__file__).resolve().parent
 ISAS = ("plain C", "AVX2 + FMA", "AVX512-BF16")  # offplan_pool_isa's numbers
 SPIN_US = 5000  # how long a worker spins for the next call before it sleeps: a decode step's layers come sooner
-MAX_JOBS = 1 << 16  # jobs the listener can be given over an engine's life: host modules x captured steps, + eager
 
 
 class Job(ctypes.Structure):
@@ -86,13 +75,6 @@ def library():
     lib.offplan_pool_isa.argtypes, lib.offplan_pool_isa.restype = [ctypes.c_void_p, ctypes.c_int], ctypes.c_int
     lib.offplan_pool_free.argtypes, lib.offplan_pool_free.restype = [ctypes.c_void_p], None
     lib.offplan_run.argtypes, lib.offplan_run.restype = [ctypes.c_void_p], None  # ctypes releases the GIL
-    if not hasattr(lib, "offplan_listen"):
-        why_not = (f"the host kernel {found[0]} was built from an older native.cpp (it has no listener): "
-                   "`pip install -e .` builds it again")
-        return None
-    lib.offplan_listen.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
-    lib.offplan_listen.restype = ctypes.c_void_p
-    lib.offplan_listen_stop.argtypes, lib.offplan_listen_stop.restype = [ctypes.c_void_p], None
     _lib = lib
     return lib
 
@@ -157,70 +139,29 @@ def address(lib) -> int:
     return ctypes.cast(lib.offplan_run, ctypes.c_void_p).value
 
 
-def can_listen() -> bool:
-    """Whether `Jobs` may hand jobs over through the listener (module doc): the driver has the memory operations."""
-    return stream_memops()
-
-
-def _stop_listener(lib, handle: int, *kept) -> None:
-    """Stop a listener; `kept`: what it reads, alive until then."""
-    lib.offplan_listen_stop(handle)
-
-
 class Jobs:
-    """An engine's pool and jobs: a captured call's each (its graph's node points at it, or names its number),
-    and the eager calls' own, one per (module, tokens) (module doc). `flags`: two int32 words of pinned memory
-    (a host tensor) for the listener, or None for host functions."""
+    """An engine's pool and jobs: a captured call's each (its graph's host node points at it), and the eager
+    calls' own, one per (module, tokens) (module doc)."""
 
-    def __init__(self, lib, threads: int, flags: torch.Tensor | None = None):
+    def __init__(self, lib, threads: int):
         self.lib = lib
         self.pool = Pool(lib, threads)
         self._captured: list[Job] = []
         self._eager: dict[tuple[int, int], Job] = {}
-        self._numbers: dict[int, int] = {}  # a job's address -> its number for the listener (1-based)
-        self.listening = flags is not None
-        if self.listening:
-            flags.zero_()
-            self._start, self._done = flags.data_ptr(), flags.data_ptr() + 4
-            self._table = (ctypes.c_void_p * MAX_JOBS)()
-            handle = lib.offplan_listen(self._start, self._table, MAX_JOBS, SPIN_US)
-            # stopped before the pool is freed and while the words and the table live (the finalizer holds them)
-            self._stop = weakref.finalize(self, _stop_listener, lib, handle, flags, self._table)
 
     def capture(self, stream: int, job: Job) -> None:
-        """`job` handed over on CUDA stream `stream`, which is being captured: its nodes in the graph."""
-        self._hand(stream, job, captured=True)
+        """`job` as a host function on CUDA stream `stream` (a host node in the graph being captured)."""
+        self._captured.append(job)
+        launch_host_func(stream, address(self.lib), ctypes.addressof(job))
 
     def run(self, key: tuple[int, int], make) -> None:
         """The eager call `key` (module, tokens) on this thread, its job made by `make()` the first time."""
         run(self.lib, self._eager_job(key, make))
 
     def enqueue(self, stream: int, key: tuple[int, int], make) -> None:
-        """The eager call `key` handed over on CUDA stream `stream` (one job per key: the stream runs a key's
-        calls one after another, so they may share it)."""
-        self._hand(stream, self._eager_job(key, make))
-
-    def _hand(self, stream: int, job: Job, captured: bool = False) -> None:
-        if self.listening:
-            number = self._number(job)
-            write_value(stream, self._done, 0)  # before `start`: the stream waits for this call's `done`
-            write_value(stream, self._start, number)
-            wait_value(stream, self._done, 1)
-        else:
-            launch_host_func(stream, address(self.lib), ctypes.addressof(job))
-        if captured:
-            self._captured.append(job)
-
-    def _number(self, job: Job) -> int:
-        number = self._numbers.get(ctypes.addressof(job))
-        if number is None:
-            if len(self._numbers) >= MAX_JOBS:
-                raise RuntimeError(f"offplan: more than {MAX_JOBS} calls of experts on cpu captured: capture "
-                                   "fewer steps, or remove the handle and load again")
-            number = len(self._numbers) + 1
-            self._table[number - 1] = ctypes.addressof(job)
-            self._numbers[ctypes.addressof(job)] = number
-        return number
+        """The eager call `key` as a host function on CUDA stream `stream` (one job per key: the stream runs a
+        key's calls one after another, so they may share it)."""
+        launch_host_func(stream, address(self.lib), ctypes.addressof(self._eager_job(key, make)))
 
     def _eager_job(self, key: tuple[int, int], make) -> Job:
         job = self._eager.get(key)
@@ -248,9 +189,6 @@ class Jobs:
         return error
 
     def close(self) -> None:
-        """Stop the listener and join the pool's threads; no job may run after this (no graph captured over them
-        be replayed): the caller synchronizes first."""
-        if self.listening:
-            self._stop()
+        """Join the pool's threads; no job may run after this (no graph captured over them be replayed)."""
         self.pool.close()
-        self._captured, self._eager, self._numbers = [], {}, {}
+        self._captured, self._eager = [], {}
