@@ -173,9 +173,11 @@ _at_least_2 = _at_least(2)  # a prompt of one token is not told from a decode st
 
 
 def main(argv: list[str] | None = None) -> int:
+    as_json = "--json" in (sys.argv[1:] if argv is None else argv)  # until the arguments parse
     try:
         try:
             args = _parser().parse_args(argv)
+            as_json = args.json
             code = _COMMANDS[args.command](args)
         except SystemExit as e:  # --help, --version
             code = e.code if isinstance(e.code, int) else 0
@@ -183,9 +185,10 @@ def main(argv: list[str] | None = None) -> int:
         return code
     except (OffplanError, _UsageError) as e:
         print(f"error: {e}", file=sys.stderr)
-        if "--json" in (sys.argv[1:] if argv is None else argv):  # and for a program reading stdout, as JSON
+        if as_json:  # and for a program reading stdout, as JSON
             problems = getattr(e, "problems", [])
-            print(json.dumps({"error": getattr(e, "headline", str(e)) if problems else str(e), "problems": problems}))
+            print(json.dumps({"error": getattr(e, "headline", str(e)) if problems else str(e), "problems": problems},
+                             indent=2))
         return 1
     except BrokenPipeError:
         _drop_stdout()

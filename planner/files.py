@@ -39,10 +39,15 @@ def refuse_to_replace(path: Path, header: str, what: str, fix: str) -> None:
     or a user's notes, would be destroyed. Raises OffplanError naming the file, the line looked for and `fix`."""
     first = header.splitlines()[0]
     try:
-        with open(path, "rb") as f:
-            found = f.read(len(first.encode()))
+        if not os.path.exists(path) or (os.path.isfile(path) and os.path.getsize(path) == 0):
+            return  # nothing there to destroy (`-o "$(mktemp)"`)
+        if not os.path.isfile(path):  # a FIFO, a device: opening it could block, and it is no file of ours
+            found = b""
+        else:
+            with open(path, "rb") as f:
+                found = f.read(len(first.encode()))
     except OSError:
-        return  # none there, or unreadable: write_atomic says what it cannot write
+        return  # unreadable: write_atomic says what it cannot write
     if found != first.encode():
         tag = first.split(":")[0].split(",")[0]
         raise OffplanError(f"{path}: exists and is not a {what} (its first line is not the `{tag} ...` line offplan "

@@ -115,10 +115,14 @@ def load_hardware(path: str | Path) -> Hardware:
         kinds = {f.name: f.type for f in dataclasses.fields(Hardware)}
         given = {k: (int if kinds[k] == "int" else float)(v) for k, v in d.items()
                  if k in kinds and k not in ("name", "measured")}
+        measured = d.get("measured", f"{path.name}: {', '.join(given) or 'no figure'}; the rest {H100.measured}")
+        derived = {}  # figures that go with a given one, as a calibrated profile's do (its loading, below)
         if "h2d_copy_gbps" in given and "parallel_h2d_copy_gbps" not in given:  # shared as the built-in figures are
-            given["parallel_h2d_copy_gbps"] = given["h2d_copy_gbps"] * H100.parallel_h2d_copy_gbps / H100.h2d_copy_gbps
-        return dataclasses.replace(H100, name=d["name"], **given, measured=d.get(
-            "measured", f"{path.name}: {', '.join(given) or 'no figure'}; the rest {H100.measured}"))
+            derived["parallel_h2d_copy_gbps"] = given["h2d_copy_gbps"] * (H100.parallel_h2d_copy_gbps
+                                                                          / H100.h2d_copy_gbps)
+        if "layer_overhead_us" in given and "moe_layer_overhead_us" not in given:  # 0: a dense layer's, the given
+            derived["moe_layer_overhead_us"] = 0.0
+        return dataclasses.replace(H100, name=d["name"], **given, **derived, measured=measured)
     return Hardware(d["name"], float(d["h2d_copy_gbps"]), float(d["uva_read_gbps"]),
                     float(d["hbm_read_gbps"]), float(d["layer_overhead_us"]),
                     step_overhead_us=float(d.get("step_overhead_us", 0.0)),

@@ -180,8 +180,8 @@ def kind(data) -> str | None:
         return "routing profile"
     if isinstance(data.get("checkpoint"), dict):  # a policy's checkpoint is a path
         return "plan"
-    if "h2d_copy_gbps" in data or "name" in data and "checkpoint" not in data:  # a profile may hold a few figures
-        return "hardware profile"
+    if "h2d_copy_gbps" in data or ("format_version" in data and "name" in data and "checkpoint" not in data):
+        return "hardware profile"  # (one written by hand may hold a name and a few figures)
     if "checkpoint" in data:
         return "policy"
     return None

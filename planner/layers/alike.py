@@ -178,12 +178,15 @@ class Shapes:
         return len(self._numbers) + sum(map(len, self._alike.values()))
 
 
-def template_groups(members: Mapping[str, Collection[str]], layer) -> list[tuple[str, Collection[str] | None,
-                                                                                    tuple[int, ...]]] | None:
-    """Each fused group (groups.py: `members`, group -> its member tensors) of `layer`'s template as (the group's name, its members in `members`, None where
-    it has none there, and the places of its members among the layer's tensors, as the template says); None where
-    the layer has no template that applies, or a group has members the template does not place (some in another
-    layer): then its groups are found by name. What the passes that work per template of layers ask first."""
+InPlace = tuple[str, Collection[str] | None, tuple[int, ...]]  # template_groups': (group, its members, places)
+
+
+def template_groups(members: Mapping[str, Collection[str]], layer) -> list[InPlace] | None:
+    """Each fused group of `layer`'s template as (the group's name, its members in `members` (groups.py: group ->
+    its member tensors), None where it has none there, and the places of its members among the layer's tensors,
+    as the template says); None where the layer has no template that applies, or a group has members the template
+    does not place (some in another layer): then its groups are found by name. What the passes that work per
+    template of layers ask first."""
     t = layer.template
     if t is None or not applies(layer.name):
         return None

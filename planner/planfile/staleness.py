@@ -110,8 +110,8 @@ def stale_but_loadable(plan: Plan, plan_path: Path) -> list[str]:
         if checkpoint_change(plan, ckpt, plan.checkpoint_dir(plan_path)):
             return []
         return stale_reasons(plan, plan_path, ckpt)
-    except OffplanError:
-        return []
+    except (OffplanError, OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError):
+        return []  # as up_to_date: whatever cannot be read is the load's to say
 
 
 def checkpoint_of(plan: Plan, plan_path: Path) -> Path:

@@ -33,18 +33,21 @@ def test_an_output_linked_to_an_input_is_refused(work, capsys):
 
 def test_an_output_that_is_a_file_but_no_plan_is_refused(work, capsys):
     """A file no rule names as an input (a checkpoint folder's other files, another policy, notes) is replaced only
-    where it is a plan: an empty file or any other content stays, and the message says how to go on."""
+    where it is a plan or empty (`-o "$(mktemp)"`): any other content stays, and the message says how to go on."""
     (work / "ckpt" / "generation_config.json").write_text('{"do_sample": false}\n')
     (work / "other.policy.yaml").write_text(POLICY)
-    (work / "empty.yaml").write_text("")
+    os.mkfifo(work / "fifo")  # not opened: it would block
     before = snapshot(work)
-    for out in ("ckpt/generation_config.json", "other.policy.yaml", "empty.yaml"):
+    for out in ("ckpt/generation_config.json", "other.policy.yaml", "fifo"):
         assert main(["build", "p.policy.yaml", "-o", out]) == 1
         assert capsys.readouterr().err == (
             f"error: {out}: exists and is not a plan (its first line is not the `# offplan plan ...` line offplan "
             "writes): writing the plan there would destroy it. Nothing was written; choose another -o (default: "
             "p.plan.yaml), or remove that file first\n")
     assert snapshot(work) == before
+    (work / "empty.yaml").write_text("")
+    assert main(["build", "p.policy.yaml", "-o", "empty.yaml"]) == 0
+    assert (work / "empty.yaml").read_text().startswith("# offplan plan: ")
 
 
 def test_calibrate_refuses_an_output_that_is_no_hardware_profile_before_measuring(work, capsys):

@@ -282,8 +282,13 @@ def test_a_hand_written_profile_may_hold_a_few_figures_the_rest_the_builtin_ones
     path.write_text("format_version: 1\nname: two cores\ncpu_threads: 2\n")
     assert load_hardware(path) == dataclasses.replace(H100, name="two cores", cpu_threads=2, measured=(
         f"two-cores.yaml: cpu_threads; the rest {H100.measured}"))
-    (tmp_path / "h2d.yaml").write_text("format_version: 1\nname: slower link\nh2d_copy_gbps: 27.5\n")
-    assert load_hardware(tmp_path / "h2d.yaml").parallel_h2d_copy_gbps == H100.parallel_h2d_copy_gbps / 2
+    (tmp_path / "h2d.yaml").write_text("format_version: 1\nname: slower link\nh2d_copy_gbps: 27.5\n"
+                                       "layer_overhead_us: 600\n")
+    partial = load_hardware(tmp_path / "h2d.yaml")  # what goes with a given figure goes as in a calibrated profile
+    assert partial.parallel_h2d_copy_gbps == H100.parallel_h2d_copy_gbps / 2 and partial.moe_layer_overhead_us == 0
+    (tmp_path / "ci.yml").write_text("name: CI\non: [push]\njobs: {}\n")  # a name alone is no profile
+    assert main(["validate", str(tmp_path / "ci.yml")]) == 1
+    assert "hardware profile" not in capsys.readouterr().err
     assert main(["validate", str(path)]) == 0
     assert capsys.readouterr().out == f"{path}: valid hardware profile (two cores)\n"
     path.write_text("format_version: 1\ncpu_threads: 2\n")
