@@ -33,8 +33,9 @@ def build_command(args) -> int:
     out = Path(args.output) if args.output and not to_stdout else default_output(Path(args.policy))
     if not to_stdout:  # before planning: nothing to plan for that cannot be written
         _refuse_to_overwrite_an_input(out, policy)
-        refuse_to_replace(out, HEADER, "plan", f"choose another -o (default: {default_output(policy.path)}), or "
-                                               "remove that file first")
+        refuse_to_replace(out, HEADER, "plan", (f"choose another -o (default: {default_output(policy.path)})"
+                                                if args.output else "write the plan elsewhere with -o PATH")
+                          + ", or remove that file first")
     plan = build(policy, Path.cwd() if to_stdout else out.parent)
     text = dumps(plan)
     warnings = [n for n in plan.notes if is_warning(n)]
