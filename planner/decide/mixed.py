@@ -217,7 +217,8 @@ def on_cpu(fp: Footprint, prediction: Prediction, groups: FusedGroups, model: Co
     share = min(tried, key=lambda k: (tried[k][1].request_us(new), tried[k][1].h2d_bytes))
     f, p = tried[share]
     ms = lambda p: f"{p.request_us(new) / 1e3:.3f} ms"  # noqa: E731
-    if (p.request_us(new), p.h2d_bytes) >= (prediction.request_us(new), prediction.h2d_bytes):
+    if p.request_us(new) >= prediction.request_us(new):  # strictly faster only: fewer link bytes at the same time
+        # (an eager step bound by its launches) is no gain, and moves the experts to where eager decode is slower
         return fp, prediction, (f"cpu_experts: no expert on cpu: predicted request {ms(prediction)}, against "
                                 f"{ms(p)} at best with {share:.0%} of each layer's uva experts there (the host's "
                                 "figures: the hardware profile's cpu_expert_gbps and cpu_expert_sync_us)")

@@ -4,6 +4,7 @@ and nothing else may go there."""
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 
@@ -197,6 +198,22 @@ def test_mixed_leaves_the_cpu_alone_where_the_host_is_slower_and_says_so():
     slow = _mixed_cpu(0.01)
     assert CPU not in slow.params.values()
     assert any(n.startswith("cpu_experts: no expert on cpu: predicted request") for n in slow.notes)
+
+
+def test_mixed_puts_no_expert_on_cpu_where_the_request_is_no_faster_for_it():
+    """An eager step bound by its launches takes as long with experts on cpu: fewer bytes over the link then are
+    no gain, and the experts stay on uva (where eager decode is faster than with the host's hand-overs)."""
+    from test_cost import HW, moe
+    hw = dataclasses.replace(HW, cpu_expert_gbps=4.0, cpu_expert_sync_us=50.0, layer_overhead_us=10**5)
+    pol = dataclasses.replace(policy("mixed", budget_gib=60 * 10**6 / 2**30, step=2), cpu_experts=True,
+                              workload=Workload(2, cuda_graphs=False))
+    t = infos(moe())
+    d = decide(build_graph(t), t, pol, hw, 2)
+    assert CPU not in d.params.values()
+    note = next(n for n in d.notes if n.startswith("cpu_experts: "))
+    assert note.startswith("cpu_experts: no expert on cpu: predicted request")
+    ms = re.findall(r"(\d+\.\d+) ms", note)
+    assert ms[0] == ms[1]  # a tie
 
 
 def test_mixed_puts_no_expert_on_cpu_with_several_gpus():
