@@ -306,3 +306,12 @@ def test_fp8_experts_on_cpu_by_rule_are_built_and_mxfp4_ones_refused_naming_them
     assert e.value.problems[0].endswith(
         "quantized: the host computes bf16, fp16, fp32 and block-scaled FP8 (E4M3) experts only (the runtime would "
         "refuse the plan); place them on uva")
+
+
+def test_place_cpu_with_several_gpus_is_refused_naming_the_rule():
+    """Its plan was written, then refused by every reader (the share check left the cpu bytes out): a policy
+    review found it."""
+    with pytest.raises(PolicyError) as e:
+        plan_of(moe_toy(2), dataclasses.replace(policy(rules=[(["experts"], "cpu")]), gpus=2))
+    assert str(e.value).splitlines()[0].startswith("test.policy.yaml: place: cpu is not with several GPUs yet")
+    assert e.value.problems == ["test.policy.yaml: rules[0]"]
