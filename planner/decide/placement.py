@@ -182,6 +182,10 @@ def decide(graph: LayerGraph, tensors: Mapping[str, TensorInfo], policy: Policy,
     rare = set(chain.from_iterable(l.params for l in graph.rarely_run()))  # every other tensor runs in each step
     moe = {g: count for g, members in groups.members.items()
            if members[0] not in rare and (count := groups.experts(g))}
+    if top_k and moe and top_k > min(moe.values()):
+        raise PolicyError(f"{policy.where('workload.experts_per_token')}: top-k {top_k} (workload.experts_per_token, "
+                          f"or config.json's) is more than the {min(moe.values())} routed experts of a layer: give "
+                          "the model's top-k (num_experts_per_tok)")
     if routing is not None:
         check_fits(routing, moe, top_k, policy.where("workload.routing"), policy.checkpoint)
     work, stage = policy.workload, policy.uva.stage_prefill

@@ -315,3 +315,11 @@ def test_place_cpu_with_several_gpus_is_refused_naming_the_rule():
         plan_of(moe_toy(2), dataclasses.replace(policy(rules=[(["experts"], "cpu")]), gpus=2))
     assert str(e.value).splitlines()[0].startswith("test.policy.yaml: place: cpu is not with several GPUs yet")
     assert e.value.problems == ["test.policy.yaml: rules[0]"]
+
+
+def test_a_top_k_above_a_layers_experts_is_refused():
+    """It read more experts a step than a layer holds: a working memory larger than the layer (a policy review)."""
+    with pytest.raises(PolicyError, match=r"top-k 9 \(workload.experts_per_token, or config.json's\) is more than "
+                                          r"the \d+ routed experts of a layer"):
+        t = infos(moe_toy(2))
+        decide(build_graph(t), t, policy(), H100, 9)
