@@ -204,7 +204,8 @@ def on_cpu(fp: Footprint, prediction: Prediction, groups: FusedGroups, model: Co
         if whole:
             candidates.append(sorted(whole, key=lambda ns: model.frac[ns[0]]))
     if not candidates:
-        return fp, prediction, "cpu_experts: no whole routed expert of a decode layer on uva to compute on cpu"
+        return fp, prediction, ("cpu_experts: the model has no routed experts" if not groups.members else
+                                "cpu_experts: no whole routed expert of a decode layer on uva to compute on cpu")
     tried = {}
     for share in CPU_SHARES:
         f = fp.copy()

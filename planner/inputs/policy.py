@@ -197,9 +197,10 @@ def load_policy(path: str | Path) -> Policy:
         locations["workload.routing"] = doc.where(["workload", "routing"])
         if not routing.is_file():
             ckpt = path.parent / Path(data["checkpoint"]).expanduser()
-            problems.append(f"{doc.where(['workload', 'routing'])}: workload.routing: no such file {routing} "
-                            f"(record one with `plan profile {ckpt} -o {routing}`; the path is relative to "
-                            "the policy file)")
+            problems.append(f"{doc.where(['workload', 'routing'])}: workload.routing: " + (
+                f"{routing} is a directory; name a routing profile file" if routing.is_dir() else
+                f"no such file {routing} (record one with `plan profile {ckpt} -o {routing}`; the path is relative to "
+                "the policy file)"))
     hardware = path.parent / Path(data["hardware"]).expanduser() if "hardware" in data else None
     if hardware is not None and not hardware.is_file():
         problems.append(f"{doc.where(['hardware'])}: hardware: no such file {hardware} "

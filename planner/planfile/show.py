@@ -197,9 +197,11 @@ def _footprint(plan: Plan) -> list[str]:
         out.append(f"host (pinned){per}: nothing offloaded" + (" beyond the experts on cpu" if s.cpu_bytes else ""))
         return out
     host = " + ".join(f"{human(b)} {k}" for k, b in (("uva", s.uva_bytes), ("prefetch", s.prefetch_bytes)) if b)
-    saved = offloaded - s.prefetch_buffer_bytes - s.stage_buffer_bytes
-    out.append(f"host (pinned){per}: {host}; offloading saves {human(max(saved, 0))} of GPU memory "
-               f"({percent(max(saved, 0), offloaded)} of the offloaded bytes)")
+    taken = s.prefetch_buffer_bytes + s.stage_buffer_bytes + s.working_peak_bytes  # the footprint's, above
+    saved = max(offloaded - taken, 0)
+    out.append(f"host (pinned){per}: {host}; offloading saves {human(saved)} of GPU memory "
+               f"({percent(saved, offloaded)} of the offloaded bytes" + ("; the buffers and working memory above take "
+                                                                          "the rest)" if taken else ")"))
     return out
 
 

@@ -87,7 +87,7 @@ total                15.0 MiB   0 B    6.0 MiB           6.0 MiB    0.359
 
 prefetch: 2 layers, step 1, 1 slot x 3.0 MiB = 3.0 MiB of GPU buffers
 GPU footprint: 15.0 MiB resident + 3.0 MiB prefetch buffers = 18.0 MiB (no budget set)
-host (pinned): 6.0 MiB prefetch; offloading saves 3.0 MiB of GPU memory (50% of the offloaded bytes)
+host (pinned): 6.0 MiB prefetch; offloading saves 3.0 MiB of GPU memory (50% of the offloaded bytes; the buffers and working memory above take the rest)
 predicted at batch 1, eager, on NVIDIA H100 80GB HBM3 (PCIe Gen5 host link): 6.0 MiB over the link per step; \
 step 3.20 ms = max(cpu 3.20 ms, gpu 0.359 ms, link 0.114 ms), bound by kernel launches (CPU); \
 time to first token (prefill of 512 tokens) 3.20 ms

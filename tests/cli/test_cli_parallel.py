@@ -58,7 +58,8 @@ def test_show_says_every_figure_is_one_gpus_share(work, capsys):
     assert lines[14:17] == [
         "GPU footprint per GPU: 77.6 KiB resident + 256 B prefill staging buffers = 77.9 KiB (GPU 0 budget 78.1 KiB: "
         "fits, 256 B to spare; GPU 1 budget 156.2 KiB: fits, 78.4 KiB to spare)",
-        "host (pinned) per GPU: 20.1 KiB uva; offloading saves 19.9 KiB of GPU memory (99% of the offloaded bytes)",
+        "host (pinned) per GPU: 20.1 KiB uva; offloading saves 19.9 KiB of GPU memory (99% of the offloaded bytes; the buffers and working memory "
+        "above take the rest)",
         "predicted at batch 1, eager, on NVIDIA H100 80GB HBM3 (PCIe Gen5 host link): each of the 2 host links "
         "carries 10.1 KiB per step; step 3.80 ms = max(cpu 3.80 ms, gpu 0.336 ms, link 0.000 ms), bound by kernel "
         "launches (CPU); time to first token (prefill of 512 tokens) 3.80 ms"]
