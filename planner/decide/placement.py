@@ -256,7 +256,7 @@ def decide(graph: LayerGraph, tensors: Mapping[str, TensorInfo], policy: Policy,
                               selected, None).fp
         least = min((chosen.fp, runs.peak_bytes), (rules, room(rules.place)), key=lambda f: f[0].total + f[1])
         raise BudgetError(over_budget(policy, chosen.backend, least[0].total + least[1], least[0].place, tensors,
-                                      graph, least[0].stage_pool, least[1]))
+                                      graph, least[0].stage_pool, least[1], won))
     fp, prediction, backend, skipped = chosen.fp, chosen.prediction, chosen.backend, chosen.skipped
     mixed_notes, reasons = chosen.notes, chosen.reasons
     place = fp.place

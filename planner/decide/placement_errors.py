@@ -176,10 +176,10 @@ def nothing_left(policy: Policy, key: str, layers, selected, head: str = "") -> 
 
 
 def over_budget(policy: Policy, backend: Backend, need: int, place, tensors, graph, stage_pool: int = 0,
-                working: int = 0) -> str:
-    """The budget error: the smallest budget that fits, what is pinned, the key to change; `stage_pool`
-    (the prefill staging buffers) and `working` (the experts' working memory), both part of `need`, are named
-    with the keys that lower them."""
+                working: int = 0, won: list[set[str]] = ()) -> str:
+    """The budget error: the smallest budget that fits, what is pinned (outside the stacks, and by rules: `won`,
+    each rule's tensors), the key to change; `stage_pool` (the prefill staging buffers) and `working` (the experts'
+    working memory), both part of `need`, are named with the keys that lower them."""
     pinned: dict[str, int] = {}
     stack_names = {l.name for l in graph.stack_layers()}
     for l in graph.layers:
@@ -199,6 +199,9 @@ def over_budget(policy: Policy, backend: Backend, need: int, place, tensors, gra
         fix = (f"prefetch.group_size {policy.prefetch.group_size} / num_in_group "
                f"{policy.prefetch.num_in_group} offloads too few layers: raise num_in_group, or remove "
                "group_size and let budget_gib decide.")
+    elif any(rule.place is GPU and mine for rule, mine in zip(policy.rules, won)):
+        fix = ("No choice of offloaded layers fits beside what the rules pin: narrow the place: gpu rules, move "
+               "more to host memory with a rule, or raise budget_gib.")
     else:
         example = top[0][0].rsplit(".", 1)[-1] if top else "embed_tokens"
         fix = ("No choice of offloaded layers fits. Move more to host memory with a rule "
@@ -210,4 +213,7 @@ def over_budget(policy: Policy, backend: Backend, need: int, place, tensors, gra
     running = (f"\n  {gib(working)} of it are the experts' working memory as the model runs (their touched rows at a "
                f"decode step of batch {work.batch_size} or a prefill of {work.prompt_tokens} tokens): a smaller "
                "workload.batch_size or workload.prompt_tokens lowers it." if working else "")
-    return f"{head}\n  Pinned to the GPU outside the layer stacks: {pinned_text}.\n  {fix}{staging}{running}"
+    by_rules = [f"rules[{i}] {gib(b)}" for i, (rule, mine) in enumerate(zip(policy.rules, won)) if rule.place is GPU
+                and (b := sum(tensors[n].nbytes for n in mine))]
+    ruled = f"\n  Pinned to the GPU by rules (place: gpu): {', '.join(by_rules)}." if by_rules else ""
+    return f"{head}\n  Pinned to the GPU outside the layer stacks: {pinned_text}.{ruled}\n  {fix}{staging}{running}"

@@ -179,3 +179,15 @@ def test_mixed_gives_each_strategy_its_share_on_cpu_and_keeps_the_fastest_reques
     assert note.endswith("on the placement of 'sparse round the layers->uva, dense->prefetch': the fastest request "
                          "with its share on cpu ('sparse->uva, dense->prefetch' was without)")
     assert {n.split(".")[2] for n in placed(d, Placement.CPU)} == {"0", "1", "2", "3"}
+
+
+def test_a_budget_error_names_the_rules_that_pin_to_the_gpu():
+    """`place: gpu` on the experts under a budget they cannot fit: the error names the rule and its bytes, and asks
+    to narrow it (it named only the embedding and the head, and suggested moving the embedding: a policy review)."""
+    from planner.errors import BudgetError
+    with pytest.raises(BudgetError) as e:
+        plan_of(moe_toy(2), policy(budget_gib=mib(8) / 2**30, rules=[(["experts"], "gpu")]))
+    lines = str(e.value).splitlines()
+    assert lines[2] == "  Pinned to the GPU by rules (place: gpu): rules[0] 12.0 MiB."
+    assert lines[3].startswith("  No choice of offloaded layers fits beside what the rules pin: narrow the place: "
+                               "gpu rules")
