@@ -71,6 +71,7 @@ class Outcome:
     not_experts: Mapping[str, str] = field(default_factory=dict)  # tensor -> why its rows are not experts
     on: Mapping[Placement, int] | None = None  # bytes on each placement, as decide summed them; None: summed here
     wheres: Mapping[str, tuple] | None = None  # layer name -> its tensors' placements, as decide read them
+    shadowed: tuple[int, ...] = ()  # the rules with a place whose every match an earlier rule placed
 
 
 def notes(o: Outcome) -> tuple[str, ...]:
@@ -92,6 +93,9 @@ def notes(o: Outcome) -> tuple[str, ...]:
         out.append(f"{human(by_rules[CPU])} of routed experts on cpu: the host CPU computes them beside the GPU, as "
                    "the hardware profile's cpu figures predict (cpu_threads host threads; the runtime refuses the "
                    "plan where fewer cores are free)")
+    out += [f"{WARNING}rules[{i}] places nothing: an earlier rule places every tensor it matches (the first rule "
+            "that matches a tensor wins); move it up, or remove it" for i in o.shadowed]  # (no file:line: a plan's
+    # notes do not depend on where the policy was named from)
     out.append(_backend_note(o, by_backend, any(by_rules.values())))
     out += o.mixed
     out += _rarely_run(o)

@@ -191,3 +191,11 @@ def test_a_budget_error_names_the_rules_that_pin_to_the_gpu():
     assert lines[2] == "  Pinned to the GPU by rules (place: gpu): rules[0] 12.0 MiB."
     assert lines[3].startswith("  No choice of offloaded layers fits beside what the rules pin: narrow the place: "
                                "gpu rules")
+
+
+def test_a_rule_an_earlier_one_shadows_whole_is_a_warning():
+    d, _ = plan_of(moe_toy(2), policy(rules=[(["experts"], "uva"), (["re:experts\\.0\\."], "gpu")]))
+    assert ("warning: rules[1] places nothing: an earlier rule places every tensor it matches (the first rule that "
+            "matches a tensor wins); move it up, or remove it") in d.notes
+    d, _ = plan_of(moe_toy(2), policy(rules=[(["re:experts\\.0\\."], "gpu"), (["experts"], "uva")]))
+    assert not any("places nothing" in n for n in d.notes)
