@@ -17,10 +17,10 @@ and shapes are what matter to the planner.
 Each also gets a `config.json` holding what a tensor-parallel plan needs
 (`gpus:` above 1; planner/layers/shards.py): the model type, whose
 transformers sharding plan applies, the attention and key/value heads, the
-hidden size and whether the head is tied, as the published configs give them.
-It leaves out what would change the one-GPU examples' plans (experts per
-token, layer count): those examples were planned from names alone, and a
-policy can give experts per token (`workload.experts_per_token`).
+hidden size and whether the head is tied, as the published configs give them,
+and for the MoE model its experts and experts per token, which the cost model
+reads (without them it assumed every expert read each step). The layer count is
+left out: the layers are found from the names.
 
 Idempotence: each checkpoint directory holds a `.synthetic.sha256` stamp of
 the tensor list and shard size it was written from. A checkpoint is rewritten
@@ -45,11 +45,13 @@ import synthetic  # noqa: E402
 ROOT = HERE / "checkpoints"
 STAMP = ".synthetic.sha256"
 
-# name -> (tensor list factory, shard size in bytes, config.json: the published config's tensor-parallel facts)
+# name -> (tensor list factory, shard size in bytes, config.json: the published config's tensor-parallel and
+# routing facts)
 MODELS: dict[str, tuple[Callable[[], list[synthetic.Tensor]], int, dict]] = {
     "Qwen3-30B-A3B": (synthetic.qwen3_moe, 4 * 10**9,
                       {"model_type": "qwen3_moe", "hidden_size": 2048, "num_attention_heads": 32,
-                       "num_key_value_heads": 4, "tie_word_embeddings": False}),
+                       "num_key_value_heads": 4, "tie_word_embeddings": False, "num_experts": 128,
+                       "num_experts_per_tok": 8}),
     "Llama-3.1-8B": (synthetic.llama, 5 * 10**9,
                      {"model_type": "llama", "hidden_size": 4096, "num_attention_heads": 32,
                       "num_key_value_heads": 8, "tie_word_embeddings": False}),
