@@ -159,7 +159,6 @@ def load_policy(path: str | Path) -> Policy:
     validate(doc, "policy.schema.json", PolicyError, f"{path}: the policy is invalid")
     data = doc.data
     problems: list[str] = []
-
     locations: dict[str, str] = {}
 
     def patterns(key_path: list, items) -> tuple[Pattern, ...]:
@@ -198,9 +197,9 @@ def load_policy(path: str | Path) -> Policy:
         if not routing.is_file():
             ckpt = path.parent / Path(data["checkpoint"]).expanduser()
             problems.append(f"{doc.where(['workload', 'routing'])}: workload.routing: " + (
-                f"{routing} is a directory; name a routing profile file" if routing.is_dir() else
-                f"no such file {routing} (record one with `plan profile {ckpt} -o {routing}`; the path is relative to "
-                "the policy file)"))
+                f"{routing} is a directory; name a routing profile file" if routing.is_dir() else f"no such file "
+                f"{routing} (record one with `plan profile {ckpt} -o {routing}`; the path is relative to the policy "
+                "file)"))
     hardware = path.parent / Path(data["hardware"]).expanduser() if "hardware" in data else None
     if hardware is not None and not hardware.is_file():
         problems.append(f"{doc.where(['hardware'])}: hardware: no such file {hardware} "

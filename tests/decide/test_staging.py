@@ -252,15 +252,14 @@ def test_show_and_diff_report_the_staging_and_the_prefill(tmp_path, monkeypatch,
         "wrote on.plan.yaml: 39 tensors, backend none; GPU 353.6 KiB (145.0 KiB of it prefill staging buffers), "
         f"host 144.5 KiB; predicted step {ms(on.summary.predicted_step_us)}, prefill of 512 tokens "
         f"{ms(on.cost.prefill_us)}")
-    assert main(["build", "off.policy.yaml"]) == 0 == len(capsys.readouterr().err)
-    assert main(["show", "on.plan.yaml"]) == 0
+    assert main(["build", "off.policy.yaml"]) == 0 == len(capsys.readouterr().err) and main(["show", "on.plan.yaml"]) == 0
     lines = capsys.readouterr().out.splitlines()
     at = lines.index("prefill staging: 2 layers copy their uva tensors through 2 slots x 72.5 KiB = 145.0 KiB of "
                      f"GPU buffers when a forward carries more than {H100.stage_above_tokens} tokens")
     assert lines[at + 1:at + 3] == [
         "GPU footprint: 208.6 KiB resident + 145.0 KiB prefill staging buffers = 353.6 KiB (no budget set)",
-        "host (pinned): 144.5 KiB uva; offloading saves 0 B of GPU memory (0% of the offloaded bytes; the buffers and working memory "
-        "above take the rest)"]
+        "host (pinned): 144.5 KiB uva; offloading saves 0 B of GPU memory (0% of the offloaded bytes; the buffers "
+        "and working memory above take the rest)"]
     assert lines[at + 3].endswith(f"; time to first token (prefill of 512 tokens) {on.cost.prefill_us / 1e3:.3f} ms")
     assert main(["show", "on.plan.yaml", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
