@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from planner.decide.build import build, default_output
-from planner.decide.notes import is_warning
+from planner.decide.notes import WARNING, is_warning, unlocated
 from planner.errors import InconsistentPlanError, OffplanError, PolicyError
 from planner.files import refuse_to_replace, write_atomic
 from planner.inputs import yamlio
@@ -39,8 +39,10 @@ def build_command(args) -> int:
     plan = build(policy, Path.cwd() if to_stdout else out.parent)
     text = dumps(plan)
     warnings = [n for n in plan.notes if is_warning(n)]
+    said = {WARNING + unlocated(w) for w in policy.warnings}  # printed above, with their file:line:column
     for w in warnings:
-        print(w, file=sys.stderr)
+        if w not in said:
+            print(w, file=sys.stderr)
     if to_stdout:
         sys.stdout.write(text)
         return 0

@@ -37,11 +37,18 @@ from ..units import human, percent, plural
 
 GPU, UVA, PREFETCH, CPU = Placement.GPU, Placement.UVA, Placement.PREFETCH, Placement.CPU
 WARNING = "warning: "
+_LOCATION = re.compile(r"^.*?:\d+:\d+: ")
 _NBYTES = itemgetter(3)  # of a TensorInfo
 
 
 def is_warning(note: str) -> bool:
     return note.startswith(WARNING)
+
+
+def unlocated(warning: str) -> str:
+    """A policy's warning without its leading `file:line:column: `: a plan's notes do not depend on where the
+    policy was named from."""
+    return _LOCATION.sub("", warning, count=1)
 
 
 def offloaded(place: Mapping[str, Placement]) -> list[str]:
@@ -96,6 +103,7 @@ def notes(o: Outcome) -> tuple[str, ...]:
     out += [f"{WARNING}rules[{i}] places nothing: an earlier rule places every tensor it matches (the first rule "
             "that matches a tensor wins); move it up, or remove it" for i in o.shadowed]  # (no file:line: a plan's
     # notes do not depend on where the policy was named from)
+    out += [WARNING + unlocated(w) for w in o.policy.warnings]  # settings the plan ignores, for its reviewers
     out.append(_backend_note(o, by_backend, any(by_rules.values())))
     out += o.mixed
     out += _rarely_run(o)

@@ -197,3 +197,13 @@ def test_with_json_an_error_goes_to_stdout_as_json_too(work, capsys):
         "'mlp.down_proj'?"]}
     code, out, err = run(capsys, "show", "nope.plan.yaml", "--json")
     assert code == 1 and json.loads(out) == {"error": "nope.plan.yaml: no such plan file", "problems": []}
+
+
+def test_a_setting_the_plan_ignores_is_a_warning_in_its_notes_too(work, capsys):
+    """`plan build` says it once with its file:line:column; the plan keeps it, without them, for `plan show`."""
+    write_policy(work, UVA_POLICY + "cpu_experts: true\n", name="ign.policy.yaml")
+    code, _, err = run(capsys, "build", "ign.policy.yaml")
+    said = "cpu_experts is set but backend is not mixed; it is ignored (rules place experts on cpu with `place: cpu`)"
+    assert code == 0 and err.count(said) == 1 and "ign.policy.yaml:" in err.split(said)[0].splitlines()[-1]
+    code, out, err = run(capsys, "show", "ign.plan.yaml")
+    assert code == 0 and said in out + err
