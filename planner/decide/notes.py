@@ -4,7 +4,8 @@ Reviewers read a plan's notes, so each one states a fact of the placements the
 plan holds, not of what the policy asked for:
 
 - what the backend offloaded (bytes and layers), or why it offloaded nothing;
-- what the rules placed off the GPU;
+- what the rules placed off the GPU, and warnings for rules that place nothing and for settings the plan ignores
+  (the policy's warnings, without their file:line:column);
 - mixed's choice, the cost model's assumptions (routing: uniform, or the profile
   and how skewed it is), tied embeddings;
 - warnings for plans that save little or no GPU memory (`saving_warnings`);
