@@ -210,7 +210,6 @@ class Summary:
 @dataclass(frozen=True)
 class Cost:
     """What the cost model assumed and predicted (see planner/decide/cost.py)."""
-
     hardware: str  # the profile's device name
     batch_size: int
     cpu_us: int  # per step: launching the kernels (overlaps the GPU)
@@ -222,6 +221,7 @@ class Cost:
     cpu_threads: int = 0  # host threads assumed for experts on cpu (the hardware profile's); 0: none on cpu
     cpu_expert_gbps: float = 0.0  # with them, the host figures assumed (the load checks them: host/pace.py); 0:
     cpu_expert_sync_us: float = 0.0  # no expert on cpu, or a plan written before they were recorded
+    top_k: int = 0  # routed experts a token reads, as assumed (workload or config.json); 0: a dense model, or unknown
 
     @property
     def step_us(self) -> int:

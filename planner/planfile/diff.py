@@ -115,7 +115,8 @@ def _shares(sizes: Mapping[str, int] | None, old: Plan, new: Plan) -> Mapping[st
 def _cost(plan: Plan) -> dict | None:
     return None if plan.cost is None else {"hardware": plan.cost.hardware, "batch_size": plan.cost.batch_size,
                                            "cuda_graphs": plan.cost.cuda_graphs,
-                                           "prompt_tokens": plan.cost.prompt_tokens or None}
+                                           "prompt_tokens": plan.cost.prompt_tokens or None,
+                                           "top_k": plan.cost.top_k or None}
 
 
 def _prefill_us(plan: Plan) -> int | None:
@@ -179,7 +180,7 @@ def diff_text(d: dict) -> list:
     cost = d["cost"]
     if cost["old"] != cost["new"] and cost["old"] and cost["new"]:
         for key, what in (("hardware", "hardware profile"), ("batch_size", "batch size"),
-                          ("prompt_tokens", "prompt tokens")):
+                          ("prompt_tokens", "prompt tokens"), ("top_k", "routed experts per token")):
             if cost["old"][key] != cost["new"][key]:
                 out.append(f"{what}: {change(cost['old'][key], cost['new'][key])}")
         if cost["old"]["cuda_graphs"] != cost["new"]["cuda_graphs"]:

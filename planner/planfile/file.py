@@ -1,10 +1,9 @@
 """The plan file: deterministic YAML on disk, typed (plan.py) in memory.
 
-`dumps(loads(text)) == text` byte for byte, and the same inputs give the same
-bytes (no timestamps, no dict-order surprises). A plan's `built:` stamp ends in
-the digest of the text around it (planner/provenance.py): `dumps` writes it last. Paths inside a plan are
-relative to the plan file's directory, so a plan committed next to its policy
-stays valid in any clone.
+`dumps(loads(text)) == text` byte for byte, and the same inputs give the same bytes (no timestamps, no dict-order
+surprises). A plan's `built:` stamp ends in the digest of the text around it (planner/provenance.py): `dumps` writes
+it last. Paths inside a plan are relative to the plan file's directory, so a plan committed next to its policy stays
+valid in any clone.
 
 Every reader goes through `read_plan` (or `loads`), which refuses a plan whose
 parts disagree (consistency.py): `plan show`, `validate`, `diff`, `check` and
@@ -124,8 +123,9 @@ def _dumps(plan: Plan) -> str:
         prefill = {"prompt_tokens": c.prompt_tokens, "prefill_us": c.prefill_us} if c.prompt_tokens else {}
         threads = {"cpu_threads": c.cpu_threads, "cpu_expert_gbps": c.cpu_expert_gbps,
                    "cpu_expert_sync_us": c.cpu_expert_sync_us} if c.cpu_threads else {}
+        top_k = {"top_k": c.top_k} if c.top_k else {}  # absent for a dense model, as in plans before it
         flow = _flow(hardware=c.hardware, batch_size=c.batch_size, cpu_us=c.cpu_us, gpu_us=c.gpu_us,
-                     link_us=c.link_us, **graphs, **prefill, **threads)
+                     link_us=c.link_us, **graphs, **prefill, **threads, **top_k)
         out.append(f"cost: {flow}\n")
     out.append("notes:" + (" []\n" if not plan.notes else "\n"))
     out += [f"  - {_s(n)}\n" for n in plan.notes]
