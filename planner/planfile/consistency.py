@@ -71,10 +71,8 @@ def inconsistencies(plan: Plan, where: Where | None = None, tensors: Mapping[str
         odd = _names(plan, tensors, at)
         if odd:  # sizes of unknown tensors: nothing else can be compared exactly
             return problems + odd
-    problems += _layers(plan, graph.layers, at, tensors)
-    problems += _groups(plan, at)
-    problems += _prefetch(plan, graph, at, tensors)
-    problems += _prefill(plan, graph, at, tensors)
+    problems += _layers(plan, graph.layers, at, tensors) + _groups(plan, at, graph, tensors)
+    problems += _prefetch(plan, graph, at, tensors) + _prefill(plan, graph, at, tensors)
     problems += [f"{at('params')}: {x}; a weight and its scales are one unit" for x in apart(plan.params, tensors or {})]
     return problems
 
@@ -156,13 +154,15 @@ def _bytes(by: Mapping[str, int]) -> str:
     return ", ".join(f"{k} {by[k]:,}" for k in KINDS if k != "cpu" or by[k])  # cpu: only where there is some
 
 
-def _groups(plan: Plan, at) -> list[str]:
+def _groups(plan: Plan, at, graph: LayerGraph, tensors) -> list[str]:
     """Fused experts (groups.py): one placement per expert of a fused parameter, a group prefetched whole (its
-    parameters are views of one slot) or not at all, and only experts on cpu."""
-    groups = FusedGroups.find(plan.params)
+    parameters are views of one slot) or not at all, and only experts on cpu; a group placed alike is fine."""
+    groups = FusedGroups.of_layers(graph.layers, tensors) if tensors is not None else FusedGroups.find(plan.params)
     problems = [f"{at('params', n)}: cpu holds routed experts only, and {n} is none" for n, p in plan.params.items()
                 if p is Placement.CPU and n not in groups.group_of] if plan.summary.cpu_bytes else []
     for group, members in groups.members.items():
+        if len(set(map(plan.params.__getitem__, members))) == 1:
+            continue
         kinds: dict[str, list[str]] = {}
         for m in members:
             kinds.setdefault(plan.params[m].value, []).append(m)
