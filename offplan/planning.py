@@ -12,11 +12,10 @@ from planner.errors import InconsistentPlanError, OffplanError, PolicyError
 from planner.files import refuse_to_replace, write_atomic
 from planner.inputs import yamlio
 from planner.inputs.checkpoint import INDEX_NAME, open_checkpoint, resolve
-from planner.inputs.hardware import H100, dumps_hardware, load_hardware
+from planner.inputs.hardware import load_hardware
 from planner.inputs.policy import Policy, load_policy
-from planner.inputs.routing import HEADER as ROUTING_HEADER, load_profile, skew
+from planner.inputs.routing import load_profile, skew
 from planner.planfile import dumps, load_plan, read_plan
-from planner.planfile.file import HEADER
 from planner.planfile.diff import diff_data, diff_text
 from planner.planfile.show import show, show_data, show_tensors, tensors_data
 from planner.planfile.staleness import checkpoint_of, stale_reasons, up_to_date
@@ -33,7 +32,7 @@ def build_command(args) -> int:
     out = Path(args.output) if args.output and not to_stdout else default_output(Path(args.policy))
     if not to_stdout:  # before planning: nothing to plan for that cannot be written
         _refuse_to_overwrite_an_input(out, policy)
-        refuse_to_replace(out, HEADER, "plan", (f"choose another -o (default: {default_output(policy.path)})"
+        refuse_to_replace(out, "plan", (f"choose another -o (default: {default_output(policy.path)})"
                                                 if args.output else "write the plan elsewhere with -o PATH")
                           + ", or remove that file first")
     plan = build(policy, Path.cwd() if to_stdout else out.parent)
@@ -119,8 +118,8 @@ def validate_command(args) -> int:
     doc = yamlio.parse(path, text, PolicyError)
     kind = yamlio.kind(doc.data)
     if kind in (None, "policy"):  # a file cut short: its first line, offplan's own, still says what it is
-        heads = (("plan", HEADER), ("routing profile", ROUTING_HEADER), ("hardware profile", dumps_hardware(H100)))
-        kind = next((k for k, head in heads if text.startswith(head.splitlines()[0])), kind)
+        kind = next((k for k in ("plan", "routing profile", "hardware profile") if text.startswith(f"# offplan {k}")),
+                    kind)
     if kind == "plan":
         plan = load_plan(path)
         emit(args, {"file": str(path), "kind": "plan", "valid": True, "tensors": plan.tensors},

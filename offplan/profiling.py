@@ -18,7 +18,7 @@ from planner.errors import OffplanError, PlanFileError
 from planner.files import refuse_to_replace, relpath
 from planner.inputs import yamlio
 from planner.inputs.checkpoint import INDEX_NAME, Checkpoint, open_checkpoint
-from planner.inputs.routing import HEADER, skew, write_profile
+from planner.inputs.routing import skew, write_profile
 from planner.planfile import load_plan
 from planner.planfile.staleness import checkpoint_of
 from planner.units import plural
@@ -114,7 +114,7 @@ def _check_output(out: Path, inputs: list[tuple[str, Path]]) -> None:
         if out.exists() and path.exists() and os.path.samefile(out, path):
             raise OffplanError(f"{out}: this is {what}, an input of the profile: writing the profile there would "
                                "destroy it. Nothing was written; choose another -o")
-    refuse_to_replace(out, HEADER, "routing profile", "choose another -o, or remove that file first")
+    refuse_to_replace(out, "routing profile", "choose another -o, or remove that file first")
 
 
 def _load_for_profile(plan_path: Path | None, ckpt: Checkpoint, device: str):

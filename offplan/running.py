@@ -30,7 +30,7 @@ import torch
 
 from planner.errors import OffplanError
 from planner.files import refuse_to_replace, write_atomic
-from planner.inputs.hardware import H100, dumps_hardware
+from planner.inputs.hardware import dumps_hardware
 from planner.planfile import load_plan
 from planner.planfile.staleness import checkpoint_of, stale_but_loadable
 from planner.units import human, ms, plural
@@ -244,8 +244,7 @@ def check_compiles(model, handle, batch: int) -> None:
 
 def calibrate_command(args) -> int:
     """`plan calibrate -o PROFILE`: measure this GPU (runtime/measure/calibrate.py), write a hardware profile."""
-    refuse_to_replace(Path(args.output), dumps_hardware(H100), "hardware profile",
-                      "choose another -o, or remove that file first")  # before minutes of measuring
+    refuse_to_replace(Path(args.output), "hardware profile", "choose another -o, or remove that file first")  # before minutes of measuring
     cal = calibrate()
     hw = cal.hardware
     write_atomic(Path(args.output), dumps_hardware(hw), "hardware profile")

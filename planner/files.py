@@ -33,11 +33,12 @@ def write_atomic(path: str | Path, text: str, what: str = "plan") -> None:
         raise
 
 
-def refuse_to_replace(path: Path, header: str, what: str, fix: str) -> None:
-    """An existing file at `path` may be replaced by a `what` only where it is one (it starts with the first line of
-    `header`, as every `what` offplan writes does): anything else there, a policy, a file of a checkpoint's folder
-    or a user's notes, would be destroyed. Raises OffplanError naming the file, the line looked for and `fix`."""
-    first = header.splitlines()[0]
+def refuse_to_replace(path: Path, what: str, fix: str) -> None:
+    """An existing file at `path` may be replaced by a `what` ("plan", "routing profile", "hardware profile") only
+    where it is one (it starts with `# offplan WHAT`, as every one offplan writes does) or is empty: anything else
+    there, a policy, a file of a checkpoint's folder or a user's notes, would be destroyed. Raises OffplanError
+    naming the file, the line looked for and `fix`."""
+    tag = f"# offplan {what}".encode()
     try:
         if not os.path.exists(path) or (os.path.isfile(path) and os.path.getsize(path) == 0):
             return  # nothing there to destroy (`-o "$(mktemp)"`)
@@ -45,13 +46,12 @@ def refuse_to_replace(path: Path, header: str, what: str, fix: str) -> None:
             found = b""
         else:
             with open(path, "rb") as f:
-                found = f.read(len(first.encode()))
+                found = f.read(len(tag))
     except OSError:
         return  # unreadable: write_atomic says what it cannot write
-    if found != first.encode():
-        tag = first.split(":")[0].split(",")[0]
-        raise OffplanError(f"{path}: exists and is not a {what} (its first line is not the `{tag} ...` line offplan "
-                           f"writes): writing the {what} there would destroy it. Nothing was written; {fix}")
+    if found != tag:
+        raise OffplanError(f"{path}: exists and is not a {what} (its first line is not the `{tag.decode()} ...` line "
+                           f"offplan writes): writing the {what} there would destroy it. Nothing was written; {fix}")
 
 
 def relpath(target: Path, start_dir: Path) -> str:

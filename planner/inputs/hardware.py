@@ -112,9 +112,8 @@ def load_hardware(path: str | Path) -> Hardware:
     validate(doc, "hardware.schema.json", HardwareProfileError, f"{path}: the hardware profile is invalid")
     d = doc.data
     if not all(k in d for k in _CORE):  # written by hand, some figures only: the built-in ones with those in place
-        kinds = {f.name: f.type for f in dataclasses.fields(Hardware)}
-        given = {k: (int if kinds[k] == "int" else float)(v) for k, v in d.items()
-                 if k in kinds and k not in ("name", "measured")}
+        given = {k: type(getattr(H100, k))(v) for k, v in d.items()  # an int or a float, as the built-in one's
+                 if hasattr(H100, k) and k not in ("name", "measured")}
         measured = d.get("measured", f"{path.name}: {', '.join(given) or 'no figure'}; the rest {H100.measured}")
         derived = {}  # figures that go with a given one, as a calibrated profile's do (its loading, below)
         if "h2d_copy_gbps" in given and "parallel_h2d_copy_gbps" not in given:  # shared as the built-in figures are

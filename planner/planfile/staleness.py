@@ -103,14 +103,14 @@ def stale_but_loadable(plan: Plan, plan_path: Path) -> list[str]:
     a changed policy, routing profile, hardware profile or config.json, a hand edit); [] where it is current, where
     the checkpoint changed (the runtime refuses that, saying so) and where an input cannot be read (the load says
     what). `plan apply` warns with it: the plan is applied as it is, never re-decided."""
-    if up_to_date(plan_path) is not None:
-        return []
     try:
+        if _stamp_holds(*_head(plan_path)):  # current by its stamp: no build (stale_reasons builds once)
+            return []
         ckpt = open_checkpoint(checkpoint_of(plan, plan_path))
         if checkpoint_change(plan, ckpt, plan.checkpoint_dir(plan_path)):
             return []
         return stale_reasons(plan, plan_path, ckpt)
-    except (OffplanError, OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError):
+    except _UNREADABLE:
         return []  # as up_to_date: whatever cannot be read is the load's to say
 
 
@@ -143,17 +143,26 @@ def up_to_date(plan_path: Path, rebuild: bool = False) -> Inputs | None:
     which is then not the file."""
     with no_gc():
         try:
-            text = plan_path.read_text(encoding="utf-8")
-            cut = text.find("\nnotes:")
-            head = yamlio.parse(plan_path, text[:cut], PlanFileError).data if cut > 0 else None
-            where = Inputs(plan_path.parent / head["checkpoint"]["path"], plan_path.parent / head["policy"]["path"],
-                           None if head.get("routing") is None else plan_path.parent / head["routing"]["path"])
+            head, text, where = _head(plan_path)
             if not rebuild and _stamp_holds(head, text, where):
                 return where
             fresh = build(load_policy(where.policy), plan_path.parent, open_checkpoint(where.checkpoint))
-        except (OffplanError, OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError):
+        except _UNREADABLE:
             return None
         return where if dumps(fresh) == (text if fresh.built is not None else unstamped(text)) else None
+
+
+_UNREADABLE = (OffplanError, OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError)
+
+
+def _head(plan_path: Path) -> tuple[dict, str, Inputs]:
+    """The plan's head (before `notes:`, parsed), its text, and where its inputs are; raises one of _UNREADABLE."""
+    text = plan_path.read_text(encoding="utf-8")
+    cut = text.find("\nnotes:")
+    head = yamlio.parse(plan_path, text[:cut], PlanFileError).data if cut > 0 else None
+    where = Inputs(plan_path.parent / head["checkpoint"]["path"], plan_path.parent / head["policy"]["path"],
+                   None if head.get("routing") is None else plan_path.parent / head["routing"]["path"])
+    return head, text, where
 
 
 def _stamp_holds(head: dict, text: str, where: Inputs) -> bool:
