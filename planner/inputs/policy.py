@@ -40,7 +40,7 @@ class Workload:
           batch_size: 8
           experts_per_token: 8
           routing: qwen3.routing.yaml   # written by `plan profile CHECKPOINT -o qwen3.routing.yaml`
-          cuda_graphs: true             # decode steps replayed from a captured CUDA graph
+          cuda_graphs: false            # predict eager decode steps (default: replayed from a CUDA graph)
           prompt_tokens: 2048           # the prefill to predict: the time to first token
           new_tokens: 128               # tokens generated per request
 
@@ -54,7 +54,7 @@ class Workload:
     experts_per_token: int | None = None  # MoE top-k; None: read from the checkpoint's config.json
     routing: Path | None = None  # `routing:` resolved against the policy's directory, `~` expanded
     routing_text: str | None = None  # as written in the policy, e.g. "qwen3.routing.yaml"
-    cuda_graphs: bool = False  # True: steps replay a CUDA graph, no CPU launch cost; False: eager, launched per op
+    cuda_graphs: bool = True  # steps replay a CUDA graph (as plan apply runs them): no CPU launch cost; False: eager
     prompt_tokens: int = 512  # the typical prompt, whose prefill (time to first token) the cost model predicts
     new_tokens: int = 256  # tokens generated per request: mixed minimises prefill + new_tokens x step
 
@@ -190,7 +190,7 @@ def load_policy(path: str | Path) -> Policy:
     routing = path.parent / Path(w["routing"]).expanduser() if "routing" in w else None
     workload = Workload(int(w.get("batch_size", 1)),
                         int(w["experts_per_token"]) if "experts_per_token" in w else None,
-                        routing, w.get("routing"), bool(w.get("cuda_graphs", False)),
+                        routing, w.get("routing"), bool(w.get("cuda_graphs", True)),
                         int(w.get("prompt_tokens", 512)), int(w.get("new_tokens", 256)))
     if routing is not None:
         locations["workload.routing"] = doc.where(["workload", "routing"])

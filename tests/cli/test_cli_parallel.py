@@ -60,9 +60,9 @@ def test_show_says_every_figure_is_one_gpus_share(work, capsys):
         "fits, 256 B to spare; GPU 1 budget 156.2 KiB: fits, 78.4 KiB to spare)",
         "host (pinned) per GPU: 20.1 KiB uva; offloading saves 19.9 KiB of GPU memory (99% of the offloaded bytes; the buffers and working memory "
         "above take the rest)",
-        "predicted at batch 1, eager, on NVIDIA H100 80GB HBM3 (PCIe Gen5 host link): each of the 2 host links "
-        "carries 10.1 KiB per step; step 3.80 ms = max(cpu 3.80 ms, gpu 0.336 ms, link 0.000 ms), bound by kernel "
-        "launches (CPU); time to first token (prefill of 512 tokens) 3.80 ms"]
+        "predicted at batch 1, CUDA graph replay, on NVIDIA H100 80GB HBM3 (PCIe Gen5 host link): each of the 2 "
+        "host links carries 10.1 KiB per step; step 0.336 ms = max(cpu 0.000 ms, gpu 0.336 ms, link 0.000 ms), bound "
+        "by the GPU (its kernels and reads); time to first token (prefill of 512 tokens) 3.80 ms"]
     assert lines[17:19] == [
         "note: tensor parallel over 2 GPUs (transformers' plan for model_type qwen3_moe): every figure is one GPU's "
         "share; each GPU reads its share over its own host link (H2D predicted at 49 GB/s each)",

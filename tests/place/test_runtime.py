@@ -190,7 +190,7 @@ def test_cli_apply_generates(tmp_path, checkpoints, capsys):
     assert main(["apply", str(plan), "--max-new-tokens", "3", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert [len(s["token_ids"]) for s in out["sequences"]] == [3] and out["stats"]["prefetch_bytes"] > 0
-    assert (out["mode"], out["decode_steps"], out["predicted_mode"]) == ("eager", 2, "eager")
+    assert (out["mode"], out["decode_steps"], out["predicted_mode"]) == ("eager", 2, "graph")
 
 
 def test_cli_apply_compiles_the_decode_step(capsys):
@@ -240,8 +240,8 @@ def test_cli_apply_reports_the_bundled_example(capsys):
     assert lines[4] == "generated 1 sequence of up to 2 tokens, greedily, each decode step eager (cpu)"
     assert re.fullmatch(r"  time to first token [\d.]+ ms \(prefill of 24 prompt tokens\)", lines[5])
     assert re.fullmatch(r"  decode [\d.]+ tokens/s per sequence: [\d.]+ ms per step over 1 step at batch 1", lines[6])
-    assert lines[7] == ("  predicted 11.40 ms per decode step by the plan, for batch 1, eager, on NVIDIA H100 80GB HBM3 (PCIe "
-                        "Gen5 host link); this run is on the CPU: they do not compare")
+    assert lines[7] == ("  predicted 0.772 ms per decode step by the plan, for batch 1, CUDA graph replay, on NVIDIA H100 80GB "
+                        "HBM3 (PCIe Gen5 host link); this run is on the CPU: they do not compare")
     assert re.fullmatch(r"  token ids \[\d+, \d+\]", lines[8]) and len(lines) == 9
 
 

@@ -24,7 +24,7 @@ POLICIES = {
     "uva": "uva:\n  offload_gib: 0.005\n",
     "prefetch": "prefetch:\n  group_size: 2\n  step: 2\n",
     "budget": "budget_gib: 0.015\nrules:\n  - match: [lm_head]\n    place: uva\n",
-    "graphs": "budget_gib: 0.015\nworkload:\n  cuda_graphs: true\n",
+    "eager": "budget_gib: 0.015\nworkload:\n  cuda_graphs: false\n",
 }
 
 
@@ -40,12 +40,12 @@ def built(tmp_path, toy_ckpt):
 
 
 def test_cost_records_graph_replay(built):
-    """workload.cuda_graphs: true predicts no CPU launch time, and the plan says it assumed graph replay;
-    an eager plan's cost has no cuda_graphs key, as plans written before it."""
-    graphs, text = built["graphs"]
+    """By default (workload.cuda_graphs: true) a plan predicts no CPU launch time, and says it assumed graph
+    replay; an eager plan (cuda_graphs: false) has no cuda_graphs key in its cost, as plans written before it."""
+    graphs, text = built["budget"]
     assert graphs.cost.cuda_graphs and graphs.cost.cpu_us == 0
     assert f", cuda_graphs: true, prompt_tokens: 512, prefill_us: {graphs.cost.prefill_us}}}\n" in text
-    eager, text = built["budget"]
+    eager, text = built["eager"]
     assert not eager.cost.cuda_graphs and eager.cost.cpu_us > 0 and "cuda_graphs" not in text
 
 
