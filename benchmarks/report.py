@@ -115,7 +115,7 @@ def render(models: dict, with_plot: bool) -> str:
              "python benchmarks/parallel.py --model qwen3-30b-a3b --layers 8 --gpus 1 2 --batches 1 8   # then: mv "
              "results/parallel-qwen3-30b-a3b-8layers.jsonl results/parallel-qwen3-30b-a3b-4xh200-run1.jsonl; with "
              "--gpus 1 4: -run2; on two H200s: -2xh200; again on two H200s on 2026-11-27, each process with its share of the "
-             "host's cores: -2xh200-run2",
+             "host's cores: -2xh200-run2; with --gpus 1 2 4 on four H200s on 2026-11-27, so: -4xh200-run3",
              "python benchmarks/parallel.py --model llama-8b --gpus 1 2   # then: mv results/parallel-llama-8b.jsonl "
              "results/parallel-llama-8b-2xh200.jsonl",
              "PYTHONPATH=CHECKOUT_OF_MAIN python benchmarks/plan_speed.py --profile -n 3 --label before "
