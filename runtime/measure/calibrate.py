@@ -24,18 +24,20 @@ What is measured, and how:
 - CPU overhead: eager HF `generate` of tiny transformers Llamas (tensors so
   small that the GPU always waits for the CPU) with 2, 4, 8, 16 and 32 layers.
   The wall time of every decode step is taken inside `generate` (a stopping
-  criterion is called once per step). The models take turns over several
-  rounds; each one's median step (the median over rounds of each round's
-  median) is fitted by least squares to `step = per_step + per_layer x
-  layers`. `per_layer` is the CPU time to launch one decoder layer's kernels
-  through the framework; `per_step` is what a step costs outside the layers
-  (embedding, head, sampling, cache bookkeeping). The line must explain the medians (R^2 >= 0.95),
-  or calibration fails: the CPU was busy with something else;
+  criterion is called once per step). The models take turns over 14 short
+  rounds; each one's fastest round's median step is fitted by least squares
+  to `step = per_step + per_layer x layers` (the fastest, since this host's
+  CPU runs in slower phases that only add time: steps.fastest; the profile
+  says how much slower the median round was). `per_layer` is the CPU time
+  to launch one decoder layer's kernels through the framework; `per_step` is
+  what a step costs outside the layers (embedding, head, sampling, cache
+  bookkeeping). The line must explain the times (R^2 >= 0.95), or
+  calibration fails: the CPU was busy with something else;
 - CPU overhead of a layer with routed experts (`moe_layer_overhead_us`): eager
   steps of the runtime's own generation (what `plan apply --eager` runs) over
   tiny Qwen3-MoE models with 2 to 16 layers whose experts run offplan's
   experts implementation as for experts in pinned memory, fitted the same way
-  (the slope). Such a layer launches a router, top-k and the gathers besides
+  (the slope, through each count's fastest of 10 rounds). Such a layer launches a router, top-k and the gathers besides
   attention: about twice a dense layer's CPU time on the H100 machine;
 - GPU time per layer: the same tiny Llamas, and tiny Qwen3-MoE models (8
   experts, top-2, transformers' `batched_mm`), with 2 to 32 layers, each
@@ -82,11 +84,12 @@ MIN_R2 = 0.95
 @dataclass(frozen=True)
 class Calibration:
     hardware: Hardware
-    step_us_by_layers: dict[int, float]  # median eager decode step of the tiny Llamas
+    step_us_by_layers: dict[int, float]  # eager decode step of the tiny Llamas, their fastest round's median
     r2: float  # of the per-layer line through them
     stage_ms: dict[int, tuple[float, float]]  # tokens -> (uva GEMMs in place, copied first), ms (stage_crossover)
     replay_us_by_layers: dict[str, dict[int, float]]  # "dense" / "moe" -> layers -> replayed decode step, us
     moe_step_us_by_layers: dict[int, float]  # eager step of the runtime's generation over the tiny MoE models
+    cpu_slowdown: float  # the eager rounds' median against their fastest, the larger of the two (steps.fastest)
 
 
 def calibrate() -> Calibration:
@@ -99,9 +102,9 @@ def calibrate() -> Calibration:
     hbm = hbm_gbps()
     tflops = matmul_tflops()
     crossover = stage_crossover()
-    steps = step_us_by_layers()
+    steps, slow = step_us_by_layers()
     per_step, per_layer, r2 = fit_line(list(steps), list(steps.values()))
-    moe_steps = generator_step_us_by_layers(tiny_moe_offloaded)
+    moe_steps, moe_slow = generator_step_us_by_layers(tiny_moe_offloaded)
     _, moe_per_layer, r2_moe_cpu = fit_line(list(moe_steps), list(moe_steps.values()))
     replayed = {"dense": replay_us_by_layers(tiny_llama), "moe": replay_us_by_layers(tiny_moe)}
     gpu_step, gpu_layer, r2_dense = fit_line(list(replayed["dense"]), list(replayed["dense"].values()))
@@ -134,7 +137,8 @@ def calibrate() -> Calibration:
                   parallel_h2d_copy_gbps=round(h2d * H100.parallel_h2d_copy_gbps / H100.h2d_copy_gbps, 1), **cpu,
                   measured=f"plan calibrate, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}; "
                            "all-reduce and several-GPU copy figures built in, not measured; "
-                           f"CPU lines R^2 {r2:.4f} (dense) and {r2_moe_cpu:.4f} (MoE), replayed GPU lines R^2 "
+                           f"CPU lines R^2 {r2:.4f} (dense) and {r2_moe_cpu:.4f} (MoE) through each layer count's "
+                           f"fastest round (the median round {max(slow, moe_slow):.2f}x slower), replayed GPU lines R^2 "
                            f"{r2_dense:.4f} (dense), {r2_moe:.4f} (MoE); uva GEMM in place / copied "
                            f"first, by tokens: {in_place}; {cpu_note}")
-    return Calibration(hw, steps, r2, crossover, replayed, moe_steps)
+    return Calibration(hw, steps, r2, crossover, replayed, moe_steps, max(slow, moe_slow))
