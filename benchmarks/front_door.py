@@ -6,7 +6,7 @@
 
 One checkpoint (harness/checkpoints.py, random bf16 in the model's shapes; `tiny` has FP8-sized experts), its
 block-scaled FP8 copy (tests/quantized_models.py) for `experts-uva-fp8`, the hardware calibrated now, and one plan
-per strategy, built as a user builds it (default workload: batch 1, eager):
+per strategy, built as a user builds it (default workload: batch 1, CUDA graph replay):
 
 - `gpu`: everything on the GPU;  `uva`: every other decoder layer on uva;  `prefetch`: every other decoder layer
   streamed (group 2, step 2);  `mixed`: `backend: mixed` under a budget of half the checkpoint's bytes and the

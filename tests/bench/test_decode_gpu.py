@@ -120,7 +120,9 @@ def test_front_door_benchmark_runs_on_cuda(tmp_path):
         | {("experts-uva", "transformers")}
     assert all(r["steps_per_s"] > 0 and r["batch"] == 1 for r in decoded.values())
     assert all(r["same_tokens_as_loop"] for (s, p), r in decoded.items() if p != "transformers")
-    assert all(decoded[s, "generate --eager"]["predicted_steps_per_s"] > 0 for s in strategies)  # the plan's own workload
+    assert all(decoded[s, "generate"]["predicted_steps_per_s"] > 0 for s in strategies)  # the plan's own workload
+    assert all(decoded[s, "generate --eager"]["predicted_steps_per_s"] > 0 for s in strategies  # an eager plan's,
+               if s not in ("mixed", "experts-split"))  # none where it places otherwise, as mixed's may
     assert decoded["experts-uva", "apply"]["floor_steps_per_s"] > 0
     assert decoded["experts-uva-fp8", "loop"]["uva_bytes"] < decoded["experts-uva", "loop"]["uva_bytes"]
 
@@ -165,5 +167,6 @@ def test_memory_benchmark_measures_every_plan_against_its_footprint(tmp_path):
     for name, r in memory.items():
         working = r["working_buffer_bytes"] + max(r["working_decode_bytes"], r["working_prefill_bytes"])
         assert r["footprint_bytes"] == r["gpu_bytes"] + r["pool_bytes"] + working and r["peak_bytes"] > 0
-        assert (working > 0) == (name not in ("gpu", "prefetch")), name
+        if name != "mixed":  # its placement is the cost model's (graph replay: this tiny model's layers streamed)
+            assert (working > 0) == (name not in ("gpu", "prefetch")), name
         assert r["mode"] == "graph" and r["load_peak_bytes"] <= r["peak_bytes"]

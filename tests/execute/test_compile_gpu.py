@@ -16,7 +16,7 @@ pytestmark = pytest.mark.gpu
 POLICIES = {
     "prefetch": "prefetch: {group_size: 2, num_in_group: 1, step: 2}",
     "uva": "backend: uva\nuva: {offload_gib: 100}",
-    "mixed": "backend: mixed\nbudget_gib: 0.0003\nprefetch: {step: 2}",
+    "mixed": "backend: mixed\nbudget_gib: 0.0003\nprefetch: {step: 2}\nworkload: {cuda_graphs: false}",  # experts on uva
     "uva+prefetch": "rules:\n  - {match: [embed_tokens], place: uva}\n  - {match: [self_attn], place: uva}\n"
                     "prefetch: {group_size: 2, num_in_group: 1, step: 2, params: [mlp]}",
 }

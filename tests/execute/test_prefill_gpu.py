@@ -22,15 +22,15 @@ POLICIES = {
     "uva": "backend: uva\nuva: {offload_gib: 100}",
     "uva+prefetch": "rules:\n  - {match: [self_attn], place: uva}\n"
                     "prefetch: {group_size: 2, num_in_group: 1, step: 2, params: [mlp]}",
-    "mixed": "backend: mixed\nbudget_gib: {budget}\nprefetch: {step: 2}",
+    "mixed": "backend: mixed\nbudget_gib: {budget}\nprefetch: {step: 2}\nworkload: {cuda_graphs: false}",
     # routed experts streamed through the ring too (the llama has none): all, and experts 0 and 2 (1 and 3 on
     # the GPU, gathered from HBM)
     "uva+experts": "backend: uva\nuva: {offload_gib: 100, stage_experts: true}",
     "split experts": "uva: {stage_experts: true}\nrules:\n  - {match: [self_attn], place: uva}\n"
                      "  - {match: ['re:experts\\.[02]\\.'], place: uva}\n",
 }
-# budgets under which mixed puts dense tensors on uva (the MoE's experts go first, through the ring; the budget
-# holds their working memory too: 208,000 bytes at the least)
+# budgets under which mixed, weighing eager steps' launches, puts dense tensors on uva (the MoE's experts go first,
+# through the ring; the budget holds their working memory too: 208,000 bytes at the least)
 MIXED_BUDGET_GIB = {"llama": 0.0003, "moe": 0.0002}
 
 
