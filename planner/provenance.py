@@ -3,7 +3,7 @@
 `plan build` writes a stamp below `format_version` (planner.plan.Built):
 
     built:
-      offplan: "0.2.0"                # the version that built it
+      offplan: "0.3.0"                # the version that built it
       inputs: "sha256:..."            # that version, the hardware profile's bytes, config.json's bytes
       digest: "sha256:..."            # the plan's text, this value read as PLACEHOLDER
 
