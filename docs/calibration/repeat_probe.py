@@ -4,8 +4,9 @@ same numbers. Run it several times, each in its own process, as calibrate runs:
 
     for i in 1 2 3; do python docs/calibration/repeat_probe.py --out probe-$i.json; done
 
-On a GPU machine, from the checkout's root (PYTHONPATH=.). It measures as runtime/measure/ does, keeping what
-those functions reduce to one median.
+On a GPU machine, from the checkout's root (PYTHONPATH=.). It measures as runtime/measure/ did when it ran (rounds of
+32 and 24 steps, before 64558f2 took the fastest of more, shorter rounds), keeping what those functions reduce to
+one figure.
 """
 from __future__ import annotations
 
