@@ -12,7 +12,7 @@ import statistics as st
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-ROUNDS = {"median of the rounds (as calibrate did)": st.median, "fastest round": min,
+ROUNDS = {"median of the probe's 14 rounds (calibrate's reduction)": st.median, "fastest round": min,
           "first quartile of the rounds": lambda v: st.quantiles(v, n=4)[0]}
 
 
