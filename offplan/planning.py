@@ -9,7 +9,7 @@ from pathlib import Path
 from planner.decide.build import build, default_output
 from planner.decide.notes import WARNING, is_warning, unlocated
 from planner.errors import InconsistentPlanError, OffplanError, PolicyError
-from planner.files import refuse_to_replace, write_atomic
+from planner.files import refuse_to_replace, write_atomic, written_as
 from planner.inputs import yamlio
 from planner.inputs.checkpoint import INDEX_NAME, open_checkpoint, resolve
 from planner.inputs.hardware import load_hardware
@@ -118,8 +118,7 @@ def validate_command(args) -> int:
     doc = yamlio.parse(path, text, PolicyError)
     kind = yamlio.kind(doc.data)
     if kind in (None, "policy"):  # a file cut short: its first line, offplan's own, still says what it is
-        kind = next((k for k in ("plan", "routing profile", "hardware profile") if text.startswith(f"# offplan {k}")),
-                    kind)
+        kind = written_as(text) or kind
     if kind == "plan":
         plan = load_plan(path)
         emit(args, {"file": str(path), "kind": "plan", "valid": True, "tensors": plan.tensors},

@@ -33,24 +33,32 @@ def write_atomic(path: str | Path, text: str, what: str = "plan") -> None:
         raise
 
 
+KINDS = ("plan", "routing profile", "hardware profile")  # what offplan writes, each's first line `# offplan KIND`
+
+
+def written_as(head: str) -> str | None:
+    """The kind of file offplan wrote (KINDS) that `head`, a file's beginning, says it is by its first line;
+    None for any other (a policy, a user's file)."""
+    return next((k for k in KINDS if head.startswith(f"# offplan {k}")), None)
+
+
 def refuse_to_replace(path: Path, what: str, fix: str) -> None:
     """An existing file at `path` may be replaced by a `what` ("plan", "routing profile", "hardware profile") only
     where it is one (it starts with `# offplan WHAT`, as every one offplan writes does) or is empty: anything else
     there, a policy, a file of a checkpoint's folder or a user's notes, would be destroyed. Raises OffplanError
     naming the file, the line looked for and `fix`."""
-    tag = f"# offplan {what}".encode()
     try:
         if not os.path.exists(path) or (os.path.isfile(path) and os.path.getsize(path) == 0):
             return  # nothing there to destroy (`-o "$(mktemp)"`)
         if not os.path.isfile(path):  # a FIFO, a device: opening it could block, and it is no file of ours
-            found = b""
+            found = ""
         else:
             with open(path, "rb") as f:
-                found = f.read(len(tag))
+                found = f.read(64).decode("utf-8", "replace")
     except OSError:
         return  # unreadable: write_atomic says what it cannot write
-    if found != tag:
-        raise OffplanError(f"{path}: exists and is not a {what} (its first line is not the `{tag.decode()} ...` line "
+    if written_as(found) != what:
+        raise OffplanError(f"{path}: exists and is not a {what} (its first line is not the `# offplan {what} ...` line "
                            f"offplan writes): writing the {what} there would destroy it. Nothing was written; {fix}")
 
 

@@ -84,7 +84,7 @@ def stale_reasons(plan: Plan, plan_path: Path, ckpt: Checkpoint) -> list[str]:
     policy = load_policy(policy_path)
     fresh = build(policy, plan_path.parent, ckpt)
     text = plan_path.read_text()
-    if dumps(fresh) != (text if fresh.built is not None else unstamped(text)):  # uninstalled: no stamp to match
+    if not _rebuilds_to(fresh, text):
         moved = [n for n, p in fresh.params.items() if plan.params.get(n) is not p]
         where = (f" ({len(moved)} placements differ, e.g. {moved[0]}: the plan says {plan.params[moved[0]].value}, "
                  f"the policy gives {fresh.params[moved[0]].value})" if moved and moved[0] in plan.params else "")
@@ -149,7 +149,13 @@ def up_to_date(plan_path: Path, rebuild: bool = False) -> Inputs | None:
             fresh = build(load_policy(where.policy), plan_path.parent, open_checkpoint(where.checkpoint))
         except _UNREADABLE:
             return None
-        return where if dumps(fresh) == (text if fresh.built is not None else unstamped(text)) else None
+        return where if _rebuilds_to(fresh, text) else None
+
+
+def _rebuilds_to(fresh: Plan, text: str) -> bool:
+    """Whether the plan built again is `text`, byte for byte (an uninstalled offplan stamps nothing: the text
+    less its stamp, then)."""
+    return dumps(fresh) == (text if fresh.built is not None else unstamped(text))
 
 
 _UNREADABLE = (OffplanError, OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError)
