@@ -1,48 +1,39 @@
 """The `offplan` experts implementation: every routed expert read once per step, from HBM or pinned memory.
 
-transformers 5.x stacks a layer's experts into fused parameters
-(`gate_up_proj` [E, 2I, H], `down_proj` [E, H, I]) and dispatches the
-experts' forward through `ALL_EXPERTS_FUNCTIONS`. offplan registers its own
-entry, "offplan", and the runtime selects it (`set_experts_implementation`)
-for a model whose plan puts experts in pinned host memory. A fused parameter
-with experts there is one uva tensor (the whole parameter, pinned, read in
-place); those the plan keeps on the GPU are also held in HBM, their rows in a
-resident copy (`bind`). Per forward, for T tokens with top-k routing over E experts:
+transformers 5.x stacks a layer's experts into fused parameters (`gate_up_proj` [E, 2I, H], `down_proj` [E, H, I])
+and dispatches the experts' forward through `ALL_EXPERTS_FUNCTIONS`. offplan registers its own entry, "offplan",
+and the runtime selects it (`set_experts_implementation`) for a model whose plan puts experts in pinned host memory.
+A fused parameter with experts there is one uva tensor (the whole parameter, pinned, read in place); those the plan
+keeps on the GPU are also held in HBM, their rows in a resident copy (`bind`). Per forward, for T tokens with top-k
+routing over E experts:
 
-1. the unique experts touched, in a list of static size U = min(E, T*k): the
-   hit experts first, by number, then padding (gather.py `route`, one launch on
-   CUDA; no host synchronization: a decode step is captured and replayed). One
-   token's k experts are distinct: staged in its pairs' order instead, read as
-   they lie in step 3 (batched_mm would copy each pair's weight first);
-2. each fused parameter's rows for those U slots, staged in HBM (gather.py):
-   copied from the resident rows for experts on the GPU, read once through the
-   zero-copy view for the others, not at all for padding (no link bytes). With
-   T*k >= E every expert is staged: each host row still crosses the link once.
-   A module's pinned tensors go in one launch (`gather_many`), except for one
-   token where the module before guessed experts and read them ahead: those
-   rows come from the lookahead's buffer in HBM (lookahead.py, `gather`);
-3. the experts' arithmetic over the staged rows, each (token, k) pair routed
-   to its slot (`arithmetic`): up to `BATCHED_PAIRS` pairs (one or two tokens)
-   transformers' `batched_mm`'s, above its `grouped_mm`'s over the U staged
-   experts; the same kernels on the same values, so bitwise their outputs on
-   the whole parameter. These are the fastest all-GPU paths at batch 1 and
-   from batch 8 on (H100, benchmarks/RESULTS.md). The exception, an FP8
-   parameter at one token: fp8_gemv.py multiplies each pair by its expert's
-   FP8 rows where they lie, dequantizing in registers (batched_mm's outputs
-   on the dequantized experts within one rounding: another summing order).
+1. the unique experts touched, in a list of static size U = min(E, T*k): the hit experts first, by number, then
+   padding (gather.py `route`, one launch on CUDA; no host synchronization: a decode step is captured and
+   replayed). One token's k experts are distinct: staged in its pairs' order instead, read as they lie in step 3;
+2. each fused parameter's rows for those U slots, staged in HBM (gather.py): copied from the resident rows for
+   experts on the GPU, read once through the zero-copy view for the others, not at all for padding (no link
+   bytes). With T*k >= E every expert is staged: each host row still crosses the link once. A module's pinned
+   tensors go in one launch (`gather_many`; FP8 ones that step 3 reads dequantized: gathered and dequantized in
+   one launch, fp8_gather.py), except for one token where the module before guessed experts and read them ahead:
+   those rows come from the lookahead's buffer in HBM (lookahead.py, `gather`);
+3. the experts' arithmetic over the staged rows, each (token, k) pair routed to its slot (`arithmetic`): up to
+   `BATCHED_PAIRS` pairs (one or two tokens) transformers' `batched_mm`'s, above its `grouped_mm`'s over the U
+   staged experts; the same kernels on the same values, so bitwise their outputs on the whole parameter. These are
+   the fastest all-GPU paths at batch 1 and from batch 8 on (H100, benchmarks/RESULTS.md). The exception, an FP8
+   parameter at one token: fp8_gemv.py multiplies each pair by its expert's FP8 rows where they lie, dequantizing
+   in registers (batched_mm's outputs on the dequantized experts within one rounding: another summing order).
 
-The lookahead (step 2) runs in a step captured in a CUDA graph or traced by
-torch.compile, and on the CPU (so CI exercises it). An eager step on CUDA skips
-it: there the CPU's launches set the pace, and its launches cost more than the
-link time it saves (H100, 8 Qwen3-30B-A3B layers on uva: 46 steps/s with, 63 without).
+The lookahead (step 2) runs in a step captured in a CUDA graph or traced by torch.compile, and on the CPU (so CI
+exercises it). An eager step on CUDA skips it: there the CPU's launches set the pace, and its launches cost more
+than the link time it saves (H100, 8 Qwen3-30B-A3B layers on uva: 46 steps/s with, 63 without).
 
 At prefill of a layer that the plan stages (prefill.py), the unique list is every expert in expert order (U = E:
 a long prompt touches nearly all), step 2 gathers only the rows held in HBM, and those in pinned memory come from
 the expert ring (ring.py: copied over the link while earlier layers computed), through `offplan::expert_fill`.
 
-Experts on cpu (host/engine.py) lie in the pinned parameter as uva ones do. In a forward of at most the
-plan's prefill threshold in tokens, step 2 leaves their rows out (the lookahead guesses none of them), and the
-host's outputs replace their pairs' before the pairs are weighted and summed; above it they are read as uva ones.
+Experts on cpu (host/engine.py) lie in the pinned parameter as uva ones do. In a forward of at most the plan's
+prefill threshold in tokens, step 2 leaves their rows out (the lookahead guesses none of them), and the host's
+outputs replace their pairs' before the pairs are weighted and summed; above it they are read as uva ones.
 
 A module whose fused parameters are all in HBM (on the GPU, or prefetched) has nothing to deduplicate: it runs
 the arithmetic `arithmetic` picks, as offloaded ones do: transformers' `batched_mm`, or (bf16) `grouped_mm_forward`,
@@ -55,7 +46,7 @@ import torch
 
 from planner.layers.groups import BATCHED_PAIRS  # pairs up to which batched_mm's arithmetic runs (1-2 tokens)
 
-from ..place import fp8_gemv
+from ..place import fp8_gather, fp8_gemv
 from ..place.fp8_gemv import Fp8Rows
 from ..place.dequant import dequantize, quantized, stored
 from . import ops
@@ -86,11 +77,8 @@ def stored_params(module: torch.nn.Module, quants: dict | None = None) -> list[s
 
 
 def bind(module: torch.nn.Module, param: str, resident: torch.Tensor, slot: torch.Tensor) -> None:
-    """Give the forward `param`'s resident rows and each expert's row in them (-1: read it in place).
-
-    Non-persistent buffers: part of the module for torch.compile and CUDA graphs,
-    never of its state_dict. `unbind` removes them.
-    """
+    """Give the forward `param`'s resident rows and each expert's row in them (-1: read it in place). Non-persistent
+    buffers: part of the module for torch.compile and CUDA graphs, never of its state_dict. `unbind` removes them."""
     module.register_buffer(f"{_PREFIX}rows_{param}", resident, persistent=False)
     module.register_buffer(f"{_PREFIX}slot_{param}", slot, persistent=False)
 
@@ -114,11 +102,11 @@ def arithmetic(pairs: int) -> str:
 def _stage(module, params: list[str], order: torch.Tensor, valid: torch.Tensor, ahead: int = 0,
            x: torch.Tensor | None = None) -> dict[str, torch.Tensor | Fp8Rows]:
     """`params`' rows for the slots `order`, in HBM, in `params`' order; a quantized parameter's gathered
-    quantized, then dequantized (only the touched experts: dequant.py). `ahead`: the key of the lookahead whose
-    buffer holds some of them (lookahead.py), 0 for none. `x`: the pairs' activations when `order` is one token's
-    pairs: an FP8 parameter that fp8_gemv.py multiplies is then not dequantized (`Fp8Rows`), and one held
-    whole in HBM is not gathered either."""
-    quants, out, need = quantized(module), {}, {}  # need: param -> (its stored tensors by name, fused)
+    quantized, then dequantized (only the touched experts: dequant.py; FP8 in one launch: fp8_gather.py).
+    `ahead`: the key of the lookahead whose buffer holds some of them (lookahead.py), 0 for none. `x`: the pairs'
+    activations when `order` is one token's pairs: an FP8 parameter that fp8_gemv.py multiplies is then not
+    dequantized (`Fp8Rows`), and one held whole in HBM is not gathered either."""
+    quants, out, need, one = quantized(module), {}, {}, {}  # need: param -> (its stored tensors by name, fused)
     for p in params:
         q = quants.get(p)
         if q is None:
@@ -129,8 +117,11 @@ def _stage(module, params: list[str], order: torch.Tensor, valid: torch.Tensor, 
                  and fp8_gemv.applies(x, data, q.block, 1))
         if fused and slot_of(module, q.data) is None:  # all in HBM: read in place
             out[p] = Fp8Rows(data, scale, order, q.block)
+        elif not fused and not ahead and (source := _one_launch(module, q)) is not None:
+            one[p] = source
         else:
             need[p] = ({q.data: data, q.scale: scale}, fused)
+    out |= fp8_gather.gather_dequant(one, order, valid) if one else {}
     rows = _rows(module, {n: t for tensors, _ in need.values() for n, t in tensors.items()}, order, valid, ahead)
     for p, (tensors, fused) in need.items():
         q = quants.get(p)
@@ -140,6 +131,15 @@ def _stage(module, params: list[str], order: torch.Tensor, valid: torch.Tensor, 
             data, scale = rows[q.data], rows[q.scale]
             out[p] = Fp8Rows(data, scale, None, q.block) if fused else dequantize(q, data, scale, valid)
     return {p: out[p] for p in params}
+
+
+def _one_launch(module, q) -> fp8_gather.Source | None:
+    """FP8 `q`'s tensors for one launch (fp8_gather.py): data and scales both pinned, or both all in HBM."""
+    if q is None or q.format != "fp8" or not fp8_gather.applies(stored(module, q.data), q.block):
+        return None
+    (d, dr, ds), (s, sr, ss) = ((stored(module, n), getattr(module, f"{_PREFIX}rows_{n}", None), slot_of(module, n))
+                                for n in (q.data, q.scale))
+    return None if (ds is None) != (ss is None) else fp8_gather.Source(d, dr, ds, s, sr, ss, q.block, q.dtype)
 
 
 def _in_hbm(module, param: str) -> torch.Tensor:

@@ -87,13 +87,13 @@ if triton is not None:
         tl.store(out + offs, (x * s).to(out.dtype.element_ty), mask=mask)
 
 
-def _power_of_two(n: int) -> bool:
+def power_of_two(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
 def _dequant_fp8(data: torch.Tensor, scale: torch.Tensor, b0: int, b1: int, dtype: torch.dtype,
                  valid: torch.Tensor | None = None) -> torch.Tensor:
-    if not data.is_cuda or triton is None or not (_power_of_two(b0) and _power_of_two(b1)):
+    if not data.is_cuda or triton is None or not (power_of_two(b0) and power_of_two(b1)):
         return _fp8_reference(data, scale, b0, b1, dtype)
     return _launch_fp8(torch.empty(data.shape, dtype=dtype, device=scale.device), data, scale, b0, b1, valid)
 

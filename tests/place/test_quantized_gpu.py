@@ -54,6 +54,57 @@ def test_fp8_kernel_reads_pinned_memory_and_equals_the_torch_arithmetic():
     arena.release()
 
 
+def test_gather_dequant_equals_gather_then_dequantize_and_skips_padding():
+    """One launch for two FP8 parameters of unlike shapes (partial blocks), experts read in place through the
+    zero-copy view or from resident rows (data and scales each by their own slots), and one for a parameter all in
+    HBM: the valid slots bitwise gather.py's rows dequantized by dequant.py; padding slots unwritten."""
+    from runtime.execute.gather import _gather_reference
+    from runtime.place import fp8_gather
+    e, arenas = 10, []
+
+    def pinned(t):
+        arenas.append(PinnedArena(t.numel() * t.element_size(), cuda=True))
+        typed(arenas[-1].host_view(0, arenas[-1].nbytes), t.dtype, t.shape).copy_(t)
+        return typed(arenas[-1].device_view(0, arenas[-1].nbytes), t.dtype, t.shape)
+    sources, wants = {}, {}
+    order = torch.tensor([7, 2, 1, 3, 0, 9, 5], device="cuda")  # each of the four sources' mixes, then padding
+    valid = torch.tensor([1, 1, 1, 1, 1, 0, 0], dtype=torch.int32, device="cuda")
+    for name, (rows, cols), ids in (("gate_up_proj", (300, 200), [2, 3]), ("down_proj", (96, 260), [0, 7])):
+        data = (torch.randn(e, rows, cols) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
+        scale = torch.rand(e, -(-rows // 128), -(-cols // 128)) * 3
+        slot = torch.full((e,), -1, dtype=torch.int32)
+        slot[ids] = torch.arange(2, dtype=torch.int32)
+        sslot = slot.roll(1)  # the scales' resident rows in another order: read by their own slots
+        resident = (data[ids].float() * -1).to(torch.float8_e4m3fn).cuda()  # marked: HBM rows show by value
+        sids = [int(i) for i in (sslot >= 0).nonzero().flatten()]
+        sresident = scale[sids][sslot[sids].argsort()].cuda() + 1
+        sources[name] = fp8_gather.Source(pinned(data), resident, slot.cuda(), pinned(scale), sresident,
+                                          sslot.cuda(), (128, 128), torch.bfloat16)
+        wants[name] = dequant._fp8_reference(
+            _gather_reference(sources[name].data, resident, slot.cuda(), order, valid),
+            _gather_reference(sources[name].scale, sresident, sslot.cuda(), order, valid), 128, 128, torch.bfloat16)
+    s = sources["gate_up_proj"]  # a parameter all in HBM: no rows, no slots, every expert read where it lies
+    sources["in_hbm"] = fp8_gather.Source(s.data.clone(), None, None, s.scale.clone(), None, None, (128, 128),
+                                          torch.bfloat16)
+    everyone = torch.full((e,), -1, dtype=torch.int32, device="cuda")
+    wants["in_hbm"] = dequant._fp8_reference(_gather_reference(s.data, s.resident[:0], everyone, order, valid),
+                                             _gather_reference(s.scale, s.scale_resident[:0], everyone, order, valid),
+                                             128, 128, torch.bfloat16)
+    assert fp8_gather.applies(sources["down_proj"].data, (128, 128))
+    got = fp8_gather.gather_dequant(sources, order, valid)
+    for name, want in wants.items():
+        assert got[name].shape == want.shape and torch.equal(got[name][:5], want[:5]), name
+    sentinel = torch.full((7, 96, 260), 7.0, dtype=torch.bfloat16, device="cuda")  # padding: not written
+    s = sources["down_proj"]
+    fp8_gather._kernel[(7, 3 * 3, 1)](order, valid, sentinel, s.data, s.resident, s.slot, s.scale, s.scale_resident,
+                                      s.scale_slot, 96, 260, *s.scale.shape[1:], *[None] * 7, 0, 0, 0, 0, COUNT=1,
+                                      B0=128, B1=128, BR=32, BC=128, SLOTS=True)
+    assert torch.equal(sentinel[:5], wants["down_proj"][:5]) and bool((sentinel[5:] == 7).all())
+    del sources, got
+    for a in arenas:
+        a.release()
+
+
 @pytest.mark.parametrize("name,policy", [("fp8", "gpu"), ("fp8", "uva"), ("fp8", "prefetch"), ("fp8", "mixed"),
                                          ("fp8", "split"), ("mxfp4", "uva"), ("mxfp4", "prefetch")])
 def test_quantized_loads_on_cuda_equal_the_dequantized_reference(tmp_path, checkpoints, name, policy):
