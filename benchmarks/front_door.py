@@ -5,12 +5,12 @@
     python benchmarks/front_door.py --model tiny --layers 2 --out /tmp/r    # smoke test (CUDA)
 
 One checkpoint (harness/checkpoints.py, random bf16 in the model's shapes; `tiny` has FP8-sized experts), its
-block-scaled FP8 copy (tests/quantized_models.py) for `experts-uva-fp8`, the hardware calibrated now, and one plan
-per strategy, built as a user builds it (default workload: batch 1, CUDA graph replay):
+block-scaled FP8 copy (tests/quantized_models.py) for the `-fp8` strategies, the hardware calibrated now, and one
+plan per strategy, built as a user builds it (default workload: batch 1, CUDA graph replay):
 
-- `gpu`: everything on the GPU;  `uva`: every other decoder layer on uva;  `prefetch`: every other decoder layer
-  streamed (group 2, step 2);  `mixed`: `backend: mixed` under a budget of half the checkpoint's bytes and the
-  experts' working memory with every expert on uva (planner/decide/working.py);
+- `gpu`: everything on the GPU;  `gpu-fp8`: the same, FP8 weights;  `uva`: every other decoder layer on uva;
+  `prefetch`: every other decoder layer streamed (group 2, step 2);  `mixed`: `backend: mixed` under a budget of
+  half the checkpoint's bytes and the experts' working memory with every expert on uva (planner/decide/working.py);
 - `experts-uva`: every routed expert on uva (the README's main job);  `experts-uva-fp8`: the same, FP8 weights;
 - `experts-split`: `backend: mixed` with `cpu_experts: true` under the experts-uva plan's GPU footprint: the plan
   splits the experts between the host's cores and the link (runtime/execute/host/).
@@ -20,23 +20,29 @@ without a tokenizer), `--new-tokens` decode steps after the prefill's token, gre
 
 - `loop`: the benchmarks' loop (harness/loops.py `decode_static`, each step replayed from a CUDA graph);
 - `generate`: the runtime's `handle.generate` as a user calls it, replayed (the default), and with `eager=True`;
-  the median of three calls;
+  the median of three calls. Each eager call comes right after one of each all-GPU plan's (`gpu`, and `gpu-fp8`
+  where an FP8 strategy runs; loaded once and kept beside, `--no-pair-eager` to not), whose medians bound that
+  row: the host's CPU sets an eager step's pace, and it runs in phases up to about 1.9x slower for seconds to a
+  minute (docs/calibration/), so an all-GPU eager rate measured minutes away moves the ratio with it;
 - `apply`: `plan apply PLAN --batch B --json` in its own process (graph replay, the default);
 - `transformers`: transformers' `model.generate` on the loaded model (eager, dynamic cache), for `experts-uva` at
   batch 1 only: what a user got before.
 
 Each row's rate is set against the loop's (issue target: apply and generate >= 0.95x), eager rows against the lower
-of the all-GPU plan's eager rate at that batch and the link floor (target >= 0.8x; the floor, for the experts-uva,
--fp8 and -split rows at batch 1: the bytes of the k experts a token touches per layer over the UVA read rate
-calibrated now), and the plan's predicted step for that batch and mode (a plan of the same policy with
-`workload: {batch_size: B, cuda_graphs: ...}`; none where that plan places differently). offplan's rows must give the loop's tokens (exit 1
-otherwise). Records go to OUT/front-door-MODEL[-LABEL].jsonl, a table is printed last.
+of the all-GPU plan's eager rate at that batch (the calls alternating with its own, where paired), of the same
+checkpoint (`gpu-fp8` for the FP8 rows, where measured; `gpu` otherwise, and for FP8 rows also beside it), and the
+link floor (target >= 0.8x; the floor, for the experts-uva, -fp8 and -split rows at batch 1: the bytes of the k
+experts a token touches per layer over the UVA read rate calibrated now), and the plan's predicted step for that
+batch and mode (a plan of the same policy with `workload: {batch_size: B, cuda_graphs: ...}`; none where that plan
+places differently). offplan's rows must give the loop's tokens (exit 1 otherwise). Records go to
+OUT/front-door-MODEL[-LABEL].jsonl, a table is printed last.
 """
 from __future__ import annotations
 
 import argparse
 import gc
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -46,6 +52,7 @@ import torch
 from harness.checkpoints import config_for, make_checkpoint
 from harness.loops import decode_static
 from harness.plans import experts_working_bytes, make_plan, offloaded_layers
+from reporting.front_door import eager_ratios
 from planner.decide.build import build
 from planner.inputs.checkpoint import open_checkpoint
 from planner.inputs.hardware import dumps_hardware, load_hardware
@@ -57,7 +64,7 @@ from quantized_models import write_fp8  # noqa: E402  (the published FP8 layout'
 
 PROMPT = "The capital of France is"
 ROOT = Path(__file__).resolve().parent.parent
-STRATEGIES = ("gpu", "uva", "prefetch", "mixed", "experts-uva", "experts-uva-fp8", "experts-split")
+STRATEGIES = ("gpu", "gpu-fp8", "uva", "prefetch", "mixed", "experts-uva", "experts-uva-fp8", "experts-split")
 CALLS = 3  # handle.generate is timed as the median of this many calls: eager steps wait on the host's CPU, which
 # stalled for tens of ms at a time on the H100 machine (docs/front-door/README.md)
 EXPERTS_UVA = "rules:\n  - {match: [experts], place: uva}\n"
@@ -72,6 +79,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--new-tokens", type=int, default=64, help="decode steps timed (default: 64)")
     ap.add_argument("--hardware", type=Path, help="a `plan calibrate` profile to use instead of calibrating now")
+    ap.add_argument("--pair-eager", action=argparse.BooleanOptionalAction, default=True,
+                    help="alternate each eager row's calls with the all-GPU plans' (default; they stay loaded: "
+                         "--no-pair-eager where two models do not fit)")
     ap.add_argument("--label", help="a suffix for the records' file (a part of the table per run)")
     ap.add_argument("--dir", type=Path, default=Path("/tmp/offplan-bench"), help="where checkpoints go")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
@@ -84,7 +94,7 @@ def policy(strategy: str, layers: int, budget_bytes: int, split_bytes: int = 0) 
     if strategy == "uva":
         alternation = "|".join(map(str, offloaded_layers(layers, 0.5)))
         return head + f"rules:\n  - match: ['re:^model\\.layers\\.({alternation})\\.']\n    place: uva\n"
-    return head + {"gpu": "", "prefetch": "prefetch: {group_size: 2, num_in_group: 1, step: 2}\n",
+    return head + {"gpu": "", "gpu-fp8": "", "prefetch": "prefetch: {group_size: 2, num_in_group: 1, step: 2}\n",
                    "mixed": f"backend: mixed\nbudget_gib: {budget_bytes / 2**30!r}\nprefetch: {{step: 2}}\n",
                    "experts-uva": EXPERTS_UVA, "experts-uva-fp8": EXPERTS_UVA,
                    "experts-split": f"backend: mixed\ncpu_experts: true\nbudget_gib: {split_bytes / 2**30!r}\n",
@@ -111,21 +121,31 @@ def plan_apply(plan: Path, new: int, batch: int) -> dict:
     return json.loads(done.stdout)
 
 
-def in_process(plan: Path, ids: torch.Tensor, new: int, batches: list[int], transformers: bool) -> dict:
+def in_process(plan: Path, ids: torch.Tensor, new: int, batches: list[int], transformers: bool,
+               beside: dict) -> tuple[dict, dict]:
     """(path, batch) -> (steps/s, tokens) of the loop, handle.generate replayed and eager, and (if asked, at batch 1)
-    transformers' model.generate; one load."""
+    transformers' model.generate; one load. And (path, batch) -> {strategy: steps/s} of the all-GPU handles
+    `beside` ({strategy: handle}), whose eager calls alternate with the eager path's (module doc): their medians."""
     from runtime.hf import from_pretrained
     model, handle = from_pretrained(plan, device="cuda", progress=False)
-    out = {}
+    out, paired = {}, {}
     try:
         for b in batches:
             x = ids.expand(b, -1).contiguous()
             out["loop", b] = decode_static(model, handle, x, new, "graph", b)
             for path, eager in (("generate", False), ("generate --eager", True)):
-                handle.generator(eager=eager).prepare(x, new + 1)  # what plan apply does before it times
-                calls = [handle.generate(x, new + 1, eager=eager) for _ in range(CALLS)]
+                pairs = beside if eager else {}
+                for h in (handle, *pairs.values()):
+                    h.generator(eager=eager).prepare(x, new + 1)  # what plan apply does before it times
+                calls, by = [], {name: [] for name in pairs}
+                for _ in range(CALLS):
+                    for name, h in pairs.items():
+                        by[name].append(h.generate(x, new + 1, eager=True).decode_tokens_per_s)
+                    calls.append(handle.generate(x, new + 1, eager=eager))
                 got = sorted(calls, key=lambda g: g.decode_tokens_per_s)[CALLS // 2]  # the median call
                 out[path, b] = got.decode_tokens_per_s, [t[:new] for t in got.tokens]
+                if pairs:
+                    paired[path, b] = {name: statistics.median(v) for name, v in by.items()}
         if transformers and 1 in batches:
             out["transformers", 1] = hf_generate(model, ids, new)
     finally:
@@ -133,7 +153,7 @@ def in_process(plan: Path, ids: torch.Tensor, new: int, batches: list[int], tran
         del model, handle
         gc.collect()
         torch.cuda.empty_cache()
-    return out
+    return out, paired
 
 
 def hf_generate(model, ids: torch.Tensor, new: int) -> tuple[float, list]:
@@ -170,7 +190,8 @@ def main(argv=None) -> int:
     shape = "tiny-128" if args.model == "tiny" else args.model
     config = config_for(shape, args.layers)
     ckpt = make_checkpoint(shape, args.layers, work / "ckpt", "cuda")
-    if "experts-uva-fp8" in args.strategies and not (work / "fp8" / "model.safetensors.index.json").is_file():
+    fp8 = any(s.endswith("fp8") for s in args.strategies)
+    if fp8 and not (work / "fp8" / "model.safetensors.index.json").is_file():
         write_fp8(ckpt, work / "fp8", device="cuda")
     hw = load_hardware(args.hardware) if args.hardware else calibrate().hardware
     (work / "hw.yaml").write_text(dumps_hardware(hw))
@@ -183,6 +204,12 @@ def main(argv=None) -> int:
     new, failures = args.new_tokens, []
     split = load_plan(make_plan(work, "experts-uva", policy("experts-uva", config.num_hidden_layers, budget))
                       ).summary.gpu_footprint_bytes  # experts-split's budget
+    beside = {}  # the all-GPU handles whose eager calls alternate with each eager row's
+    if args.pair_eager:
+        from runtime.hf import from_pretrained
+        for name in ("gpu", "gpu-fp8") if fp8 else ("gpu",):
+            beside[name] = from_pretrained(make_plan(work, f"{name}-beside", policy(name, config.num_hidden_layers,
+                                                                                      budget)), progress=False)[1]
     for strategy in args.strategies:
         text = policy(strategy, config.num_hidden_layers, budget, split)
         plan = make_plan(work, strategy, text)
@@ -192,7 +219,7 @@ def main(argv=None) -> int:
             experts = open_checkpoint(work / ("fp8" if strategy.endswith("fp8") else "ckpt")).tensors
             host = sum(t.nbytes for n, t in experts.items() if ".mlp.experts." in n)
             floor = hw.uva_read_gbps * 1e9 * config.num_experts / (host * config.num_experts_per_tok)
-        got = in_process(plan, ids, new, args.batches, transformers=strategy == "experts-uva")
+        got, paired = in_process(plan, ids, new, args.batches, strategy == "experts-uva", beside)
         for b in args.batches:
             applied_run = plan_apply(plan, new, b)
             got["apply", b] = (applied_run["decode_tokens_per_s"],
@@ -205,11 +232,13 @@ def main(argv=None) -> int:
                 failures.append(f"{strategy} {path} batch {b}")
             record(kind="decode", strategy=strategy, path=path, batch=b, mode="graph" if graph else "eager",
                    steps_per_s=rate, ratio_to_loop=rate / loop_rate, same_tokens_as_loop=same,
-                   floor_steps_per_s=floor if b == 1 else None,
+                   floor_steps_per_s=floor if b == 1 else None, paired_eager_steps_per_s=paired.get((path, b)),
                    predicted_steps_per_s=None if path == "transformers" else
                    predicted_steps_per_s(work, strategy, text, applied.params, b, graph),
                    gpu_bytes=applied.summary.gpu_bytes, uva_bytes=applied.summary.uva_bytes,
                    prefetch_bytes=applied.summary.prefetch_bytes)
+    for h in beside.values():
+        h.remove(restore=False)
     print("\n" + "\n".join(table([json.loads(l) for l in log.read_text().splitlines()])))
     if failures:
         print("tokens differ from the loop's: " + "; ".join(failures), file=sys.stderr)
@@ -217,19 +246,20 @@ def main(argv=None) -> int:
 
 
 def table(rows: list[dict]) -> list[str]:
-    """Markdown: per strategy and batch, each path's steps/s and its ratios (module doc)."""
+    """Markdown: per strategy and batch, each path's steps/s and its ratios (module doc); then resident FP8 against
+    bf16, where both all-GPU plans ran."""
     decode = [r for r in rows if r["kind"] == "decode"]
-    gpu_eager = {r["batch"]: r["steps_per_s"] for r in decode
-                 if r["strategy"] == "gpu" and r["path"] == "generate --eager"}
-    out = ["| plan | batch | path | mode | steps/s | x loop | eager: x min(all-GPU eager, floor) | predicted | "
-           "tokens = loop's |", "|---|---|---|---|---|---|---|---|---|"]
+    out = ["| plan | batch | path | mode | steps/s | x loop | eager: x min(all-GPU eager, floor) | the same, bf16 "
+           "all-GPU | predicted | tokens = loop's |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in decode:
-        bound = [v for v in (gpu_eager.get(r["batch"]), r["floor_steps_per_s"]) if v]
-        eager = f"{r['steps_per_s'] / min(bound):.2f}" if r["mode"] == "eager" and bound else ""
+        eager, bf16 = (f"{v:.2f}" if v else "" for v in eager_ratios(decode, r))
         predicted = f"{r['predicted_steps_per_s']:.1f}" if r["predicted_steps_per_s"] else ""
         out.append(f"| {r['strategy']} | {r['batch']} | {r['path']} | {r['mode']} | {r['steps_per_s']:.1f} | "
-                   f"{r['ratio_to_loop']:.3f} | {eager} | {predicted} | {r['same_tokens_as_loop']} |")
-    return out
+                   f"{r['ratio_to_loop']:.3f} | {eager} | {bf16} | {predicted} | {r['same_tokens_as_loop']} |")
+    rate = {(r["strategy"], r["path"], r["batch"]): r["steps_per_s"] for r in decode}
+    fp8 = [f"resident FP8 / bf16, {path}, batch {batch}: {v / rate['gpu', path, batch]:.2f}"
+           for (strategy, path, batch), v in rate.items() if strategy == "gpu-fp8" and ("gpu", path, batch) in rate]
+    return out + ([""] + fp8 if fp8 else [])
 
 
 if __name__ == "__main__":

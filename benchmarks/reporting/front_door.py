@@ -12,12 +12,28 @@ def front_door_tables() -> list[str]:
     return out
 
 
+def eager_ratios(decode: list[dict], r: dict) -> tuple[float | None, float | None]:
+    """Eager row `r`'s rate over the lower of its link floor and the all-GPU eager rate at its batch of its own
+    checkpoint (`gpu-fp8` for an FP8 row where the run has it, `gpu` otherwise); and, for an FP8 row measured so,
+    over the lower of the floor and bf16's (`gpu`) beside it. The all-GPU rate is the one measured alternating
+    with the row's calls where the run did (`paired_eager_steps_per_s`), else the all-GPU plan's own eager row.
+    (None, None) for other rows."""
+    eager = {(x["strategy"], x["batch"]): x["steps_per_s"] for x in decode if x["path"] == "generate --eager"}
+    paired = r.get("paired_eager_steps_per_s") or {}
+
+    def over(gpu: str) -> float | None:
+        bound = [v for v in (paired.get(gpu) or eager.get((gpu, r["batch"])), r["floor_steps_per_s"]) if v]
+        return r["steps_per_s"] / min(bound) if bound else None
+    if r["mode"] != "eager":
+        return None, None
+    fp8 = r["strategy"].endswith("fp8") and ("gpu-fp8", r["batch"]) in eager
+    return over("gpu-fp8" if fp8 else "gpu"), over("gpu") if fp8 else None
+
+
 def _run_table(path, rows: list[dict]) -> list[str]:
-    """One run's table: its own all-GPU eager rate bounds its eager rows."""
+    """One run's table: its own all-GPU eager rates bound its eager rows."""
     run = next(r for r in rows if r["kind"] == "run")
     decode = [r for r in rows if r["kind"] == "decode"]
-    gpu_eager = {r["batch"]: r["steps_per_s"] for r in decode
-                 if r["strategy"] == "gpu" and r["path"] == "generate --eager"}
     plans = ", ".join(dict.fromkeys(r["strategy"] for r in decode))
     out = [f"## {run['model']}: through the front door ({plans})", "",
            f"`{path.name}` (`benchmarks/front_door.py`; {run['layers']} decoder layers, {run['device']}, torch "
@@ -27,21 +43,23 @@ def _run_table(path, rows: list[dict]) -> list[str]:
            "steps. `loop`: the benchmarks' loop; `generate`: `handle.generate` as a user calls it; `apply`: `plan "
            "apply PLAN --batch B` in its own process; `transformers`: `model.generate` on the loaded model (eager, "
            "dynamic cache). x loop: against the loop (target for apply and generate: >= 0.95). Eager rows: against "
-           "the lower of this run's all-GPU plan's eager rate at that batch and, at batch 1 with experts on uva, the "
+           "the lower of this run's all-GPU plan's eager rate at that batch, of the same checkpoint (`gpu-fp8` for "
+           "FP8 rows where the run has it; the bf16 one's beside it; in runs that record it, measured alternating "
+           "with the row's own calls), and, at batch 1 with experts on uva, the "
            "link floor (the k experts a token touches per layer over the UVA rate; target >= 0.8). Predicted: the "
            "plan's decode step for that batch and mode (the same policy with that workload). At batch 8 the "
            "sequences are copies of one prompt, so they route alike and a step reads what one sequence's does; the "
            "plan predicts 8 distinct tokens' routing, so its batch-8 figures of plans with experts in host memory do "
            "not compare (measured / predicted left out there).", "",
-           "| plan | batch | path | mode | steps/s | x loop | eager x min(all-GPU eager, floor) | x floor | "
-           "predicted steps/s | measured / predicted | tokens = loop's |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+           "| plan | batch | path | mode | steps/s | x loop | eager x min(all-GPU eager, floor) | the same, bf16 "
+           "all-GPU | x floor | predicted steps/s | measured / predicted | tokens = loop's |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in decode:
-        bound = [v for v in (gpu_eager.get(r["batch"]), r["floor_steps_per_s"]) if v]
-        eager = r["steps_per_s"] / min(bound) if r["mode"] == "eager" and bound else None
+        eager, bf16 = eager_ratios(decode, r)
         floor = r["steps_per_s"] / r["floor_steps_per_s"] if r["floor_steps_per_s"] else None
         pred = r["predicted_steps_per_s"]
         alike = r["batch"] > 1 and r["uva_bytes"] + r["prefetch_bytes"] > 0 and r["strategy"] != "prefetch"
         out.append(f"| {r['strategy']} | {r['batch']} | {r['path']} | {r['mode']} | {r['steps_per_s']:.1f} | "
-                   f"{r['ratio_to_loop']:.3f} | {fmt(eager)} | {fmt(floor)} | {fmt(pred, '.1f')} | "
+                   f"{r['ratio_to_loop']:.3f} | {fmt(eager)} | {fmt(bf16)} | {fmt(floor)} | {fmt(pred, '.1f')} | "
                    f"{fmt(r['steps_per_s'] / pred if pred and not alike else None)} | {r['same_tokens_as_loop']} |")
     return out + [""]

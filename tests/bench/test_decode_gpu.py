@@ -115,7 +115,7 @@ def test_front_door_benchmark_runs_on_cuda(tmp_path):
     rows = [json.loads(l) for l in (tmp_path / "out" / "front-door-tiny.jsonl").read_text().splitlines()]
     assert rows[0]["kind"] == "run" and rows[0]["hardware"]["uva_read_gbps"] == H100.uva_read_gbps
     decoded = {(r["strategy"], r["path"]): r for r in rows[1:]}
-    strategies = ("gpu", "uva", "prefetch", "mixed", "experts-uva", "experts-uva-fp8", "experts-split")
+    strategies = ("gpu", "gpu-fp8", "uva", "prefetch", "mixed", "experts-uva", "experts-uva-fp8", "experts-split")
     assert set(decoded) == {(s, p) for s in strategies for p in ("loop", "generate", "generate --eager", "apply")} \
         | {("experts-uva", "transformers")}
     assert all(r["steps_per_s"] > 0 and r["batch"] == 1 for r in decoded.values())

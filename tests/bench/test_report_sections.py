@@ -18,10 +18,11 @@ RUN = dict(kind="run", model="qwen3-30b-a3b", layers=8, device="NVIDIA H200", to
            prompt="The capital", hardware={"uva_read_gbps": 50.0, "h2d_copy_gbps": 55.0})
 
 
-def decode(strategy, path, batch, rate, loop, mode="graph", floor=None, predicted=None, uva=0, same=True):
+def decode(strategy, path, batch, rate, loop, mode="graph", floor=None, predicted=None, uva=0, same=True, paired=None):
     return dict(kind="decode", strategy=strategy, path=path, batch=batch, mode=mode, steps_per_s=rate,
                 ratio_to_loop=rate / loop, same_tokens_as_loop=same, floor_steps_per_s=floor,
-                predicted_steps_per_s=predicted, gpu_bytes=1, uva_bytes=uva, prefetch_bytes=0)
+                predicted_steps_per_s=predicted, gpu_bytes=1, uva_bytes=uva, prefetch_bytes=0,
+                paired_eager_steps_per_s=paired)
 
 
 def write(path, rows):
@@ -36,17 +37,29 @@ def test_each_front_door_run_is_its_own_table_with_its_own_bounds(tmp_path, monk
         decode("experts-uva", "generate --eager", 1, 70.0, 78.0, "eager", floor=84.0, predicted=75.0, uva=9),
         decode("experts-uva", "apply", 8, 69.0, 70.0, predicted=12.6, uva=9, same=False)])
     write(tmp_path / "front-door-qwen3-30b-a3b-b.jsonl", [
-        RUN, decode("gpu", "generate --eager", 1, 60.0, 400.0, "eager", predicted=100.0)])
+        RUN, decode("gpu", "generate --eager", 1, 60.0, 400.0, "eager", predicted=100.0),
+        decode("gpu-fp8", "generate --eager", 1, 50.0, 400.0, "eager"),
+        decode("experts-uva-fp8", "generate --eager", 1, 45.0, 90.0, "eager", floor=140.0),
+        decode("experts-uva", "generate --eager", 1, 36.0, 90.0, "eager", floor=140.0, paired={"gpu": 40.0})])
     lines = front_door.front_door_tables()
-    assert [l for l in lines if l.startswith("## ")] == ["## qwen3-30b-a3b: through the front door (gpu, experts-uva)",
-                                                         "## qwen3-30b-a3b: through the front door (gpu)"]
+    assert [l for l in lines if l.startswith("## ")] == [
+        "## qwen3-30b-a3b: through the front door (gpu, experts-uva)",
+        "## qwen3-30b-a3b: through the front door (gpu, gpu-fp8, experts-uva-fp8, experts-uva)"]
     rows = [l for l in lines if l.startswith("| ") and not l.startswith("| plan")]
-    assert rows[0] == "| gpu | 1 | generate --eager | eager | 80.0 | 0.200 | 1.00 | - | 100.0 | 0.80 | True |"
+    assert rows[0] == "| gpu | 1 | generate --eager | eager | 80.0 | 0.200 | 1.00 | - | - | 100.0 | 0.80 | True |"
     # run a's eager experts row against min(its all-GPU eager 80, the floor 84): 70 / 80
-    assert rows[2] == "| experts-uva | 1 | generate --eager | eager | 70.0 | 0.897 | 0.88 | 0.83 | 75.0 | 0.93 | True |"
+    assert rows[2] == ("| experts-uva | 1 | generate --eager | eager | 70.0 | 0.897 | 0.88 | - | 0.83 | 75.0 | 0.93 "
+                       "| True |")
     # batch 8 of copies of one prompt: no measured / predicted
-    assert rows[3] == "| experts-uva | 8 | apply | graph | 69.0 | 0.986 | - | - | 12.6 | - | False |"
-    assert rows[4] == "| gpu | 1 | generate --eager | eager | 60.0 | 0.150 | 1.00 | - | 100.0 | 0.60 | True |"
+    assert rows[3] == "| experts-uva | 8 | apply | graph | 69.0 | 0.986 | - | - | - | 12.6 | - | False |"
+    assert rows[4] == "| gpu | 1 | generate --eager | eager | 60.0 | 0.150 | 1.00 | - | - | 100.0 | 0.60 | True |"
+    # FP8 rows against the FP8 all-GPU eager rate (45 / 50), and bf16's beside it (45 / 60)
+    assert rows[5] == "| gpu-fp8 | 1 | generate --eager | eager | 50.0 | 0.125 | 1.00 | 0.83 | - | - | - | True |"
+    assert rows[6] == ("| experts-uva-fp8 | 1 | generate --eager | eager | 45.0 | 0.500 | 0.90 | 0.75 | 0.32 | - | - "
+                       "| True |")
+    # measured alternating with the all-GPU plan's calls: against those (36 / 40), not its own row's 60
+    assert rows[7] == ("| experts-uva | 1 | generate --eager | eager | 36.0 | 0.400 | 0.90 | - | 0.26 | - | - "
+                       "| True |")
 
 
 def test_the_parallel_section_sets_each_gpu_count_against_the_floor_and_one_gpu(tmp_path, monkeypatch):
