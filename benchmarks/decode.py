@@ -21,7 +21,8 @@ safetensors checkpoint on local disk so the real load path is measured):
        one run measures what the alignment buys;
    (d) offplan prefetch: group_size g, num_in_group n, step 2;
    (e) offplan mixed: `backend: mixed` with the prefetch plan's GPU footprint
-       as its budget (the same GPU memory as (d));
+       as its budget (the same GPU memory as (d)), deciding for the mode the
+       run measures (`cuda_graphs: false` when `--modes` is eager alone);
 3. for each, at batch 1, 8 and 32 (distinct random prompts of 16 tokens):
    greedy decode of `--new-tokens` tokens after a warm-up; decode time is the
    time of generate(N+1) minus generate(1) (prefill excluded); the greedy
@@ -98,6 +99,7 @@ class Bench:
         self.layers = build_graph(list(self.info.tensors), facts=read_config(self.ckpt)).stack_layers()
         self.decoder_bytes = sum(self.info.tensors[n].nbytes for l in self.layers for n in l.params)
         self.ids = prompts(config_for(args.model, args.layers).vocab_size, args.device)
+        self.graphs = args.modes != ["eager"]  # the mode mixed plans decide for: replayed unless only eager runs
 
     def record(self, **r) -> None:
         with self.log.open("a") as f:
@@ -191,7 +193,7 @@ class Bench:
                     self.run_accelerate(f, off, offloaded)
                 continue
             plan = prefetch_plan if strategy == "prefetch" else make_plan(
-                self.work, f"{strategy}-{f}", policy_text(strategy, f, off, self.hw_path, budget))
+                self.work, f"{strategy}-{f}", policy_text(strategy, f, off, self.hw_path, budget, self.graphs))
             p = load_plan(plan)
             self.run_offplan(f"{strategy}-{f}", strategy, f, plan, p.summary.uva_bytes + p.summary.prefetch_bytes)
 
@@ -201,7 +203,7 @@ class Bench:
         working = experts_working_bytes(self.work, policy_text("gpu", 0, [], self.hw_path, None))  # in the budget
         budget = ((self.info.total_bytes - experts) * 1.02 + working) / GIB
         plan = make_plan(self.work, "mixed-experts-host",
-                         policy_text("mixed-experts-host", 1.0, [], self.hw_path, budget))
+                         policy_text("mixed-experts-host", 1.0, [], self.hw_path, budget, self.graphs))
         s = load_plan(plan).summary
         self.record(kind="fraction", fraction="experts", offloaded_bytes=s.uva_bytes + s.prefetch_bytes,
                     of_decoder=(s.uva_bytes + s.prefetch_bytes) / self.decoder_bytes, experts_bytes=experts)

@@ -27,7 +27,10 @@ def offloaded_layers(count: int, fraction: float) -> list[int]:
     return [i for i in range(count) if i % g >= g - n]
 
 
-def policy_text(strategy: str, fraction: float, layers: list[int], hw: Path | None, budget_gib: float | None) -> str:
+def policy_text(strategy: str, fraction: float, layers: list[int], hw: Path | None, budget_gib: float | None,
+                graphs: bool = True) -> str:
+    """A decode benchmark's policy. `graphs`: the mode a mixed plan decides for (its workload's `cuda_graphs`),
+    which should be the mode the run measures: a placement decided for replayed steps may not be the fastest eager."""
     head = "format_version: 1\ncheckpoint: ckpt\n" + (f"hardware: {hw.name}\n" if hw else "")
     if strategy == "gpu":
         return head
@@ -38,7 +41,8 @@ def policy_text(strategy: str, fraction: float, layers: list[int], hw: Path | No
         g, n = FRACTIONS[fraction]
         return head + f"prefetch: {{group_size: {g}, num_in_group: {n}, step: 2}}\n"
     if strategy in ("mixed", "mixed-experts-host"):  # the latter's budget: everything but the experts
-        return head + f"backend: mixed\nbudget_gib: {budget_gib!r}\nprefetch: {{step: 2}}\n"
+        return head + (f"backend: mixed\nbudget_gib: {budget_gib!r}\nprefetch: {{step: 2}}\n"
+                       f"workload: {{cuda_graphs: {str(graphs).lower()}}}\n")
     raise ValueError(strategy)
 
 

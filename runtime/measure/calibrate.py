@@ -37,8 +37,9 @@ What is measured, and how:
   steps of the runtime's own generation (what `plan apply --eager` runs) over
   tiny Qwen3-MoE models with 2 to 16 layers whose experts run offplan's
   experts implementation as for experts in pinned memory, fitted the same way
-  (the slope, through each count's fastest of 10 rounds). Such a layer launches a router, top-k and the gathers besides
-  attention: about twice a dense layer's CPU time on the H100 machine;
+  (the slope, through each count's fastest of 10 rounds). Such a layer launches
+  a router, top-k and the gathers besides attention: about twice a dense
+  layer's CPU time on the H100 machine;
 - GPU time per layer: the same tiny Llamas, and tiny Qwen3-MoE models (8
   experts, top-2, transformers' `batched_mm`), with 2 to 32 layers, each
   decode step (batch 1, static cache) captured in a CUDA graph and replayed:
@@ -138,7 +139,8 @@ def calibrate() -> Calibration:
                   measured=f"plan calibrate, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}; "
                            "all-reduce and several-GPU copy figures built in, not measured; "
                            f"CPU lines R^2 {r2:.4f} (dense) and {r2_moe_cpu:.4f} (MoE) through each layer count's "
-                           f"fastest round (the median round {max(slow, moe_slow):.2f}x slower), replayed GPU lines R^2 "
+                           f"fastest round (the median round {max(slow, moe_slow):.2f}x slower), replayed GPU lines "
+                           f"R^2 "
                            f"{r2_dense:.4f} (dense), {r2_moe:.4f} (MoE); uva GEMM in place / copied "
                            f"first, by tokens: {in_place}; {cpu_note}")
     return Calibration(hw, steps, r2, crossover, replayed, moe_steps, max(slow, moe_slow))

@@ -85,8 +85,8 @@ def fastest(per_round: dict[int, list[float]]) -> tuple[dict[int, float], float]
     """Each layer count's fastest round, and the largest ratio of a count's median round to its fastest.
 
     Why the fastest: the eager figures are the CPU's time to launch kernels, and the H100 machine's host
-    CPU runs in phases, seconds to a minute long, in which all of it is 1.2-1.7x slower (eager steps, the host
-    kernel and the hand-over alike; docs/calibration/). Four calibrations' medians of rounds gave a per-layer
+    CPU runs in phases, seconds to a minute long, in which all of it is about 1.4-1.9x slower (eager steps, the
+    host kernel and the hand-over alike; docs/calibration/). Four probes' medians of rounds gave a per-layer
     launch cost 64% apart, their fastest rounds 29% (and the MoE layer's 37% and 15%): noise only ever adds
     time, so the fastest round is the figure a calibration repeats. The ratio says how slow the phases were.
     """

@@ -127,11 +127,12 @@ def test_refuses_when_gpu_memory_is_short(tmp_path, checkpoints, monkeypatch):
 
 def test_calibrate_is_physical_and_repeatable(tmp_path, capsys):
     """Two calibrations in a row: every figure inside what the hardware can do; bandwidths and the GPU time per
-    replayed layer within 10% of each other. The CPU's per-layer launch time is held to its physical range only:
-    on the H100 machine back-to-back runs gave 714 and 817, 922 and 1366 us (32% apart), and runs in separate
-    processes on one day 586 to 1188 us, so a repeatability band for it failed runs at random without finding
-    anything (eager predictions carry that spread: RESULTS.md). A calibration that refuses a noisy machine (its
-    CPU line fit, R^2 < 0.95) is run again, as its message tells a user to, at most twice. HBM bandwidth is timed
+    replayed layer within 10% of each other. The CPU's launch figures are held to their physical range only: the
+    H100 machine's host runs in phases about 1.4-1.9x slower, and through each layer count's fastest round
+    (steps.py `fastest`) three calibrations in a row still gave them 0-14% apart (docs/calibration/), where
+    medians of rounds had put them up to 35% apart; a 10% band for them would fail runs at random. A calibration
+    that refuses a noisy machine (its CPU line fit, R^2 < 0.95) is run again, as its message tells a user to, at
+    most twice. HBM bandwidth is timed
     from a replayed graph: launched from Python, two runs in a row once read 2614 and 2343 GB/s."""
     from offplan.cli import main
     from planner.inputs.hardware import load_hardware
