@@ -13,8 +13,8 @@ routing over E experts:
 2. each fused parameter's rows for those U slots, staged in HBM (gather.py): copied from the resident rows for
    experts on the GPU, read once through the zero-copy view for the others, not at all for padding (no link
    bytes). With T*k >= E every expert is staged: each host row still crosses the link once. A module's pinned
-   tensors go in one launch (`gather_many`; FP8 ones that step 3 reads dequantized: gathered and dequantized in
-   one launch, fp8_gather.py), except for one token where the module before guessed experts and read them ahead:
+   tensors go in one launch (`gather_many`; FP8 ones that step 3 reads dequantized, and FP8 ones all in HBM:
+   gathered and dequantized in one launch, fp8_gather.py), except for one token where the module before guessed experts and read them ahead:
    those rows come from the lookahead's buffer in HBM (lookahead.py, `gather`);
 3. the experts' arithmetic over the staged rows, each (token, k) pair routed to its slot (`arithmetic`): up to
    `BATCHED_PAIRS` pairs (one or two tokens) transformers' `batched_mm`'s, above its `grouped_mm`'s over the U
