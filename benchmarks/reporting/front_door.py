@@ -30,10 +30,18 @@ def eager_ratios(decode: list[dict], r: dict) -> tuple[float | None, float | Non
     return over("gpu-fp8" if fp8 else "gpu"), over("gpu") if fp8 else None
 
 
+def _floor(r: dict, run: dict) -> float | None:
+    """A row's link floor, steps/s: as recorded (experts on uva at batch 1), or for the prefetch plan, which copies
+    its streamed layers whole every step at any batch, their bytes over the run's calibrated H2D rate."""
+    if r["floor_steps_per_s"] or r["strategy"] != "prefetch" or not r["prefetch_bytes"]:
+        return r["floor_steps_per_s"]
+    return run["hardware"]["h2d_copy_gbps"] * 1e9 / r["prefetch_bytes"]
+
+
 def _run_table(path, rows: list[dict]) -> list[str]:
     """One run's table: its own all-GPU eager rates bound its eager rows."""
     run = next(r for r in rows if r["kind"] == "run")
-    decode = [r for r in rows if r["kind"] == "decode"]
+    decode = [{**r, "floor_steps_per_s": _floor(r, run)} for r in rows if r["kind"] == "decode"]
     plans = ", ".join(dict.fromkeys(r["strategy"] for r in decode))
     out = [f"## {run['model']}: through the front door ({plans})", "",
            f"`{path.name}` (`benchmarks/front_door.py`; {run['layers']} decoder layers, {run['device']}, torch "
@@ -45,8 +53,9 @@ def _run_table(path, rows: list[dict]) -> list[str]:
            "dynamic cache). x loop: against the loop (target for apply and generate: >= 0.95). Eager rows: against "
            "the lower of this run's all-GPU plan's eager rate at that batch, of the same checkpoint (`gpu-fp8` for "
            "FP8 rows where the run has it; the bf16 one's beside it; in runs that record it, measured alternating "
-           "with the row's own calls), and, at batch 1 with experts on uva, the "
-           "link floor (the k experts a token touches per layer over the UVA rate; target >= 0.8). Predicted: the "
+           "with the row's own calls), and the link floor: at batch 1 with experts on uva, the k experts a token "
+           "touches per layer over the UVA rate; for the prefetch plan, its streamed bytes over the H2D rate (target "
+           ">= 0.8). Predicted: the "
            "plan's decode step for that batch and mode (the same policy with that workload). At batch 8 the "
            "sequences are copies of one prompt, so they route alike and a step reads what one sequence's does; the "
            "plan predicts 8 distinct tokens' routing, so its batch-8 figures of plans with experts in host memory do "

@@ -18,10 +18,11 @@ RUN = dict(kind="run", model="qwen3-30b-a3b", layers=8, device="NVIDIA H200", to
            prompt="The capital", hardware={"uva_read_gbps": 50.0, "h2d_copy_gbps": 55.0})
 
 
-def decode(strategy, path, batch, rate, loop, mode="graph", floor=None, predicted=None, uva=0, same=True, paired=None):
+def decode(strategy, path, batch, rate, loop, mode="graph", floor=None, predicted=None, uva=0, same=True, paired=None,
+           prefetch=0):
     return dict(kind="decode", strategy=strategy, path=path, batch=batch, mode=mode, steps_per_s=rate,
                 ratio_to_loop=rate / loop, same_tokens_as_loop=same, floor_steps_per_s=floor,
-                predicted_steps_per_s=predicted, gpu_bytes=1, uva_bytes=uva, prefetch_bytes=0,
+                predicted_steps_per_s=predicted, gpu_bytes=1, uva_bytes=uva, prefetch_bytes=prefetch,
                 paired_eager_steps_per_s=paired)
 
 
@@ -40,11 +41,12 @@ def test_each_front_door_run_is_its_own_table_with_its_own_bounds(tmp_path, monk
         RUN, decode("gpu", "generate --eager", 1, 60.0, 400.0, "eager", predicted=100.0),
         decode("gpu-fp8", "generate --eager", 1, 50.0, 400.0, "eager"),
         decode("experts-uva-fp8", "generate --eager", 1, 45.0, 90.0, "eager", floor=140.0),
-        decode("experts-uva", "generate --eager", 1, 36.0, 90.0, "eager", floor=140.0, paired={"gpu": 40.0})])
+        decode("experts-uva", "generate --eager", 1, 36.0, 90.0, "eager", floor=140.0, paired={"gpu": 40.0}),
+        decode("prefetch", "generate --eager", 8, 10.0, 10.5, "eager", paired={"gpu": 60.0}, prefetch=5 * 10**9)])
     lines = front_door.front_door_tables()
     assert [l for l in lines if l.startswith("## ")] == [
         "## qwen3-30b-a3b: through the front door (gpu, experts-uva)",
-        "## qwen3-30b-a3b: through the front door (gpu, gpu-fp8, experts-uva-fp8, experts-uva)"]
+        "## qwen3-30b-a3b: through the front door (gpu, gpu-fp8, experts-uva-fp8, experts-uva, prefetch)"]
     rows = [l for l in lines if l.startswith("| ") and not l.startswith("| plan")]
     assert rows[0] == "| gpu | 1 | generate --eager | eager | 80.0 | 0.200 | 1.00 | - | - | 100.0 | 0.80 | True |"
     # run a's eager experts row against min(its all-GPU eager 80, the floor 84): 70 / 80
@@ -60,6 +62,8 @@ def test_each_front_door_run_is_its_own_table_with_its_own_bounds(tmp_path, monk
     # measured alternating with the all-GPU plan's calls: against those (36 / 40), not its own row's 60
     assert rows[7] == ("| experts-uva | 1 | generate --eager | eager | 36.0 | 0.400 | 0.90 | - | 0.26 | - | - "
                        "| True |")
+    # the prefetch plan's floor at any batch: its streamed bytes over the run's H2D rate (55 GB/s / 5 GB = 11/s)
+    assert rows[8] == "| prefetch | 8 | generate --eager | eager | 10.0 | 0.952 | 0.91 | - | 0.91 | - | - | True |"
 
 
 def test_the_parallel_section_sets_each_gpu_count_against_the_floor_and_one_gpu(tmp_path, monkeypatch):
