@@ -6,15 +6,12 @@ Roles say what fraction of a tensor one decode step (one new token per sequence,
   expert's share of the profile's decode tokens (decode hits / decode tokens: top-k routing makes them add up to k);
   without one, routing is assumed uniform, p_e = k/E for each of a layer's E experts. A tensor that holds every expert
   at once (prefused.py: GPT-OSS, Llama 4; its first dimension the E experts) reads each expert's row with that
-  probability: the mean of 1 - (1 - p_e)^b over its rows, 1 - (1 - k/E)^b of its bytes under uniform routing
-  (gpt-oss-120b at batch 1: 4 of 128 rows, 1/32);
-- embedding: a 2-D tensor of an embedding module: b of its V rows per step (unless the embedding is tied to the head,
-  which reads it whole);
+  probability: the mean of 1 - (1 - p_e)^b over its rows, 1 - (1 - k/E)^b of its bytes if uniform (gpt-oss-120b: 1/32);
+- embedding: a 2-D tensor of an embedding module: b of its V rows per step (the head reads a tied one whole);
 - dense: everything else, read whole every step.
 Rules may override a role (`rules: [{match: [lm_head], role: dense}]`).
-Only what runs in every decode step counts (graph.py `Runs`): a vision tower
-runs only in the prefill of a prompt with images, an MTP layer never in plain
-decode, so wherever they live they cost a decode step nothing.
+Only what runs in every decode step counts (graph.py `Runs`): a vision tower runs only in the prefill of a prompt
+with images, an MTP layer never in plain decode, so wherever they live they cost a decode step nothing.
 
 Time per step: three resources work at once, and the slowest sets the pace.
     cpu  = step overhead + stack layers x layer overhead   (launching kernels, eagerly;
@@ -33,7 +30,9 @@ that stages its touched experts (runtime/execute/experts.py: any expert of the l
 BATCHED_PAIRS (token, expert) pairs, where batched_mm's arithmetic runs) writes them to HBM and reads them back:
 twice their bytes more over HBM, taking twice that time where it gathers them from HBM: a factor fitted to four
 recorded runs (front-door a-d: all-GPU Qwen3-30B-A3B decode at batch 1 measured 0.76x its prediction without it on
-H200s, 0.84x on H100s; 0.90x and 1.02x with it); over UVA the writes hide behind the link's reads.
+H200s, 0.84x on H100s; 0.90x and 1.02x with it); over UVA the writes hide behind the link's reads. FP8 experts at
+more than one token are staged dequantized wherever they lie (fp8_gather.py): bf16, written and read back, 4x their
+bytes (at one token the rule above; MXFP4's dequantization is not counted).
 
 Prefill (the time to first token) of `workload.prompt_tokens` = T tokens, one sequence, over the layers that run
 in every step. Copies run on their own stream ahead of compute (prefetch, and prefill staging: staging.py), so they
@@ -66,9 +65,8 @@ cpu_expert_gbps (cpu_expert_alone_gbps where the layer has no expert on uva) + c
 the host's fixed cost; native.cpp, docs/host-experts/), its uva experts read at uva_read_beside_cpu_gbps. FP8:
 native.cpp converts each byte as it reads it, so the cores set the pace: an FP8 byte counts twice at the bf16 rate
 (H200 machine, every FP8 expert of 8 Qwen3-30B-A3B layers on cpu: 9.86 ms a step, 5.08 predicted at once;
-docs/fp8-cpu/). Prefill: staged (staging.py), copied and computed on the GPU; unstaged above the threshold, gathered
-over uva as uva experts are (the runtime's host takes at most stage_above_tokens tokens); up to it, the host's reads
-add.
+docs/fp8-cpu/). Prefill: staged (staging.py), copied and computed on the GPU; unstaged above the threshold,
+gathered over uva as uva experts are (the runtime's host takes at most stage_above_tokens tokens); else host reads add.
 
 Tensor parallelism (layers/shards.py): the tensors are one GPU's share, so every figure above is each GPU's, over its
 own link, at once. A layer whose outputs the GPUs sum (an all-reduce: attention's o projection, the MLP or experts) or
@@ -102,7 +100,7 @@ from operator import add, and_, mul
 
 from ..inputs.checkpoint import TensorInfo
 from ..inputs.hardware import Hardware
-from ..inputs.quantized import partners
+from ..inputs.quantized import FP8, partners
 from ..inputs.routing import RoutingProfile
 from ..layers.alike import Shapes
 from ..layers.graph import Layer, LayerGraph
@@ -271,7 +269,9 @@ class CostModel:
                 pre_copied, pre_hbm = pre_copied + size * (at == 0), pre_hbm + pre * (at == 0)
                 pre_uva, pre_cpu = pre_uva + pre * (at == 1), pre_cpu + pre * w * (at == 2)
                 continue
-            if stages and routed:
+            if routed and self.batch > 1 and n in self.quantized and self.tensors[n].dtype in FP8:
+                staged += 4 * b  # dequantized into HBM (fp8_gather.py): bf16, twice its bytes, written and read back
+            elif stages and routed:
                 staged += 2 * b if p is UVA else 4 * b  # written to HBM, read back: gathered from HBM, slower
             if p is UVA:
                 read_uva += b

@@ -32,7 +32,7 @@ def test_every_recorded_graph_row_is_predicted_within_20_percent(capsys):
     out = capsys.readouterr()
     assert code == 0, out.err
     rows = [line for line in out.out.splitlines() if line.startswith("| gpu | 1 | graph |")]
-    assert len(rows) == 4  # the all-GPU plan at batch 1 in runs a-d, each compared
+    assert len(rows) == 5  # the all-GPU plan at batch 1 in runs a-d and f1, each compared
     assert all(abs(float(row.split("|")[-2]) - 1) <= 0.2 for row in rows)
     # Llama-3.1-8B's all-GPU prefill of a short prompt is its layers' launches (cost.py)
     llama = out.out.split("prefill-llama-8b.jsonl")[1].split("\n\n")[1].splitlines()
@@ -40,6 +40,8 @@ def test_every_recorded_graph_row_is_predicted_within_20_percent(capsys):
     assert len(short) == 2 and all(abs(float(line.split("|")[-2]) - 1) <= 0.2 for line in short)
     # the B copies of one prompt route alike: no batch-8 row of a plan with experts on uva is judged
     assert "| experts-uva | 8 | graph | 69.2 | - | - | - | left out: sequences routed alike |" in out.out
+    # nor of a plan with FP8 experts, staged dequantized wherever they lie (fp8_gather.py)
+    assert "| gpu-fp8 | 8 | graph | 310.9 | - | - | - | left out: sequences routed alike |" in out.out
 
 
 def test_a_record_whose_checkpoint_is_not_its_model_and_depth_is_refused(tmp_path):
