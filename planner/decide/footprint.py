@@ -124,8 +124,8 @@ class Footprint:
         alike stream alike images, so each is laid out once."""
         key = image_key(layer, names, self.tensors, self.shapes, chosen)
         size = self._images.get(key)
-        if size is None:
-            size = self._images[key] = layout_bytes(names, self.tensors)
+        if size is None:  # a layer of a template: its key holds the marks (`chosen`)
+            size = self._images[key] = layout_bytes(names, self.tensors, layer, key[2] if layer.template else None)
         return size
 
     def _restream(self, layer: Layer, chosen: tuple[bool, ...] | None = None) -> None:

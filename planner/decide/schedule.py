@@ -99,7 +99,7 @@ def make_schedule(graph: LayerGraph, place: Mapping[str, Placement],
         key = image_key(l, names, tensors, shapes, chosen)
         index = known.get(key)
         if index is None:
-            index = known[key] = layouts.setdefault(layout_of(l, names, tensors), len(layouts))
+            index = known[key] = layouts.setdefault(layout_of(l, names, tensors, chosen), len(layouts))
         schedule.append(Transfer(l.name, l.module, index, k % slots, streamed[previous_user(k, slots, count)].name))
     problems = schedule_problems(graph, schedule)
     if problems:  # the rule above never makes such a schedule: a bug, not an input error

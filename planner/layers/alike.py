@@ -32,7 +32,7 @@ from itertools import compress
 from operator import itemgetter
 
 from ..inputs.patterns import Names, Pattern
-from .expert_names import matches, piece
+from .expert_names import matches, piece, units_of
 
 _DTYPE, _SHAPE, _DTYPE_SHAPE = itemgetter(1), itemgetter(2), itemgetter(1, 2)  # of a TensorInfo
 
@@ -74,6 +74,7 @@ class Template:
     def __init__(self, names: tuple[str, ...]):
         self.names = names
         self._selected: dict[frozenset[str], tuple[bool, ...]] = {}
+        self._units: dict[tuple[bool, ...], list[tuple[int, ...]]] = {}
 
     @cached_property
     def plain(self) -> bool:
@@ -85,6 +86,17 @@ class Template:
         if segments not in self._selected:
             self._selected[segments] = tuple(not segments.isdisjoint(n.split(".")) for n in self.names)
         return self._selected[segments]
+
+    def units(self, chosen: tuple[bool, ...]) -> list[tuple[int, ...]]:
+        """expert_names.py `units` of the local names that `chosen` marks, as places among these names: a slot image's
+        (slots.py), worked out once per marks for every layer that streams them."""
+        got = self._units.get(chosen)
+        if got is None:
+            names = list(compress(self.names, chosen))
+            at = {n: i for i, n in enumerate(self.names)}
+            got = self._units[chosen] = [tuple(map(at.__getitem__, u))
+                                         for u in units_of(names, compress(self.matches, chosen))]
+        return got
 
     @cached_property
     def every(self) -> tuple[bool, ...]:

@@ -109,9 +109,14 @@ def units(names: Iterable[str]) -> list[tuple[str, ...]]:
 'm.experts.1.up_proj.weight'), ('m.experts.0.down_proj.weight',), ('m.norm.weight',)]
     """
     names = list(names)
+    return units_of(names, matches(names))
+
+
+def units_of(names: list[str], found: Iterable[tuple[str, ...]]) -> list[tuple[str, ...]]:
+    """`units(names)`, given `found`, the names' `matches` (a layer template's, alike.py: read, not matched again)."""
     members: dict[tuple, list[tuple[tuple[int, int], str]]] = {}
     cache: dict = {}
-    for n, (group, number, proj, suffix, _, _) in zip(names, matches(names)):
+    for n, (group, number, proj, suffix, _, _) in zip(names, found):
         if not group:
             members[(n,)] = [((0, 0), n)]
         else:

@@ -19,7 +19,7 @@ from operator import itemgetter
 
 from ..inputs.checkpoint import TensorInfo
 from ..plan import Buffer, Layout
-from .alike import Shapes
+from .alike import Shapes, applies
 from .graph import Layer
 from .expert_names import units
 
@@ -31,11 +31,13 @@ def align(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
-def layout_of(layer: Layer, names: Iterable[str], tensors: Mapping[str, TensorInfo]) -> Layout:
-    """The slot image of `names`, `layer`'s prefetched tensors (in the layer's natural order)."""
+def layout_of(layer: Layer, names: Iterable[str], tensors: Mapping[str, TensorInfo],
+              chosen: tuple[bool, ...] | None = None) -> Layout:
+    """The slot image of `names`, `layer`'s prefetched tensors (in the layer's natural order); `chosen`: the marks
+    over its tensors that pick `names`, where the caller has them (`_units`)."""
     cursor = 0
     buffers = []
-    for unit in units(names):
+    for unit in _units(layer, names, chosen):
         cursor = align(cursor)
         for n in unit:
             t = tensors[n]
@@ -44,12 +46,23 @@ def layout_of(layer: Layer, names: Iterable[str], tensors: Mapping[str, TensorIn
     return Layout(align(cursor), tuple(buffers))
 
 
-def layout_bytes(names: Iterable[str], tensors: Mapping[str, TensorInfo]) -> int:
+def layout_bytes(names: Iterable[str], tensors: Mapping[str, TensorInfo], layer: Layer | None = None,
+                 chosen: tuple[bool, ...] | None = None) -> int:
     """`layout_of(...).bytes` without building the buffers: the footprint asks this often."""
     cursor = 0
-    for unit in units(names):
+    for unit in _units(layer, names, chosen):
         cursor = align(cursor) + sum(tensors[n].nbytes for n in unit)
     return align(cursor)
+
+
+def _units(layer: Layer | None, names: Iterable[str], chosen: tuple[bool, ...] | None) -> list[tuple[str, ...]]:
+    """expert_names.py `units(names)`; where `chosen` marks `names` among the tensors of a layer whose template
+    applies (alike.py), from the template's units for those marks: a MoE layer's 1.5k names are not classified
+    again for each image."""
+    if layer is None or chosen is None or layer.template is None or not applies(layer.name):
+        return units(names)
+    params = layer.params
+    return [tuple(map(params.__getitem__, u)) for u in layer.template.units(chosen)]
 
 
 def image_key(layer: Layer, names: list[str], tensors: Mapping[str, TensorInfo], shapes: Shapes,
