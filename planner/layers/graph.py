@@ -39,8 +39,8 @@ import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from itertools import compress, groupby, repeat
-from operator import getitem, itemgetter
+from itertools import compress, repeat
+from operator import getitem
 
 import networkx as nx
 
@@ -123,21 +123,34 @@ class LayerGraph:
 _NUMBERED = re.compile(r"^(?:(.*?)\.(\d+)\.)?", re.M)
 
 
-def _numbered(names: list[str]) -> list[tuple[str, str]]:
-    """(stack prefix, layer number) per name, ("", "") without a numbered segment.
+def _layer_runs(names: list[str]) -> list[tuple[tuple[str, str], int, int]]:
+    """Runs `names[start:end]` sharing a (stack prefix, layer number), with it; ("", "") for a lone unnumbered name.
 
-    `model.layers.12.mlp.w` -> ("model.layers", "12"). A name that starts as the one before it did, up to
-    and including its number (`model.layers.12.`), has its hit: an index lists a layer's names together, so
-    the pattern runs once per layer, not once per name.
-    """
-    hits, start, hit = [], None, ("", "")
-    for name in names:
-        if start is None or not name.startswith(start):
-            m = _NUMBERED.match(name)
-            hit = m.groups("")
-            start = f"{hit[0]}.{hit[1]}." if hit[1] else None
-        hits.append(hit)
-    return hits
+    `model.layers.12.mlp.w` -> ("model.layers", "12"). The names that start as a run's first does, up to and
+    including its number (`model.layers.12.`), join its run: an index lists a layer's names together, so the
+    pattern runs once per layer, not once per name. A run is as long as the stack's last one (layers alike
+    hold as many tensors) where its least and greatest names start so (then every name between them does, in
+    string order) and the next does not; else the names are walked one by one."""
+    runs = []
+    length: dict[str, int] = {}  # stack prefix -> its last run's length
+    i, n = 0, len(names)
+    while i < n:
+        hit = _NUMBERED.match(names[i]).groups("")
+        if not hit[1]:
+            runs.append((hit, i, i + 1))
+            i += 1
+            continue
+        start = f"{hit[0]}.{hit[1]}."
+        j = i + length.get(hit[0], 1)
+        if j > n or (j < n and names[j].startswith(start)) or not (
+                min(run := names[i:j]).startswith(start) and max(run).startswith(start)):
+            j = i + 1
+            while j < n and names[j].startswith(start):
+                j += 1
+        length[hit[0]] = j - i
+        runs.append((hit, i, j))
+        i = j
+    return runs
 
 
 def _natural_order(node: str, params: list[str], keys: dict[str, str], orders: dict[tuple, tuple]
@@ -179,9 +192,9 @@ def build_graph(names: Iterable[str], stacks: Iterable[str] | None = None,
     """
     names = list(names)
     facts = facts or ModelFacts()
-    hits = _numbered(names)
+    runs = _layer_runs(names)
     found: dict[str, set[int]] = {}
-    for prefix, number in dict.fromkeys(hits):  # each layer once, in order of first appearance
+    for prefix, number in dict.fromkeys(hit for hit, _, _ in runs):  # each layer once, in order of first appearance
         if number:
             found.setdefault(prefix, set()).add(int(number))
     detected = [p for p, idx in found.items() if len(idx) >= 4 or (len(idx) >= 2 and max(idx) - min(idx) == len(idx) - 1)]
@@ -199,15 +212,15 @@ def build_graph(names: Iterable[str], stacks: Iterable[str] | None = None,
     by_layer: dict[str, list[str]] = {}
     kinds: dict[str, tuple[LayerKind, str | None, int | None]] = {}
     # names of one layer come in runs (an index lists them sorted): each run is added at once
-    for (prefix, number), run in groupby(zip(hits, names), key=itemgetter(0)):
+    for (prefix, number), i, j in runs:
         if number and prefix in chosen_set:
             node = f"{prefix}.{number}"
             if node not in kinds:
                 kinds[node] = (LayerKind.LAYER, prefix, int(number))
                 by_layer[node] = []
-            by_layer[node].extend(map(itemgetter(1), run))
+            by_layer[node] += names[i:j]
             continue
-        for _, name in run:
+        for name in names[i:j]:
             node = name.rpartition(".")[0] or name
             if node not in kinds:
                 kind = (LayerKind.EMBED if _EMBED.search(node) else LayerKind.HEAD if _HEAD.search(node)

@@ -72,15 +72,20 @@ def test_patterns_select_per_template_what_they_select_name_by_name(model):
 
 
 def test_layer_numbers_and_order_do_not_depend_on_how_the_names_come():
-    """_numbered reuses a layer's hit for the names that start as it did; build_graph sorts layers alike once:
-    neither depends on the index's order (shuffled here), and both give the patterns' per-name answers."""
+    """_layer_runs gives a layer's hit to the names that start as it did (a run as long as the stack's last, where that
+    holds); build_graph sorts layers alike once: neither depends on the index's order (shuffled here), and both
+    give the patterns' per-name answers."""
     import random
 
-    from planner.layers.graph import _NUMBERED, _numbered
+    from planner.layers.graph import _NUMBERED, _layer_runs
     names = [n for ns in CHECKPOINTS.values() for n in ns] + ["a.1.b\n.2.c", "x.12.y", "x.12", ".5.q", "x.1.2.z"]
     shuffled = random.Random(0).sample(names, len(names))
-    for order in (names, shuffled):
-        assert _numbered(order) == [m.groups("") for m in map(_NUMBERED.match, order)]
+    odd = ["s.1.a", "s.1.b", "s.2.a", "t", "s.2.b", "s.3.a", "s.3.b", "s.3.c", "s.4.a", "s.4.b", "s.4.c", "s.4.d"]
+    for order in (names, shuffled, odd):
+        runs = _layer_runs(order)
+        assert [i for _, i, j in runs for i in range(i, j)] == list(range(len(order)))
+        assert [hit for hit, i, j in runs for _ in range(i, j)] == [m.groups("") for m in map(_NUMBERED.match, order)]
+        assert not any(order[j].startswith(f"{hit[0]}.{hit[1]}.") for hit, _, j in runs if hit[1] and j < len(order))
     for model, ns in CHECKPOINTS.items():
         mixed = random.Random(1).sample(ns, len(ns))
         assert [(l.name, l.params) for l in build_graph(mixed).layers] == \
