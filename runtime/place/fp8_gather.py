@@ -27,7 +27,7 @@ gathers and dequantizes in turn, as before.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Optional  # torch.library's schema reads Optional, not `X | None`
 
 import torch
@@ -146,6 +146,8 @@ def gather_dequant(sources: dict[str, Source], order: torch.Tensor, valid: torch
     for block, dtype, slots in {(s.block, s.dtype, s.slot is not None) for s in sources.values()}:
         names = [n for n, s in sources.items()
                  if (s.block, s.dtype, s.slot is not None) == (block, dtype, slots)]
-        lists = [[getattr(sources[n], f.name) for n in names] for f in fields(Source)[:6]]
-        out |= zip(names, run(*lists, order, valid, *block, dtype))
+        group = [sources[n] for n in names]  # as lists, not through dataclasses.fields: torch.compile breaks there
+        out |= zip(names, run([s.data for s in group], [s.resident for s in group], [s.slot for s in group],
+                              [s.scale for s in group], [s.scale_resident for s in group],
+                              [s.scale_slot for s in group], order, valid, *block, dtype))
     return out
