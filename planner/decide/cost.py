@@ -14,7 +14,7 @@ Only what runs in every decode step counts (graph.py `Runs`): a vision tower run
 with images, an MTP layer never in plain decode, so wherever they live they cost a decode step nothing.
 
 Time per step: three resources work at once, and the slowest sets the pace.
-    cpu  = step overhead + stack layers x layer overhead   (launching kernels, eagerly;
+    cpu  = (step overhead + stack layers x layer overhead)  (launching kernels, eagerly; x eager_median_ratio;
                                                             0 when steps replay a CUDA graph;
                                                             a layer with routed experts: its own figure)
     gpu  = step GPU time + stack layers x layer GPU time   (kernel latency: hardware.py)
@@ -209,12 +209,12 @@ class CostModel:
         return other
 
     def predict(self, place: Mapping[str, Placement]) -> Prediction:
-        hw = self.hw
-        layers = []
+        hw, layers = self.hw, []
         total = [0, float(hw.step_gpu_us), 0.0, 0.0]
-        # a replayed CUDA graph launches nothing from the CPU; the prefill's launches count always (module doc)
-        cpu = 0.0 if self.graphs else hw.step_overhead_us
-        moe_overhead = hw.moe_layer_overhead_us or hw.layer_overhead_us
+        # a replayed CUDA graph launches nothing from the CPU; the prefill's launches count always (module doc),
+        typical = hw.eager_median_ratio  # and a typical step's, above the calibration's fastest round's figures
+        cpu = 0.0 if self.graphs else hw.step_overhead_us * typical
+        moe_overhead = (hw.moe_layer_overhead_us or hw.layer_overhead_us) * typical
         costs = self._layer_costs
         count = together = launch = 0.0
         wheres = [None] * len(self.graph.layers)
@@ -236,7 +236,7 @@ class CostModel:
                 gpu, count, together = gpu + wait, count + n, together + wait
                 prefill += n * hw.allreduce_us + self.tokens * per_token / (hw.allreduce_gbps * 1e3)
             if layer.kind is LayerKind.LAYER:
-                overhead = moe_overhead if self.experts[layer.name] else hw.layer_overhead_us
+                overhead = moe_overhead if self.experts[layer.name] else hw.layer_overhead_us * typical
                 launch, cpu = launch + overhead, cpu + (0.0 if self.graphs else overhead)
             layers.append(LayerCost(layer.name, h2d_bytes, round(gpu), round(link), round(prefill)))
             total = list(map(add, total, (h2d_bytes, gpu, link, prefill)))

@@ -46,6 +46,11 @@ class Hardware:
     # CPU time per decoder layer with routed experts in an eager step of the runtime's generation (0: a dense
     # layer's): a router, top-k and the experts' forward launch two to three times a dense layer's kernels
     moe_layer_overhead_us: float = 0.0
+    # the calibration's eager rounds, their median over their fastest: the launch figures above are the fastest
+    # round's (the figure a calibration repeats: runtime/measure/steps.py `fastest`), and a typical eager step runs
+    # this much slower, the host's slower phases included (1.22 on the H100 machine); the cost model's eager CPU
+    # time is the launch figures times this. 1: figures of a median round (profiles before it)
+    eager_median_ratio: float = 1.0
     # several GPUs (tensor parallelism): one all-reduce of a few tokens' activations in a replayed graph, the
     # bandwidth of large ones (bytes summed per us beyond the latency), each GPU's H2D copies while all copy
     allreduce_us: float = 9.7
@@ -133,6 +138,7 @@ def load_hardware(path: str | Path) -> Hardware:
                     moe_layer_gpu_us=float(d.get("moe_layer_gpu_us", H100.moe_layer_gpu_us)),
                     step_gpu_us=float(d.get("step_gpu_us", H100.step_gpu_us)),
                     moe_layer_overhead_us=float(d.get("moe_layer_overhead_us", 0.0)),
+                    eager_median_ratio=float(d.get("eager_median_ratio", 1.0)),
                     allreduce_us=float(d.get("allreduce_us", H100.allreduce_us)),
                     allreduce_gbps=float(d.get("allreduce_gbps", H100.allreduce_gbps)),
                     # absent: the profile's own copy bandwidth, shared as the built-in figures share it
@@ -160,6 +166,7 @@ def dumps_hardware(hw: Hardware) -> str:
             f"cpu_expert_sync_us: {hw.cpu_expert_sync_us:.1f}\n"
             + (f"uva_read_beside_cpu_gbps: {hw.uva_read_beside_cpu_gbps:.1f}\n" if hw.uva_read_beside_cpu_gbps else "")
             + (f"cpu_expert_alone_gbps: {hw.cpu_expert_alone_gbps:.1f}\n" if hw.cpu_expert_alone_gbps else "")
+            + (f"eager_median_ratio: {hw.eager_median_ratio:.2f}\n" if hw.eager_median_ratio != 1.0 else "")
             + (f"prefill_token_ns: {hw.prefill_token_ns:.1f}\n" if hw.prefill_token_ns != H100.prefill_token_ns else "")
             + (f"moe_prefill_token_ns: {hw.moe_prefill_token_ns:.1f}\n"
                if hw.moe_prefill_token_ns != H100.moe_prefill_token_ns else "")

@@ -27,8 +27,9 @@ What is measured, and how:
   criterion is called once per step). The models take turns over 14 short
   rounds; each one's fastest round's median step is fitted by least squares
   to `step = per_step + per_layer x layers` (the fastest, since this host's
-  CPU runs in slower phases that only add time: steps.fastest; the profile
-  says how much slower the median round was). `per_layer` is the CPU time
+  CPU runs in slower phases that only add time: steps.fastest; the profile's
+  eager_median_ratio says how much slower the median round was, which the
+  cost model's eager steps take on). `per_layer` is the CPU time
   to launch one decoder layer's kernels through the framework; `per_step` is
   what a step costs outside the layers (embedding, head, sampling, cache
   bookkeeping). The line must explain the times (R^2 >= 0.95), or
@@ -133,6 +134,7 @@ def calibrate() -> Calibration:
                   matmul_tflops=round(tflops, 1), stage_above_tokens=stage_above(crossover),
                   layer_gpu_us=round(gpu_layer, 1), moe_layer_gpu_us=round(gpu_moe_layer, 1),
                   step_gpu_us=round(max(gpu_step, 0.0), 1), moe_layer_overhead_us=round(moe_per_layer, 1),
+                  eager_median_ratio=round(max(slow, moe_slow, 1.0), 2),  # a typical eager step: hardware.py
                   # one GPU measured: its copies while others copy too scaled as the built-in figures' are;
                   # the all-reduce figures stay the built-in ones
                   parallel_h2d_copy_gbps=round(h2d * H100.parallel_h2d_copy_gbps / H100.h2d_copy_gbps, 1), **cpu,

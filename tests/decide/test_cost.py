@@ -121,12 +121,15 @@ def test_the_prefill_takes_at_least_its_layers_launches():
     assert p.prefill_us == pytest.approx(sum(l.prefill_us for l in p.layers), abs=len(p.layers))
 
 
-def test_eager_cpu_time_per_layer_dense_or_with_routed_experts():
+def test_eager_cpu_time_per_layer_dense_or_with_routed_experts(tmp_path):
     """Eagerly, a layer with routed experts costs its own CPU figure (moe_layer_overhead_us), a dense one
-    layer_overhead_us; without the MoE figure, a MoE layer costs a dense one's."""
+    layer_overhead_us; without the MoE figure, a MoE layer costs a dense one's. A profile of a calibration's
+    fastest rounds says how much slower its median round was (eager_median_ratio): a typical step's launches."""
     t, g, groups, place = two_layers_on_the_gpu()
-    for moe_us, cpu in ((0.0, 40 + 100 + 100), (300.0, 40 + 100 + 300)):
-        hw = dataclasses.replace(HW, step_overhead_us=40.0, moe_layer_overhead_us=moe_us)
+    for moe_us, ratio, cpu in ((0.0, 1.0, 40 + 100 + 100), (300.0, 1.0, 40 + 100 + 300), (300.0, 1.25, 550)):
+        hw = dataclasses.replace(HW, step_overhead_us=40.0, moe_layer_overhead_us=moe_us, eager_median_ratio=ratio)
+        (tmp_path / "hw.yaml").write_text(dumps_hardware(hw))
+        assert load_hardware(tmp_path / "hw.yaml") == hw
         assert CostModel(g, t, hw, 1, groups, 1).predict(place).cpu_us == cpu
         assert CostModel(g, t, hw, 1, groups, 1, graphs=True).predict(place).cpu_us == 0
 

@@ -152,6 +152,7 @@ def test_calibrate_is_physical_and_repeatable(tmp_path, capsys):
         assert 20 < hw.layer_overhead_us < 2000  # eager launches of one decoder layer's ~20 kernels
         assert 40 < hw.moe_layer_overhead_us < 5000  # a MoE layer's: router, top-k, gathers besides
         assert 0 <= hw.step_overhead_us < 20000
+        assert 1 <= hw.eager_median_ratio < 5 and f"median round {hw.eager_median_ratio:.2f}x slower" in hw.measured
         assert 100 < hw.matmul_tflops < 2000  # bf16 dense: 756 (PCIe) to 989 (SXM) TFLOP/s peak on the H100
         assert 32 <= hw.stage_above_tokens <= 1024  # a tiled GEMM re-reads an in-place weight: copying wins early
         # a replayed layer: some 20 (dense) to 40 (MoE) kernels of 1-5 us each
