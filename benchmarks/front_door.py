@@ -15,16 +15,19 @@ plan per strategy, built as a user builds it (default workload: batch 1, CUDA gr
 - `experts-split`: `backend: mixed` with `cpu_experts: true` under the experts-uva plan's GPU footprint: the plan
   splits the experts between the host's cores and the link (runtime/execute/host/).
 
-At each `--batches` B (B copies of the prompt `PROMPT`, its UTF-8 bytes as token ids, as `plan apply` takes it
-without a tokenizer), `--new-tokens` decode steps after the prefill's token, greedy:
+At each `--batches` B (the first B of `PROMPTS`, distinct prompts of one length, each its UTF-8 bytes as token
+ids, as `plan apply` takes them without a tokenizer; beyond 8, again from the first), `--new-tokens` decode steps
+after the prefill's token, greedy:
 
-- `loop`: the benchmarks' loop (harness/loops.py `decode_static`, each step replayed from a CUDA graph);
+- `loop`: the benchmarks' loop (harness/loops.py `decode_static`'s generator, each step replayed from a CUDA graph);
 - `generate`: the runtime's `handle.generate` as a user calls it, replayed (the default), and with `eager=True`;
-  the median of three calls. Each eager call comes right after one of each all-GPU plan's (`gpu`, and `gpu-fp8`
+  the loop's calls and the replayed ones alternate, three of each, and each row is its calls' median (the link's
+  rate moves a few percent between calls). Each eager call comes right after one of each all-GPU plan's (`gpu`, and `gpu-fp8`
   where an FP8 strategy runs; loaded once and kept beside, `--no-pair-eager` to not), whose medians bound that
   row: the host's CPU sets an eager step's pace, and it runs in phases up to about 1.9x slower for seconds to a
   minute (docs/calibration/), so an all-GPU eager rate measured minutes away moves the ratio with it;
-- `apply`: `plan apply PLAN --batch B --json` in its own process (graph replay, the default);
+- `apply`: `plan apply PLAN --prompt P... --json` in its own process (graph replay, the default), `--apply-calls`
+  times (2): their mean;
 - `transformers`: transformers' `model.generate` on the loaded model (eager, dynamic cache), for `experts-uva` at
   batch 1 only: what a user got before.
 
@@ -50,7 +53,6 @@ from pathlib import Path
 import torch
 
 from harness.checkpoints import config_for, make_checkpoint
-from harness.loops import decode_static
 from harness.plans import experts_working_bytes, make_plan, offloaded_layers
 from reporting.front_door import eager_ratios
 from planner.decide.build import build
@@ -62,7 +64,9 @@ from planner.planfile import load_plan
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from quantized_models import write_fp8  # noqa: E402  (the published FP8 layout's writer)
 
-PROMPT = "The capital of France is"
+PROMPTS = tuple(f"The capital of {c} is" for c in ("France", "Greece", "Norway", "Sweden", "Poland", "Brazil",
+                                                      "Canada", "Mexico"))  # one length: no padding
+APPLY_CALLS = 2  # plan apply runs per row, each a process and a load of its own: their mean
 ROOT = Path(__file__).resolve().parent.parent
 STRATEGIES = ("gpu", "gpu-fp8", "uva", "prefetch", "mixed", "experts-uva", "experts-uva-fp8", "experts-split")
 CALLS = 3  # handle.generate is timed as the median of this many calls: eager steps wait on the host's CPU, which
@@ -82,6 +86,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--pair-eager", action=argparse.BooleanOptionalAction, default=True,
                     help="alternate each eager row's calls with the all-GPU plans' (default; they stay loaded: "
                          "--no-pair-eager where two models do not fit)")
+    ap.add_argument("--apply-calls", type=int, default=APPLY_CALLS, help="plan apply processes per row, their "
+                    f"mean (default: {APPLY_CALLS})")
     ap.add_argument("--label", help="a suffix for the records' file (a part of the table per run)")
     ap.add_argument("--dir", type=Path, default=Path("/tmp/offplan-bench"), help="where checkpoints go")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
@@ -111,11 +117,15 @@ def predicted_steps_per_s(work: Path, name: str, text: str, params, batch: int, 
     return 1e6 / step if d.params == params and step else None
 
 
+def prompts(batch: int) -> list[str]:
+    return [PROMPTS[i % len(PROMPTS)] for i in range(batch)]
+
+
 def plan_apply(plan: Path, new: int, batch: int) -> dict:
     """`plan apply PLAN --json` in a process of its own: its record of the generation."""
     done = subprocess.run([sys.executable, "-m", "offplan", "apply", str(plan), "--max-new-tokens", str(new + 1),
-                           "--prompt", PROMPT, "--batch", str(batch), "--json"], capture_output=True, text=True,
-                          cwd=ROOT)
+                           *(a for p in prompts(batch) for a in ("--prompt", p)), "--json"], capture_output=True,
+                          text=True, cwd=ROOT)
     if done.returncode != 0:
         raise SystemExit(f"plan apply {plan} --batch {batch} failed:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout)
@@ -131,23 +141,28 @@ def in_process(plan: Path, ids: torch.Tensor, new: int, batches: list[int], tran
     out, paired = {}, {}
     try:
         for b in batches:
-            x = ids.expand(b, -1).contiguous()
-            out["loop", b] = decode_static(model, handle, x, new, "graph", b)
+            x = ids[:b]
+            loop = handle.generator()  # decode_static's: the loop the benchmarks time
             for path, eager in (("generate", False), ("generate --eager", True)):
                 pairs = beside if eager else {}
                 for h in (handle, *pairs.values()):
                     h.generator(eager=eager).prepare(x, new + 1)  # what plan apply does before it times
-                calls, by = [], {name: [] for name in pairs}
+                loop.prepare(x, new + 1)
+                calls, by, loops = [], {name: [] for name in pairs}, []
                 for _ in range(CALLS):
                     for name, h in pairs.items():
                         by[name].append(h.generate(x, new + 1, eager=True).decode_tokens_per_s)
+                    if not eager:  # the loop's calls alternate with the replayed ones
+                        loops.append(loop(x, new + 1))
                     calls.append(handle.generate(x, new + 1, eager=eager))
-                got = sorted(calls, key=lambda g: g.decode_tokens_per_s)[CALLS // 2]  # the median call
-                out[path, b] = got.decode_tokens_per_s, [t[:new] for t in got.tokens]
+                for name, got in (("loop", loops), (path, calls)):
+                    if got:
+                        got = sorted(got, key=lambda g: g.decode_tokens_per_s)[CALLS // 2]  # the median call
+                        out[name, b] = got.decode_tokens_per_s, [t[:new] for t in got.tokens]
                 if pairs:
                     paired[path, b] = {name: statistics.median(v) for name, v in by.items()}
         if transformers and 1 in batches:
-            out["transformers", 1] = hf_generate(model, ids, new)
+            out["transformers", 1] = hf_generate(model, ids[:1], new)
     finally:
         handle.remove(restore=False)
         del model, handle
@@ -199,8 +214,9 @@ def main(argv=None) -> int:
     budget = total // 2 + experts_working_bytes(work, "format_version: 1\ncheckpoint: ckpt\nhardware: hw.yaml\n")
     record(kind="run", model=args.model, layers=config.num_hidden_layers, top_k=config.num_experts_per_tok,
            checkpoint_bytes=total, device=torch.cuda.get_device_name(), torch=torch.__version__,
-           new_tokens=args.new_tokens, prompt=PROMPT, hardware=hw.__dict__)
-    ids = torch.tensor([[b % config.vocab_size for b in PROMPT.encode()]], device="cuda")
+           new_tokens=args.new_tokens, prompts=prompts(max(args.batches)), hardware=hw.__dict__)
+    ids = torch.tensor([[c % config.vocab_size for c in p.encode()] for p in prompts(max(args.batches))],
+                       device="cuda")
     new, failures = args.new_tokens, []
     split = load_plan(make_plan(work, "experts-uva", policy("experts-uva", config.num_hidden_layers, budget))
                       ).summary.gpu_footprint_bytes  # experts-split's budget
@@ -221,9 +237,9 @@ def main(argv=None) -> int:
             floor = hw.uva_read_gbps * 1e9 * config.num_experts / (host * config.num_experts_per_tok)
         got, paired = in_process(plan, ids, new, args.batches, strategy == "experts-uva", beside)
         for b in args.batches:
-            applied_run = plan_apply(plan, new, b)
-            got["apply", b] = (applied_run["decode_tokens_per_s"],
-                               [s["token_ids"][:new] for s in applied_run["sequences"]])
+            runs = [plan_apply(plan, new, b) for _ in range(args.apply_calls)]
+            got["apply", b] = (statistics.mean(r["decode_tokens_per_s"] for r in runs),
+                               [s["token_ids"][:new] for s in runs[0]["sequences"]])
         for (path, b), (rate, tokens) in got.items():
             graph = path in ("loop", "generate", "apply")
             loop_rate, loop_tokens = got["loop", b]

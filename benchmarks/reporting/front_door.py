@@ -38,6 +38,15 @@ def _floor(r: dict, run: dict) -> float | None:
     return run["hardware"]["h2d_copy_gbps"] * 1e9 / r["prefetch_bytes"]
 
 
+def _prompts(run: dict) -> str:
+    if "prompts" not in run:  # runs before distinct prompts
+        return f"the prompt {run['prompt']!r} as token ids (its bytes), B copies at batch B"
+    return (f"{len(run['prompts'])} distinct prompts of one length ({run['prompts'][0]!r}, "
+            f"{run['prompts'][1]!r}, ...) as token ids (their bytes), the first B at batch B; the loop's and "
+            "generate's calls alternating, three each, each row their median; apply's two processes' mean"
+            if len(run["prompts"]) > 1 else f"the prompt {run['prompts'][0]!r} as token ids (its bytes)")
+
+
 def _run_table(path, rows: list[dict]) -> list[str]:
     """One run's table: its own all-GPU eager rates bound its eager rows."""
     run = next(r for r in rows if r["kind"] == "run")
@@ -46,20 +55,21 @@ def _run_table(path, rows: list[dict]) -> list[str]:
     out = [f"## {run['model']}: through the front door ({plans})", "",
            f"`{path.name}` (`benchmarks/front_door.py`; {run['layers']} decoder layers, {run['device']}, torch "
            f"{run['torch']}; UVA {run['hardware']['uva_read_gbps']} GB/s and H2D {run['hardware']['h2d_copy_gbps']} "
-           "GB/s calibrated in the run). One plan per strategy, built as a user builds it; the prompt "
-           f"{run['prompt']!r} as token ids (its bytes), B copies at batch B, greedy, {run['new_tokens']} decode "
+           "GB/s calibrated in the run). One plan per strategy, built as a user builds it; " + _prompts(run) +
+           f", greedy, {run['new_tokens']} decode "
            "steps. `loop`: the benchmarks' loop; `generate`: `handle.generate` as a user calls it; `apply`: `plan "
-           "apply PLAN --batch B` in its own process; `transformers`: `model.generate` on the loaded model (eager, "
+           "apply PLAN` in its own process; `transformers`: `model.generate` on the loaded model (eager, "
            "dynamic cache). x loop: against the loop (target for apply and generate: >= 0.95). Eager rows: against "
            "the lower of this run's all-GPU plan's eager rate at that batch, of the same checkpoint (`gpu-fp8` for "
            "FP8 rows where the run has it; the bf16 one's beside it; in runs that record it, measured alternating "
            "with the row's own calls), and the link floor: at batch 1 with experts on uva, the k experts a token "
            "touches per layer over the UVA rate; for the prefetch plan, its streamed bytes over the H2D rate (target "
            ">= 0.8). Predicted: the "
-           "plan's decode step for that batch and mode (the same policy with that workload). At batch 8 the "
-           "sequences are copies of one prompt, so they route alike and a step reads what one sequence's does; the "
-           "plan predicts 8 distinct tokens' routing, so its batch-8 figures of plans with experts in host memory do "
-           "not compare (measured / predicted left out there).", "",
+           "plan's decode step for that batch and mode (the same policy with that workload)." + (
+               "" if "prompts" in run else " At batch 8 the "
+               "sequences are copies of one prompt, so they route alike and a step reads what one sequence's does; "
+               "the plan predicts 8 distinct tokens' routing, so its batch-8 figures of plans with experts in host "
+               "memory do not compare (measured / predicted left out there)."), "",
            "| plan | batch | path | mode | steps/s | x loop | eager x min(all-GPU eager, floor) | the same, bf16 "
            "all-GPU | x floor | predicted steps/s | measured / predicted | tokens = loop's |",
            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -67,7 +77,8 @@ def _run_table(path, rows: list[dict]) -> list[str]:
         eager, bf16 = eager_ratios(decode, r)
         floor = r["steps_per_s"] / r["floor_steps_per_s"] if r["floor_steps_per_s"] else None
         pred = r["predicted_steps_per_s"]
-        alike = r["batch"] > 1 and r["uva_bytes"] + r["prefetch_bytes"] > 0 and r["strategy"] != "prefetch"
+        alike = ("prompts" not in run and r["batch"] > 1 and r["uva_bytes"] + r["prefetch_bytes"] > 0
+                 and r["strategy"] != "prefetch")
         out.append(f"| {r['strategy']} | {r['batch']} | {r['path']} | {r['mode']} | {r['steps_per_s']:.1f} | "
                    f"{r['ratio_to_loop']:.3f} | {fmt(eager)} | {fmt(bf16)} | {fmt(floor)} | {fmt(pred, '.1f')} | "
                    f"{fmt(r['steps_per_s'] / pred if pred and not alike else None)} | {r['same_tokens_as_loop']} |")

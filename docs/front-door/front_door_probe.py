@@ -29,8 +29,8 @@ def setup():
 
 
 def ids(batch):
-    from front_door import PROMPT
-    return torch.tensor([[b for b in PROMPT.encode()]] * batch, device="cuda")
+    from front_door import PROMPTS
+    return torch.tensor([[b for b in PROMPTS[0].encode()]] * batch, device="cuda")
 
 
 def inproc(plan, batch, new, warm_replay):

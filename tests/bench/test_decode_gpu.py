@@ -109,11 +109,12 @@ def test_front_door_benchmark_runs_on_cuda(tmp_path):
     profile = tmp_path / "h100.yaml"
     profile.write_text(dumps_hardware(H100))  # calibration has a test of its own
     code = load_benchmark("front_door").main(["--model", "tiny", "--layers", "2", "--new-tokens", "6",
-                                              "--batches", "1", "--hardware", str(profile),
+                                              "--batches", "1", "--apply-calls", "1", "--hardware", str(profile),
                                               "--dir", str(tmp_path / "work"), "--out", str(tmp_path / "out")])
     assert code == 0
     rows = [json.loads(l) for l in (tmp_path / "out" / "front-door-tiny.jsonl").read_text().splitlines()]
     assert rows[0]["kind"] == "run" and rows[0]["hardware"]["uva_read_gbps"] == H100.uva_read_gbps
+    assert rows[0]["prompts"] == ["The capital of France is"]  # the first B of the distinct prompts
     decoded = {(r["strategy"], r["path"]): r for r in rows[1:]}
     strategies = ("gpu", "gpu-fp8", "uva", "prefetch", "mixed", "experts-uva", "experts-uva-fp8", "experts-split")
     assert set(decoded) == {(s, p) for s in strategies for p in ("loop", "generate", "generate --eager", "apply")} \
