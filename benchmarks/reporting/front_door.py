@@ -65,11 +65,12 @@ def _run_table(path, rows: list[dict]) -> list[str]:
            "with the row's own calls), and the link floor: at batch 1 with experts on uva, the k experts a token "
            "touches per layer over the UVA rate; for the prefetch plan, its streamed bytes over the H2D rate (target "
            ">= 0.8). Predicted: the "
-           "plan's decode step for that batch and mode (the same policy with that workload)." + (
-               "" if "prompts" in run else " At batch 8 the "
-               "sequences are copies of one prompt, so they route alike and a step reads what one sequence's does; "
-               "the plan predicts 8 distinct tokens' routing, so its batch-8 figures of plans with experts in host "
-               "memory do not compare (measured / predicted left out there)."), "",
+           "plan's decode step for that batch and mode (the same policy with that workload). At batch 8 the "
+           "sequences route alike (" + ("distinct prompts, but a random model's routers pick mostly the same experts "
+                                        "for any token: " if "prompts" in run else "copies of one prompt: ") +
+           "a step reads little more than what one sequence's does); the plan predicts 8 independent tokens' "
+           "routing, so its batch-8 figures of plans with experts in host memory do not compare (measured / "
+           "predicted left out there).", "",
            "| plan | batch | path | mode | steps/s | x loop | eager x min(all-GPU eager, floor) | the same, bf16 "
            "all-GPU | x floor | predicted steps/s | measured / predicted | tokens = loop's |",
            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -77,8 +78,7 @@ def _run_table(path, rows: list[dict]) -> list[str]:
         eager, bf16 = eager_ratios(decode, r)
         floor = r["steps_per_s"] / r["floor_steps_per_s"] if r["floor_steps_per_s"] else None
         pred = r["predicted_steps_per_s"]
-        alike = ("prompts" not in run and r["batch"] > 1 and r["uva_bytes"] + r["prefetch_bytes"] > 0
-                 and r["strategy"] != "prefetch")
+        alike = r["batch"] > 1 and r["uva_bytes"] + r["prefetch_bytes"] > 0 and r["strategy"] != "prefetch"
         out.append(f"| {r['strategy']} | {r['batch']} | {r['path']} | {r['mode']} | {r['steps_per_s']:.1f} | "
                    f"{r['ratio_to_loop']:.3f} | {fmt(eager)} | {fmt(bf16)} | {fmt(floor)} | {fmt(pred, '.1f')} | "
                    f"{fmt(r['steps_per_s'] / pred if pred and not alike else None)} | {r['same_tokens_as_loop']} |")
