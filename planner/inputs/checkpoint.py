@@ -20,7 +20,6 @@ lives there, and is this module's too).
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 from dataclasses import dataclass
 from operator import itemgetter
@@ -28,7 +27,7 @@ from pathlib import Path
 
 from ..errors import CheckpointError
 from ..nogc import no_gc
-from .shard_header import TensorInfo, parse_tensors, read_header, read_raw
+from .shard_header import TensorInfo, loads, parse_tensors, read_header, read_raw
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -121,13 +120,13 @@ def fingerprint(path: str | os.PathLike) -> str | None:
 def _read_index(index: Path) -> tuple[bytes, dict[str, str]]:
     try:
         raw = index.read_bytes()
-        data = json.loads(raw)
+        data = loads(raw)
     except OSError as e:
         raise CheckpointError(f"{index}: cannot read: {e.strerror}") from None
     except ValueError as e:
         raise CheckpointError(f"{index}: not valid JSON: {e}") from None
     weight_map = data.get("weight_map") if isinstance(data, dict) else None
-    # JSON keys are strings; the values must be too (json makes no str subclass: their types say it at once)
+    # JSON keys are strings; the values must be too (the parser makes no str subclass: their types say it at once)
     if not isinstance(weight_map, dict) or not set(map(type, weight_map.values())) <= {str}:
         raise CheckpointError(
             f"{index}: expected an object with a \"weight_map\" of tensor name -> shard file name"

@@ -8,13 +8,17 @@ collected, one line naming the shard and tensor, for the caller to raise once.
 """
 from __future__ import annotations
 
-import json
 import os
 from math import prod
 from pathlib import Path
 from typing import NamedTuple
 
 from .dtypes import BITS, nbytes
+
+try:  # orjson, a dependency: DeepSeek-V3's index and 163 headers (21 MB) in 97 ms, where json takes 156 (2-CPU VM)
+    from orjson import loads
+except ImportError:  # installed without its dependencies (the GPU machine's stack): the same values, slower
+    from json import loads
 
 _MAX_HEADER = 100 * 2**20  # safetensors' own limit
 
@@ -38,7 +42,7 @@ def read_header(file: Path, problems: list[str]) -> tuple[bytes, int, dict] | No
         return None
     raw, size = got
     try:
-        header = json.loads(raw)
+        header = loads(raw)
     except ValueError as e:
         problems.append(f"{file.name}: header is not valid JSON: {e}")
         return None
