@@ -264,3 +264,27 @@ def test_header_length_over_the_safetensors_limit(tmp_path):
     assert problems_of(tmp_path) == [
         f"model.safetensors: header length {150 * MiB} exceeds safetensors' limit of "
         f"{100 * MiB} bytes (not a safetensors file?)"]
+
+
+def test_without_orjson_the_same_tensors_are_read_by_json(tmp_path, monkeypatch):
+    """orjson parses the headers and the index where it is installed (a dependency); a stack installed without it
+    (the GPU machine's) falls back to json, with the same result, and a header that is not JSON says so either way."""
+    import importlib
+    import sys
+
+    from planner.inputs import checkpoint, shard_header
+    write_header_only(tmp_path / "ckpt", deepseek_v3(4), shard_bytes=64 * MiB)
+    with_orjson = open_checkpoint(tmp_path / "ckpt")
+    assert shard_header.loads.__module__ == "orjson"
+    monkeypatch.setitem(sys.modules, "orjson", None)  # `import orjson` raises ImportError
+    try:
+        importlib.reload(shard_header)
+        importlib.reload(checkpoint)
+        assert shard_header.loads is json.loads
+        assert checkpoint.open_checkpoint(tmp_path / "ckpt").tensors == with_orjson.tensors
+        (tmp_path / "bad").mkdir()
+        test_bad_json(tmp_path / "bad")
+    finally:
+        monkeypatch.undo()
+        importlib.reload(shard_header)
+        importlib.reload(checkpoint)
