@@ -117,7 +117,7 @@ def test_the_tested_stack_lies_within_the_dependency_ranges():
     extras = project["optional-dependencies"]
     specs = [Requirement(r) for r in project["dependencies"] + extras["runtime"] + extras["test"]]
     assert sorted(s.name for s in specs) == [
-        "gguf", "jsonschema", "networkx", "pytest", "pyyaml", "rich", "safetensors", "torch", "transformers"]
+        "gguf", "jsonschema", "networkx", "orjson", "pytest", "pyyaml", "rich", "safetensors", "torch", "transformers"]
     for spec in specs:
         assert spec.specifier.contains(metadata.version(spec.name)), (spec, metadata.version(spec.name))
     assert SpecifierSet(project["requires-python"]).contains(platform.python_version())

@@ -45,8 +45,8 @@ known only once its router has run), so they add:
     in place = (uva bytes a GEMM reads in place x ceil(T / stage_above_tokens)
                 + touched uva experts' bytes and embedding rows) / UVA
     layer    = max(compute, copies) + in place;  prefill = max(the sum over the layers, launch)
-    launch   = the decoder layers' CPU overheads (the prefill runs eagerly even where decode steps replay a graph;
-               not the step's own, which the calibration measures in generate's loop: sampling, its Python)
+    launch   = the decoder layers' CPU overheads x eager_median_ratio (the prefill runs eagerly even where decode
+               steps replay a graph; not the step's own, which the calibration measures in generate's loop)
 (staged routed experts stream through a ring of at most 1 GiB, staging.py: assumed enough to keep the copies going
 while a layer computes). A routed expert computes its share of the tokens: k/E under uniform routing, or its
 share of the routing profile's prefill tokens (its decode share when the profile has none), and is read at all with
@@ -211,8 +211,8 @@ class CostModel:
     def predict(self, place: Mapping[str, Placement]) -> Prediction:
         hw, layers = self.hw, []
         total = [0, float(hw.step_gpu_us), 0.0, 0.0]
-        # a replayed CUDA graph launches nothing from the CPU; the prefill's launches count always (module doc),
-        typical = hw.eager_median_ratio  # and a typical step's, above the calibration's fastest round's figures
+        # a replayed CUDA graph launches nothing from the CPU; the prefill's launches count always (module doc)
+        typical = hw.eager_median_ratio  # launches at a typical step's pace, not the calibration's fastest round's
         cpu = 0.0 if self.graphs else hw.step_overhead_us * typical
         moe_overhead = (hw.moe_layer_overhead_us or hw.layer_overhead_us) * typical
         costs = self._layer_costs

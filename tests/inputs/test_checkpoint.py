@@ -266,25 +266,34 @@ def test_header_length_over_the_safetensors_limit(tmp_path):
         f"{100 * MiB} bytes (not a safetensors file?)"]
 
 
-def test_without_orjson_the_same_tensors_are_read_by_json(tmp_path, monkeypatch):
+def test_without_orjson_the_same_tensors_are_read_by_json(tmp_path):
     """orjson parses the headers and the index where it is installed (a dependency); a stack installed without it
-    (the GPU machine's) falls back to json, with the same result, and a header that is not JSON says so either way."""
-    import importlib
+    (the GPU machine's) falls back to json, with the same result, and a header that is not JSON says so either way.
+    The fallback runs in a process of its own, where `import orjson` fails."""
+    import subprocess
     import sys
 
-    from planner.inputs import checkpoint, shard_header
+    from planner.inputs import shard_header
     write_header_only(tmp_path / "ckpt", deepseek_v3(4), shard_bytes=64 * MiB)
-    with_orjson = open_checkpoint(tmp_path / "ckpt")
     assert shard_header.loads.__module__ == "orjson"
-    monkeypatch.setitem(sys.modules, "orjson", None)  # `import orjson` raises ImportError
-    try:
-        importlib.reload(shard_header)
-        importlib.reload(checkpoint)
-        assert shard_header.loads is json.loads
-        assert checkpoint.open_checkpoint(tmp_path / "ckpt").tensors == with_orjson.tensors
-        (tmp_path / "bad").mkdir()
-        test_bad_json(tmp_path / "bad")
-    finally:
-        monkeypatch.undo()
-        importlib.reload(shard_header)
-        importlib.reload(checkpoint)
+    raw = b'{"w": {"dtype": "F32",'
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "model.safetensors").write_bytes(len(raw).to_bytes(8, "little") + raw)
+    script = (
+        "import json, sys\n"
+        "sys.modules['orjson'] = None  # import orjson: ImportError\n"
+        "from planner.errors import CheckpointError\n"
+        "from planner.inputs import shard_header\n"
+        "from planner.inputs.checkpoint import open_checkpoint\n"
+        "assert shard_header.loads is json.loads\n"
+        "tensors = open_checkpoint(sys.argv[1]).tensors\n"
+        "try:\n"
+        "    open_checkpoint(sys.argv[2])\n"
+        "except CheckpointError as e:\n"
+        "    bad = str(e)\n"
+        "print(json.dumps([[list(t) for t in tensors.values()], bad]))\n")
+    done = subprocess.run([sys.executable, "-c", script, str(tmp_path / "ckpt"), str(tmp_path / "bad")],
+                          capture_output=True, text=True, check=True)
+    tensors, bad = json.loads(done.stdout)
+    assert tensors == json.loads(json.dumps([list(t) for t in open_checkpoint(tmp_path / "ckpt").tensors.values()]))
+    assert "model.safetensors: header is not valid JSON: " in bad
