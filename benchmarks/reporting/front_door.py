@@ -43,7 +43,8 @@ def _prompts(run: dict) -> str:
         return f"the prompt {run['prompt']!r} as token ids (its bytes), B copies at batch B"
     return (f"{len(run['prompts'])} distinct prompts of one length ({run['prompts'][0]!r}, "
             f"{run['prompts'][1]!r}, ...) as token ids (their bytes), the first B at batch B; the loop's and "
-            "generate's calls alternating, three each, each row their median; apply's two processes' mean"
+            "generate's calls alternating, three each, each row their median; apply's processes' mean (`--apply-calls`, "
+            "2 by default)"
             if len(run["prompts"]) > 1 else f"the prompt {run['prompts'][0]!r} as token ids (its bytes)")
 
 
