@@ -83,6 +83,12 @@ def test_the_parallel_section_sets_each_gpu_count_against_the_floor_and_one_gpu(
     assert "Every routed expert in pinned memory (uva)" in lines[2]
     assert lines[-3:] == ["| 1 | 1 | 80.0 | 0.95 | 1.00 | 73.3 | 50.6 | 32 of 32 steps | +91 MiB | 0.52 |",
                           "| 2 | 1 | 145.0 | 0.86 | 1.81 | - | 51.1, 51.0 | 9 of 32 steps | +45 MiB | 0.48 |", ""]
+    assert "FP8" not in lines[0] + lines[2]
+    rows = [json.loads(line) for line in (tmp_path / "parallel-qwen3-30b-a3b-x.jsonl").read_text().splitlines()]
+    write(tmp_path / "parallel-qwen3-30b-a3b-x.jsonl", [{**rows[0], "fp8": True}, *rows[1:]])
+    lines = parallel.parallel_tables()
+    assert lines[0] == "## qwen3-30b-a3b FP8: tensor parallelism over 2 GPUs of one host"
+    assert "block-scaled FP8 (128 x 128 blocks)" in lines[2] and "the floor counts those bytes" in lines[2]
 
 
 def test_results_md_is_what_report_py_makes_of_the_committed_records():
