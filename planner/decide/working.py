@@ -23,10 +23,10 @@ from the headers, per phase, for the largest such module:
               of the experts' dtype, 6.3 MB at Qwen3-30B-A3B's shape
 
 The plan's footprint counts buffers plus the larger of decode and prefill
-(`peak_bytes`), and the budget walks leave room for it (`within`). Not sized:
-a GPU's share under tensor parallelism (0 there), and what transformers'
-own forward allocates (activations, the KV cache), which the budget never
-covered.
+(`peak_bytes`), and the budget walks leave room for it (`within`). Under
+tensor parallelism `tensors` are one GPU's share (layers/shards.py), so the
+sizes are each GPU's. Not sized: what transformers' own forward allocates
+(activations, the KV cache), which the budget never covered.
 Worked example, 8 layers of Qwen3-30B-A3B (E 128, k 8, one expert's bf16 rows
 9.4 MB), every expert on uva, a 512-token prompt: decode 75.5 MB at batch 1
 and 604 MB at batch 8, prefill 2.28 GB (a layer's 128 experts, 1.21 GB, and the

@@ -14,14 +14,16 @@ from planner.planfile.diff import diff_data, diff_text
 from test_cli import assert_one_error, run
 
 HEAD = "format_version: 1\ncheckpoint: ./ckpt\n"
-B = 80000 / 2**30  # bytes as GiB: each GPU's share of the checkpoint is 100,096 bytes
+# bytes as GiB: each GPU's share of the checkpoint is 100,096 bytes; 80,000 of it on the GPU, and the share's
+# experts' working memory (the one expert a token touches, 6 KiB of each GPU's share)
+B = (80000 + 6144) / 2**30
 ATTN = "model.layers.*.self_attn"
 
 
 @pytest.fixture
 def work(tmp_path, monkeypatch, capsys):
     """cwd = tmp_path holding ckpt/ (headeronly.TP_MOE) and, built: one.plan.yaml (one GPU: layer 0's norm and
-    experts 0-1 on uva) and two.plan.yaml (2 GPUs, 80,000 and 160,000 bytes)."""
+    experts 0-1 on uva) and two.plan.yaml (2 GPUs, 86,144 and 172,288 bytes; the same workload)."""
     monkeypatch.chdir(tmp_path)
     tp_checkpoint(tmp_path / "ckpt")
     # 182,016 bytes less the norm (128 B) and 2 experts (12 KiB each), plus the norm's staging slot (256 B) and the
@@ -29,7 +31,8 @@ def work(tmp_path, monkeypatch, capsys):
     one = (182016 - 128 - 2 * 12288 + 256 + 12288) / 2**30
     write_policy(tmp_path, f"budget_gib: {one!r}\nworkload: {{experts_per_token: 1, prompt_tokens: 1}}\n",
                  name="one.policy.yaml", head=HEAD)
-    write_policy(tmp_path, f"gpus: [{B!r}, {2 * B!r}]\n", name="two.policy.yaml", head=HEAD)
+    write_policy(tmp_path, f"gpus: [{B!r}, {2 * B!r}]\nworkload: {{experts_per_token: 1, prompt_tokens: 1}}\n",
+                 name="two.policy.yaml", head=HEAD)
     for name in ("one", "two"):
         assert run(capsys, "build", f"{name}.policy.yaml")[0] == 0
     return tmp_path
@@ -55,22 +58,24 @@ def test_show_says_every_figure_is_one_gpus_share(work, capsys):
         "tensor parallel over 2 GPUs: each GPU holds 1/2 of 8 kinds of tensor (split), sums the outputs of 2 kinds "
         "of module and gathers lm_head's; 5 collectives per decode step, predicted 0.049 ms (in the GPU time); every "
         "figure below is one GPU's share"]
-    assert lines[14:17] == [
-        "GPU footprint per GPU: 77.6 KiB resident + 256 B prefill staging buffers = 77.9 KiB (GPU 0 budget 78.1 KiB: "
-        "fits, 256 B to spare; GPU 1 budget 156.2 KiB: fits, 78.4 KiB to spare)",
-        "host (pinned) per GPU: 20.1 KiB uva; offloading saves 19.9 KiB of GPU memory (99% of the offloaded bytes; the buffers and working memory "
-        "above take the rest)",
+    assert lines[14:18] == [
+        "GPU footprint per GPU: 77.6 KiB resident + 256 B prefill staging buffers + 6.0 KiB experts' working memory = "
+        "83.9 KiB (GPU 0 budget 84.1 KiB: fits, 256 B to spare; GPU 1 budget 168.2 KiB: fits, 84.4 KiB to spare)",
+        "experts' working memory per GPU: a decode step at batch 1 6.0 KiB, a prefill 6.0 KiB; the footprint counts "
+        "the buffers and the larger phase",
+        "host (pinned) per GPU: 20.1 KiB uva; offloading saves 13.9 KiB of GPU memory (69% of the offloaded bytes; the "
+        "buffers and working memory above take the rest)",
         "predicted at batch 1, CUDA graph replay, on NVIDIA H100 80GB HBM3 (PCIe Gen5 host link): each of the 2 "
-        "host links carries 10.1 KiB per step; step 0.336 ms = max(cpu 0.000 ms, gpu 0.336 ms, link 0.000 ms), bound "
-        "by the GPU (its kernels and reads); time to first token (prefill of 512 tokens) 3.80 ms"]
-    assert lines[17:19] == [
+        "host links carries 5.1 KiB per step; step 0.336 ms = max(cpu 0.000 ms, gpu 0.336 ms, link 0.000 ms), bound "
+        "by the GPU (its kernels and reads); time to first token (prefill of 1 token) 3.80 ms"]
+    assert lines[18:20] == [
         "note: tensor parallel over 2 GPUs (transformers' plan for model_type qwen3_moe): every figure is one GPU's "
         "share; each GPU reads its share over its own host link (H2D predicted at 49 GB/s each)",
-        "note: the GPUs' budgets differ (GPU 0 78.1 KiB, GPU 1 156.2 KiB): the plan fits the smallest, 78.1 KiB, on "
+        "note: the GPUs' budgets differ (GPU 0 84.1 KiB, GPU 1 168.2 KiB): the plan fits the smallest, 84.1 KiB, on "
         "every GPU, since each GPU applies the same share; the larger budgets' spare memory goes unused"]
     data = json.loads(run(capsys, "show", "two.plan.yaml", "--json")[1])
     assert data["parallel"] == {
-        "layout": "tensor", "gpus": 2, "budgets": [80000, 160000], "collectives_per_step": 5, "collectives_us": 49,
+        "layout": "tensor", "gpus": 2, "budgets": [86144, 172288], "collectives_per_step": 5, "collectives_us": 49,
         "split": {f"{ATTN}.q_proj.weight": 0, f"{ATTN}.k_proj.weight": 0, f"{ATTN}.v_proj.weight": 0,
                   f"{ATTN}.o_proj.weight": 1, "model.layers.*.mlp.experts.*.gate_proj.weight": 0,
                   "model.layers.*.mlp.experts.*.up_proj.weight": 0, "model.layers.*.mlp.experts.*.down_proj.weight": 1,
@@ -112,13 +117,13 @@ def test_diff_reports_the_gpus_the_split_and_the_collectives(work, capsys):
         f"reduce: now sums the outputs of {ATTN}.o_proj, model.layers.*.mlp.experts",
         "gather: now gathers the outputs of lm_head",
         "collectives per step: 0 -> 5, predicted 0.000 ms -> 0.049 ms",
-        "per-GPU budgets: none -> 78.1 KiB, 156.2 KiB"]
+        "per-GPU budgets: none -> 84.1 KiB, 168.2 KiB"]
     assert "moved: 1 unit (4 tensors) in 1 layer, 8.0 KiB" in out  # the new plan's share of what moved
     d = json.loads(run(capsys, "diff", "one.plan.yaml", "two.plan.yaml", "--json")[1])
     assert d["parallel_changed"] is True
     assert {k: v for k, v in d["parallel"].items() if k != "split"} == {
         "gpus": {"old": 1, "new": 2}, "reduce": {"added": [f"{ATTN}.o_proj", "model.layers.*.mlp.experts"]},
-        "gather": {"added": ["lm_head"]}, "budgets": {"old": None, "new": [80000, 160000]},
+        "gather": {"added": ["lm_head"]}, "budgets": {"old": None, "new": [86144, 172288]},
         "collectives": {"old": {"per_step": 0, "us": 0}, "new": {"per_step": 5, "us": 49}}}
     assert list(d["parallel"]["split"]) == ["added"] and len(d["parallel"]["split"]["added"]) == 8
     assert run(capsys, "diff", "two.plan.yaml", "two.plan.yaml", "--detailed-exitcode")[0] == 0
