@@ -112,5 +112,5 @@ def test_the_memory_section_says_when_its_figures_are_each_gpus(tmp_path, monkey
     lines = memory.memory_tables()  # by file name: the 2-GPU run's first
     assert lines[0] == "## qwen3-30b-a3b: does the GPU budget hold on each of 2 GPUs?"
     assert "Tensor parallel over 2 GPUs (`gpus: 2`)" in lines[2] and "its fullest GPU's" in lines[2]
-    assert lines[4:7] == ["|---|---|---|---|---|---|", "| mixed | 2.000 | 0.510 | 4.000 | 1.900 | 0.950 |", ""]
-    assert lines[7] == "## qwen3-30b-a3b: does the GPU budget hold?" and "Tensor parallel" not in lines[9]
+    assert lines[5:8] == ["|---|---|---|---|---|---|", "| mixed | 2.000 | 0.510 | 4.000 | 1.900 | 0.950 |", ""]
+    assert lines[8] == "## qwen3-30b-a3b: does the GPU budget hold?" and "Tensor parallel" not in lines[10]
