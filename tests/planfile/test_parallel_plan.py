@@ -50,6 +50,10 @@ def test_a_plan_for_two_gpus_is_one_gpus_share(tmp_path, tp):
     share = local_tensors(open_checkpoint(tmp_path / "ckpt").tensors, plan.parallel.dims, 2)
     assert sum(l.uva for l in plan.layers) == sum(share[n].nbytes for n, p in plan.params.items() if p.value == "uva")
     assert plan.summary.gpu_footprint_bytes <= plan.budget_bytes == 100000
+    # the experts' working memory is each GPU's: one expert's share is 6,144 of its 12,288 bytes; a decode step
+    # stages a token's 2 experts, a 512-token prefill all 4, the lookahead reads 2 ahead (working.py)
+    s = plan.summary
+    assert (s.working_decode_bytes, s.working_prefill_bytes, s.working_buffer_bytes) == (2 * 6144, 4 * 6144, 2 * 6144)
     assert plan.notes[0] == ("tensor parallel over 2 GPUs (transformers' plan for model_type qwen3_moe): every figure "
                              "is one GPU's share; each GPU reads its share over its own host link (H2D predicted at "
                              "49 GB/s each)")
