@@ -210,8 +210,8 @@ def decide(graph: LayerGraph, tensors: Mapping[str, TensorInfo], policy: Policy,
             ring = {g: staging.ring_bytes for g in moe for s in (staging.layers if staging and staging.experts else ())
                     if g.startswith(s.layer + ".")}
             host = staging.above_tokens if staging else H100.stage_above_tokens  # runtime/execute/host/bind.py
-            return staging, working(groups.members, moe, tensors, place, top_k,
-                                    work.batch_size, work.prompt_tokens, ring, host, facts, wheres)
+            return staging, working(groups.members, moe, tensors, place, top_k, work.batch_size, work.prompt_tokens,
+                                    ring, host, facts, wheres)
 
         room = lambda p: running(p)[1].peak_bytes  # noqa: E731
         most = room({**place, **{n: UVA for g in moe for n in groups.members[g] if n not in fixed}}) if (
