@@ -42,6 +42,7 @@ import torch
 
 from harness.checkpoints import config_for, make_checkpoint
 from harness.plans import experts_working_bytes, make_plan, offloaded_layers
+from planner.errors import InputError
 from planner.inputs.checkpoint import open_checkpoint
 from planner.planfile import load_plan
 
@@ -159,7 +160,13 @@ def main(argv=None) -> int:
     for strategy in order:
         text = policy(strategy, config.num_hidden_layers, getattr(config, "num_experts", 0), budget,
                       args.prompt_tokens, args.gpus)
-        plan = make_plan(work, f"{strategy}-{args.gpus}gpu" if args.gpus > 1 else strategy, text)
+        try:
+            plan = make_plan(work, f"{strategy}-{args.gpus}gpu" if args.gpus > 1 else strategy, text)
+        except InputError as e:  # e.g. tiny's FP8 shares are not whole scale blocks under tensor parallelism
+            if strategy == "gpu":
+                raise
+            record(kind="skipped", strategy=strategy, reason=str(e))
+            continue
         s = load_plan(plan).summary
         each = peaks(plan, ids, args.new_tokens, args.gpus)
         if strategy == "gpu":  # per GPU
@@ -178,6 +185,9 @@ def main(argv=None) -> int:
                offplan_requested_bytes=requested, offplan_peak_bytes_per_gpu=mine, gpu=fullest,
                ratio_to_footprint=ratio, requested_ratio_to_footprint=requested / s.gpu_footprint_bytes,
                **{k: got[k] for k in ("peak_bytes", "load_peak_bytes", "requested_peak_bytes", "mode")})
+    for r in map(json.loads, log.read_text().splitlines()):
+        if r["kind"] == "skipped":
+            print(f"skipped {r['strategy']}: {r['reason']}", file=sys.stderr)
     print("\n" + "\n".join(table([json.loads(l) for l in log.read_text().splitlines()])))
     if misses:
         print(f"over the footprint + {TARGET - 1:.0%}: {', '.join(misses)}", file=sys.stderr)
