@@ -7,9 +7,8 @@ import torch
 from harness.checkpoints import config_for, make_checkpoint
 from harness.plans import make_plan
 from planner.planfile import load_plan
-import memory as M
 
-OUT = Path(os.environ["OUT"])
+OUT = Path(os.environ.get("OUT", "/tmp/memory-peak")); OUT.mkdir(parents=True, exist_ok=True)
 work = Path("/tmp/offplan-bench/diag"); work.mkdir(parents=True, exist_ok=True)
 layers, T = 8, 8192
 config = config_for("qwen3-30b-a3b", layers)
