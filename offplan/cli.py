@@ -184,18 +184,27 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.flush()  # a closed pipe shows here, inside the try, not at interpreter exit
         return code
     except (OffplanError, _UsageError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        if as_json:  # and for a program reading stdout, as JSON
-            problems = getattr(e, "problems", [])
-            print(json.dumps({"error": getattr(e, "headline", str(e)) if problems else str(e), "problems": problems},
-                             indent=2))
-        return 1
+        return _fail(e, as_json)
     except BrokenPipeError:
         _drop_stdout()
         return 141
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except OSError as e:  # a path the system refuses where no command looked for it: a name too long, a loop
+        if e.filename is None:
+            raise  # not about a file the user named: a bug
+        return _fail(OffplanError(f"{e.filename}: {e.strerror}: check the path"), as_json)
+
+
+def _fail(e: Exception, as_json: bool) -> int:
+    """The one red line of a user's problem (and, with --json, the same for a program reading stdout)."""
+    print(f"error: {e}", file=sys.stderr)
+    if as_json:
+        problems = getattr(e, "problems", [])
+        print(json.dumps({"error": getattr(e, "headline", str(e)) if problems else str(e), "problems": problems},
+                         indent=2))
+    return 1
 
 
 def _drop_stdout() -> None:

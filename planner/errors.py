@@ -1,7 +1,9 @@
 """The few exceptions offplan raises for problems a user can fix.
 
 Every one of them becomes a single red message and exit code 1 in the CLI
-(`offplan.cli.main`); anything else is a bug and keeps its traceback.
+(`offplan.cli.main`), as does an OSError naming a file that no command caught
+(a name longer than the file system allows); anything else is a bug and keeps
+its traceback.
 """
 from __future__ import annotations
 
