@@ -20,13 +20,16 @@
   (`tie_word_embeddings`).
 
 A vision-language model nests the text facts under `text_config`, which wins.
-A missing or unreadable config.json gives no facts (names still decide).
+A missing config.json gives no facts (names still decide); one that cannot be
+read or parsed is an error (`read_config`).
 """
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
 from pathlib import Path
+
+from ..errors import CheckpointError
 
 _TOP_K_KEYS = ("num_experts_per_tok", "moe_topk", "num_experts_per_token", "top_k", "moe_k")
 _EXPERTS_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
@@ -57,14 +60,26 @@ def _int(scope: dict, *keys: str) -> int | None:
 
 
 def read_config(checkpoint_root: str | Path) -> ModelFacts:
-    """The facts of the checkpoint's config.json (module doc); empty facts without one."""
+    """The facts of the checkpoint's config.json (module doc); empty facts without one. One that is there but
+    unreadable, not a JSON object, or whose experts-per-token or experts count is text, is an error: planned
+    without it, the plan would assume every expert is read, and only the load would say why."""
+    path = Path(checkpoint_root) / "config.json"
+    fix = "restore the checkpoint's config.json (transformers needs it to load the model too)"
     try:
-        config = json.loads((Path(checkpoint_root) / "config.json").read_text())
-    except (OSError, ValueError):
+        config = json.loads(path.read_text())
+    except FileNotFoundError:
         return ModelFacts()
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read: {e.strerror}: {fix}") from None
+    except ValueError as e:  # JSON, or bytes that are not UTF-8
+        raise CheckpointError(f"{path}: not valid JSON ({e}): {fix}") from None
     if not isinstance(config, dict):
-        return ModelFacts()
+        raise CheckpointError(f"{path}: a JSON {type(config).__name__}, not an object of the model's settings: {fix}")
     text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+    odd = [f"{key}: {s[key]!r}" for s in (text, config) for key in (*_TOP_K_KEYS[:1], *_EXPERTS_KEYS)
+           if isinstance(s.get(key), str)]
+    if odd:
+        raise CheckpointError(f"{path}: {', '.join(odd)}: a whole number was expected: {fix}")
     scopes = (text, config)  # the text model's facts first
     return ModelFacts(
         top_k=next((v for s in scopes if (v := _int(s, *_TOP_K_KEYS))), None),

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 
 import pytest
 
@@ -10,7 +9,6 @@ from headeronly import GPU, PREFETCH, UVA, infos, policy
 from planner.decide.cost import CostModel
 from planner.decide.placement import decide
 from planner.errors import HardwareProfileError, PolicyError
-from planner.inputs.config import ModelFacts, read_config
 from planner.inputs.hardware import H100, Hardware, dumps_hardware, load_hardware
 from planner.inputs.patterns import compile_pattern
 from planner.inputs.policy import Rule, Workload, load_policy
@@ -244,19 +242,6 @@ def test_policy_mixed_needs_a_budget_and_reads_workload(tmp_path):
     pol = load_policy(tmp_path / "b.policy.yaml")
     assert pol.workload == Workload(8, 4)
     assert load_hardware(pol.hardware) == HW
-
-
-def test_read_config(tmp_path):
-    assert read_config(tmp_path) == ModelFacts()
-    (tmp_path / "config.json").write_text(json.dumps({"num_experts_per_tok": 8}))
-    assert read_config(tmp_path).top_k == 8
-    (tmp_path / "config.json").write_text(json.dumps({"text_config": {"moe_topk": 6, "num_hidden_layers": 28},
-                                                      "vision_config": {"depth": 32}, "num_hidden_layers": 99}))
-    assert read_config(tmp_path) == ModelFacts(top_k=6, layers=28, vision=True)  # the text model's facts win
-    (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 61, "num_nextn_predict_layers": 1}))
-    assert read_config(tmp_path) == ModelFacts(layers=61, mtp_layers=1)
-    (tmp_path / "config.json").write_text("[1, 2]")
-    assert read_config(tmp_path) == ModelFacts()
 
 
 def test_a_tied_embedding_is_dense_because_the_head_reads_it_whole():
