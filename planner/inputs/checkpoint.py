@@ -76,11 +76,30 @@ def resolve(path: str | os.PathLike) -> tuple[Path, Path | None, list[str]]:
     if path.name.endswith(".json"):
         return path.parent, path, []
     if path.suffix == ".safetensors":
+        _refuse_one_of_many(path)
         return path.parent, None, [path.name]
     raise CheckpointError(
         f"{path}: not a safetensors checkpoint (expected a directory, a .safetensors file "
         f"or a {INDEX_NAME})"
     )
+
+
+def _refuse_one_of_many(path: Path) -> None:
+    """A .safetensors file that the index beside it lists among several shards is part of a checkpoint:
+    planning it alone would plan a fraction of the model's tensors, which only the load would find wrong."""
+    index = path.parent / INDEX_NAME
+    if not index.is_file():
+        return
+    try:
+        weight_map = _read_index(index)[1]
+    except CheckpointError:
+        return  # not this file's problem: it is planned as given
+    shards = set(weight_map.values())
+    if path.name in shards and len(shards) > 1:
+        mine = sum(1 for s in weight_map.values() if s == path.name)
+        raise CheckpointError(f"{path}: one of the {len(shards)} shards that {index.name} beside it indexes (it holds "
+                              f"{mine} of the checkpoint's {len(weight_map)} tensors): point `checkpoint:` at the "
+                              f"folder, {path.parent}")
 
 
 def _add_index(digest, raw: bytes) -> None:
@@ -174,6 +193,7 @@ def _open_checkpoint(path: str | os.PathLike) -> Checkpoint:
     tensors_by_shard: dict[str, dict[str, TensorInfo]] = {}
     metadata: dict[str, str] = {}
     known: dict[tuple, tuple] = {}  # (dtype, shape) -> the objects its tensors share (parse_tensors)
+    rejected: set[str] = set()  # names whose header entries are bad (parse_tensors said why)
     for shard in shards:
         file = root / shard
         if not file.is_file():
@@ -192,7 +212,7 @@ def _open_checkpoint(path: str | os.PathLike) -> Checkpoint:
         meta = header.get("__metadata__")
         if isinstance(meta, dict) and index is None:
             metadata = {str(k): str(v) for k, v in meta.items()}
-        tensors_by_shard[shard] = parse_tensors(shard, header, len(raw), size, problems, known)
+        tensors_by_shard[shard] = parse_tensors(shard, header, len(raw), size, problems, known, rejected)
 
     if weight_map is None:
         tensors = next(iter(tensors_by_shard.values()), {})
@@ -203,7 +223,7 @@ def _open_checkpoint(path: str | os.PathLike) -> Checkpoint:
             if found is None:
                 continue  # already reported
             info = found.get(name)
-            if info is None:
+            if info is None and name not in rejected:  # one its header lists badly is reported already
                 problems.append(f"{shard}: tensor {name} is in the index but not in this shard")
             else:
                 tensors[name] = info
@@ -217,7 +237,8 @@ def _open_checkpoint(path: str | os.PathLike) -> Checkpoint:
                     )
     if problems:
         where = index if index is not None else root / shards[0]
-        raise CheckpointError(f"{where}: the checkpoint is invalid ({len(problems)} problems)", problems)
+        count = f"{len(problems)} problem{'s' * (len(problems) > 1)}"
+        raise CheckpointError(f"{where}: the checkpoint is invalid ({count})", problems)
     if not tensors:
         raise CheckpointError(f"{root}: the checkpoint holds no tensors")
     return Checkpoint(root, index, tensors, "sha256:" + digest.hexdigest(), metadata)

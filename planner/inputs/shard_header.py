@@ -80,7 +80,7 @@ def read_raw(file: Path, problems: list[str]) -> tuple[bytes, int] | None:
 
 
 def parse_tensors(shard: str, header: dict, header_len: int, size: int, problems: list[str],
-                  known: dict[tuple, tuple] | None = None) -> dict[str, TensorInfo]:
+                  known: dict[tuple, tuple] | None = None, rejected: set[str] | None = None) -> dict[str, TensorInfo]:
     """Type and check every entry of one header.
 
     The common case (a well-formed entry) runs in a handful of operations per
@@ -90,7 +90,8 @@ def parse_tensors(shard: str, header: dict, header_len: int, size: int, problems
     overlap). Anything unusual falls through to `_entry_problem` for the
     message, and out-of-order spans to `_overlaps`.
 
-    Tensors of one (dtype, shape) share one dtype, shape and size object
+    A bad entry is left out, its name added to `rejected` (where given), so the caller does not report it
+    again as missing. Tensors of one (dtype, shape) share one dtype, shape and size object
     (`known`, across the shards of a checkpoint): DeepSeek-V3's 92k tensors
     have a few hundred, and every later pass over the tensors reads, and the
     end of a plan frees, a few objects instead of 92k of each.
@@ -117,6 +118,8 @@ def parse_tensors(shard: str, header: dict, header_len: int, size: int, problems
             ok = False
         if not ok:
             problems.append(_entry_problem(f"{shard}: tensor {name}", entry, data_len))
+            if rejected is not None:
+                rejected.add(name)
             continue
         if begin >= reach:
             reach = end

@@ -113,7 +113,7 @@ def test_a_checkpoint_error_lists_every_problem_in_one_message(work, capsys):
     with open(shard, "r+b") as f:
         f.truncate(100)
     code, out, err = run(capsys, "build", "uva.policy.yaml")
-    assert_one_error(code, out, err, "the checkpoint is invalid (1 problems)\n  - model-00002-of-00002.safetensors: "
+    assert_one_error(code, out, err, "the checkpoint is invalid (1 problem)\n  - model-00002-of-00002.safetensors: "
                      "header length")
     assert not (work / "uva.plan.yaml").exists()
 
