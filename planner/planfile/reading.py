@@ -13,6 +13,7 @@ import re
 from pathlib import Path
 
 from ..errors import PlanFileError
+from ..files import written_as
 from ..inputs import yamlio
 from ..plan import Placement
 
@@ -23,7 +24,18 @@ _LINE = re.compile(rf"  ([^\n:]+): ({_PLACES})\n")
 
 
 def parse_plan(path: Path, text: str) -> yamlio.Located:
-    """yamlio.parse of a plan's text (errors as PlanFileError), its `params:` block read as the module doc says."""
+    """yamlio.parse of a plan's text (errors as PlanFileError), its `params:` block read as the module doc says.
+    YAML that does not parse in a file that starts as a plan was cut short or edited: the error says to rebuild."""
+    try:
+        return _parse_plan(path, text)
+    except PlanFileError as e:
+        if written_as(text[:64]) != "plan" or "invalid YAML" not in str(e):
+            raise
+        raise PlanFileError(f"{e} (it starts as a plan: cut short, or edited?); rebuild it with "
+                            "`plan build POLICY`") from None
+
+
+def _parse_plan(path: Path, text: str) -> yamlio.Located:
     cut = text.find(_START)
     block = text[cut + len(_START):] if cut > 0 else ""
     pairs = _LINE.findall(block) if block and _LINES.fullmatch(block) else []

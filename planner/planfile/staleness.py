@@ -57,7 +57,8 @@ def require_current(plan: Plan, ckpt: Checkpoint, where: Path) -> None:
     """Raise StalePlanError if the checkpoint changed since the plan was built; the runtime asks before it loads."""
     change = checkpoint_change(plan, ckpt, where)
     if change:
-        raise StalePlanError(f"the plan is stale: {change}; rebuild it with `plan build POLICY`")
+        raise StalePlanError(f"the plan is stale: {change}; rebuild it from its policy: `plan build "
+                             f"{plan.policy_path}` (the path as the plan records it, relative to the plan)")
 
 
 def stale_reasons(plan: Plan, plan_path: Path, ckpt: Checkpoint) -> list[str]:
@@ -104,8 +105,12 @@ def stale_but_loadable(plan: Plan, plan_path: Path) -> list[str]:
     the checkpoint changed (the runtime refuses that, saying so) and where an input cannot be read (the load says
     what). `plan apply` warns with it: the plan is applied as it is, never re-decided."""
     try:
-        if _stamp_holds(*_head(plan_path)):  # current by its stamp: no build (stale_reasons builds once)
-            return []
+        current = _stamp_holds(*_head(plan_path))  # current by its stamp: no build (stale_reasons builds once)
+    except _UNREADABLE:
+        current = False  # its policy or routing profile gone, or unreadable: stale_reasons says which
+    if current:
+        return []
+    try:
         ckpt = open_checkpoint(checkpoint_of(plan, plan_path))
         if checkpoint_change(plan, ckpt, plan.checkpoint_dir(plan_path)):
             return []

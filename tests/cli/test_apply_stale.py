@@ -23,3 +23,16 @@ def test_a_stale_plan_that_still_loads_is_applied_with_a_warning(tmp_path, capsy
     assert capsys.readouterr().err == (
         f"warning: {plan} is stale (the policy {policy} changed since the plan was built); applied as it is: rebuild "
         "it for what its inputs now ask (`plan check` says how)\n")
+
+
+def test_a_plan_whose_policy_is_gone_is_applied_with_a_warning(tmp_path, capsys):
+    """`plan check` calls it stale (its policy is gone): `plan apply` says so too, and applies it as it is."""
+    checkpoint = save_model(qwen3_moe_config(num_hidden_layers=2), tmp_path / "m")
+    plan = make_plan(tmp_path, checkpoint, "prefetch: {group_size: 1, num_in_group: 1, step: 2}")
+    policy = plan.parent / load_plan(plan).policy_path
+    policy.unlink()
+    capsys.readouterr()  # the checkpoint writer's progress
+    assert main(["apply", str(plan), "--max-new-tokens", "2"]) == 0
+    assert capsys.readouterr().err == (
+        f"warning: {plan} is stale (the policy {policy} named by the plan is gone); applied as it is: rebuild it "
+        "for what its inputs now ask (`plan check` says how)\n")

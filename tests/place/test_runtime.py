@@ -142,7 +142,7 @@ def test_stale_plan_is_refused(tmp_path, checkpoints):
     ckpt = save_model(llama_config(num_hidden_layers=2), tmp_path / "m")
     plan = make_plan(tmp_path, ckpt, POLICIES["uva-part"])
     save_model(llama_config(num_hidden_layers=2, intermediate_size=96), ckpt)  # same names, new shapes
-    with pytest.raises(StalePlanError, match="stale: the checkpoint .* changed"):
+    with pytest.raises(StalePlanError, match=r"stale: the checkpoint .* changed.*`plan build \S+\.policy\.yaml`"):
         runtime.load(build_meta_model(ckpt), plan)
 
 
