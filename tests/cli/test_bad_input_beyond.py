@@ -1,5 +1,6 @@
 """Bad input the corpus (test_bad_input.py) cannot cover: symlinks and hard links to inputs, `~`, merge keys,
-closed pipes, and the speed of the duplicate-key check."""
+closed pipes, names the file system refuses, a broken config.json, one shard of a sharded checkpoint, a truncated
+shard and a plan cut inside its YAML."""
 from __future__ import annotations
 
 import os
@@ -110,3 +111,55 @@ def test_ctrl_c_while_the_cli_is_imported_is_one_line_and_exit_130(monkeypatch, 
     monkeypatch.setitem(sys.modules, "offplan.cli", Interrupted("offplan.cli"))
     assert entry.run() == 130
     assert capsys.readouterr().err == "interrupted\n"
+
+
+def test_a_name_longer_than_the_file_system_allows_is_one_error(work, capsys):
+    """Wherever the long name is (the plan's -o, the policy's checkpoint or hardware): exit 1, one line naming it."""
+    long = "a" * 300
+    (work / "c.policy.yaml").write_text(f"format_version: 1\ncheckpoint: ./{long}\n")
+    (work / "h.policy.yaml").write_text(POLICY + f"hardware: {long}.yaml\n")
+    before = snapshot(work)
+    for argv in (["build", "p.policy.yaml", "-o", f"{long}.plan.yaml"], ["build", "c.policy.yaml"],
+                 ["build", "h.policy.yaml"]):
+        assert main(argv) == 1, argv
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and err.count("\n") == 1 and long in err, err
+        assert "File name too long" in err and "Traceback" not in err
+    assert snapshot(work) == before
+
+
+@pytest.mark.parametrize("text", ["{bad", "[1, 2]", '{"num_experts_per_tok": "eight"}'])
+def test_a_broken_config_json_is_an_error_not_a_plan_without_it(work, capsys, text):
+    (work / "ckpt" / "config.json").write_text(text)
+    before = snapshot(work)
+    assert main(["build", "p.policy.yaml", "-o", "new.plan.yaml"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {Path('ckpt') / 'config.json'}: ") and "restore the checkpoint's config.json" in err
+    assert snapshot(work) == before
+
+
+def test_one_shard_of_a_sharded_checkpoint_is_refused(work, capsys):
+    (work / "s.policy.yaml").write_text("format_version: 1\ncheckpoint: ./ckpt/model-00001-of-00002.safetensors\n")
+    assert main(["build", "s.policy.yaml"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: ckpt/model-00001-of-00002.safetensors: one of the 2 shards that "
+                          "model.safetensors.index.json beside it indexes (it holds ")
+    assert err.endswith("point `checkpoint:` at the folder, ckpt\n") and not (work / "s.plan.yaml").exists()
+
+
+def test_a_truncated_shard_names_the_tensors_past_its_end_once(work, capsys):
+    shard = work / "ckpt" / "model-00002-of-00002.safetensors"
+    os.truncate(shard, shard.stat().st_size - 100)
+    assert main(["build", "p.policy.yaml", "-o", "new.plan.yaml"]) == 1
+    err = capsys.readouterr().err
+    assert "the checkpoint is invalid (1 problem)\n" in err and "in the index but not in this shard" not in err
+
+
+def test_a_plan_cut_inside_its_yaml_says_to_rebuild(work, capsys):
+    text = (work / "p.plan.yaml").read_text()
+    second = text.index("\n", text.index("\nsummary:\n") + 10) + 6  # inside the summary's second key: no ':'
+    (work / "cut.plan.yaml").write_text(text[:second])
+    assert main(["show", "cut.plan.yaml"]) == 1
+    err = capsys.readouterr().err
+    assert "invalid YAML" in err and err.endswith("(it starts as a plan: cut short, or edited?); rebuild it with "
+                                                  "`plan build POLICY`\n"), err
