@@ -82,11 +82,13 @@ def _parser() -> argparse.ArgumentParser:
         prog="plan", formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EXAMPLES,
         description="Plan, review and apply the offloading of LLM weights to pinned host memory.")
     ap.add_argument("--version", action=_Version)
+    ap.add_argument("--json", action="store_true", help="print machine-readable JSON (before or after COMMAND)")
     sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
 
     def cmd(name, help):
         p = sub.add_parser(name, help=help, description=help)
-        p.add_argument("--json", action="store_true", help="print machine-readable JSON")
+        # SUPPRESS: absent here, the flag keeps what `plan --json COMMAND` gave it
+        p.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="print machine-readable JSON")
         return p
 
     p = cmd("build", "read a policy and the checkpoint's headers; write the plan")

@@ -197,6 +197,10 @@ def test_with_json_an_error_goes_to_stdout_as_json_too(work, capsys):
         "'mlp.down_proj'?"]}
     code, out, err = run(capsys, "show", "nope.plan.yaml", "--json")
     assert code == 1 and json.loads(out) == {"error": "nope.plan.yaml: no such plan file", "problems": []}
+    code, out, err = run(capsys, "--json", "show", "nope.plan.yaml")  # before the command: the same
+    assert (code, err) == (1, "error: nope.plan.yaml: no such plan file\n") and json.loads(out)["problems"] == []
+    code, out, err = run(capsys, "show", "nope.plan.yaml")
+    assert (code, out) == (1, "")
 
 
 def test_a_setting_the_plan_ignores_is_a_warning_in_its_notes_too(work, capsys):
