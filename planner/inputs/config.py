@@ -33,6 +33,7 @@ from ..errors import CheckpointError
 
 _TOP_K_KEYS = ("num_experts_per_tok", "moe_topk", "num_experts_per_token", "top_k", "moe_k")
 _EXPERTS_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
+_COUNTS = ("num_experts_per_tok", *_EXPERTS_KEYS)  # text in one of these is an error (`read_config`)
 FP8_BLOCK = (128, 128)  # runtime/place/quant.py's default too
 
 
@@ -76,8 +77,7 @@ def read_config(checkpoint_root: str | Path) -> ModelFacts:
     if not isinstance(config, dict):
         raise CheckpointError(f"{path}: a JSON {type(config).__name__}, not an object of the model's settings: {fix}")
     text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
-    odd = [f"{key}: {s[key]!r}" for s in (text, config) for key in (*_TOP_K_KEYS[:1], *_EXPERTS_KEYS)
-           if isinstance(s.get(key), str)]
+    odd = [f"{key}: {s[key]!r}" for s in (text, config) for key in _COUNTS if isinstance(s.get(key), str)]
     if odd:
         raise CheckpointError(f"{path}: {', '.join(odd)}: a whole number was expected: {fix}")
     scopes = (text, config)  # the text model's facts first

@@ -29,10 +29,10 @@ def parse_plan(path: Path, text: str) -> yamlio.Located:
     try:
         return _parse_plan(path, text)
     except PlanFileError as e:
-        if written_as(text[:64]) != "plan" or "invalid YAML" not in str(e):
+        if written_as(text[:64]) != "plan":  # every error here is the YAML's (syntax, tabs, characters, keys twice)
             raise
-        raise PlanFileError(f"{e} (it starts as a plan: cut short, or edited?); rebuild it with "
-                            "`plan build POLICY`") from None
+        raise PlanFileError(f"{e.headline} (it starts as a plan: cut short, or edited?); rebuild it with "
+                            "`plan build POLICY`", e.problems) from None
 
 
 def _parse_plan(path: Path, text: str) -> yamlio.Located:
