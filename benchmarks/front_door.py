@@ -142,12 +142,11 @@ def in_process(plan: Path, ids: torch.Tensor, new: int, batches: list[int], tran
     try:
         for b in batches:
             x = ids[:b]
-            loop = handle.generator()  # decode_static's: the loop the benchmarks time
+            loop = handle.generator()  # decode_static's: the loop the benchmarks time (the replayed generate's own)
             for path, eager in (("generate", False), ("generate --eager", True)):
                 pairs = beside if eager else {}
                 for h in (handle, *pairs.values()):
                     h.generator(eager=eager).prepare(x, new + 1)  # what plan apply does before it times
-                loop.prepare(x, new + 1)
                 calls, by, loops = [], {name: [] for name in pairs}, []
                 for _ in range(CALLS):
                     for name, h in pairs.items():

@@ -5,8 +5,12 @@ parallelism), against one GPU and against the floor of the links, all in one run
     python benchmarks/parallel.py --model qwen3-30b-a3b --layers 8 --gpus 1 2 --batches 1 8   # experts on uva
     python benchmarks/parallel.py --model tiny --layers 2 --gpus 1 2 --out /tmp/r            # smoke test
     python benchmarks/parallel.py --model tiny --layers 2 --device cpu --out /tmp/r          # on the CPU (gloo, eager, no floor)
+    python benchmarks/parallel.py --model qwen3-30b-a3b --layers 8 --fp8 --batches 1 8     # block-scaled FP8
+    python benchmarks/parallel.py --model tiny --layers 2 --device cpu --fp8 --fp8-block 16 --out /tmp/r
 
-One checkpoint (harness/checkpoints.py: random bf16 in the model's shapes); per GPU count N, one plan: the same
+One checkpoint (harness/checkpoints.py: random bf16 in the model's shapes; with `--fp8`, written again as
+block-scaled FP8, 128 x 128 blocks, as tests/quantized_models.py writes the published layout, and every plan
+is of that); per GPU count N, one plan: the same
 policy with `gpus: N` (N = 1: no parallel section), every figure in it one GPU's share:
 - llama-8b: `prefetch: {group_size: 2, num_in_group: 1, step: 2}` (every other layer streamed through 2 slots);
 - qwen3-30b-a3b: every routed expert on uva (`rules: [{match: [experts], place: uva}]`).
@@ -17,13 +21,13 @@ once. Then it loads its share of the plan and decodes: greedy, the runtime's gen
 replayed from a CUDA graph (what `plan apply` runs), `--new-tokens` steps per batch after a captured warm-up.
 
 The floor, per process (every process reads alike, at once): llama, the bytes it streams per step (its plan's
-prefetched bytes) over its H2D rate; qwen3, the bytes of the touched experts' rows that it reads from pinned
-memory per decode step, counted by an untimed greedy `generate` over the same prompts (harness/routers.py
-`touched_experts`: its share of each expert), over its UVA rate. x floor = steps/s over 1 / floor time, with the
-slowest process's rate. Speed-up = steps/s over the one-GPU run's. Tokens: each N's against the one-GPU run's
-(tensor parallelism sums in another order: test_parallel.py states the tolerance), the steps that agree before
-the first difference. Memory: each process's peak during its load against its share's footprint, and its peak
-during decode above what the load left (activations, KV cache, graphs: not in the plan). Records go to
+prefetched bytes) over its H2D rate; qwen3, the bytes of the touched experts' rows that it reads from pinned memory
+per decode step (FP8: its bytes and its scales'), counted by an untimed greedy `generate` over the same prompts
+(harness/routers.py `touched_experts`: its share of each expert), over its UVA rate. x floor = steps/s over 1 /
+floor time, with the slowest process's rate. Speed-up = steps/s over the one-GPU run's. Tokens: each N's against
+the one-GPU run's (tensor parallelism sums in another order: test_parallel.py states the tolerance), the steps that
+agree before the first difference. Memory: each process's peak during its load against its share's footprint, and
+its peak during decode above what the load left (activations, KV cache, graphs: not in the plan). Records go to
 OUT/parallel-MODEL.jsonl.
 """
 from __future__ import annotations
@@ -44,6 +48,9 @@ from harness.routers import touched_experts
 from planner.planfile import load_plan
 from runtime.distributed.launch import run_ranks
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from quantized_models import write_fp8  # noqa: E402  (the published FP8 layout's writer)
+
 POLICY = {"llama-8b": "prefetch: {group_size: 2, num_in_group: 1, step: 2}\n",
           "qwen3-30b-a3b": "rules:\n  - {match: [experts], place: uva}\n",
           "tiny": "rules:\n  - {match: [experts], place: uva}\n"}
@@ -60,6 +67,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--dir", type=Path, default=Path("/tmp/offplan-bench"), help="where checkpoints go")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--fp8", action="store_true", help="plan the checkpoint written as block-scaled FP8")
+    ap.add_argument("--fp8-block", type=int, default=128,
+                    help="rows and columns per FP8 scale (default: 128, the published models'; the tiny model's "
+                         "shares need 16)")
     return ap.parse_args(argv)
 
 
@@ -115,8 +126,10 @@ def main(argv=None) -> int:
     t = time.perf_counter()
     cuda = args.device == "cuda"
     make_checkpoint(args.model, args.layers, work / "ckpt", args.device)
-    out = args.out / f"parallel-{args.model}{f'-{args.layers}layers' if args.layers else ''}.jsonl"
-    records = [{"kind": "run", "model": args.model, "layers": args.layers,
+    if args.fp8:
+        write_fp8(work / "ckpt", work / "fp8", device=args.device, block=args.fp8_block)
+    out = args.out / f"parallel-{args.model}{f'-{args.layers}layers' if args.layers else ''}{'-fp8' * args.fp8}.jsonl"
+    records = [{"kind": "run", "model": args.model, "layers": args.layers, "fp8": args.fp8,
                 "device": torch.cuda.get_device_name() if cuda else "cpu",
                 "gpus_on_host": torch.cuda.device_count() if cuda else 0, "torch": torch.__version__,
                 "checkpoint_seconds": round(time.perf_counter() - t, 1)}]
@@ -124,7 +137,8 @@ def main(argv=None) -> int:
     moe = args.model != "llama-8b"
     base: dict[int, dict] = {}
     for n in args.gpus:
-        body = f"format_version: 1\ncheckpoint: ckpt\nworkload: {{cuda_graphs: true}}\n{POLICY[args.model]}" + (
+        ckpt = "fp8" if args.fp8 else "ckpt"
+        body = f"format_version: 1\ncheckpoint: {ckpt}\nworkload: {{cuda_graphs: true}}\n{POLICY[args.model]}" + (
             f"gpus: {n}\n" if n > 1 else "")
         plan_path = make_plan(work, f"gpus{n}", body)
         plan = load_plan(plan_path)

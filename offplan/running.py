@@ -244,19 +244,19 @@ def check_compiles(model, handle, batch: int) -> None:
 
 def calibrate_command(args) -> int:
     """`plan calibrate -o PROFILE`: measure this GPU (runtime/measure/calibrate.py), write a hardware profile."""
-    refuse_to_replace(Path(args.output), "hardware profile", "choose another -o, or remove that file first")  # before minutes of measuring
+    # before minutes of measuring
+    refuse_to_replace(Path(args.output), "hardware profile", "choose another -o, or remove that file first")
     cal = calibrate()
     hw = cal.hardware
     write_atomic(Path(args.output), dumps_hardware(hw), "hardware profile")
     steps = ", ".join(f"{n}: {us:.0f}" for n, us in cal.step_us_by_layers.items())
     emit(args, {"profile": args.output, **hw.__dict__, "step_us_by_layers": cal.step_us_by_layers, "r2": cal.r2,
                 "stage_ms": {m: list(t) for m, t in cal.stage_ms.items()},
-                "replay_us_by_layers": cal.replay_us_by_layers, "moe_step_us_by_layers": cal.moe_step_us_by_layers,
-                "cpu_slowdown": cal.cpu_slowdown},
+                "replay_us_by_layers": cal.replay_us_by_layers, "moe_step_us_by_layers": cal.moe_step_us_by_layers},
           f"wrote {args.output}: {hw.name}: H2D copy {hw.h2d_copy_gbps} GB/s, UVA read {hw.uva_read_gbps} GB/s, "
           f"HBM read {hw.hbm_read_gbps} GB/s; CPU {hw.layer_overhead_us} us per layer + {hw.step_overhead_us} us "
           f"per step (eager decode step by layer count, us: {steps}; R^2 {cal.r2:.4f}), {hw.moe_layer_overhead_us} us "
-          f"per MoE layer (each count's fastest round; the median round {cal.cpu_slowdown:.2f}x slower); GPU "
+          f"per MoE layer (each count's fastest round; the median round {hw.eager_median_ratio:.2f}x slower); GPU "
           f"{hw.layer_gpu_us} us "
           f"per dense layer, {hw.moe_layer_gpu_us} us per MoE layer + {hw.step_gpu_us} us per step beyond "
           f"reading weights (CUDA-graph replays of tiny models); prefill: GEMMs "

@@ -34,7 +34,7 @@ def bind_experts(h: OffloadHandle) -> None:
         module = _experts_module(h.model, t)
         param = t.name.rpartition(".")[2]
         by_module.setdefault(module, {})[param] = t
-        rows = torch.empty((max(1, len(t.resident)), *t.shape[1:]), dtype=t.dtype, device=h.device)
+        rows = torch.empty((len(t.resident), *t.shape[1:]), dtype=t.dtype, device=h.device)  # may be none
         if t.resident:
             index = torch.tensor(t.resident)
             rows.copy_(typed(h.arena.host_view(h.layout.host_offset[t.name], t.nbytes), t.dtype, t.shape)[index])

@@ -119,8 +119,7 @@ def _run(model, plan: Plan, ckpt: Checkpoint, device, uva: bool, progress, *, fr
                            "with uva=True (the default)")
     tp = local = None
     if plan.parallel is not None:  # one process per GPU, each applying the plan to its share (place/shards.py)
-        tp, local, targets = share(model, plan, ckpt, formats, from_checkpoint)
-        quantized = {}
+        tp, local, targets, quantized = share(model, plan, ckpt, (formats, scales), from_checkpoint)
     elif formats:  # step 2; the meta model made to hold the quantized tensors as stored (quant.py)
         targets, quantized = quant.map_stored(model, ckpt, plan.params, formats, scales)
     else:

@@ -25,8 +25,11 @@ def load_and_run(rank: int, plans: list[str], device: str, new_tokens: int = 8, 
             out.append({"logits": got.cpu(), "tokens": gen.tokens, "mode": gen.mode,
                         "bytes": (stats.gpu_bytes, stats.uva_bytes, stats.prefetch_bytes),
                         "shapes": {n: tuple(p.shape) for n, p in model.named_parameters()},
+                        "dtypes": {n: p.dtype for n, p in model.named_parameters()},
+                        "buffers": {n: tuple(b.shape) for n, b in model.named_buffers()},
                         "peak": stats.peak_gpu_bytes_during_load,
-                        "hooks": (len(handle.parallel.reduced), len(handle.parallel.gathered))})
+                        "hooks": (len(handle.parallel.reduced), len(handle.parallel.gathered))
+                        if handle.parallel else None})
         finally:
             handle.remove(restore=False)
     return out

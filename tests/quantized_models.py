@@ -106,16 +106,16 @@ def _is_projection(name: str, t: torch.Tensor) -> bool:
     return t.dim() == 2 and name.endswith("_proj.weight")
 
 
-def write_fp8(src: Path, dst: Path, device: str = "cpu") -> Path:
-    """`src` (a bf16 save_pretrained checkpoint) as a block-scaled FP8 checkpoint (module doc);
-    `device` does the arithmetic (the benchmark's gigabytes quantize faster on a GPU)."""
+def write_fp8(src: Path, dst: Path, device: str = "cpu", block: int = 128) -> Path:
+    """`src` (a save_pretrained checkpoint) as a block-scaled FP8 checkpoint (module doc), `block` x `block`
+    elements a scale; `device` does the arithmetic (the benchmark's gigabytes quantize faster on a GPU)."""
     def convert(name, t):
         if not _is_projection(name, t):
             return {name: t}
-        q, scale = fp8_quantize(t.to(device))
+        q, scale = fp8_quantize(t.to(device), block)
         return {name: q.cpu(), name + "_scale_inv": scale.cpu()}
     return _rewrite(src, dst, convert, {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                        "weight_block_size": [128, 128]})
+                                        "weight_block_size": [block, block]})
 
 
 def write_mxfp4(src: Path, dst: Path) -> Path:
@@ -131,11 +131,14 @@ def write_mxfp4(src: Path, dst: Path) -> Path:
 
 def reference_dir(quantized: Path, dst: Path) -> Path:
     """The quantized checkpoint dequantized on the host, as a plain bf16 checkpoint (module doc)."""
+    block = (json.loads((quantized / "config.json").read_text()).get("quantization_config") or {}).get(
+        "weight_block_size", [128])[0]
+
     def convert(name, t):
         if name.endswith("_scale_inv") or name.endswith("_scales"):
             return {}
         if t.dtype == torch.float8_e4m3fn:
-            return {name: fp8_dequantize(t, load_scale(name + "_scale_inv"))}
+            return {name: fp8_dequantize(t, load_scale(name + "_scale_inv"), block)}
         if name.endswith("_blocks"):
             base = name[:-len("_blocks")]
             return {base: mxfp4_dequantize(t, load_scale(base + "_scales")).transpose(1, 2).contiguous()}

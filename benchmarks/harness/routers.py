@@ -86,6 +86,15 @@ def hit_shares(counts: list[int]) -> dict:
             "top_half_share": sum(ranked[:half]) / total}
 
 
+def _stored_row_bytes(module, name: str) -> int:
+    """One expert's bytes of the fused parameter `name` as pinned memory holds them: an FP8 weight's bytes and
+    its scales' (runtime/place/quant.py keeps them as stored), else the parameter's."""
+    params = dict(module.named_parameters(recurse=False))
+    data = params[name] if name in params else getattr(module, name)  # MXFP4: its blocks are elsewhere
+    scale = dict(module.named_buffers(recurse=False)).get(name + "_scale_inv")
+    return data[0].nbytes + (scale[0].nbytes if scale is not None else 0)
+
+
 def touched_experts(model, ids: torch.Tensor, batch: int, new: int) -> tuple[float, float]:
     """(unique experts per MoE layer per decode step, bytes of them read from pinned memory per decode step),
     counted in one untimed greedy `generate` of `new` tokens after the first `batch` prompts."""
@@ -101,8 +110,7 @@ def touched_experts(model, ids: torch.Tensor, batch: int, new: int) -> tuple[flo
         for p in fused_params(module):
             slot = getattr(module, f"offplan_slot_{p}", None)  # bound by the runtime: -1 for a host expert
             if slot is not None:
-                row = getattr(module, p)[0]
-                host[0] += int((slot[hit] < 0).sum()) * row.numel() * row.element_size()
+                host[0] += int((slot[hit] < 0).sum()) * _stored_row_bytes(module, p)
     modules = [m for m in model.modules() if supports(m)]
     hooks = [m.register_forward_pre_hook(count) for m in modules]
     x = ids[:batch]

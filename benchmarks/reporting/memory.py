@@ -9,14 +9,18 @@ def memory_tables() -> list[str]:
     for path in sorted(RESULTS.glob("memory-*.jsonl")):
         rows = read_rows(path)
         run = next(r for r in rows if r["kind"] == "run")
-        out += [f"## {run['model']}: does the GPU budget hold?", "",
+        gpus = run.get("gpus", 1)
+        over = (f" Tensor parallel over {gpus} GPUs (`gpus: {gpus}`), each plan's processes one per GPU: every "
+                "figure is one GPU's, and each row is its fullest GPU's (offplan's own peak per GPU in the record)."
+                if gpus > 1 else "")
+        out += [f"## {run['model']}: does the GPU budget hold{f' on each of {gpus} GPUs' if gpus > 1 else ''}?", "",
                 f"`{path.name}` (`benchmarks/memory.py`; {run['layers']} decoder layers, {run['device']}, torch "
                 f"{run['torch']}): one plan per strategy with `workload: {{prompt_tokens: {run['prompt_tokens']}}}`, "
                 f"loaded, then `handle.generate` of a {run['prompt_tokens']}-token prompt and {run['new_tokens']} "
                 "decode steps (prefill eager, decode replayed). Peak: `max_memory_allocated` from before the load. "
                 "transformers' own (activations, KV cache) is the all-GPU plan's peak less its weights; offplan's "
                 "own = a plan's peak less that. Footprint: the plan's `gpu_footprint_bytes` (resident, pools, and "
-                "the experts' working memory at its peak). Target: offplan's own / footprint <= 1.01.", "",
+                "the experts' working memory at its peak). Target: offplan's own / footprint <= 1.01." + over, "",
                 "| plan | footprint GB | of it working memory GB | peak GB | offplan's own GB | offplan's own / "
                 "footprint |", "|---|---|---|---|---|---|"]
         for r in rows:

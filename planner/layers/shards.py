@@ -34,11 +34,20 @@ transformers' plans do.
 
 Each GPU must take whole attention heads and whole key/value heads
 (config.json's `num_attention_heads`, `num_key_value_heads`), and every split
-dimension must divide by the GPU count. Not supported (an error names the
-tensor): a rowwise projection with a bias (it would be added once per GPU),
-experts stored already fused (gpt-oss: their gate and up interleave),
-quantized checkpoints (their scales split with them: not done yet), and a
-checkpoint none of whose names the plan splits (every GPU would hold it all).
+dimension must divide by the GPU count.
+
+Block-scaled FP8 (`X.weight` F8 with `X.weight_scale_inv`, one scale per
+b0 x b1 block, config.json's `weight_block_size`): the scales split with their
+weight, along the same dim, so each GPU holds whole blocks and their scales,
+and dequantizes its share as one GPU dequantizes the whole. So a split dim
+must divide by the GPU count times the block (vLLM refuses the same: Qwen3-
+30B-A3B-FP8's experts, 768 rows in blocks of 128, split over 2 GPUs but not 4).
+
+Not supported (an error names the tensor): a rowwise projection with a bias
+(it would be added once per GPU), experts stored already fused (gpt-oss: their
+gate and up interleave), MXFP4 (stored only by gpt-oss, whose experts are
+fused), and a checkpoint none of whose names the plan splits (every GPU would
+hold it all).
 
 `local_tensors` is one GPU's view of the checkpoint: every split tensor with
 its share's shape and bytes. The placement, the footprint, the slot layouts
@@ -54,7 +63,7 @@ from dataclasses import dataclass
 from ..inputs.checkpoint import TensorInfo
 from ..inputs.config import ModelFacts
 from ..inputs.prefused import prefused_key
-from ..inputs.quantized import FP8
+from ..inputs.quantized import FP8, FP8_SCALE, MX_BLOCKS, MX_SCALES
 
 # model_type -> transformers' tensor-parallel plan, as the checkpoint names it: (pattern, dim, what sums it)
 # The patterns are searched in each name; `reduce` is the module whose output is summed ("" : none, the
@@ -116,17 +125,22 @@ def find_split(tensors: Mapping[str, TensorInfo], facts: ModelFacts, gpus: int) 
     reduce: dict[str, None] = {}
     gather: list[str] = []
     odd: dict[str, str] = {}  # template -> a problem, reported once
+    scales: set[str] = set()  # templates of FP8 scales
     for name, info in tensors.items():
         tpl = template(name)
         if tpl in odd:
             continue
         if tpl in dims:  # a template decided once; each of its tensors must divide too (layers may differ)
-            if (problem := _undivided(name, info, dims[tpl], gpus)) is not None:
+            if (problem := _undivided(name, info, dims[tpl], gpus, facts.fp8_block)) is not None:
                 odd[tpl] = problem
             continue
-        if info.dtype in FP8 or name.endswith(("_blocks", "_scales", "_scale_inv")):
-            odd[tpl] = (f"{name}: a quantized tensor ({info.dtype}); tensor-parallel plans of quantized checkpoints "
-                        "are not supported yet: plan it on one GPU")
+        if name.endswith((MX_BLOCKS, MX_SCALES)) and info.dtype == "U8":
+            odd[tpl] = (f"{name}: an MXFP4 tensor; tensor-parallel plans of MXFP4 checkpoints are not supported "
+                        "(block-scaled FP8 ones are): plan it on one GPU")
+            continue
+        if name.endswith(FP8_SCALE) and (weight := tensors.get(name[:-len(FP8_SCALE)])) is not None \
+                and weight.dtype in FP8:
+            scales.add(tpl)  # split as its weight is, below
             continue
         if prefused_key(name) is not None:
             odd[tpl] = (f"{name}: experts stored already fused (one tensor of every expert); tensor parallelism "
@@ -142,12 +156,15 @@ def find_split(tensors: Mapping[str, TensorInfo], facts: ModelFacts, gpus: int) 
             gather.append(HEAD)
         if dim is None:
             continue
-        if (problem := _undivided(name, info, dim, gpus)) is not None:
+        if (problem := _undivided(name, info, dim, gpus, facts.fp8_block)) is not None:
             odd[tpl] = problem
             continue
         dims[tpl] = dim
         if module:
             reduce.setdefault(template(module))
+    # FP8 scales split with their weights, each listed after its weight
+    dims = {t: d for tpl, dim in dims.items() for t, d in ((tpl, dim), (tpl + FP8_SCALE, dim))
+            if t == tpl or t in scales}
     problems += odd.values()
     if not dims and not odd:  # every GPU would hold everything: nothing gained, and not transformers' plan
         problems.append(f"no tensor is named as transformers' plan for {facts.model_type} names what it splits "
@@ -155,9 +172,18 @@ def find_split(tensors: Mapping[str, TensorInfo], facts: ModelFacts, gpus: int) 
     return Split(gpus, dims, tuple(reduce), tuple(gather)), problems
 
 
-def _undivided(name: str, info: TensorInfo, dim: int, gpus: int) -> str | None:
-    """The problem when `gpus` GPUs cannot each hold an equal share of `name` along `dim`, else None."""
+def _undivided(name: str, info: TensorInfo, dim: int, gpus: int, block: tuple[int, int]) -> str | None:
+    """The problem when `gpus` GPUs cannot each hold an equal share of `name` along `dim`, else None; an FP8
+    weight's share must be whole scale blocks (`block`: rows, columns; module doc)."""
     size = info.shape[dim] if dim < len(info.shape) else None
+    rank = len(info.shape)
+    if info.dtype in FP8 and size is not None and dim >= rank - 2:
+        b = block[dim - (rank - 2)]
+        if size % (gpus * b) == 0:
+            return None
+        return (f"{name}: {info.dtype}, its dim {dim} ({size}) does not divide into {gpus} shares of whole "
+                f"{b}-element scale blocks (config.json's weight_block_size): use a GPU count whose shares hold "
+                "whole blocks, or plan it on one GPU")
     if size is not None and size % gpus == 0:
         return None
     return (f"{name}: its dim {dim} ({'missing' if size is None else size}) does not divide by {gpus} GPUs: use a "

@@ -14,8 +14,8 @@ routing over E experts:
    experts on the GPU, read once through the zero-copy view for the others, not at all for padding (no link
    bytes). With T*k >= E every expert is staged: each host row still crosses the link once. A module's pinned
    tensors go in one launch (`gather_many`; FP8 ones that step 3 reads dequantized, and FP8 ones all in HBM:
-   gathered and dequantized in one launch, fp8_gather.py), except for one token where the module before guessed experts and read them ahead:
-   those rows come from the lookahead's buffer in HBM (lookahead.py, `gather`);
+   gathered and dequantized in one launch, fp8_gather.py), except for one token where the module before guessed
+   experts and read them ahead: those rows come from the lookahead's buffer in HBM (lookahead.py, `gather`);
 3. the experts' arithmetic over the staged rows, each (token, k) pair routed to its slot (`arithmetic`): up to
    `BATCHED_PAIRS` pairs (one or two tokens) transformers' `batched_mm`'s, above its `grouped_mm`'s over the U
    staged experts; the same kernels on the same values, so bitwise their outputs on the whole parameter. These are
@@ -52,7 +52,7 @@ from ..place.dequant import dequantize, quantized, stored
 from . import ops
 from .gather import gather, gather_many, route
 
-_PREFIX = "offplan_"  # non-persistent buffers bound on an experts module: `offplan_slot_<param>`, `offplan_rows_<param>`
+_PREFIX = "offplan_"  # non-persistent buffers on an experts module: `offplan_slot_<param>`, `offplan_rows_<param>`
 
 
 def supports(module: torch.nn.Module) -> bool:

@@ -199,7 +199,11 @@ class Lookahead:
         if self.cuda:
             x.record_stream(self.stream)
         with self._side():
-            logits = torch.nn.functional.linear(x[-1:], router.weight, getattr(router, "bias", None))
+            # the router's product summed in place of its GEMM: cuBLAS would allocate a 32 MiB workspace for the
+            # side stream (H100), held for the process's life and outside the plan's footprint
+            logits = (x[-1] * router.weight).sum(-1, dtype=torch.float32)  # [E]
+            if getattr(router, "bias", None) is not None:
+                logits = logits + router.bias
             if self.unread[index + 1] is not None:  # the link reads none of them: guess among the others
                 logits = logits.masked_fill(self.unread[index + 1], float("-inf"))
             self.ids[(index + 1) % 2].copy_(logits.topk(self.count, dim=-1).indices.view(-1))

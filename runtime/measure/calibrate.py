@@ -91,7 +91,6 @@ class Calibration:
     stage_ms: dict[int, tuple[float, float]]  # tokens -> (uva GEMMs in place, copied first), ms (stage_crossover)
     replay_us_by_layers: dict[str, dict[int, float]]  # "dense" / "moe" -> layers -> replayed decode step, us
     moe_step_us_by_layers: dict[int, float]  # eager step of the runtime's generation over the tiny MoE models
-    cpu_slowdown: float  # the eager rounds' median against their fastest, the larger of the two (steps.fastest)
 
 
 def calibrate() -> Calibration:
@@ -108,6 +107,7 @@ def calibrate() -> Calibration:
     per_step, per_layer, r2 = fit_line(list(steps), list(steps.values()))
     moe_steps, moe_slow = generator_step_us_by_layers(tiny_moe_offloaded)
     _, moe_per_layer, r2_moe_cpu = fit_line(list(moe_steps), list(moe_steps.values()))
+    slowdown = max(slow, moe_slow)  # the eager rounds' median against their fastest (steps.fastest)
     replayed = {"dense": replay_us_by_layers(tiny_llama), "moe": replay_us_by_layers(tiny_moe)}
     gpu_step, gpu_layer, r2_dense = fit_line(list(replayed["dense"]), list(replayed["dense"].values()))
     _, gpu_moe_layer, r2_moe = fit_line(list(replayed["moe"]), list(replayed["moe"].values()))
@@ -134,15 +134,15 @@ def calibrate() -> Calibration:
                   matmul_tflops=round(tflops, 1), stage_above_tokens=stage_above(crossover),
                   layer_gpu_us=round(gpu_layer, 1), moe_layer_gpu_us=round(gpu_moe_layer, 1),
                   step_gpu_us=round(max(gpu_step, 0.0), 1), moe_layer_overhead_us=round(moe_per_layer, 1),
-                  eager_median_ratio=round(max(slow, moe_slow, 1.0), 2),  # a typical eager step: hardware.py
+                  eager_median_ratio=round(max(slowdown, 1.0), 2),  # a typical eager step: hardware.py
                   # one GPU measured: its copies while others copy too scaled as the built-in figures' are;
                   # the all-reduce figures stay the built-in ones
                   parallel_h2d_copy_gbps=round(h2d * H100.parallel_h2d_copy_gbps / H100.h2d_copy_gbps, 1), **cpu,
                   measured=f"plan calibrate, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}; "
                            "all-reduce and several-GPU copy figures built in, not measured; "
                            f"CPU lines R^2 {r2:.4f} (dense) and {r2_moe_cpu:.4f} (MoE) through each layer count's "
-                           f"fastest round (the median round {max(slow, moe_slow):.2f}x slower), replayed GPU lines "
+                           f"fastest round (the median round {slowdown:.2f}x slower), replayed GPU lines "
                            f"R^2 "
                            f"{r2_dense:.4f} (dense), {r2_moe:.4f} (MoE); uva GEMM in place / copied "
                            f"first, by tokens: {in_place}; {cpu_note}")
-    return Calibration(hw, steps, r2, crossover, replayed, moe_steps, max(slow, moe_slow))
+    return Calibration(hw, steps, r2, crossover, replayed, moe_steps)

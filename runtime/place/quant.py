@@ -112,11 +112,14 @@ def block_size(root: str | Path) -> tuple[int, int]:
 # ---------------------------------------------------------------- the meta model holds what is stored
 
 def map_stored(model: torch.nn.Module, ckpt: Checkpoint, params: dict, formats: dict[str, str],
-               scales: dict[str, str]) -> tuple[list[Target], dict[torch.nn.Module, dict[str, Quant]]]:
+               scales: dict[str, str], tensors: dict | None = None
+               ) -> tuple[list[Target], dict[torch.nn.Module, dict[str, Quant]]]:
     """`map_tensors` for a checkpoint with quantized tensors (`scan`'s): the meta model made to hold what the
-    checkpoint stores (module doc), then mapped. Returns (targets, each FP8 scale after its weight; the
-    quantized tensors by module). On error the model is left as it was."""
-    planned = {n: (ckpt.tensors[n].shape, p) for n, p in params.items()
+    checkpoint stores (module doc), then mapped. `tensors`: the headers at the shapes to hold (one GPU's
+    share under tensor parallelism; default the checkpoint's). Returns (targets, each FP8 scale after its
+    weight; the quantized tensors by module). On error the model is left as it was."""
+    tensors = ckpt.tensors if tensors is None else tensors
+    planned = {n: (tensors[n].shape, p) for n, p in params.items()
                if formats.get(scales.get(n, "")) != "fp8"}  # FP8 scales follow their weights (_scale_target)
     mxfp4 = _prepare_mxfp4(model, ckpt, formats)
     try:

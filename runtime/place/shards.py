@@ -45,6 +45,7 @@ from planner.layers.shards import local_tensors, template
 from planner.plan import Parallel, Plan
 
 from ..distributed.collectives import TensorParallel
+from . import quant
 from .loader import TORCH_DTYPES, ShardReader
 from .names import Target, map_tensors
 
@@ -178,22 +179,33 @@ class SlicingReader(ShardReader):
         return raw.clone().view(TORCH_DTYPES[info.dtype]).view(shape)
 
 
-def share(model, plan: Plan, ckpt: Checkpoint, formats, from_checkpoint: bool):
+def share(model, plan: Plan, ckpt: Checkpoint, stored: tuple[dict, dict], from_checkpoint: bool):
     """Step 2 under tensor parallelism: this process's place among the GPUs (a world of another size is
     refused as stale), the meta model cut to its share, the share's headers, and the targets mapped at
-    the share's shapes, the split held against transformers' own plan (place/shards.py)."""
+    the share's shapes, the split held against transformers' own plan (place/shards.py). `stored`:
+    `quant.scan`'s (formats, scales); an FP8 model then holds its share as stored (quant.py), the scales
+    cut with their weights. Returns (tp, the share's headers, targets, the quantized tensors by module)."""
     if not from_checkpoint:
         raise OffplanError("runtime.apply() cannot take a tensor-parallel plan: each process reads its share "
                            "of the checkpoint; build the model on the meta device and use runtime.load()")
-    if formats:
-        raise OffplanError(f"{ckpt.root}: a quantized checkpoint under a tensor-parallel plan is not supported")
+    formats, scales = stored
+    if any(f != "fp8" for f in formats.values()):
+        raise OffplanError(f"{ckpt.root}: an MXFP4 checkpoint under a tensor-parallel plan is not supported")
     par = plan.parallel
     tp = TensorParallel(par)
-    whole = map_tensors(model, {n: (ckpt.tensors[n].shape, p) for n, p in plan.params.items()})
+    plain = {n: p for n, p in plan.params.items() if n not in scales}  # FP8 scales are no tensors of the model
+    whole = map_tensors(model, {n: (ckpt.tensors[n].shape, p) for n, p in plain.items()})
     split = shrink(model, whole, par)
     local = local_tensors(ckpt.tensors, par.dims, par.gpus)
-    targets = map_tensors(model, {n: (local[n].shape, p) for n, p in plan.params.items()})
+    if formats:
+        targets, quantized = quant.map_stored(model, ckpt, plan.params, formats, scales, local)
+    else:
+        targets, quantized = map_tensors(model, {n: (local[n].shape, p) for n, p in plan.params.items()}), {}
     reduce, gather = combined(targets, split, par.gather)
-    check_styles(model, targets, split, reduce, gather)
+    try:
+        check_styles(model, targets, split, reduce, gather)
+    except BaseException:
+        quant.unprepare(quantized)
+        raise
     tp.modules(reduce, gather)
-    return tp, local, targets
+    return tp, local, targets, quantized

@@ -1,6 +1,7 @@
-"""benchmarks/reporting/front_door.py and parallel.py: their RESULTS.md sections, from synthetic records in a scratch
-results folder (each run's eager rows against its own all-GPU eager rate; batch-8 rows of plans with host experts
-not set against a prediction that assumes other routing; each GPU count against the floor and one GPU)."""
+"""benchmarks/reporting/front_door.py, parallel.py and memory.py: their RESULTS.md sections, from synthetic records in a
+scratch results folder (each run's eager rows against its own all-GPU eager rate; batch-8 rows of plans with host
+experts not set against a prediction that assumes other routing; each GPU count against the floor and one GPU; a
+tensor-parallel memory run said to be per GPU)."""
 from __future__ import annotations
 
 import json
@@ -12,6 +13,7 @@ if str(ROOT / "benchmarks") not in sys.path:
     sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import reporting.front_door as front_door  # noqa: E402
+import reporting.memory as memory  # noqa: E402
 import reporting.parallel as parallel  # noqa: E402
 
 RUN = dict(kind="run", model="qwen3-30b-a3b", layers=8, device="NVIDIA H200", torch="2.11.0", new_tokens=32,
@@ -83,6 +85,12 @@ def test_the_parallel_section_sets_each_gpu_count_against_the_floor_and_one_gpu(
     assert "Every routed expert in pinned memory (uva)" in lines[2]
     assert lines[-3:] == ["| 1 | 1 | 80.0 | 0.95 | 1.00 | 73.3 | 50.6 | 32 of 32 steps | +91 MiB | 0.52 |",
                           "| 2 | 1 | 145.0 | 0.86 | 1.81 | - | 51.1, 51.0 | 9 of 32 steps | +45 MiB | 0.48 |", ""]
+    assert "FP8" not in lines[0] + lines[2]
+    rows = [json.loads(line) for line in (tmp_path / "parallel-qwen3-30b-a3b-x.jsonl").read_text().splitlines()]
+    write(tmp_path / "parallel-qwen3-30b-a3b-x.jsonl", [{**rows[0], "fp8": True}, *rows[1:]])
+    lines = parallel.parallel_tables()
+    assert lines[0] == "## qwen3-30b-a3b FP8: tensor parallelism over 2 GPUs of one host"
+    assert "block-scaled FP8 (128 x 128 blocks)" in lines[2] and "the floor counts those bytes" in lines[2]
 
 
 def test_results_md_is_what_report_py_makes_of_the_committed_records():
@@ -91,3 +99,18 @@ def test_results_md_is_what_report_py_makes_of_the_committed_records():
     from reporting.dense import load
     results = ROOT / "benchmarks" / "RESULTS.md"
     assert report.render(load(), (ROOT / "benchmarks" / "decode.png").is_file()) == results.read_text()
+
+
+def test_the_memory_section_says_when_its_figures_are_each_gpus(tmp_path, monkeypatch):
+    monkeypatch.setattr(memory, "RESULTS", tmp_path)
+    run = dict(kind="run", model="qwen3-30b-a3b", layers=8, device="NVIDIA H200", torch="2.11.0", prompt_tokens=8192,
+               new_tokens=64)
+    row = dict(kind="memory", strategy="mixed", footprint_bytes=2e9, working_buffer_bytes=1e7, working_decode_bytes=0,
+               working_prefill_bytes=5e8, peak_bytes=4e9, offplan_peak_bytes=1.9e9, ratio_to_footprint=0.95)
+    write(tmp_path / "memory-qwen3-30b-a3b.jsonl", [run, row])
+    write(tmp_path / "memory-qwen3-30b-a3b-2gpu.jsonl", [{**run, "gpus": 2}, row])
+    lines = memory.memory_tables()  # by file name: the 2-GPU run's first
+    assert lines[0] == "## qwen3-30b-a3b: does the GPU budget hold on each of 2 GPUs?"
+    assert "Tensor parallel over 2 GPUs (`gpus: 2`)" in lines[2] and "its fullest GPU's" in lines[2]
+    assert lines[5:8] == ["|---|---|---|---|---|---|", "| mixed | 2.000 | 0.510 | 4.000 | 1.900 | 0.950 |", ""]
+    assert lines[8] == "## qwen3-30b-a3b: does the GPU budget hold?" and "Tensor parallel" not in lines[10]

@@ -23,6 +23,7 @@ from runtime.execute.generation import PlainHandle  # noqa: E402
 from runtime.distributed.launch import run_ranks  # noqa: E402
 
 from parallel_ranks import PROMPT, load_and_run, load_with  # noqa: E402
+from quantized_models import write_fp8  # noqa: E402
 from tiny_models import llama_config, logits, make_plan, qwen3_moe_config, reference, save_model  # noqa: E402
 
 # each GPU's share of the experts' intermediate features is 32, as one GPU's whole is in the other tests: at 16,
@@ -80,6 +81,34 @@ def test_two_processes_compute_what_one_does(tmp_path, checkpoints):
         layers = ref.config.num_hidden_layers
         assert zero["hooks"] == (2 * layers, 1)  # o_proj and the MLP or experts of each layer; the head
         assert zero["bytes"] == one["bytes"] and sum(zero["bytes"]) < sum(p.nbytes for p in ref.parameters())
+
+
+def test_fp8_shares_compute_what_one_process_does(tmp_path, checkpoints):
+    """Block-scaled FP8 (16 x 16 blocks: the tiny model's shares hold whole blocks): each process dequantizes its
+    share of the weights with its share of the scales. Against the same FP8 checkpoint in one process: float32
+    tokens equal, bf16 logits within TOLERANCE (module doc)."""
+    plans, single = {}, {}
+    for kind in ("moe", "moe32"):
+        fp8 = write_fp8(checkpoints[kind], tmp_path / f"{kind}-fp8", block=16)
+        for name in ("uva", "experts"):
+            plans[kind, name] = str(make_plan(tmp_path, fp8, POLICIES[name], name=f"{kind}-fp8-{name}"))
+        single[kind] = str(make_plan(tmp_path, fp8, "rules:\n  - {match: [experts], place: uva}",
+                                     name=f"{kind}-fp8-one"))
+    zero, one = run_ranks(load_and_run, 2, list(plans.values()), "cpu", device="cpu")
+    alone = {kind: load_and_run(0, [path], "cpu")[0] for kind, path in single.items()}
+    for (kind, name), a, b in zip(plans, zero, one):
+        want = alone[kind]
+        assert torch.equal(a["logits"], b["logits"]), (kind, name)
+        err = (a["logits"].float() - want["logits"].float()).abs().max().item()
+        tolerance = TOLERANCE[torch.float32 if kind.endswith("32") else torch.bfloat16]
+        assert err <= tolerance * want["logits"].float().abs().max().item(), (kind, name, err)
+        if kind.endswith("32"):
+            assert a["tokens"] == want["tokens"], (kind, name)
+        # each holds half of each split FP8 weight and of its scales, as stored
+        q = "model.layers.0.self_attn.q_proj.weight"
+        assert (a["shapes"][q], a["dtypes"][q]) == ((32, 64), torch.float8_e4m3fn)
+        assert a["buffers"][q + "_scale_inv"] == (2, 4)
+        assert a["bytes"] == b["bytes"] and sum(a["bytes"]) < sum(want["bytes"])
 
 
 def test_a_split_transformers_does_not_make_is_refused(tmp_path, checkpoints):

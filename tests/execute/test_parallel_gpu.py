@@ -5,7 +5,10 @@ within 2% of their largest), under uva, prefetch and experts-in-pinned-memory pl
 memory during its load is the same, and under the whole model's bytes.
 The float32 MoE runs its experts from pinned memory only: where they are all in HBM, transformers' default
 experts implementation (grouped_mm) runs, and torch's float32 grouped_mm copies to the host, which a CUDA graph
-capture refuses (seen on the H200; bf16 captures)."""
+capture refuses (seen on the H200; bf16 captures).
+Block-scaled FP8 in the published 128 x 128 blocks, in a model whose shares hold whole blocks: each GPU reads its
+FP8 share through the FP8 kernels (fp8_gemv at decode, the one-launch gather for its experts), against the same
+checkpoint on one GPU."""
 from __future__ import annotations
 
 import pytest
@@ -19,7 +22,8 @@ from runtime.distributed.launch import run_ranks  # noqa: E402
 
 from parallel_ranks import PROMPT, load_and_run  # noqa: E402
 from test_parallel import MOE, POLICIES, TOLERANCE  # noqa: E402
-from tiny_models import llama_config, logits, make_plan, reference, save_model  # noqa: E402
+from quantized_models import write_fp8  # noqa: E402
+from tiny_models import llama_config, logits, make_plan, qwen3_moe_config, reference, save_model  # noqa: E402
 
 needs_two = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 
@@ -67,3 +71,23 @@ def test_plan_apply_runs_a_process_per_gpu(tmp_path, checkpoints, capsys):
     out = capsys.readouterr().out
     assert "tensor parallel over 2 processes" in out and "replayed from a CUDA graph" in out
     assert "peak GPU memory per process: GPU 0" in out and "GPU 1" in out
+
+
+@needs_two
+def test_two_gpus_replay_what_one_computes_from_fp8(tmp_path):
+    config = qwen3_moe_config(hidden_size=128, head_dim=128, moe_intermediate_size=256)  # shares of 128 rows
+    fp8 = write_fp8(save_model(config, tmp_path / "bf16"), tmp_path / "fp8")
+    names = ("uva", "experts")
+    plans = [str(make_plan(tmp_path, fp8, POLICIES[name], name=f"fp8-{name}")) for name in names]
+    ones = [str(make_plan(tmp_path, fp8, POLICIES[name].replace("gpus: 2\n", ""), name=f"fp8-one-{name}"))
+            for name in names]
+    zero, other = run_ranks(load_and_run, 2, plans, "cuda", 8, False, device="cuda")
+    for plan, a, b, want in zip(plans, zero, other, load_and_run(0, ones, "cuda", 8, False)):
+        assert a["mode"] == b["mode"] == want["mode"] == "graph"
+        assert torch.equal(a["logits"], b["logits"]) and a["tokens"] == b["tokens"], plan
+        err = (a["logits"].float() - want["logits"].float()).abs().max().item()
+        assert err <= TOLERANCE[torch.bfloat16] * want["logits"].float().abs().max().item(), (plan, err)
+        q = "model.layers.0.self_attn.q_proj.weight"
+        assert (a["shapes"][q], a["dtypes"][q], a["buffers"][q + "_scale_inv"]) == (
+            (256, 128), torch.float8_e4m3fn, (2, 1))
+        assert a["peak"] == b["peak"] < want["peak"], (plan, a["peak"], want["peak"])

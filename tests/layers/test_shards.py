@@ -148,12 +148,46 @@ def test_what_tensor_parallelism_does_not_support():
     assert find_split(infos(prefused), facts("qwen3_moe"), 2)[1] == [
         f"model.layers.0.mlp.experts.{p}: experts stored already fused (one tensor of every expert); tensor "
         "parallelism needs them stored one tensor each: plan it on one GPU" for p in ("gate_up_proj", "down_proj")]
-    fp8 = [(n, "F8_E4M3", s) if n.endswith("q_proj.weight") else (n, d, s) for n, d, s in llama(**LLAMA)]
-    fp8 += [(f"model.layers.{i}.self_attn.q_proj.weight_scale_inv", "F32", (1, 1)) for i in range(2)]
-    assert find_split(infos(fp8), facts(), 2)[1] == [
-        f"model.layers.0.self_attn.q_proj.{n}: a quantized tensor ({d}); tensor-parallel plans of quantized "
-        "checkpoints are not supported yet: plan it on one GPU" for n, d in (("weight", "F8_E4M3"),
-                                                                              ("weight_scale_inv", "F32"))]
+    mxfp4 = llama(**LLAMA) + [("model.layers.0.mlp.experts.down_proj_blocks", "U8", (4, 64, 2, 16)),
+                              ("model.layers.0.mlp.experts.down_proj_scales", "U8", (4, 64, 2))]
+    assert find_split(infos(mxfp4), facts(), 2)[1] == [
+        f"model.layers.0.mlp.experts.down_proj_{p}: an MXFP4 tensor; tensor-parallel plans of MXFP4 checkpoints "
+        "are not supported (block-scaled FP8 ones are): plan it on one GPU" for p in ("blocks", "scales")]
+
+
+def fp8(tensors: list, block: int) -> list:
+    """`tensors` with every projection F8_E4M3 and its block scales after it (as tests/quantized_models.py)."""
+    out = []
+    for name, dtype, shape in tensors:
+        if not name.endswith("_proj.weight"):
+            out.append((name, dtype, shape))
+            continue
+        out += [(name, "F8_E4M3", shape), (name + "_scale_inv", "F32", tuple(-(-d // block) for d in shape))]
+    return out
+
+
+def fp8_facts(block: int) -> ModelFacts:
+    return ModelFacts(model_type="qwen3_moe", heads=4, kv_heads=2, hidden=64, fp8_block=(block, block))
+
+
+def test_fp8_scales_split_with_their_weights_in_whole_blocks():
+    tensors = infos(fp8(qwen3_moe(**{**MOE, "moe_intermediate": 64}), 16))
+    split, problems = find_split(tensors, fp8_facts(16), 2)
+    assert problems == []
+    assert {t: d for t, d in split.dims.items() if t.startswith(ATTN)} == {
+        f"{ATTN}.{p}_proj.{w}": d for p, d in (("q", 0), ("k", 0), ("v", 0), ("o", 1))
+        for w in ("weight", "weight_scale_inv")}
+    assert split.reduce == (f"{ATTN}.o_proj", "model.layers.*.mlp.experts")
+    local = local_tensors(tensors, split.dims, 2)
+    down = "model.layers.0.mlp.experts.3.down_proj.weight"
+    assert (local[down].shape, local[down + "_scale_inv"].shape) == ((64, 32), (4, 2))  # [H, I/2], its blocks
+    assert local[down + "_scale_inv"].nbytes == 4 * 2 * 4
+    # the k and v projections' 32 rows do not hold 2 shares of whole 32-row blocks; each kind named once
+    _, problems = find_split(tensors, fp8_facts(32), 2)
+    assert problems == [
+        f"model.layers.0.self_attn.{p}_proj.weight: F8_E4M3, its dim 0 (32) does not divide into 2 shares of whole "
+        "32-element scale blocks (config.json's weight_block_size): use a GPU count whose shares hold whole "
+        "blocks, or plan it on one GPU" for p in ("k", "v")]
 
 
 def test_local_tensors_are_one_gpus_share_along_the_split_dim():
