@@ -199,8 +199,7 @@ class Lookahead:
         if self.cuda:
             x.record_stream(self.stream)
         with self._side():
-            # the router's product summed in place of its GEMM: cuBLAS would allocate a 32 MiB workspace for the
-            # side stream (H100), held for the process's life and outside the plan's footprint
+            # product and sum, not a GEMM: cuBLAS would give the side stream its own 32 MiB workspace (H100), for good
             logits = (x[-1] * router.weight).sum(-1, dtype=torch.float32)  # [E]
             if getattr(router, "bias", None) is not None:
                 logits = logits + router.bias
