@@ -79,8 +79,12 @@ def test_a_resident_layer_computes_as_the_offloaded_ones(tmp_path, models):
 
 
 def test_every_expert_in_pinned_memory(tmp_path, models):
+    """Outputs as batched_mm's; and no fused parameter holds rows in HBM when the plan keeps none of its experts
+    there (the plan's footprint counts none; docs/memory-peak/)."""
     plan = make_plan(tmp_path, models["qwen3-moe"], "rules:\n  - {match: [experts], place: uva}\n")
     model, handle = from_pretrained(plan, progress=False)
+    rows = {n: b.shape for n, b in model.named_buffers() if "offplan_rows_" in n}
+    assert rows and all(shape[0] == 0 for shape in rows.values()), rows
     ref = reference(models["qwen3-moe"])
     ref.set_experts_implementation("batched_mm")
     assert torch.equal(logits(model, 1, seed=5)[:1], logits(ref, 1, seed=5)[:1])  # 2 tokens x top-2: batched
