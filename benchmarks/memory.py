@@ -27,7 +27,9 @@ weights). offplan's own peak on a plan = its peak less that share. Target (issue
 plan's footprint + 1%, on every row. With `--gpus N` every plan is tensor parallel over N GPUs (`gpus: N`; not
 `experts-cpu`, which is one GPU's only), each its own process (runtime/distributed/launch.py), and each GPU's
 peak is held against the plan's footprint, which is each GPU's; a row's ratio is its fullest GPU's (issue 26:
-a per-GPU budget holds on every GPU). `mixed` then gets each GPU's share of the budget. Records go to
+a per-GPU budget holds on every GPU). `mixed` then gets each GPU's share of the budget. A strategy the planner
+refuses to split at that shape (tiny's FP8 shares are not whole 128-blocks) is recorded as skipped, with the
+planner's message, and so is `experts-cpu`; the report lists them under the table. Records go to
 OUT/memory-MODEL[-LABEL].jsonl, a table is printed last; the exit code is 1 when a row misses the target.
 """
 from __future__ import annotations
@@ -140,8 +142,7 @@ def main(argv=None) -> int:
     shape = "tiny-128" if args.model == "tiny" else args.model
     config = config_for(shape, args.layers)
     moe = hasattr(config, "num_experts")
-    strategies = [s for s in args.strategies if (moe or not s.startswith("experts"))
-                  and not (args.gpus > 1 and s == "experts-cpu")]
+    strategies = [s for s in args.strategies if moe or not s.startswith("experts")]
     ckpt = make_checkpoint(shape, args.layers, work / "ckpt", "cuda")
     if "experts-uva-fp8" in strategies and not (work / "fp8" / "model.safetensors.index.json").is_file():
         write_fp8(ckpt, work / "fp8", device="cuda")
@@ -160,10 +161,13 @@ def main(argv=None) -> int:
     for strategy in order:
         text = policy(strategy, config.num_hidden_layers, getattr(config, "num_experts", 0), budget,
                       args.prompt_tokens, args.gpus)
+        if args.gpus > 1 and strategy == "experts-cpu":
+            record(kind="skipped", strategy=strategy, reason="experts on cpu are one GPU's only (not tensor parallel)")
+            continue
         try:
             plan = make_plan(work, f"{strategy}-{args.gpus}gpu" if args.gpus > 1 else strategy, text)
-        except InputError as e:  # e.g. tiny's FP8 shares are not whole scale blocks under tensor parallelism
-            if strategy == "gpu":
+        except InputError as e:  # under tensor parallelism: e.g. tiny's FP8 shares are not whole scale blocks
+            if strategy == "gpu" or args.gpus == 1:
                 raise
             record(kind="skipped", strategy=strategy, reason=str(e))
             continue

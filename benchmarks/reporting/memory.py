@@ -29,5 +29,7 @@ def memory_tables() -> list[str]:
                 out.append(f"| {r['strategy']} | {r['footprint_bytes'] / 1e9:.3f} | {working / 1e9:.3f} | "
                            f"{r['peak_bytes'] / 1e9:.3f} | {r['offplan_peak_bytes'] / 1e9:.3f} | "
                            f"{r['ratio_to_footprint']:.3f} |")
+        skipped = [f"{r['strategy']} ({r['reason']})" for r in rows if r["kind"] == "skipped"]
+        out += ["", f"Not run: {'; '.join(skipped)}."] if skipped else []
         out.append("")
     return out

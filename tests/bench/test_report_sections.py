@@ -91,6 +91,8 @@ def test_the_parallel_section_sets_each_gpu_count_against_the_floor_and_one_gpu(
     lines = parallel.parallel_tables()
     assert lines[0] == "## qwen3-30b-a3b FP8: tensor parallelism over 2 GPUs of one host"
     assert "block-scaled FP8 (128 x 128 blocks)" in lines[2] and "the floor counts those bytes" in lines[2]
+    write(tmp_path / "parallel-qwen3-30b-a3b-x.jsonl", [{**rows[0], "fp8": True, "fp8_block": 16}, *rows[1:]])
+    assert "block-scaled FP8 (16 x 16 blocks)" in parallel.parallel_tables()[2]
 
 
 def test_results_md_is_what_report_py_makes_of_the_committed_records():
@@ -108,9 +110,12 @@ def test_the_memory_section_says_when_its_figures_are_each_gpus(tmp_path, monkey
     row = dict(kind="memory", strategy="mixed", footprint_bytes=2e9, working_buffer_bytes=1e7, working_decode_bytes=0,
                working_prefill_bytes=5e8, peak_bytes=4e9, offplan_peak_bytes=1.9e9, ratio_to_footprint=0.95)
     write(tmp_path / "memory-qwen3-30b-a3b.jsonl", [run, row])
-    write(tmp_path / "memory-qwen3-30b-a3b-2gpu.jsonl", [{**run, "gpus": 2}, row])
+    skipped = dict(kind="skipped", strategy="experts-cpu", reason="experts on cpu are one GPU's only")
+    write(tmp_path / "memory-qwen3-30b-a3b-2gpu.jsonl", [{**run, "gpus": 2}, row, skipped])
     lines = memory.memory_tables()  # by file name: the 2-GPU run's first
     assert lines[0] == "## qwen3-30b-a3b: does the GPU budget hold on each of 2 GPUs?"
     assert "Tensor parallel over 2 GPUs (`gpus: 2`)" in lines[2] and "its fullest GPU's" in lines[2]
-    assert lines[5:8] == ["|---|---|---|---|---|---|", "| mixed | 2.000 | 0.510 | 4.000 | 1.900 | 0.950 |", ""]
-    assert lines[8] == "## qwen3-30b-a3b: does the GPU budget hold?" and "Tensor parallel" not in lines[10]
+    assert lines[5:10] == ["|---|---|---|---|---|---|", "| mixed | 2.000 | 0.510 | 4.000 | 1.900 | 0.950 |", "",
+                           "Not run: experts-cpu (experts on cpu are one GPU's only).", ""]
+    assert lines[10] == "## qwen3-30b-a3b: does the GPU budget hold?" and "Tensor parallel" not in lines[12]
+    assert not any(line.startswith("Not run") for line in lines[10:])
