@@ -9,8 +9,8 @@ parallelism), against one GPU and against the floor of the links, all in one run
     python benchmarks/parallel.py --model tiny --layers 2 --device cpu --fp8 --fp8-block 16 --out /tmp/r
 
 One checkpoint (harness/checkpoints.py: random bf16 in the model's shapes; with `--fp8`, written again as
-block-scaled FP8, 128 x 128 blocks, as tests/quantized_models.py writes the published layout, and every plan
-is of that); per GPU count N, one plan: the same
+block-scaled FP8 in square blocks of `--fp8-block`, 128 by default as published, by tests/quantized_models.py,
+and every plan is of that); per GPU count N, one plan: the same
 policy with `gpus: N` (N = 1: no parallel section), every figure in it one GPU's share:
 - llama-8b: `prefetch: {group_size: 2, num_in_group: 1, step: 2}` (every other layer streamed through 2 slots);
 - qwen3-30b-a3b: every routed expert on uva (`rules: [{match: [experts], place: uva}]`).
@@ -130,6 +130,7 @@ def main(argv=None) -> int:
         write_fp8(work / "ckpt", work / "fp8", device=args.device, block=args.fp8_block)
     out = args.out / f"parallel-{args.model}{f'-{args.layers}layers' if args.layers else ''}{'-fp8' * args.fp8}.jsonl"
     records = [{"kind": "run", "model": args.model, "layers": args.layers, "fp8": args.fp8,
+                "fp8_block": args.fp8_block if args.fp8 else None,
                 "device": torch.cuda.get_device_name() if cuda else "cpu",
                 "gpus_on_host": torch.cuda.device_count() if cuda else 0, "torch": torch.__version__,
                 "checkpoint_seconds": round(time.perf_counter() - t, 1)}]

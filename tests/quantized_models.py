@@ -6,7 +6,8 @@ tools write, not what it writes itself.
 - FP8 block-scaled, as DeepSeek-V3 and Qwen3-FP8 ship (config.json
   `quantization_config: {quant_method: fp8, fmt: e4m3, weight_block_size: [128, 128]}`):
   every linear projection `*_proj.weight` [R, C] becomes F8_E4M3 with
-  `*_proj.weight_scale_inv` F32 [ceil(R/128), ceil(C/128)], the factor that
+  `*_proj.weight_scale_inv` F32 [ceil(R/b), ceil(C/b)] (b = 128 as shipped;
+  `write_fp8(block=)` writes square blocks of another size), the factor that
   multiplies the FP8 values back (scale = block amax / 448). Embeddings,
   norms, routers and the head stay bf16.
 - MXFP4, as gpt-oss ships (OCP Microscaling v1.0: 32-element blocks of E2M1

@@ -12,14 +12,14 @@ def parallel_tables() -> list[str]:
         run = next(r for r in rows if r["kind"] == "run")
         decode = [r for r in rows if r["kind"] == "decode"]
         link = decode[0]["link"]
-        fp8 = run.get("fp8", False)
+        fp8, b = run.get("fp8", False), run.get("fp8_block") or 128  # records before fp8_block: 128
         out += [f"## {run['model']}{' FP8' * fp8}: tensor parallelism over {max(r['gpus'] for r in decode)} GPUs of "
                 "one host", "",
                 f"`{path.name}` (`benchmarks/parallel.py`; {run['layers'] or 'all its'} decoder layers; {run['device']}, "
                 f"{run['gpus_on_host']} on the host; torch {run['torch']}). "
                 + ("Every other decoder layer streamed (prefetch, step 2)" if link == "h2d" else
                    "Every routed expert in pinned memory (uva)")
-                + (", the checkpoint block-scaled FP8 (128 x 128 blocks): each process holds its share of every "
+                + (f", the checkpoint block-scaled FP8 ({b} x {b} blocks): each process holds its share of every "
                    "split weight and of its scales as stored, and the floor counts those bytes" if fp8 else "")
                 + ". Each process measured its own link while the others measured theirs; floor: the bytes a step "
                 "moves over each link over that link's rate, at the slowest process. Decode steps replayed from a "
