@@ -88,9 +88,9 @@ def hit_shares(counts: list[int]) -> dict:
 
 def _stored_row_bytes(module, name: str) -> int:
     """One expert's bytes of the fused parameter `name` as pinned memory holds them: an FP8 weight's bytes and
-    its scales' (runtime/place/quant.py keeps them as stored), else the parameter's."""
-    params = dict(module.named_parameters(recurse=False))
-    data = params[name] if name in params else getattr(module, name)  # MXFP4: its blocks are elsewhere
+    its scales' (runtime/place/quant.py keeps them as stored), else the parameter's. Not MXFP4's: its slots are
+    bound under `<name>_blocks`, which the caller does not look for, so the floor counts no host bytes for it."""
+    data = getattr(module, name)
     scale = dict(module.named_buffers(recurse=False)).get(name + "_scale_inv")
     return data[0].nbytes + (scale[0].nbytes if scale is not None else 0)
 

@@ -190,7 +190,8 @@ def share(model, plan: Plan, ckpt: Checkpoint, stored: tuple[dict, dict], from_c
                            "of the checkpoint; build the model on the meta device and use runtime.load()")
     formats, scales = stored
     if any(f != "fp8" for f in formats.values()):
-        raise OffplanError(f"{ckpt.root}: an MXFP4 checkpoint under a tensor-parallel plan is not supported")
+        raise OffplanError(f"{ckpt.root}: an MXFP4 checkpoint under a tensor-parallel plan is not supported: "
+                           "build its plan for one GPU (no `gpus:` in the policy)")
     par = plan.parallel
     tp = TensorParallel(par)
     plain = {n: p for n, p in plan.params.items() if n not in scales}  # FP8 scales are no tensors of the model
