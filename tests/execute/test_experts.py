@@ -176,6 +176,23 @@ def test_lookahead_decode_equals_transformers_and_reads_its_buffer(tmp_path, mod
     assert not any(hasattr(m, "_offplan_ahead") for m in model.modules())
 
 
+def test_the_guess_is_the_next_routers_top_experts_with_its_bias(tmp_path, models):
+    """The lookahead's guess (a product and a sum, no GEMM) picks what the next router's own linear would rank
+    first, bias included, in rank order; outputs never show it, so it is checked here."""
+    model, handle = from_pretrained(make_plan(tmp_path, models["qwen3-moe"], EVERY_EXPERT), progress=False)
+    look = handle.lookahead
+    router = look.routers[1]
+    gen = torch.Generator().manual_seed(3)
+    router.register_buffer("bias", torch.randn(router.weight.shape[0], generator=gen).to(router.weight.dtype))
+    for seed in range(8):
+        x = torch.randn(3, router.weight.shape[1], generator=torch.Generator().manual_seed(seed))
+        x = x.to(router.weight.dtype)
+        look.guess(0, x)
+        want = torch.nn.functional.linear(x[-1:].float(), router.weight.float(), router.bias.float())
+        assert look.ids[1].tolist() == want.topk(look.count, dim=-1).indices.view(-1).tolist(), seed
+    handle.remove(restore=False)
+
+
 def spoil_reads_ahead(monkeypatch) -> None:
     """Make every row the lookahead reads ahead wrong (one more), so that outputs show whether they are used."""
     from runtime.execute import lookahead
