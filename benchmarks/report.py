@@ -78,6 +78,10 @@ def render(models: dict, with_plot: bool) -> str:
              "   # an H100, the budget counting working memory, generate timed as the median of 3 calls",
              "python benchmarks/front_door.py --layers 8 --strategies experts-uva experts-split --batches 1 8 "
              "--label split   # an H100: the plan's split of the experts between the host's cores and the link",
+             "python benchmarks/front_door.py --layers 8 --strategies uva mixed experts-uva-fp8 --batches 1 8 --label g"
+             "   # an H200, eight distinct prompts, the loop's and generate's calls alternating",
+             "python benchmarks/front_door.py --layers 8 --strategies experts-uva experts-split --batches 1 8 "
+             "--label h200-guess   # an H200, the lookahead's guess without cuBLAS (its 32 MiB workspace)",
              "python benchmarks/moe.py --batches 1 4 8 --modes graph --baselines --transformers-baselines "
              "--host-implementations offplan --cpu-split --new-tokens 24   # all 48 layers; then: mv "
              "results/moe-qwen3-30b-a3b.jsonl results/moe-cpu-qwen3-30b-a3b-48layers-split.jsonl; with "
@@ -112,10 +116,14 @@ def render(models: dict, with_plot: bool) -> str:
              "python benchmarks/memory.py --model llama-8b --layers 8 --strategies gpu uva prefetch mixed",
              "python benchmarks/memory.py --model llama-8b --layers 8 --strategies gpu uva --label logits   # on an "
              "H200, since the runtime's prefill asks for the last position's logits only",
+             "python benchmarks/memory.py --model qwen3-30b-a3b --layers 8 --gpus 2 --label 2gpu-h200 --strategies gpu "
+             "uva prefetch mixed experts-uva experts-split experts-uva-fp8   # two H200s",
              "python benchmarks/parallel.py --model qwen3-30b-a3b --layers 8 --gpus 1 2 --batches 1 8   # then: mv "
              "results/parallel-qwen3-30b-a3b-8layers.jsonl results/parallel-qwen3-30b-a3b-4xh200-run1.jsonl; with "
              "--gpus 1 4: -run2; on two H200s: -2xh200; again on two H200s on 2026-11-27, each process with its share of the "
              "host's cores: -2xh200-run2; with --gpus 1 2 4 on four H200s on 2026-11-27, so: -4xh200-run3",
+             "python benchmarks/parallel.py --model qwen3-30b-a3b --layers 8 --fp8 --gpus 1 2 --batches 1 8   # then: "
+             "mv results/parallel-qwen3-30b-a3b-8layers-fp8.jsonl results/parallel-qwen3-30b-a3b-fp8-2xh200.jsonl",
              "python benchmarks/parallel.py --model llama-8b --gpus 1 2   # then: mv results/parallel-llama-8b.jsonl "
              "results/parallel-llama-8b-2xh200.jsonl",
              "PYTHONPATH=CHECKOUT_OF_MAIN python benchmarks/plan_speed.py --profile -n 3 --label before "
