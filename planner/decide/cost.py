@@ -35,19 +35,18 @@ more than one token are staged dequantized wherever they lie (fp8_gather.py): bf
 bytes (at one token the rule above; MXFP4's dequantization is not counted).
 
 Prefill (the time to first token) of `workload.prompt_tokens` = T tokens, one sequence, over the layers that run
-in every step. Copies run on their own stream ahead of compute (prefetch, and prefill staging: staging.py), so they
-overlap it; reads in place through UVA sit inside the kernels that need them (and a layer's touched experts are
-known only once its router has run), so they add:
+in every step. Reads in place through UVA sit inside the kernels that need them (a layer's touched experts are known
+only once its router has run); copies run on their own stream, one layer's after another (schedule.py `pipelined`):
     compute  = (2 x T x (dense elements + each routed expert's elements x its share of the tokens) + causal
                attention's 2 x T^2 x query width + the head's last logits) / matmul_tflops + bytes read / HBM
-               + T x (moe_)prefill_token_ns (a decoder layer's other kernels, below)
-    copies   = (prefetched bytes + staged bytes) / H2D copy
-    in place = (uva bytes a GEMM reads in place x ceil(T / stage_above_tokens)
-                + touched uva experts' bytes and embedding rows) / UVA
-    layer    = max(compute, copies) + in place;  prefill = max(the sum over the layers, launch)
+               + T x (moe_)prefill_token_ns (a decoder layer's other kernels, below) + (uva bytes a GEMM reads in
+               place x ceil(T / stage_above_tokens) + touched uva experts' bytes and embedding rows) / UVA
+    copies   = prefetched bytes (prefetch.step slots) and staged bytes (2 slots; routed experts: the ring) / H2D;
+               each layer's start once the one before is done and its slot free (its last user has run)
+    layer    : ends at max(the layer before's end, its copies done) + compute;  prefill = max(the last end, launch)
     launch   = the decoder layers' CPU overheads x eager_median_ratio (the prefill runs eagerly even where decode
                steps replay a graph; not the step's own, which the calibration measures in generate's loop)
-(staged routed experts stream through a ring of at most 1 GiB, staging.py: assumed enough to keep the copies going
+(staged routed experts stream through a ring of at most 1 GiB, staging.py: assumed never to hold a copy back
 while a layer computes). A routed expert computes its share of the tokens: k/E under uniform routing, or its
 share of the routing profile's prefill tokens (its decode share when the profile has none), and is read at all with
 probability 1 - (1 - share)^T: a layer reads E x (1 - (1 - k/E)^T) of its experts. offplan's experts implementation
@@ -64,15 +63,13 @@ E[max(its GPU time, layer GPU time + host)] as both vary with routing (reads.py 
 cpu_expert_gbps (cpu_expert_alone_gbps where the layer has no expert on uva) + cpu_expert_sync_us (the hand-over and
 the host's fixed cost; native.cpp, docs/host-experts/), its uva experts read at uva_read_beside_cpu_gbps. FP8:
 native.cpp converts each byte as it reads it, so the cores set the pace: an FP8 byte counts twice at the bf16 rate
-(H200 machine, every FP8 expert of 8 Qwen3-30B-A3B layers on cpu: 9.86 ms a step, 5.08 predicted at once;
-docs/fp8-cpu/). Prefill: staged (staging.py), copied and computed on the GPU; unstaged above the threshold,
-gathered over uva as uva experts are (the runtime's host takes at most stage_above_tokens tokens); else host reads add.
+(docs/fp8-cpu/). Prefill: staged (staging.py), copied and computed on the GPU; unstaged above the threshold, gathered
+over uva as uva experts are (the runtime's host takes at most stage_above_tokens tokens); else host reads add.
 
 Tensor parallelism (layers/shards.py): the tensors are one GPU's share, so every figure above is each GPU's, over its
 own link, at once. A layer whose outputs the GPUs sum (an all-reduce: attention's o projection, the MLP or experts) or
-gather (the head) waits for each such collective: `collectives` gives a layer's count and the bytes they move per
-token, and each costs the hardware profile's latency (`allreduce_us`) plus its bytes over `allreduce_gbps`, for the
-step's batch tokens in the GPU time and for the prompt's tokens in the prefill.
+gather (the head) waits for each such collective (`collectives`: a layer's count and bytes per token): the profile's
+`allreduce_us` plus its bytes over `allreduce_gbps`, for the step's batch in the GPU time, the prompt's in the prefill.
 
 Limits: the GPU time per layer is measured at batch 1 on tiny Llama and Qwen3-MoE layers
 (runtime/measure/calibrate.py): a layer that launches more kernels (shared experts, MLA) takes longer, and so do the
@@ -81,13 +78,11 @@ larger kernels of larger batches (an all-GPU Qwen3-30B-A3B step at batch 8 measu
 touches fewer experts); with one, the tokens of a batch are assumed routed independently of each other, as the
 profile's prompts were; the overlap of prefetch is assumed perfect, so a plan whose offloaded layers sit together
 (nothing to overlap with) is predicted optimistic. A decoder layer's prefill kernels besides GEMMs and attention
-(transformers' eager norms, rotary embeddings, activations, residual adds; with routed experts, their sorts, gathers
-and masks: small elementwise kernels, most not vectorized) take the profile's prefill_token_ns per token, or
-moe_prefill_token_ns in a layer with routed experts: 357 ns left by an all-GPU Llama-3.1-8B prefill of 8192 tokens on
-an H100 (1.54x its prediction without it, 1.00x with it), 335 ns profiled in 8 Qwen3-30B-A3B layers on an H200 under
-offplan's masks-free grouped arithmetic (docs/moe-prefill/; bf16 experts: fp16 and fp32 ones run transformers' masked
-grouped_mm, about 484), not calibrated yet. Attention and every GEMM run at matmul_tflops whatever their shape
-(FlashAttention and small GEMMs run below it), and what runs only with images (vision towers) is left out.
+(eager norms, rotary embeddings, activations, residual adds; the experts' sorts and gathers: small elementwise
+kernels) take the profile's prefill_token_ns per token, or moe_prefill_token_ns in a layer with routed experts (built
+in: 357 ns from a Llama-3.1-8B prefill on an H100, 335 from Qwen3-30B-A3B layers on an H200, offplan's masks-free
+grouped arithmetic: docs/moe-prefill/; not calibrated yet). Attention and every GEMM run at matmul_tflops whatever
+their shape (FlashAttention and small GEMMs run below it), and what runs only with images (vision towers) is left out.
 """
 from __future__ import annotations
 
@@ -107,7 +102,8 @@ from ..layers.graph import Layer, LayerGraph
 from ..layers.groups import BATCHED_PAIRS, FusedGroups
 from ..plan import LayerKind, Placement, Role, Runs
 from .reads import later, reads
-from .staging import Stageables, stage_experts
+from .schedule import pipelined
+from .staging import STAGE_SLOTS, Stageables, stage_experts
 
 GPU, UVA, PREFETCH, CPU = Placement.GPU, Placement.UVA, Placement.PREFETCH, Placement.CPU
 
@@ -151,13 +147,14 @@ class CostModel:
                  groups: FusedGroups, top_k: int | None, roles: Mapping[str, Role] | None = None,
                  routing: RoutingProfile | None = None, graphs: bool = False, *, prompt_tokens: int = 512,
                  stage: bool = True, quantized: Mapping[str, str] | None = None,
-                 collectives: Mapping[str, tuple[int, int]] | None = None, shapes: Shapes | None = None):
-        """`routing`: a profile that counts every group that runs in decode (routing.mismatches
-        checks it); None: uniform routing over `top_k` of each group's experts. `prompt_tokens`: the
-        prefill to predict; `stage`: the policy's `uva.stage_prefill`; `quantized`: quantized.py
-        `partners(tensors)`, when the caller has it; `collectives`: layer -> (collectives, bytes they move per
-        token) under tensor parallelism (shards.py `collectives`); `shapes`: alike.py's, over `tensors`, when the
-        caller has read them. The per-tensor facts are reads.py's."""
+                 collectives: Mapping[str, tuple[int, int]] | None = None, shapes: Shapes | None = None,
+                 prefetch_slots: int = 1):
+        """`routing`: a profile that counts every group that runs in decode (routing.mismatches checks it); None:
+        uniform routing over `top_k` of each group's experts. `prompt_tokens`: the prefill to predict; `stage`: the
+        policy's `uva.stage_prefill`; `prefetch_slots`: its `prefetch.step`, the layers copied ahead (schedule.py);
+        `quantized`: quantized.py `partners(tensors)`, when the caller has it; `collectives`: layer -> (collectives,
+        bytes they move per token) under tensor parallelism (shards.py `collectives`); `shapes`: alike.py's, over
+        `tensors`, when the caller has read them. The per-tensor facts are reads.py's."""
         self.graphs = graphs  # steps replayed from a CUDA graph: no CPU launch time
         self.graph = graph
         self.batched = top_k is not None and batch * top_k <= BATCHED_PAIRS  # batched_mm's: touched ones staged
@@ -177,15 +174,14 @@ class CostModel:
                 mask = list(map(and_, flags, map(self.staged_experts.__contains__, l.params)))
                 routed += compress(l.params, mask)
                 pre += compress(got[2], mask)
-        sizes = [tensors[n].nbytes for n in routed]
-        total = sum(sizes)
+        total = sum(sizes := [tensors[n].nbytes for n in routed])
         # the share of the routed bytes the prompt touches: whether prefill streams experts ahead (staging.py)
         touched = sum(map(mul, sizes, pre)) / total if total else 0.0
         self.favours_staged_experts = bool(stages and total and stage_experts(touched, hw))
         self._staging = None if not stages else int(self.favours_staged_experts)  # `staged`: none, or Stageables'
         self.reread = -(-prompt_tokens // hw.stage_above_tokens)
         self._layer_costs: dict[tuple, tuple] = {}  # (kind, placements, staged) -> a layer's cost (`_layer`)
-        self.collectives = collectives or {}
+        self.collectives, self.prefetch_slots = collectives or {}, prefetch_slots
 
     unstaged_experts = property(lambda self: self.stageable.both[0])
     staged_experts = property(lambda self: self.stageable.both[1])
@@ -209,8 +205,8 @@ class CostModel:
         return other
 
     def predict(self, place: Mapping[str, Placement]) -> Prediction:
-        hw, layers = self.hw, []
-        total = [0, float(hw.step_gpu_us), 0.0, 0.0]
+        hw, rows, timeline = self.hw, [], []  # rows: a LayerCost's fields, the prefill's as its index in the timeline
+        total = [0, float(hw.step_gpu_us), 0.0]
         # a replayed CUDA graph launches nothing from the CPU; the prefill's launches count always (module doc)
         typical = hw.eager_median_ratio  # launches at a typical step's pace, not the calibration's fastest round's
         cpu = 0.0 if self.graphs else hw.step_overhead_us * typical
@@ -220,7 +216,7 @@ class CostModel:
         wheres = [None] * len(self.graph.layers)
         for i, layer in enumerate(self.graph.layers):
             if layer.runs is not Runs.STEP:
-                layers.append(LayerCost(layer.name, 0, 0, 0))
+                rows.append((layer.name, 0, 0, 0, None))
                 continue
             # a layer of a kind (reads.py) placed and staged alike costs alike: worked out once
             wheres[i] = where = tuple(map(place.__getitem__, layer.params))
@@ -229,27 +225,33 @@ class CostModel:
             got = costs.get(key)
             if got is None:
                 got = costs[key] = self._layer(layer, place)
-            h2d_bytes, gpu, link, prefill = got
+            h2d_bytes, gpu, link, (compute, copies) = got
             if layer.name in self.collectives:
                 n, per_token = self.collectives[layer.name]
                 wait = n * hw.allreduce_us + self.batch * per_token / (hw.allreduce_gbps * 1e3)
                 gpu, count, together = gpu + wait, count + n, together + wait
-                prefill += n * hw.allreduce_us + self.tokens * per_token / (hw.allreduce_gbps * 1e3)
+                compute += n * hw.allreduce_us + self.tokens * per_token / (hw.allreduce_gbps * 1e3)
             if layer.kind is LayerKind.LAYER:
                 overhead = moe_overhead if self.experts[layer.name] else hw.layer_overhead_us * typical
                 launch, cpu = launch + overhead, cpu + (0.0 if self.graphs else overhead)
-            layers.append(LayerCost(layer.name, h2d_bytes, round(gpu), round(link), round(prefill)))
-            total = list(map(add, total, (h2d_bytes, gpu, link, prefill)))
-        return Prediction(self.batch, total[0], round(cpu), round(total[1]), round(total[2]), tuple(layers),
-                          self.tokens, round(max(total[3], launch)), int(count), round(together), tuple(wheres))
+            rows.append((layer.name, h2d_bytes, round(gpu), round(link), len(timeline)))
+            timeline.append((compute, copies))
+            total = list(map(add, total, (h2d_bytes, gpu, link)))
+        ends = [0.0, *pipelined(timeline, (self.prefetch_slots, STAGE_SLOTS, None))]  # the prefill (module doc)
+        layers = tuple(LayerCost(*row[:4], 0 if row[4] is None else round(ends[row[4] + 1] - ends[row[4]]))
+                       for row in rows)
+        return Prediction(self.batch, total[0], round(cpu), round(total[1]), round(total[2]), layers,
+                          self.tokens, round(max(ends[-1], launch)), int(count), round(together), tuple(wheres))
 
-    def _layer(self, layer: Layer, place: Mapping[str, Placement]) -> tuple[int, float, float, float]:
-        """One layer's (bytes over the link, GPU us, link us, prefill us) per step (module doc)."""
+    def _layer(self, layer: Layer, place: Mapping[str, Placement]) -> tuple[int, float, float, tuple]:
+        """One layer's bytes over the link, GPU us and link us per step, and its prefill's (compute us, copy us per
+        pool) (module doc)."""
         hw = self.hw
         hbm, uva, h2d = hw.hbm_read_gbps * 1e3, hw.uva_read_gbps * 1e3, hw.h2d_copy_gbps * 1e3  # bytes/us
         flops_us = hw.matmul_tflops * 1e6  # FLOPs per us
         read_hbm = read_uva = copied = staged = read_cpu = 0.0
-        flops = pre_hbm = pre_copied = pre_uva = pre_cpu = 0.0
+        flops = pre_hbm = pre_uva = pre_cpu = 0.0
+        pre_copied = [0, 0, 0]  # prefill copies, per pool: prefetch slots, staging slots, the expert ring
         experts = self.experts[layer.name]
         stages = self.batched or any(place[n] is UVA for n in experts)
         latency, touch, split = 0.0, {}, any(place[n] is CPU for n in experts)  # touch: expert -> [cpu, uva bytes, q]
@@ -266,7 +268,7 @@ class CostModel:
             if p is CPU:  # the host computes it (module doc); a long prompt: staged, or gathered over uva
                 read_cpu += b * w  # each touched expert once (module doc)
                 at = 0 if n in self.staged else 1 if self.tokens > hw.stage_above_tokens else 2
-                pre_copied, pre_hbm = pre_copied + size * (at == 0), pre_hbm + pre * (at == 0)
+                pre_copied[2], pre_hbm = pre_copied[2] + size * (at == 0), pre_hbm + pre * (at == 0)
                 pre_uva, pre_cpu = pre_uva + pre * (at == 1), pre_cpu + pre * w * (at == 2)
                 continue
             if routed and self.batch > 1 and n in self.quantized and self.tensors[n].dtype in FP8:
@@ -275,9 +277,8 @@ class CostModel:
                 staged += 2 * b if p is UVA else 4 * b  # written to HBM, read back: gathered from HBM, slower
             if p is UVA:
                 read_uva += b
-                if n in self.staged:
-                    pre_copied += size
-                    pre_hbm += pre
+                if n in self.staged:  # through the ring if routed, else the staging slots
+                    pre_copied[2 if routed else 1], pre_hbm = pre_copied[2 if routed else 1] + size, pre_hbm + pre
                 else:
                     pre_uva += pre if once or n in self.quantized else pre * self.reread
             else:
@@ -285,7 +286,7 @@ class CostModel:
                 pre_hbm += pre
                 if p is PREFETCH:
                     copied += size
-                    pre_copied += size
+                    pre_copied[0] += size
         beside = hw.uva_beside_cpu_gbps * 1e3 if read_cpu else uva  # the cores read host memory too (module doc)
         gpu = latency + (read_hbm + staged) / hbm + read_uva / beside
         if read_cpu:  # the GPU sums the CPU's outputs: the layer ends when the later side does (module doc)
@@ -295,6 +296,5 @@ class CostModel:
         link = read_uva / uva + copied / h2d
         other = 0.0 if layer.kind is not LayerKind.LAYER else \
             self.tokens * (hw.moe_prefill_token_ns if experts else hw.prefill_token_ns) / 1e3
-        prefill = (max(flops / flops_us + pre_hbm / hbm + other, pre_copied / h2d) + pre_uva / uva
-                   + pre_cpu / (hw.cpu_expert_gbps * 1e3))
-        return int(read_uva + copied), gpu, link, prefill
+        compute = flops / flops_us + pre_hbm / hbm + other + pre_uva / uva + pre_cpu / (hw.cpu_expert_gbps * 1e3)
+        return int(read_uva + copied), gpu, link, (compute, tuple(b / h2d for b in pre_copied))

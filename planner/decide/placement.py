@@ -191,7 +191,7 @@ def decide(graph: LayerGraph, tensors: Mapping[str, TensorInfo], policy: Policy,
     work, stage = policy.workload, policy.uva.stage_prefill
     model = CostModel(graph, tensors, hardware, work.batch_size, groups, top_k, roles, routing, work.cuda_graphs,
                       prompt_tokens=work.prompt_tokens, stage=stage, quantized=quantized, collectives=collectives,
-                      shapes=shapes)
+                      shapes=shapes, prefetch_slots=max(1, policy.prefetch.step))
     backend, reason = resolve_backend(policy)
     budget = policy.budget_bytes
     step = policy.prefetch.step

@@ -12,6 +12,7 @@ from planner.decide.placement import decide
 from planner.inputs.hardware import Hardware
 from planner.inputs.policy import Workload
 from planner.layers.graph import build_graph
+from planner.decide.schedule import pipelined
 from planner.layers.groups import FusedGroups
 from test_cost import HW, moe
 
@@ -37,12 +38,13 @@ def prefill_placement(t):
     # 1 - (3/4)^100 = all of them, over the 0.5 UVA / 1 copy bandwidths it takes to favour copying them whole
     # (12 MB more). Copies overlap compute, reads in place add to it. T x 2 FLOP per element, and a decoder
     # layer's other kernels 1 us per token (100):
+    # Each layer's share is when it ends less when the one before it did (schedule.py `pipelined`):
     #   embedding: 100 of 1000 rows through UVA, in place                          0.1 MB / 0.5    =   200
-    #   layer 0: 2e8 FLOP (attention) + 12 x 2e8 x 1/4 (each expert computes a quarter of the tokens):
-    #            max(800 + 13 MB staged / HBM 1300 + 100, 13 MB copied 13000)                       = 13000
-    #   layer 1: max(800 + 13 MB / HBM 1300 + 100, 1 MB prefetched 1000)                            =  2200
-    #   head:    the last position's logits: max(2 + 1 MB / HBM 100, 0), not a decoder layer      =   102
-    (100, True, (200, 13000, 2200, 102)),
+    #   layer 0: 13 MB copied from the start (13000), then 2e8 FLOP (attention) + 12 x 2e8 x 1/4 (each expert
+    #            computes a quarter of the tokens) 800 + 13 MB staged / HBM 1300 + 100: ends at 15200  = 15000
+    #   layer 1: 1 MB prefetched once layer 0's copy is done (in by 14000), then 800 + 1300 + 100    =  2200
+    #   head:    the last position's logits: 2 + 1 MB / HBM 100, not a decoder layer               =   102
+    (100, True, (200, 15000, 2200, 102)),
     # not staged: a GEMM reads the attention in place ceil(100 / 64) = 2 times, the experts gather the 12 MB
     # touched once: 800 + 100 + 14 MB / 0.5 28000
     (100, False, (200, 28900, 2200, 102)),
@@ -113,13 +115,16 @@ def test_mixed_minimises_the_request_not_the_step():
     #   prefill: the embedding's 1000 rows 1000 + 2 x (4 reads of 1 MB 4000 in place, after 204.8 of GEMMs)
     #   + 6 x 304.8 + the head (the last position's logits: 0.2 us + 1 MB from HBM) 100.2
     # sparse->uva, dense->prefetch (the embedding; layers 1, 3, 5, 7 through 2 slots of 1,000,192 bytes):
-    #   step = link: 4 MB copied + 1 embedding row = 4001; prefill 1000 + 4 x 1000 (copies) + 4 x 304.8 + 100.2
-    # prefetch only (5 layers: the embedding stays): step = link 5000; prefill 100 + 5 x 1000 + 3 x 304.8 + 100.2
-    want = {"sparse->uva, dense->prefetch": (4001, 6319), "sparse->uva, dense->uva": (2701, 11339),
-            "prefetch only": (5000, 6115), "uva only": (2701, 11339)}
-    # request: 1 new token: 10320 (streaming) < 11115 (prefetch only) < 14040 (uva);
-    #          4 new tokens: 22143 (uva) < 22323 (streaming)
-    for new_tokens, best in ((1, "sparse->uva, dense->prefetch"), (4, "sparse->uva, dense->uva")):
+    #   step = link: 4 MB copied + 1 embedding row = 4001; prefill: the 4 copies run back to back from the start
+    #   (1000 each; a slot is free again once its layer has run, long before), the layers compute beside them, and
+    #   layer 7 once its copy is in: 4000 + 304.8 + the head 100.2 = 4405 (schedule.py `pipelined`)
+    # prefetch only (5 layers: the embedding stays): step = link 5000; prefill 5 copies back to back, then the last
+    #   streamed layer (7) 304.8 and the head 100.2 = 5405
+    want = {"sparse->uva, dense->prefetch": (4001, 4405), "sparse->uva, dense->uva": (2701, 11339),
+            "prefetch only": (5000, 5405), "uva only": (2701, 11339)}
+    # request: 1 new token: 8406 (streaming) < 10405 (prefetch only) < 14040 (uva);
+    #          6 new tokens: 27545 (uva) < 28411 (streaming)
+    for new_tokens, best in ((1, "sparse->uva, dense->prefetch"), (6, "sparse->uva, dense->uva")):
         pol = dataclasses.replace(policy("mixed", budget_gib=7.1e6 / 2**30, step=2, stage_prefill=False),
                                   workload=Workload(1, prompt_tokens=1024, new_tokens=new_tokens))
         d = decide(build_graph(t), t, pol, hw, None)
@@ -128,6 +133,36 @@ def test_mixed_minimises_the_request_not_the_step():
         assert d.notes[1] == (f"mixed chose {best!r}: predicted {said[best]} (prefill of 1024 tokens + {new_tokens} "
                               "steps at batch 1); others: " + "; ".join(f"{k}: {v}" for k, v in said.items() if k != best))
         assert (d.cost.step_us, d.cost.prefill_us, d.cost.prompt_tokens) == (*want[best], 1024)
+
+
+@pytest.mark.parametrize("slots, want", [
+    ((1,), [10, 12, 20]),  # one slot: layer 2's copy waits for layer 0, the slot's last user, to run (10)
+    ((2,), [10, 12, 18]),  # two: it follows layer 0's copy at once (8 to 16), and layer 2 runs after layer 1
+    ((None,), [10, 12, 18]),  # the expert ring never holds a copy back
+])
+def test_the_prefill_copies_ahead_through_free_slots(slots, want):
+    assert pipelined([(2, (8,)), (2, (0,)), (2, (8,))], slots) == want
+
+
+def test_one_copy_stream_serves_every_pool_in_layer_order():
+    """One link: layer 1's staged copy (4) waits for layer 0's prefetch (8) though its own pool has a free slot."""
+    assert pipelined([(2, (8, 0)), (2, (0, 4))], (1, 2)) == [10, 14]
+    assert pipelined([(5, (0, 0)), (1, (0, 0))], (1, 2)) == [5, 6]  # nothing copied: the layers' compute
+
+
+def test_the_prefetch_step_sets_the_prefill_slots():
+    """Layers 1 and 2 prefetched (1 MB each at 1 MB/us), every layer 304.8 us of compute, the embedding and head
+    100: with one slot, layer 2's copy starts once layer 1 has run (1304.8) and layer 2 ends at 2609.6; with two
+    it follows layer 1's copy (1000 to 2000), and layer 2 runs from 2000."""
+    hw = Hardware("test", h2d_copy_gbps=1.0, uva_read_gbps=1.0, hbm_read_gbps=10.0, layer_overhead_us=0.0,
+                  matmul_tflops=10.0, stage_above_tokens=256, prefill_token_ns=0.0, moe_prefill_token_ns=0.0)
+    t = infos(dense())
+    place = {n: PREFETCH if n.startswith(("model.layers.1.", "model.layers.2.")) else GPU for n in t}
+    got = {s: CostModel(build_graph(t), t, hw, 1, FusedGroups.find([]), None, prompt_tokens=1024,
+                        prefetch_slots=s).predict(place) for s in (1, 2)}
+    assert [l.prefill_us for l in got[1].layers] == [100, 305, 900, 1305] + [305] * 5 + [100]
+    assert [l.prefill_us for l in got[2].layers] == [100, 305, 900, 1000] + [305] * 5 + [100]
+    assert (got[1].prefill_us, got[2].prefill_us) == (4234, 3929)
 
 
 @pytest.mark.parametrize("dense, moe", [(357.0, 335.0), (0.0, 335.0), (500.0, 250.0)])
