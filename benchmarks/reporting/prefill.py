@@ -29,6 +29,8 @@ def prefill_tables() -> list[str]:
             "fixed random vector per token, synthetic; the prompt touches nearly every expert)")
         experts = [r for r in prefill if r["strategy"] == "experts-host"]
         ring = any("ring_bytes" in r for r in prefill)  # recorded since the expert ring (2026-11-23)
+        counted = any(r.get("ring_bytes") and r["gpu_footprint_bytes"] - ck["bytes"] + r["offloaded_bytes"]
+                      >= r["ring_bytes"] for r in prefill)  # the plan's footprint holds the ring (since 2026-11-24)
         touched = " ".join(f"{r['tokens']}: {r['link_bytes'] / r['offloaded_bytes']:.0%}," for r in experts).rstrip(",")
         out += [f"## {ck['model']}: prefill (time to first token) with half the decoder layers offloaded{routing}", "",
                 f"`{path.name}`: {ck['bytes'] / 1e9:.1f} GB on {ck['device']}, torch {ck['torch']}; its hardware "
@@ -42,7 +44,7 @@ def prefill_tables() -> list[str]:
                    "plan. `=`: logits bitwise equal to all-GPU's. `staged`: routed experts on uva streamed through "
                    "the expert ring ahead of their layer at prefill (`uva: {stage_experts: true}`; "
                    "runtime/execute/ring.py, "
-                   "at most 1 GiB allocated per prefill, not in the footprint)" if ring else
+                   f"at most 1 GiB allocated per prefill, {'in' if counted else 'not in'} the footprint)" if ring else
                    ". Measured before 2026-11-23, with the code of then: an embedding on uva counted whole in the "
                    "floor, and `staged` routed experts lay whole in 2 slots of a layer each, in the footprint. Each "
                    "cell: ms, x floor, x the prefetch plan. `=`: logits bitwise equal to all-GPU's")
