@@ -247,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     results = HERE / "results"
     runs = args.runs or [p for kind in ("front-door", "moe-cpu", "prefill")
                          for p in sorted(results.glob(f"{kind}-*.jsonl"))]
-    bad = []
+    bad, within = [], {}  # within: kind -> [compared rows within the tolerance, compared rows]
     for path in runs:
         records = [json.loads(line) for line in path.read_text().splitlines()]
         kind = "moe-cpu" if path.name.startswith("moe-cpu-") else "prefill" if path.name.startswith("prefill-") \
@@ -265,6 +265,8 @@ def main(argv: list[str] | None = None) -> int:
         elif kind == "prefill":
             print("\n".join(table(f"{path.name} (time to first token{lacking(lacks)})", ["plan", "tokens"], "ms", [
                 ([r["strategy"], r["tokens"]], r["ms"], r["then_ms"], r["now_ms"], r["left_out"]) for r in rows])))
+            got = [abs(r["ms"] / r["now_ms"] - 1) <= (args.check or 0.2) for r in rows if not r["left_out"]]
+            within["prefill"] = [a + b for a, b in zip(within.get("prefill", (0, 0)), (sum(got), len(got)))]
         elif rows:
             run = records[0]
             title = f"{path.name} ({run['device']}, {run['layers']} layers{lacking(lacks)})"
@@ -274,6 +276,8 @@ def main(argv: list[str] | None = None) -> int:
                                     for r in rows])))
             bad += [f"{path.name}: {r['strategy']} batch {r['batch']}: "
                     f"{r['steps_per_s'] / r['now_steps_per_s']:.2f}" for r in off(rows, args.check or 0)]
+    for kind, (good, compared) in within.items():
+        print(f"{kind}: {good} of {compared} compared rows within 1 +- {args.check or 0.2} of the current prediction")
     if args.check is not None and bad:
         print(f"outside 1 +- {args.check}: " + "; ".join(bad), file=sys.stderr)
         return 1
