@@ -110,6 +110,9 @@ def render(models: dict, with_plot: bool) -> str:
              "as main's since 4822f74: docs/moe-prefill/), with a profile `plan calibrate` wrote there "
              "earlier; then: mv results/prefill-qwen3-30b-a3b-spread2.jsonl "
              "results/prefill-qwen3-30b-a3b-spread2-h200.jsonl",
+             "python benchmarks/prefill.py --model llama-8b --strategies prefetch uva mixed --new-tokens 4   # an "
+             "H200 on 2026-11-27, the prefill's timeline in the planner; then: mv results/prefill-llama-8b.jsonl "
+             "results/prefill-llama-8b-h200.jsonl",
              "python benchmarks/prefill.py --model qwen3-30b-a3b --layers 8 --spread 2 --strategies prefetch uva "
              "experts-host experts-cpu --new-tokens 16   # an H200 on 2026-11-27, a fresh calibration; then: mv "
              "results/prefill-qwen3-30b-a3b-spread2.jsonl results/prefill-qwen3-30b-a3b-spread2-h200-b.jsonl, its "
