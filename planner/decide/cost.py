@@ -41,8 +41,8 @@ only once its router has run); copies run on their own stream, one layer's after
                attention's 2 x T^2 x query width + the head's last logits) / matmul_tflops + bytes read / HBM
                + T x (moe_)prefill_token_ns (a decoder layer's other kernels, below) + (uva bytes a GEMM reads in
                place x ceil(T / stage_above_tokens) + touched uva experts' bytes and embedding rows) / UVA
-    copies   = prefetched bytes (prefetch.step slots) and staged bytes (2 slots; routed experts: the ring) / H2D;
-               each layer's start once the one before is done and its slot free (its last user has run)
+    copies   = prefetched and staged bytes / H2D, each layer's once the one before is done and its buffer free: a
+               prefetch slot once its last user has run, a staging slot as the staged layer before begins, the ring
     layer    : ends at max(the layer before's end, its copies done) + compute;  prefill = max(the last end, launch)
     launch   = the decoder layers' CPU overheads x eager_median_ratio (the prefill runs eagerly even where decode
                steps replay a graph; not the step's own, which the calibration measures in generate's loop)
@@ -103,7 +103,7 @@ from ..layers.groups import BATCHED_PAIRS, FusedGroups
 from ..plan import LayerKind, Placement, Role, Runs
 from .reads import later, reads
 from .schedule import pipelined
-from .staging import STAGE_SLOTS, Stageables, stage_experts
+from .staging import Stageables, stage_experts
 
 GPU, UVA, PREFETCH, CPU = Placement.GPU, Placement.UVA, Placement.PREFETCH, Placement.CPU
 
@@ -237,7 +237,7 @@ class CostModel:
             rows.append((layer.name, h2d_bytes, round(gpu), round(link), len(timeline)))
             timeline.append((compute, copies))
             total = list(map(add, total, (h2d_bytes, gpu, link)))
-        ends = [0.0, *pipelined(timeline, (self.prefetch_slots, STAGE_SLOTS, None))]  # the prefill (module doc)
+        ends = [0.0, *pipelined(timeline, ((self.prefetch_slots, False), (1, True), None))]  # prefill (module doc)
         layers = tuple(LayerCost(*row[:4], 0 if row[4] is None else round(ends[row[4] + 1] - ends[row[4]]))
                        for row in rows)
         return Prediction(self.batch, total[0], round(cpu), round(total[1]), round(total[2]), layers,

@@ -33,37 +33,40 @@ def previous_user(k: int, slots: int, count: int) -> int:
     return k - slots if k >= slots else k + slots * ((count - 1 - k) // slots)
 
 
-def pipelined(layers: Iterable[tuple[float, tuple[float, ...]]], slots: tuple[int | None, ...]) -> list[float]:
-    """When each layer of a forward ends, its copies streamed ahead through slots: the prefill's timeline (cost.py).
+def pipelined(layers: Iterable[tuple[float, tuple[float, ...]]], waits: tuple[tuple[int, bool] | None, ...]
+              ) -> list[float]:
+    """When each layer of a forward ends, its copies streamed ahead into GPU buffers: the prefill's timeline (cost.py).
 
     `layers`: in forward order, (compute, copies): the layer's own time, and the time of its copy into each pool
-    of GPU buffers (0: none), a pool of `slots[i]` slots each (None: one that never waits, the expert ring). One
-    copy stream serves every pool, in layer order, as the link carries one copy at a time. A layer's copy starts
-    once the copy before it is done and, in a pool of S slots, once the layer that copied into that pool S copies
-    back has run (its slot is free again: this module's schedule, `previous_user`); the layer runs once the layer
-    before it has and its copies are in. So a copy overlaps the layers before it, not only its own: with half of
+    of buffers (0: none). `waits`, per pool: (n, at_start), a copy into it waits for the layer n copies back in that
+    pool to have run (False: prefetch, whose slot is free again then, n its `step` slots; this module's
+    `previous_user`) or to have started (True: prefill staging, runtime/execute/prefill.py, which issues a staged
+    layer's copy as the staged layer before it begins: n = 1); None: a pool that never waits (the expert ring). One
+    copy stream serves every pool, in layer order, as the link carries one copy at a time; a layer runs once the
+    layer before it has and its copies are in. So a copy overlaps the layers before it, not only its own: with half of
     Llama-3.1-8B's layers prefetched through 2 slots and a 2048-token prompt, the copies (7.9 ms a layer) run back
     to back while the resident layers compute (2.1 ms each), where a layer-by-layer max(compute, copy) adds a
-    resident layer's compute per copy (160 ms, measured 133). Each forward starts with its slots empty.
+    resident layer's compute per copy (160 ms, measured 133). Each forward starts with its buffers free.
 
-        pipelined([(2, (8,)), (2, (0,)), (2, (8,))], (1,)) -> [10, 12, 20]   # the second copy waits for the slot
-        pipelined([(2, (8,)), (2, (0,)), (2, (8,))], (2,)) -> [10, 12, 18]
+        pipelined([(2, (8,)), (2, (0,)), (2, (8,))], ((1, False),)) -> [10, 12, 20]   # the slot is free at 10
+        pipelined([(2, (8,)), (2, (0,)), (2, (8,))], ((2, False),)) -> [10, 12, 18]
     """
     copy_free = end = 0.0
-    users: list[list[float]] = [[] for _ in slots]  # per pool: when each layer that copied into it ended
+    users: list[list[tuple[float, float]]] = [[] for _ in waits]  # per pool: (start, end) of the layers using it
     ends = []
     for compute, copies in layers:
         ready = 0.0
         if any(copies):
             start = copy_free
-            for used, s, pool in zip(copies, slots, users):
-                if used and s and len(pool) >= s:
-                    start = max(start, pool[-s])
+            for used, wait, pool in zip(copies, waits, users):
+                if used and wait and len(pool) >= wait[0]:
+                    start = max(start, pool[-wait[0]][0 if wait[1] else 1])
             copy_free = ready = start + sum(copies)
-        end = max(end, ready) + compute
+        begin = max(end, ready)
+        end = begin + compute
         for used, pool in zip(copies, users):
             if used:
-                pool.append(end)
+                pool.append((begin, end))
         ends.append(end)
     return ends
 

@@ -135,19 +135,29 @@ def test_mixed_minimises_the_request_not_the_step():
         assert (d.cost.step_us, d.cost.prefill_us, d.cost.prompt_tokens) == (*want[best], 1024)
 
 
-@pytest.mark.parametrize("slots, want", [
-    ((1,), [10, 12, 20]),  # one slot: layer 2's copy waits for layer 0, the slot's last user, to run (10)
-    ((2,), [10, 12, 18]),  # two: it follows layer 0's copy at once (8 to 16), and layer 2 runs after layer 1
-    ((None,), [10, 12, 18]),  # the expert ring never holds a copy back
+@pytest.mark.parametrize("waits, want", [
+    ((1, False), [10, 12, 20]),  # one slot: layer 2's copy waits for layer 0, the slot's last user, to run (10)
+    ((2, False), [10, 12, 18]),  # two: it follows layer 0's copy at once (8 to 16), and layer 2 runs after layer 1
+    ((1, True), [10, 12, 18]),  # staging: issued as layer 0 begins (8), so it follows layer 0's copy too
+    (None, [10, 12, 18]),  # the expert ring never holds a copy back
 ])
-def test_the_prefill_copies_ahead_through_free_slots(slots, want):
-    assert pipelined([(2, (8,)), (2, (0,)), (2, (8,))], slots) == want
+def test_the_prefill_copies_ahead_through_free_buffers(waits, want):
+    assert pipelined([(2, (8,)), (2, (0,)), (2, (8,))], (waits,)) == want
+
+
+def test_a_staged_copy_waits_for_the_staged_layer_before_it_to_begin():
+    """Layers 0, 2 and 3 copy ahead (1, 5, 5), layer 1 computes long (10). Layer 2's copy runs early (1 to 6). The
+    stager issues layer 3's as layer 2 begins (12): in at 17, done at 18. Through two prefetch slots it waits only
+    for layer 0, the slot's last user, to end (2), so it follows layer 2's copy (6 to 11) and layer 3 ends at 14."""
+    layers = [(1, (1,)), (10, (0,)), (1, (5,)), (1, (5,))]
+    assert pipelined(layers, ((1, True),)) == [2, 12, 13, 18]
+    assert pipelined(layers, ((2, False),)) == [2, 12, 13, 14]
 
 
 def test_one_copy_stream_serves_every_pool_in_layer_order():
     """One link: layer 1's staged copy (4) waits for layer 0's prefetch (8) though its own pool has a free slot."""
-    assert pipelined([(2, (8, 0)), (2, (0, 4))], (1, 2)) == [10, 14]
-    assert pipelined([(5, (0, 0)), (1, (0, 0))], (1, 2)) == [5, 6]  # nothing copied: the layers' compute
+    assert pipelined([(2, (8, 0)), (2, (0, 4))], ((1, False), (1, True))) == [10, 14]
+    assert pipelined([(5, (0, 0)), (1, (0, 0))], ((1, False), (1, True))) == [5, 6]  # nothing copied: compute
 
 
 def test_the_prefetch_step_sets_the_prefill_slots():
