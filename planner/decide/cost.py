@@ -41,8 +41,9 @@ only once its router has run); copies run on their own stream, one layer's after
                attention's 2 x T^2 x query width + the head's last logits) / matmul_tflops + bytes read / HBM
                + T x (moe_)prefill_token_ns (a decoder layer's other kernels, below) + (uva bytes a GEMM reads in
                place x ceil(T / stage_above_tokens) + touched uva experts' bytes and embedding rows) / UVA
-    copies   = prefetched and staged bytes / H2D, each layer's once the one before is done and its buffer free: a
-               prefetch slot once its last user has run, a staging slot as the staged layer before begins, the ring
+    copies   = prefetched and staged bytes / H2D, each layer's once the link is free and its buffer too: a prefetch
+               slot once its last user has run, a staging slot as the staged layer before begins, the ring at once;
+               the link carries copies and reads in place in turn, a layer's reads once it runs
     layer    : ends at max(the layer before's end, its copies done) + compute;  prefill = max(the last end, launch)
     launch   = the decoder layers' CPU overheads x eager_median_ratio (the prefill runs eagerly even where decode
                steps replay a graph; not the step's own, which the calibration measures in generate's loop)
@@ -225,7 +226,7 @@ class CostModel:
             got = costs.get(key)
             if got is None:
                 got = costs[key] = self._layer(layer, place)
-            h2d_bytes, gpu, link, (compute, copies) = got
+            h2d_bytes, gpu, link, (compute, in_place, copies) = got
             if layer.name in self.collectives:
                 n, per_token = self.collectives[layer.name]
                 wait = n * hw.allreduce_us + self.batch * per_token / (hw.allreduce_gbps * 1e3)
@@ -235,11 +236,10 @@ class CostModel:
                 overhead = moe_overhead if self.experts[layer.name] else hw.layer_overhead_us * typical
                 launch, cpu = launch + overhead, cpu + (0.0 if self.graphs else overhead)
             rows.append((layer.name, h2d_bytes, round(gpu), round(link), len(timeline)))
-            timeline.append((compute, copies))
+            timeline.append((compute, in_place, copies))
             total = list(map(add, total, (h2d_bytes, gpu, link)))
-        ends = [0.0, *pipelined(timeline, ((self.prefetch_slots, False), (1, True), None))]  # prefill (module doc)
-        layers = tuple(LayerCost(*row[:4], 0 if row[4] is None else round(ends[row[4] + 1] - ends[row[4]]))
-                       for row in rows)
+        ends = [0, *map(round, pipelined(timeline, ((self.prefetch_slots, False), (1, True), None)))]  # module doc
+        layers = tuple(LayerCost(*row[:4], 0 if row[4] is None else ends[row[4] + 1] - ends[row[4]]) for row in rows)
         return Prediction(self.batch, total[0], round(cpu), round(total[1]), round(total[2]), layers,
                           self.tokens, round(max(ends[-1], launch)), int(count), round(together), tuple(wheres))
 
@@ -297,4 +297,4 @@ class CostModel:
         other = 0.0 if layer.kind is not LayerKind.LAYER else \
             self.tokens * (hw.moe_prefill_token_ns if experts else hw.prefill_token_ns) / 1e3
         compute = flops / flops_us + pre_hbm / hbm + other + pre_uva / uva + pre_cpu / (hw.cpu_expert_gbps * 1e3)
-        return int(read_uva + copied), gpu, link, (compute, tuple(b / h2d for b in pre_copied))
+        return int(read_uva + copied), gpu, link, (compute, pre_uva / uva, tuple(b / h2d for b in pre_copied))

@@ -33,36 +33,44 @@ def previous_user(k: int, slots: int, count: int) -> int:
     return k - slots if k >= slots else k + slots * ((count - 1 - k) // slots)
 
 
-def pipelined(layers: Iterable[tuple[float, tuple[float, ...]]], waits: tuple[tuple[int, bool] | None, ...]
+def pipelined(layers: Iterable[tuple[float, float, tuple[float, ...]]], waits: tuple[tuple[int, bool] | None, ...]
               ) -> list[float]:
     """When each layer of a forward ends, its copies streamed ahead into GPU buffers: the prefill's timeline (cost.py).
 
-    `layers`: in forward order, (compute, copies): the layer's own time, and the time of its copy into each pool
-    of buffers (0: none). `waits`, per pool: (n, at_start), a copy into it waits for the layer n copies back in that
-    pool to have run (False: prefetch, whose slot is free again then, n its `step` slots; this module's
-    `previous_user`) or to have started (True: prefill staging, runtime/execute/prefill.py, which issues a staged
-    layer's copy as the staged layer before it begins: n = 1); None: a pool that never waits (the expert ring). One
-    copy stream serves every pool, in layer order, as the link carries one copy at a time; a layer runs once the
-    layer before it has and its copies are in. So a copy overlaps the layers before it, not only its own: with half of
-    Llama-3.1-8B's layers prefetched through 2 slots and a 2048-token prompt, the copies (7.9 ms a layer) run back
-    to back while the resident layers compute (2.1 ms each), where a layer-by-layer max(compute, copy) adds a
-    resident layer's compute per copy (160 ms, measured 133). Each forward starts with its buffers free.
+    `layers`: in forward order, (compute, in place, copies): the layer's own time, the part of it that reads over
+    the host link in place (UVA), and the time of its copy into each pool of buffers (0: none). `waits`, per pool:
+    (n, at_start), a copy into it waits for the layer n copies back in that pool to have run (False: prefetch, whose
+    slot is free again then, n its `step` slots; this module's `previous_user`) or to have started (True: prefill
+    staging, runtime/execute/prefill.py, which issues the next staged layer's copy as a staged layer begins: n = 1);
+    None: a pool that never waits (the expert ring). The link carries one thing at a time, in layer order: the copies,
+    and a layer's reads in place once it runs (after the copies before them); a layer runs once the layer before it
+    has and its copies are in. So a copy overlaps the layers before it, not only its own: with half of Llama-3.1-8B's
+    layers prefetched through 2 slots and a 2048-token prompt, the copies (7.9 ms a layer) run back to back while the
+    resident layers compute (2.1 ms each), where a layer-by-layer max(compute, copy) adds a resident layer's compute
+    per copy (160 ms, measured 133). Every copy of the forward counts, its first layers' included: the runtime makes
+    them at the end of the forward before (prefetch's cyclic slots), so the last of them are still in flight when it
+    ends, and the next forward waits for them: the time until the copies are done, as the benchmarks measure it.
+    The runtime's prefetch and staging copies have a stream each; sharing one link, the model queues them in turn.
 
-        pipelined([(2, (8,)), (2, (0,)), (2, (8,))], ((1, False),)) -> [10, 12, 20]   # the slot is free at 10
-        pipelined([(2, (8,)), (2, (0,)), (2, (8,))], ((2, False),)) -> [10, 12, 18]
+        pipelined([(2, 0, (8,)), (2, 0, (0,)), (2, 0, (8,))], ((1, False),)) -> [10, 12, 20]   # slot free at 10
+        pipelined([(2, 0, (8,)), (2, 0, (0,)), (2, 0, (8,))], ((2, False),)) -> [10, 12, 18]
     """
-    copy_free = end = 0.0
+    assert all(w is None or w[0] >= 1 for w in waits), waits
+    link = end = 0.0  # when the link is free; when the last layer ended
     users: list[list[tuple[float, float]]] = [[] for _ in waits]  # per pool: (start, end) of the layers using it
     ends = []
-    for compute, copies in layers:
+    for compute, in_place, copies in layers:
         ready = 0.0
         if any(copies):
-            start = copy_free
+            start = link
             for used, wait, pool in zip(copies, waits, users):
                 if used and wait and len(pool) >= wait[0]:
                     start = max(start, pool[-wait[0]][0 if wait[1] else 1])
-            copy_free = ready = start + sum(copies)
+            link = ready = start + sum(copies)
         begin = max(end, ready)
+        if in_place:  # its reads wait for the link, and hold it
+            begin = max(begin, link)
+            link = begin + in_place
         end = begin + compute
         for used, pool in zip(copies, users):
             if used:

@@ -38,19 +38,22 @@ def prefill_placement(t):
     # 1 - (3/4)^100 = all of them, over the 0.5 UVA / 1 copy bandwidths it takes to favour copying them whole
     # (12 MB more). Copies overlap compute, reads in place add to it. T x 2 FLOP per element, and a decoder
     # layer's other kernels 1 us per token (100):
-    # Each layer's share is when it ends less when the one before it did (schedule.py `pipelined`):
+    # Each layer's share is when it ends less when the one before it did; the link reads in place and copies in
+    # turn (schedule.py `pipelined`):
     #   embedding: 100 of 1000 rows through UVA, in place                          0.1 MB / 0.5    =   200
-    #   layer 0: 13 MB copied from the start (13000), then 2e8 FLOP (attention) + 12 x 2e8 x 1/4 (each expert
-    #            computes a quarter of the tokens) 800 + 13 MB staged / HBM 1300 + 100: ends at 15200  = 15000
-    #   layer 1: 1 MB prefetched once layer 0's copy is done (in by 14000), then 800 + 1300 + 100    =  2200
+    #   layer 0: 13 MB copied once the link is free (200 to 13200), then 2e8 FLOP (attention) + 12 x 2e8 x 1/4
+    #            (each expert computes a quarter of the tokens) 800 + 13 MB staged / HBM 1300 + 100      = 15200
+    #   layer 1: 1 MB prefetched after layer 0's copy (in by 14200), then 800 + 1300 + 100           =  2200
     #   head:    the last position's logits: 2 + 1 MB / HBM 100, not a decoder layer               =   102
-    (100, True, (200, 15000, 2200, 102)),
+    (100, True, (200, 15200, 2200, 102)),
     # not staged: a GEMM reads the attention in place ceil(100 / 64) = 2 times, the experts gather the 12 MB
-    # touched once: 800 + 100 + 14 MB / 0.5 28000
-    (100, False, (200, 28900, 2200, 102)),
+    # touched once: 800 + 100 + 14 MB / 0.5 28000; layer 1's copy follows those reads on the link (28200 to
+    # 29200), 100 after layer 0 ends
+    (100, False, (200, 28900, 2300, 102)),
     # T = 64 is not above the threshold: 64 of 1000 rows; 2 x 64 FLOP per element; layer 0: 128 + 384 of
-    # GEMMs + 64 + the attention read in place once (2000) and the touched experts (24000); the head as above
-    (64, True, (128, 26576, 1876, 102)),
+    # GEMMs + 64 + the attention read in place once (2000) and the touched experts (24000); layer 1's copy after
+    # those reads (26128 to 27128), 424 after layer 0 ends, then its 1876; the head as above
+    (64, True, (128, 26576, 2300, 102)),
 ])
 def test_prefill_prediction_by_hand(tokens, stage, want):
     t = infos(moe(layers=2, experts=4))
@@ -115,15 +118,16 @@ def test_mixed_minimises_the_request_not_the_step():
     #   prefill: the embedding's 1000 rows 1000 + 2 x (4 reads of 1 MB 4000 in place, after 204.8 of GEMMs)
     #   + 6 x 304.8 + the head (the last position's logits: 0.2 us + 1 MB from HBM) 100.2
     # sparse->uva, dense->prefetch (the embedding; layers 1, 3, 5, 7 through 2 slots of 1,000,192 bytes):
-    #   step = link: 4 MB copied + 1 embedding row = 4001; prefill: the 4 copies run back to back from the start
-    #   (1000 each; a slot is free again once its layer has run, long before), the layers compute beside them, and
-    #   layer 7 once its copy is in: 4000 + 304.8 + the head 100.2 = 4405 (schedule.py `pipelined`)
+    #   step = link: 4 MB copied + 1 embedding row = 4001; prefill: the link reads the embedding's 1000 rows in
+    #   place, then the 4 copies back to back (1000 each; a slot is free again once its layer has run, long before)
+    #   while the layers compute, and layer 7 runs once its copy is in: 5000 + 304.8 + the head 100.2 = 5405
+    #   (schedule.py `pipelined`)
     # prefetch only (5 layers: the embedding stays): step = link 5000; prefill 5 copies back to back, then the last
     #   streamed layer (7) 304.8 and the head 100.2 = 5405
-    want = {"sparse->uva, dense->prefetch": (4001, 4405), "sparse->uva, dense->uva": (2701, 11339),
+    want = {"sparse->uva, dense->prefetch": (4001, 5405), "sparse->uva, dense->uva": (2701, 11339),
             "prefetch only": (5000, 5405), "uva only": (2701, 11339)}
-    # request: 1 new token: 8406 (streaming) < 10405 (prefetch only) < 14040 (uva);
-    #          6 new tokens: 27545 (uva) < 28411 (streaming)
+    # request: 1 new token: 9406 (streaming) < 10405 (prefetch only) < 14040 (uva);
+    #          6 new tokens: 27545 (uva) < 29411 (streaming)
     for new_tokens, best in ((1, "sparse->uva, dense->prefetch"), (6, "sparse->uva, dense->uva")):
         pol = dataclasses.replace(policy("mixed", budget_gib=7.1e6 / 2**30, step=2, stage_prefill=False),
                                   workload=Workload(1, prompt_tokens=1024, new_tokens=new_tokens))
@@ -142,22 +146,38 @@ def test_mixed_minimises_the_request_not_the_step():
     (None, [10, 12, 18]),  # the expert ring never holds a copy back
 ])
 def test_the_prefill_copies_ahead_through_free_buffers(waits, want):
-    assert pipelined([(2, (8,)), (2, (0,)), (2, (8,))], (waits,)) == want
+    assert pipelined([(2, 0, (8,)), (2, 0, (0,)), (2, 0, (8,))], (waits,)) == want
 
 
 def test_a_staged_copy_waits_for_the_staged_layer_before_it_to_begin():
     """Layers 0, 2 and 3 copy ahead (1, 5, 5), layer 1 computes long (10). Layer 2's copy runs early (1 to 6). The
     stager issues layer 3's as layer 2 begins (12): in at 17, done at 18. Through two prefetch slots it waits only
     for layer 0, the slot's last user, to end (2), so it follows layer 2's copy (6 to 11) and layer 3 ends at 14."""
-    layers = [(1, (1,)), (10, (0,)), (1, (5,)), (1, (5,))]
+    layers = [(1, 0, (1,)), (10, 0, (0,)), (1, 0, (5,)), (1, 0, (5,))]
     assert pipelined(layers, ((1, True),)) == [2, 12, 13, 18]
     assert pipelined(layers, ((2, False),)) == [2, 12, 13, 14]
 
 
+def test_the_stager_copies_a_layer_as_the_staged_layer_before_it_begins():
+    """Through the cost model: layers 0, 2 and 3 on uva, staged at 1024 tokens (1 MB each, copied at 1 MB/us), layer
+    1 resident and long (5 MB: 1024 of GEMMs and 500 from HBM). Layer 0 runs once its copy is in (1000 to 1305),
+    layer 1 to 2829; layer 2's copy, issued as layer 0 began, is in by 2000, so layer 2 runs at once (305). Layer 3's
+    is issued as layer 2 begins (2829): layer 3 waits for it, 1000 after layer 2's end. (Through the expert ring, or
+    a prefetch slot free once layer 0 ended, it would have followed layer 2's copy: 305.)"""
+    hw = Hardware("test", h2d_copy_gbps=1.0, uva_read_gbps=1.0, hbm_read_gbps=10.0, layer_overhead_us=0.0,
+                  matmul_tflops=10.0, stage_above_tokens=256, prefill_token_ns=0.0, moe_prefill_token_ns=0.0)
+    t = infos([("model.embed_tokens.weight", "U8", (1000, 1000)), ("model.layers.0.mlp.w", "U8", (10**6,)),
+               ("model.layers.1.mlp.w", "U8", (5 * 10**6,)), ("model.layers.2.mlp.w", "U8", (10**6,)),
+               ("model.layers.3.mlp.w", "U8", (10**6,)), ("lm_head.weight", "U8", (10**6,))])
+    place = {n: UVA if n.startswith(("model.layers.0.", "model.layers.2.", "model.layers.3.")) else GPU for n in t}
+    p = CostModel(build_graph(t), t, hw, 1, FusedGroups.find([]), None, prompt_tokens=1024).predict(place)
+    assert ([l.prefill_us for l in p.layers], p.prefill_us) == ([100, 1205, 1524, 305, 1000, 100], 4234)
+
+
 def test_one_copy_stream_serves_every_pool_in_layer_order():
     """One link: layer 1's staged copy (4) waits for layer 0's prefetch (8) though its own pool has a free slot."""
-    assert pipelined([(2, (8, 0)), (2, (0, 4))], ((1, False), (1, True))) == [10, 14]
-    assert pipelined([(5, (0, 0)), (1, (0, 0))], ((1, False), (1, True))) == [5, 6]  # nothing copied: compute
+    assert pipelined([(2, 0, (8, 0)), (2, 0, (0, 4))], ((1, False), (1, True))) == [10, 14]
+    assert pipelined([(5, 0, (0, 0)), (1, 0, (0, 0))], ((1, False), (1, True))) == [5, 6]  # nothing copied: compute
 
 
 def test_the_prefetch_step_sets_the_prefill_slots():
@@ -170,9 +190,11 @@ def test_the_prefetch_step_sets_the_prefill_slots():
     place = {n: PREFETCH if n.startswith(("model.layers.1.", "model.layers.2.")) else GPU for n in t}
     got = {s: CostModel(build_graph(t), t, hw, 1, FusedGroups.find([]), None, prompt_tokens=1024,
                         prefetch_slots=s).predict(place) for s in (1, 2)}
-    assert [l.prefill_us for l in got[1].layers] == [100, 305, 900, 1305] + [305] * 5 + [100]
-    assert [l.prefill_us for l in got[2].layers] == [100, 305, 900, 1000] + [305] * 5 + [100]
-    assert (got[1].prefill_us, got[2].prefill_us) == (4234, 3929)
+    # each layer's share: its end less the one before's, both rounded to the us, so that the shares add up
+    assert [l.prefill_us for l in got[1].layers] == [100, 305, 900, 1305, 304, 305, 305, 305, 305, 100]
+    assert [l.prefill_us for l in got[2].layers] == [100, 305, 900, 1000, 305, 304, 305, 305, 305, 100]
+    assert (got[1].prefill_us, got[2].prefill_us) == (4234, 3929) == tuple(sum(l.prefill_us for l in got[s].layers)
+                                                                          for s in (1, 2))
 
 
 @pytest.mark.parametrize("dense, moe", [(357.0, 335.0), (0.0, 335.0), (500.0, 250.0)])
