@@ -73,7 +73,7 @@ class LayerBytes:
     us: int = 0  # predicted GPU time per step (HBM and UVA reads)
     why: str | None = None  # mixed plans: what the layer offloads and why
     runs: Runs = Runs.STEP  # when it runs (graph.py); the cost model counts only what runs every step
-    experts: str | None = None  # split expert groups: which experts are where (groups.experts_map)
+    experts: str | None = None  # split expert groups: which experts are where (expert_map.py `experts_map`)
     cpu: int = 0  # routed experts the host CPU computes (absent from the file when 0)
 
 

@@ -103,7 +103,8 @@ from ..inputs.quantized import check_rules, partners
 from ..inputs.routing import RoutingProfile, check_fits
 from ..layers.alike import Shapes, applies, select
 from ..layers.graph import LayerGraph
-from ..layers.groups import FusedGroups, experts_map
+from ..layers.expert_map import experts_map
+from ..layers.groups import FusedGroups
 from ..layers.selection import Selection
 from ..plan import Backend, Cost, LayerBytes, Placement, PrefetchSchedule, PrefillStaging, Role, Summary
 from .backends import place_backend
@@ -271,7 +272,7 @@ def decide(graph: LayerGraph, tensors: Mapping[str, TensorInfo], policy: Policy,
         got = alike.get(key) if key is not None else None
         if got is None:
             got = (bytes_by_placement(l.params, place, tensors, where),
-                   experts_map(l.params, place.__getitem__, l.name + ".", l.expert_tensors))
+                   experts_map(l, place.__getitem__))
             if key is not None:
                 alike[key] = got
         mine, split = got

@@ -38,7 +38,7 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
-from itertools import filterfalse, groupby
+from itertools import filterfalse
 from operator import itemgetter
 
 from ..inputs.checkpoint import TensorInfo
@@ -119,15 +119,20 @@ class FusedGroups:
             rows_of, not_experts = expert_rows(stacked, shapes, counted, experts)
         return cls({g: tuple(ms) for g, ms in members.items()}, rows_of, not_experts, pieces)
 
+    def units(self, group: str, per_expert: bool) -> list[tuple[str, ...]]:
+        """A group's parameter units (or, `per_expert`, its expert units), each in memory order; none for a group
+        of pre-fused tensors."""
+        ns, ps = self.pieces.get(group, ((), ()))
+        found: dict[tuple, list] = {}
+        for n, (param, expert, part) in zip(ns, ps):
+            found.setdefault((param, expert) if per_expert else param, []).append(((expert, part), n))
+        return [tuple(n for _, n in sorted(ms)) for ms in found.values()]
+
     def _units(self, per_expert: bool) -> dict[str, tuple[str, ...]]:
         """Member -> its parameter unit (or, `per_expert`, its expert unit), in memory order."""
         out: dict[str, tuple[str, ...]] = {}
-        for ns, ps in self.pieces.values():
-            found: dict[tuple, list] = {}
-            for n, (param, expert, part) in zip(ns, ps):
-                found.setdefault((param, expert) if per_expert else param, []).append(((expert, part), n))
-            for ms in found.values():
-                unit = tuple(n for _, n in sorted(ms))
+        for group in self.pieces:
+            for unit in self.units(group, per_expert):
                 out.update(dict.fromkeys(unit, unit))
         return out
 
@@ -254,43 +259,3 @@ def split_units(groups: FusedGroups, selected: Collection[str], what: str, whole
     more = f" (and in {plural(len(split) - 1, 'more expert')} alike)" if len(split) > 1 else ""
     return [f"{what} selects {picked[0]} but not {missing}{more}: they are one row of a fused parameter at run time "
             "(transformers and vLLM join gate and up), so select both"]
-
-
-def ranges(numbers: Iterable[int]) -> str:
-    """`0-3,7,9-10`: sorted numbers with runs folded."""
-    runs = [[n for _, n in run] for _, run in groupby(enumerate(sorted(numbers)), lambda p: p[1] - p[0])]
-    return ",".join(str(r[0]) if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in runs)
-
-
-def experts_map(names: Iterable[str], placement_of, prefix: str, experts: Collection[str] | None = None
-                ) -> str | None:
-    """Which experts of each split group are where, compactly: `mlp.experts: gpu 0-31, uva 32-127`.
-
-    Only groups whose experts are not all in one place appear; when the
-    group's fused parameters differ, each gets its own entry
-    (`mlp.experts.gate_up_proj: ...; mlp.experts.down_proj: ...`). `prefix`
-    (the layer's name and a dot) is cut from the names. None when nothing is split. `experts`: those
-    of `names` that are experts' (`is_expert`; a layer's `expert_tensors`), when the caller knows them.
-    """
-    names = list(names)
-    if len(set(map(placement_of, names if experts is None else experts))) < 2:
-        return None  # the experts all in one place: no group is split
-    maps: dict[str, dict[str, dict[str, set[int]]]] = {}  # group -> parameter -> placement -> experts
-    cache: dict = {}
-    for n, (group, number, proj, suffix, _, _) in zip(names, matches(names)):
-        if group:
-            param, expert, _ = piece(number, proj, suffix, cache)
-            place = placement_of(n).value
-            maps.setdefault(group, {}).setdefault(param, {}).setdefault(place, set()).add(expert)
-    entries = []
-    for group, params in maps.items():
-        if all(len(p) == 1 for p in params.values()) and len({next(iter(p)) for p in params.values()}) == 1:
-            continue  # the whole group in one place
-        local = group[len(prefix):] if group.startswith(prefix) else group
-        described = {param: ", ".join(f"{place} {ranges(e)}" for place, e in sorted(by.items()))
-                     for param, by in sorted(params.items())}
-        if len(set(described.values())) == 1:
-            entries.append(f"{local}: {next(iter(described.values()))}")
-        else:
-            entries += [f"{local}.{param}: {text}" for param, text in described.items()]
-    return "; ".join(entries) or None

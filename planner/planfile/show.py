@@ -20,7 +20,7 @@ from rich.text import Text
 from ..decide.notes import WARNING, is_warning
 from ..inputs.checkpoint import TensorInfo
 from ..layers.graph import Layer, build_graph
-from ..layers.groups import FusedGroups, expert_number, ranges
+from ..layers.expert_map import group_numbers, ranges
 from ..plan import Placement, Plan
 from ..units import human, ms, percent, plural
 from . import parallel_review
@@ -211,21 +211,20 @@ def units_of(layer: Layer, *plans: Mapping[str, Placement]) -> list[tuple[str, t
     experts: `model.layers.3.mlp.experts [experts 0-5,7]`, or by the parameters of tensors that hold
     every expert at once: `model.layers.3.mlp.experts [down_proj, down_proj_bias]`), every other
     tensor alone."""
-    groups = FusedGroups.find(layer.params).group_of
-    members: dict[tuple, list[str]] = {}
-    for n in layer.params:
-        group = groups.get(n)
-        key = (n,) if group is None else (group, tuple(p.get(n) for p in plans))
-        members.setdefault(key, []).append(n)
+    groups, numbers = group_numbers(layer)
+    places = zip(*(map(p.get, layer.params) for p in plans))  # per tensor: its placement in each plan
+    members: dict[tuple, list[int]] = {}
+    for i, (n, group, where) in enumerate(zip(layer.params, groups, places)):
+        members.setdefault((n,) if group is None else (group, where), []).append(i)
     parts = Counter(key[0] for key in members if len(key) == 2)
     out = []
-    for key, names in members.items():
-        name = key[0]
+    for key, at in members.items():
+        name, names = key[0], tuple(map(layer.params.__getitem__, at))
         if len(key) == 2 and parts[name] > 1:
-            numbers = {expert_number(n) for n in names} - {None}
-            stacked = [n[len(name) + 1:] for n in names if expert_number(n) is None]  # pre-fused parameters
-            name += f" [{', '.join(([f'experts {ranges(numbers)}'] if numbers else []) + stacked)}]"
-        out.append((name, tuple(names)))
+            experts = {numbers[i] for i in at} - {None}
+            stacked = [n[len(name) + 1:] for i, n in zip(at, names) if numbers[i] is None]  # pre-fused parameters
+            name += f" [{', '.join(([f'experts {ranges(experts)}'] if experts else []) + stacked)}]"
+        out.append((name, names))
     return out
 
 
