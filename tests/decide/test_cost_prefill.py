@@ -174,6 +174,27 @@ def test_the_stager_copies_a_layer_as_the_staged_layer_before_it_begins():
     assert ([l.prefill_us for l in p.layers], p.prefill_us) == ([100, 1205, 1524, 305, 1000, 100], 4234)
 
 
+def test_the_expert_ring_copies_without_waiting():
+    """Layers 1 and 2 stage their experts on uva through the expert ring at 1024 tokens (24 MB each at 1 MB/us:
+    0 to 24000, then 24000 to 48000), behind layer 0, resident with a 200 MB projection (40960 of GEMMs + 20000
+    from HBM + its experts' 1229 + 2400): both are in before layer 0 ends, and the prefill is the all-GPU one.
+    Given the stager's wait (layer 2's copy issued as layer 1 begins, 64689) or a slot's, it would add 20066 or
+    24000."""
+    hw = Hardware("test", h2d_copy_gbps=1.0, uva_read_gbps=0.5, hbm_read_gbps=10.0, layer_overhead_us=0.0,
+                  matmul_tflops=10.0, stage_above_tokens=256, prefill_token_ns=0.0, moe_prefill_token_ns=0.0)
+    t = infos([(n, d, (2 * 10**8,) if n == "model.layers.0.self_attn.o_proj.weight" else s)
+               for n, d, s in moe(layers=3)])
+    g = build_graph(t)
+    m = CostModel(g, t, hw, 1, FusedGroups.find(n for l in g.stack_layers() for n in l.params), 2,
+                  prompt_tokens=1024)
+    ring = {n: UVA if ".experts." in n and not n.startswith("model.layers.0.") else GPU for n in t}
+    got, resident = m.predict(ring), m.predict({n: GPU for n in t})
+    assert m.favours_staged_experts
+    assert [l.prefill_us for l in got.layers] == [l.prefill_us for l in resident.layers] == [100, 64589, 3933,
+                                                                                            3934, 100]
+    assert got.prefill_us == resident.prefill_us == 72656
+
+
 def test_one_copy_stream_serves_every_pool_in_layer_order():
     """One link: layer 1's staged copy (4) waits for layer 0's prefetch (8) though its own pool has a free slot."""
     assert pipelined([(2, 0, (8, 0)), (2, 0, (0, 4))], ((1, False), (1, True))) == [10, 14]
