@@ -237,3 +237,8 @@ _COMMANDS = {"build": planning.build_command, "show": planning.show_command, "di
              "apply": _needs_runtime("running", "apply_command"),
              "calibrate": _needs_runtime("running", "calibrate_command"),
              "profile": _needs_runtime("profiling", "profile_command")}
+
+
+if __name__ == "__main__":  # `python -m offplan.cli` (as torchrun's `-m` runs it): what `plan` and `-m offplan` run
+    from .__main__ import run
+    sys.exit(run())

@@ -1,7 +1,7 @@
 """`plan apply` of a tensor-parallel plan: one process per GPU, each loading its share and generating.
 
 The plan's `parallel.gpus` processes are started here (runtime/distributed/launch.py),
-or by torchrun (`torchrun --nproc-per-node 2 -m offplan.cli apply PLAN`: each
+or by torchrun (`torchrun --nproc-per-node 2 -m offplan apply PLAN`: each
 process then joins torchrun's group). Every process loads its share of the
 checkpoint and runs the same generation; the report is rank 0's, with each
 GPU's resident bytes and load peak (their shares are alike, their peaks may

@@ -177,7 +177,10 @@ def _stale(args, plan_path: Path, problems: list[str], policy_path: Path | None)
         print(json.dumps({"plan": str(plan_path), "stale": True, "problems": problems}, indent=2))
         return 2
     lines = [f"{plan_path}: STALE", *(f"  - {p}" for p in problems)]
-    if policy_path is not None:
+    if policy_path is not None and policy_path.is_file():
         lines.append(f"  rebuild it: plan build {policy_path} -o {plan_path}")
+    elif policy_path is not None:  # nothing to rebuild from where the plan says
+        lines.append(f"  rebuild it from its policy: put {policy_path} back, or `plan build` another policy "
+                     f"with -o {plan_path}")
     print("\n".join(lines), file=sys.stderr)
     return 2

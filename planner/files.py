@@ -12,13 +12,15 @@ def write_atomic(path: str | Path, text: str, what: str = "plan") -> None:
     """Write via a temp file in the same directory and rename: never half a file.
 
     The file gets the permissions a plain `open(path, "w")` would give (mkstemp's
-    are 0600). An unwritable destination raises OffplanError naming the path.
+    are 0600). A symlink is written through, as `open` would: the file it names is replaced, the link kept (the
+    rename would replace the link itself). An unwritable destination raises OffplanError naming the path.
     """
-    path = Path(path)
+    given = Path(path)
+    path = Path(os.path.realpath(given)) if os.path.islink(given) else given
     try:
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     except OSError as e:
-        raise OffplanError(f"{path}: cannot write the {what}: {e.strerror}") from None
+        raise OffplanError(f"{given}: cannot write the {what}: {e.strerror}") from None
     try:
         with os.fdopen(fd, "w") as f:  # owns fd from here on, closed whatever happens
             umask = os.umask(0)
@@ -29,7 +31,7 @@ def write_atomic(path: str | Path, text: str, what: str = "plan") -> None:
     except BaseException as e:
         os.unlink(tmp)
         if isinstance(e, OSError):
-            raise OffplanError(f"{path}: cannot write the {what}: {e.strerror}") from None
+            raise OffplanError(f"{given}: cannot write the {what}: {e.strerror}") from None
         raise
 
 

@@ -7,8 +7,9 @@ profile's bytes, when the policy names one). It is stale when
 1. its checkpoint changed: the only reason the runtime refuses a plan
    (`require_current`), since the weights it would load are not the ones the
    plan was made for;
-2. its policy or its routing profile changed or is gone: the plan no longer
-   says what they ask (a profile decides which experts stay on the GPU);
+2. its policy or its routing profile changed or is gone, or the hardware profile
+   its policy names is gone: the plan no longer says what they ask (a profile
+   decides which experts stay on the GPU);
 3. all are unchanged, but the plan is not what `plan build` makes of them
    (edited by hand, or built by another offplan version or hardware profile).
 
@@ -32,6 +33,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+
+import yaml
 
 from ..decide.build import build
 from ..errors import OffplanError, PlanFileError, PolicyError, RoutingProfileError, StalePlanError
@@ -70,8 +73,11 @@ def stale_reasons(plan: Plan, plan_path: Path, ckpt: Checkpoint) -> list[str]:
     policy_path = plan_path.parent / plan.policy_path
     if policy_path.is_file():
         # Only the bytes matter: an edited policy is stale even if it no longer validates.
-        if policy_fingerprint(yamlio.read(policy_path, PolicyError, "policy")) != plan.policy_fingerprint:
+        text = yamlio.read(policy_path, PolicyError, "policy")
+        if policy_fingerprint(text) != plan.policy_fingerprint:
             problems.append(f"the policy {policy_path} changed since the plan was built")
+        elif (hardware := _gone_hardware(policy_path, text)) is not None:
+            problems.append(f"the hardware profile {hardware} named by the policy is gone")
     else:
         problems.append(f"the policy {policy_path} named by the plan is gone")
     if plan.routing is not None:
@@ -97,6 +103,17 @@ def stale_reasons(plan: Plan, plan_path: Path, ckpt: Checkpoint) -> list[str]:
                f"the hardware profile {policy.hardware} or the checkpoint's config.json changed since it was built")
         problems.append(f"the plan is not what `plan build` makes of its policy and checkpoint ({why}){where}")
     return problems
+
+
+def _gone_hardware(policy_path: Path, text: str) -> Path | None:
+    """The hardware profile the policy's `hardware:` names (resolved as policy.py does), where it is gone: the
+    policy then no longer loads, and the plan is stale as with a gone routing profile."""
+    try:
+        name = yaml.safe_load(text).get("hardware")
+    except (yaml.YAMLError, AttributeError):
+        return None  # not a mapping: whatever checks the policy says so
+    path = policy_path.parent / Path(name).expanduser() if isinstance(name, str) else None
+    return path if path is not None and not path.is_file() else None
 
 
 def stale_but_loadable(plan: Plan, plan_path: Path) -> list[str]:

@@ -36,3 +36,18 @@ def test_a_plan_whose_policy_is_gone_is_applied_with_a_warning(tmp_path, capsys)
     assert capsys.readouterr().err == (
         f"warning: {plan} is stale (the policy {policy} named by the plan is gone); applied as it is: rebuild it "
         "for what its inputs now ask (`plan check` says how)\n")
+
+
+def test_a_plan_whose_hardware_profile_is_gone_is_applied_with_a_warning(tmp_path, capsys):
+    """The policy names a hardware profile that is gone: stale as `plan check` says, applied as it is."""
+    from planner.inputs.hardware import H100, dumps_hardware
+
+    checkpoint = save_model(qwen3_moe_config(num_hidden_layers=2), tmp_path / "m")
+    (tmp_path / "hw.yaml").write_text(dumps_hardware(H100))
+    plan = make_plan(tmp_path, checkpoint, "hardware: hw.yaml\nprefetch: {group_size: 1, num_in_group: 1, step: 2}")
+    (tmp_path / "hw.yaml").unlink()
+    capsys.readouterr()
+    assert main(["apply", str(plan), "--max-new-tokens", "2"]) == 0
+    assert capsys.readouterr().err == (
+        f"warning: {plan} is stale (the hardware profile {tmp_path / 'hw.yaml'} named by the policy is gone); applied "
+        "as it is: rebuild it for what its inputs now ask (`plan check` says how)\n")

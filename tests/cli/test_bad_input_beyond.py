@@ -98,6 +98,18 @@ def test_a_closed_stdout_ends_quietly(work, argv):
     assert (proc.wait(), err) == (141, "")
 
 
+@pytest.mark.parametrize("module", ["offplan", "offplan.cli"])
+def test_both_module_spellings_run_the_cli(work, module):
+    """`python -m offplan` and `python -m offplan.cli` (torchrun's `-m` takes either) run the command, as `plan`
+    does: here `plan show`, its table on stdout."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["PYTHONPATH"] = str(ROOT)
+    done = subprocess.run([sys.executable, "-m", module, "show", "p.plan.yaml"], capture_output=True, text=True,
+                          env=env)
+    assert (done.returncode, done.stderr) == (0, "")
+    assert done.stdout.startswith("plan for ")
+
+
 def test_ctrl_c_while_the_cli_is_imported_is_one_line_and_exit_130(monkeypatch, capsys):
     """`plan` (offplan/__main__.py `run`) imports the CLI inside the handler: an interrupt there, as in a command,
     prints `interrupted`, no traceback."""

@@ -64,10 +64,27 @@ def test_check_stale_after_a_shard_header_changes(work, capsys):
 
 
 def test_check_with_the_policy_gone(work, capsys):
+    """Stale, and the advice is not to build from the file that is gone."""
     run(capsys, "build", "uva.policy.yaml")
     os.remove(work / "uva.policy.yaml")
     code, _, err = run(capsys, "check", "uva.plan.yaml")
     assert code == 2 and "the policy uva.policy.yaml named by the plan is gone" in err
+    assert err.endswith("  rebuild it from its policy: put uva.policy.yaml back, or `plan build` another policy with "
+                        "-o uva.plan.yaml\n")
+
+
+def test_check_with_the_hardware_profile_gone(work, capsys):
+    """As with a gone routing profile: stale (exit 2), naming it, not an invalid policy (exit 1)."""
+    from planner.inputs.hardware import H100, dumps_hardware
+
+    (work / "hw.yaml").write_text(dumps_hardware(H100))
+    policy = work / "uva.policy.yaml"
+    policy.write_text(policy.read_text() + "hardware: hw.yaml\n")
+    run(capsys, "build", "uva.policy.yaml")
+    os.remove(work / "hw.yaml")
+    code, _, err = run(capsys, "check", "uva.plan.yaml")
+    assert (code, err.splitlines()[:2]) == (2, ["uva.plan.yaml: STALE",
+                                                "  - the hardware profile hw.yaml named by the policy is gone"])
 
 
 def write_toy_plan(work, capsys):

@@ -142,6 +142,18 @@ def test_write_atomic_replaces_and_keeps_umask_permissions(tmp_path):
     assert os.listdir(tmp_path) == ["p.plan.yaml"]
 
 
+def test_write_atomic_writes_through_a_symlink(tmp_path):
+    """`-o current.plan.yaml`, a link to the plan of the day: the file it names gets the plan, the link stays."""
+    (tmp_path / "kept").mkdir()
+    target = tmp_path / "kept" / "v1.plan.yaml"
+    target.write_text("old")
+    (tmp_path / "current.plan.yaml").symlink_to(target)
+    write_atomic(tmp_path / "current.plan.yaml", "new\n")
+    assert (tmp_path / "current.plan.yaml").is_symlink() and target.read_text() == "new\n"
+    assert sorted(os.listdir(tmp_path)) == ["current.plan.yaml", "kept"] and os.listdir(tmp_path / "kept") == [
+        "v1.plan.yaml"]
+
+
 def test_write_atomic_leaves_nothing_on_error(tmp_path):
     with pytest.raises(OffplanError, match=r"missing/p.plan.yaml: cannot write the plan: No such file"):
         write_atomic(tmp_path / "missing" / "p.plan.yaml", "x")
