@@ -1,6 +1,7 @@
 """Writing files safely, and paths as plans store them."""
 from __future__ import annotations
 
+import errno
 import os
 import tempfile
 from pathlib import Path
@@ -20,7 +21,10 @@ def write_atomic(path: str | Path, text: str, what: str = "plan") -> None:
     try:
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     except OSError as e:
-        raise OffplanError(f"{given}: cannot write the {what}: {e.strerror}") from None
+        fix = (f": its folder {path.parent} does not exist; create it, or write the {what} elsewhere"
+               if e.errno == errno.ENOENT else f"; write the {what} where you may write" if e.errno in (
+                   errno.EACCES, errno.EPERM, errno.EROFS) else "")
+        raise OffplanError(f"{given}: cannot write the {what}: {e.strerror}{fix}") from None
     try:
         with os.fdopen(fd, "w") as f:  # owns fd from here on, closed whatever happens
             umask = os.umask(0)

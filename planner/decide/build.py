@@ -70,6 +70,22 @@ def check_patterns(policy: Policy, names: list[str]) -> None:
         raise PolicyError(f"{policy.path}: patterns that match nothing", problems)
 
 
+def _refuse_missing_layers(graph, layers: int | None, root: Path) -> None:
+    """config.json's decoder layers (`num_hidden_layers`) against the checkpoint's: no stack holding as many is a
+    checkpoint missing layers (a shard left out) or a config.json of another model, which only the load would find."""
+    counts: dict[str, int] = {}
+    for l in graph.layers:
+        if l.stack is not None:
+            counts[l.stack] = counts.get(l.stack, 0) + 1
+    if layers is None or not counts or max(counts.values()) >= layers:
+        return
+    stack = max(counts, key=counts.get)
+    raise CheckpointError(f"{root / 'config.json'}: num_hidden_layers is {layers}, but the checkpoint's tensors make "
+                          f"{counts[stack]} layers of {stack}: a checkpoint missing layers (a shard left out?) or the "
+                          "config.json of another model; point `checkpoint:` at the whole checkpoint, or restore its "
+                          "config.json")
+
+
 def build(policy: Policy, plan_dir: Path, checkpoint: Checkpoint | None = None) -> Plan:
     """Plan `policy` for a plan file that will live in `plan_dir` (paths are stored relative to it)."""
     with no_gc():
@@ -95,6 +111,7 @@ def _build(policy: Policy, plan_dir: Path, checkpoint: Checkpoint | None) -> Pla
     check_patterns(policy, names)
     if unfit is not None:
         raise unfit
+    _refuse_missing_layers(graph, facts.layers, ckpt.root)
     hardware = load_hardware(policy.hardware) if policy.hardware else H100
     top_k = policy.workload.experts_per_token or facts.top_k
     routing = load_profile(policy.workload.routing) if policy.workload.routing else None

@@ -80,6 +80,7 @@ class Outcome:
     on: Mapping[Placement, int] | None = None  # bytes on each placement, as decide summed them; None: summed here
     wheres: Mapping[str, tuple] | None = None  # layer name -> its tensors' placements, as decide read them
     shadowed: tuple[int, ...] = ()  # the rules with a place whose every match an earlier rule placed
+    working_bytes: int = 0  # the experts' working memory at its peak (working.py), which offloading them costs
 
 
 def notes(o: Outcome) -> tuple[str, ...]:
@@ -115,7 +116,8 @@ def notes(o: Outcome) -> tuple[str, ...]:
                    "workload.experts_per_token): the cost model assumes each step reads every expert")
     if o.graph.tied_embeddings:
         out.append("tied embeddings: the checkpoint has no lm_head tensor; the head reuses the embedding")
-    out += saving_warnings(o.place, o.tensors, o.schedule, o.staging, on[UVA] + on[PREFETCH] + on[CPU])
+    out += saving_warnings(o.place, o.tensors, o.schedule, o.staging, on[UVA] + on[PREFETCH] + on[CPU],
+                           o.working_bytes)
     return tuple(out)
 
 
@@ -220,11 +222,13 @@ def _backend_note(o: Outcome, by_backend: Mapping[Placement, int], rules_offload
 
 def saving_warnings(place: Mapping[str, Placement], tensors: Mapping[str, TensorInfo],
                     schedule: PrefetchSchedule | None, staging: PrefillStaging | None = None,
-                    offloaded_bytes: int | None = None) -> list[str]:
-    """Warnings for a plan whose prefetch or prefill staging buffers eat what offloading saves.
+                    offloaded_bytes: int | None = None, working_bytes: int = 0) -> list[str]:
+    """Warnings for a plan whose prefetch or prefill staging buffers, or the experts' working memory, eat what
+    offloading saves.
 
-    Offloading saves `offloaded - pools` bytes of GPU memory (uva saves what it
-    moves less the staging slots; prefetch what it moves less its slots). Two warnings:
+    Offloading saves `offloaded - pools - working_bytes` bytes of GPU memory (uva saves what it
+    moves less the staging slots; prefetch what it moves less its slots; experts off the GPU, less the rows each
+    forward gathers of them: working.py). Two warnings:
     - the plan as a whole saves less than half of what it offloads, for
       example because it has as many slots as prefetched layers, or streams a
       single tensor (a prefetched `lm_head` alone: its slot is as large as it),
@@ -233,15 +237,17 @@ def saving_warnings(place: Mapping[str, Placement], tensors: Mapping[str, Tensor
       largest (a prefetched `lm_head` among the decoder layers): each slot
       grows by the difference, for one layer's sake.
     """
-    if schedule is None and staging is None:
+    if schedule is None and staging is None and not working_bytes:
         return []
     if offloaded_bytes is None:  # else the caller's sum: the bytes `place` puts off the GPU
         offloaded_bytes = sum(tensors[n].nbytes for n in offloaded(place))
-    saved = offloaded_bytes - (schedule.pool_bytes if schedule else 0) - (staging.pool_bytes if staging else 0)
+    saved = (offloaded_bytes - (schedule.pool_bytes if schedule else 0) - (staging.pool_bytes if staging else 0)
+             - working_bytes)
     out = []
     if 2 * saved < offloaded_bytes:
         amount = (f"{human(saved)} ({percent(saved, offloaded_bytes)} of the {human(offloaded_bytes)} offloaded)"
-                  if saved > 0 else f"nothing of the {human(offloaded_bytes)} offloaded")
+                  if saved > 0 else f"nothing of the {human(offloaded_bytes)} offloaded" if saved == 0 else
+                  f"none: it takes {human(-saved)} more than keeping every weight on the GPU would")
         why = []
         if schedule is not None:
             slots, layers = schedule.slots, len(schedule.schedule)
@@ -251,10 +257,13 @@ def saving_warnings(place: Mapping[str, Placement], tensors: Mapping[str, Tensor
                 why[-1] += (f": there are as many slots as prefetched layers ({layers}), so each prefetched layer "
                             "has a slot of its own; " + ("lower prefetch.step or prefetch more layers"
                                                          if schedule.step > 1 else "prefetch more layers"))
-        if staging is not None:
+        if staging is not None and staging.pool_bytes:
             why.append(f"the prefill staging buffers take {human(staging.pool_bytes)} ({plural(staging.slots, 'slot')}"
                        f" x {human(staging.slot_bytes)} for {plural(len(staging.layers), 'uva layer')}); offload "
                        "more layers to uva, or set `uva: {stage_prefill: false}` to read them in place at prefill")
+        if working_bytes:
+            why.append(f"the experts' working memory takes {human(working_bytes)} at its peak (the rows of the "
+                       "touched experts off the GPU, gathered in each forward): offload more of them, or none")
         out.append(f"{WARNING}the plan saves little GPU memory: {amount}; {'; '.join(why)}")
     if schedule is None:
         return out

@@ -290,7 +290,8 @@ def decide(graph: LayerGraph, tensors: Mapping[str, TensorInfo], policy: Policy,
                       mixed_notes, bool(groups.members) and top_k is None and routing is None,
                       routing, bool(moe) and top_k is not None and routing is None, checkpoint_fingerprint, staging,
                       groups.not_experts, by, wheres,
-                      tuple(i for i, (r, mine) in enumerate(zip(policy.rules, won)) if r.place is not None and not mine))
+                      tuple(i for i, (r, mine) in enumerate(zip(policy.rules, won)) if r.place is not None
+                            and not mine), summary.working_peak_bytes)
     said = notes(outcome)
     return Decision(backend, place, schedule, tuple(layers), said, summary, cost, staging,
                     (prediction.collectives, prediction.collectives_us))

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 from dataclasses import dataclass
 from operator import itemgetter
 from pathlib import Path
@@ -67,7 +68,10 @@ def resolve(path: str | os.PathLike) -> tuple[Path, Path | None, list[str]]:
             path = path / SINGLE_NAME
         else:
             found = sorted(p.name for p in path.glob("*.safetensors*"))[:5]
-            hint = f" (found: {', '.join(found)}; pass a file path instead)" if found else ""
+            shards = [n for n in found if _SHARD_OF.search(n)]
+            hint = (f" (found: {', '.join(found)}: shards of a checkpoint whose {INDEX_NAME} is missing; put it "
+                    "back, as the checkpoint's writer made it)" if shards else
+                    f" (found: {', '.join(found)}; pass a file path instead)" if found else "")
             raise CheckpointError(
                 f"{path}: no {INDEX_NAME} or {SINGLE_NAME} in this directory{hint}"
             )
@@ -84,11 +88,20 @@ def resolve(path: str | os.PathLike) -> tuple[Path, Path | None, list[str]]:
     )
 
 
+_SHARD_OF = re.compile(r"-(\d+)-of-(\d+)\.safetensors$")  # transformers' shard names: model-00001-of-00004
+
+
 def _refuse_one_of_many(path: Path) -> None:
-    """A .safetensors file that the index beside it lists among several shards is part of a checkpoint:
-    planning it alone would plan a fraction of the model's tensors, which only the load would find wrong."""
+    """A .safetensors file that the index beside it lists among several shards, or whose name says it is one of
+    several (`model-00001-of-00004.safetensors`) with no index beside it, is part of a checkpoint: planning it alone
+    would plan a fraction of the model's tensors, which only the load would find wrong."""
     index = path.parent / INDEX_NAME
     if not index.is_file():
+        of = _SHARD_OF.search(path.name)
+        if of and int(of[2]) > 1:
+            raise CheckpointError(f"{path}: its name says it is shard {int(of[1])} of {int(of[2])}, and no "
+                                  f"{INDEX_NAME} beside it lists the others: planned alone, it would be part of the "
+                                  f"model; put the index back and point `checkpoint:` at the folder, {path.parent}")
         return
     try:
         weight_map = _read_index(index)[1]

@@ -225,6 +225,9 @@ def load_policy(path: str | Path) -> Policy:
         warnings.append(f"{doc.key_where([], 'prefetch')}: prefetch.* is set but backend auto only prefetches "
                         "when prefetch.group_size > 0; it is ignored (set group_size, or `backend: "
                         "prefetch` to let budget_gib choose the layers)")
+    if backend in (Backend.AUTO, Backend.UVA) and uva.params and not uva.offload_gib and "budget_gib" not in data:
+        warnings.append(f"{doc.key_where(['uva'], 'params')}: uva.params is set but no amount (uva.offload_gib or "
+                        "budget_gib): it picks the candidates only, so it offloads nothing; set one")
     gpus, budgets = _gpus(data, doc, problems)
     if "gpus" in data:
         locations["gpus"] = doc.where(["gpus"])
@@ -253,12 +256,8 @@ def load_policy(path: str | Path) -> Policy:
         backend=backend,
         budget_gib=min(budgets) if budgets else data.get("budget_gib"),
         stacks=tuple(data["stacks"]) if "stacks" in data else None,
-        uva=uva,
-        prefetch=pre,
-        rules=rules,
-        hardware=hardware,
-        workload=workload,
-        gpus=gpus,
+        uva=uva, prefetch=pre, rules=rules,
+        hardware=hardware, workload=workload, gpus=gpus,
         cpu_experts=bool(data.get("cpu_experts", False)),
         gpu_budgets_gib=budgets if budgets and len(set(budgets)) > 1 else None,
         warnings=tuple(warnings),

@@ -128,8 +128,8 @@ def _layers(plan: Plan, layers: tuple[Layer, ...], at, tensors) -> list[str]:
     for i, (row, layer) in enumerate(zip(rows, layers)):
         split = experts_map(layer, plan.params.__getitem__)
         if split != row.experts:
-            problems.append(f"{at('layers', i)}: {row.name} says experts {row.experts!r} but params: place them "
-                            f"{split!r}")
+            problems.append(f"{at('layers', i)}: {row.name} says experts: {_split(row.experts)}, but params: place "
+                            f"them {_split(split)}")
         of = _by_kind(layer.params, plan.params)
         if tensors is None:
             for k in KINDS:
@@ -145,6 +145,11 @@ def _layers(plan: Plan, layers: tuple[Layer, ...], at, tensors) -> list[str]:
             problems.append(f"{at('layers', i)}: {row.name} has " + _bytes(says) + "; its tensors in params: "
                             "have " + _bytes(has) + (" (" + "; ".join(lines) + ")" if lines else ""))
     return problems
+
+
+def _split(experts: str | None) -> str:
+    """A layer row's `experts` (expert_map.py), as a message quotes it."""
+    return "no split expert group" if experts is None else repr(experts)
 
 
 def _by_kind(names: tuple[str, ...], params: Mapping[str, Placement]) -> dict[str, list[str]]:

@@ -80,7 +80,10 @@ def diff_data(old: Plan, new: Plan, sizes: Mapping[str, int] | None = None,
         "predicted_prefill_us": {"old": _prefill_us(old), "new": _prefill_us(new)},
         "backend": {"old": old.backend.value, "new": new.backend.value},
         "policy": {"old": old.policy_path, "new": new.policy_path,
-                   "path_changed": a.policy_path != b.policy_path},
+                   "path_changed": a.policy_path != b.policy_path, "resolved": [a.policy_path, b.policy_path]},
+        "checkpoint": {"old": old.checkpoint_path, "new": new.checkpoint_path,
+                       "path_changed": a.checkpoint_path != b.checkpoint_path,
+                       "resolved": [a.checkpoint_path, b.checkpoint_path]},
         "routing": {"old": old.routing and old.routing.path, "new": new.routing and new.routing.path,
                     "changed": a.routing != b.routing,
                     "path_changed": (a.routing and a.routing.path) != (b.routing and b.routing.path)},
@@ -157,16 +160,19 @@ def diff_text(d: dict) -> list:
     out: list = []
     if d["backend_changed"]:
         out.append(f"backend: {change(d['backend']['old'], d['backend']['new'])}")
-    pol = d["policy"]
+    pol, ckpt = d["policy"], d["checkpoint"]
     if pol["path_changed"]:
-        out.append(f"policy: {change(pol['old'], pol['new'])}"
+        out.append(f"policy: {change(*_named(pol))}"
                    + (" (a different file; its content differs)" if d["policy_changed"] else " (same content)"))
     elif d["policy_changed"]:
         out.append(f"policy: {pol['new']} changed since the old plan was built")
-    if d["checkpoint_changed"]:
-        out.append("checkpoint: its headers differ (another fingerprint)"
-                   + (f": {plural(len(d['added']), 'tensor')} added, {plural(len(d['removed']), 'tensor')} removed"
-                      if d["added"] or d["removed"] else ""))
+    headers = ("its headers differ (another fingerprint)"
+               + (f": {plural(len(d['added']), 'tensor')} added, {plural(len(d['removed']), 'tensor')} removed"
+                  if d["added"] or d["removed"] else "")) if d["checkpoint_changed"] else "the same headers"
+    if ckpt["path_changed"]:
+        out.append(f"checkpoint: {change(*_named(ckpt))} ({headers})")
+    elif d["checkpoint_changed"]:
+        out.append(f"checkpoint: {headers}")
     rt = d["routing"]
     if rt["changed"]:
         out.append(f"routing profile: {change(rt['old'], rt['new'], lambda p: 'none (uniform)' if p is None else p)}"
@@ -182,7 +188,8 @@ def diff_text(d: dict) -> list:
         for key, what in (("hardware", "hardware profile"), ("batch_size", "batch size"),
                           ("prompt_tokens", "prompt tokens"), ("top_k", "routed experts per token")):
             if cost["old"][key] != cost["new"][key]:
-                out.append(f"{what}: {change(cost['old'][key], cost['new'][key])}")
+                shown = change(cost["old"][key], cost["new"][key], lambda v: "none" if v is None else v)
+                out.append(f"{what}: {shown}")
         if cost["old"]["cuda_graphs"] != cost["new"]["cuda_graphs"]:
             mode = lambda graphs: "CUDA graph replay" if graphs else "eager"  # noqa: E731
             out.append(f"predicted for: {change(cost['old']['cuda_graphs'], cost['new']['cuda_graphs'], mode)}")
@@ -210,6 +217,11 @@ def diff_text(d: dict) -> list:
     if d["notes"]["removed"] or d["notes"]["added"]:
         out += ["", "notes:"] + [f"  - {n}" for n in d["notes"]["removed"]] + [f"  + {n}" for n in d["notes"]["added"]]
     return out
+
+
+def _named(entry: dict) -> tuple[str, str]:
+    """A file both plans name, as each names it, or where both name it alike (relative to each plan), resolved."""
+    return (entry["old"], entry["new"]) if entry["old"] != entry["new"] else tuple(entry["resolved"])
 
 
 def _moved(units: list[dict], where: str = "") -> str:

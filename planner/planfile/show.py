@@ -198,7 +198,11 @@ def _footprint(plan: Plan) -> list[str]:
         return out
     host = " + ".join(f"{human(b)} {k}" for k, b in (("uva", s.uva_bytes), ("prefetch", s.prefetch_bytes)) if b)
     taken = s.prefetch_buffer_bytes + s.stage_buffer_bytes + s.working_peak_bytes  # the footprint's, above
-    saved = max(offloaded - taken, 0)
+    saved = offloaded - taken
+    if saved < 0:  # the buffers and working memory take more than the offloaded bytes free
+        out.append(f"host (pinned){per}: {host}; offloading costs {human(-saved)} of GPU memory: the buffers and "
+                   "working memory above take more than it moves off the GPU")
+        return out
     out.append(f"host (pinned){per}: {host}; offloading saves {human(saved)} of GPU memory "
                f"({percent(saved, offloaded)} of the offloaded bytes" + ("; the buffers and working memory above take "
                                                                           "the rest)" if taken else ")"))

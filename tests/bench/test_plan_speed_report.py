@@ -63,13 +63,14 @@ def test_no_records_no_section(tmp_path):
 
 
 def test_the_benchmark_writes_its_records(tmp_path, monkeypatch, capsys):
-    """plan_speed.py end to end on a 3-layer DeepSeek-V3, one repetition: what the section reads."""
+    """plan_speed.py end to end on a 4-layer DeepSeek-V3, one repetition: what the section reads."""
     import plan_speed
     import synthetic
     monkeypatch.setattr(synthetic, "small_deepseek", lambda: synthetic.deepseek_v3(
-        layers=3, dense_layers=1, hidden=256, intermediate=512, experts=8, moe_intermediate=128, heads=4,
+        layers=4, dense_layers=1, hidden=256, intermediate=512, experts=8, moe_intermediate=128, heads=4,
         q_lora=128, kv_lora=64, nope=32, rope=16, v_head=32, vocab=512), raising=False)
-    monkeypatch.setitem(plan_speed.MODELS, "small", ("small_deepseek", 2**20, plan_speed.MODELS["deepseek-v3"][2]))
+    monkeypatch.setitem(plan_speed.MODELS, "small", ("small_deepseek", 2**20,
+                                                     {**plan_speed.MODELS["deepseek-v3"][2], "num_hidden_layers": 4}))
     assert plan_speed.main(["--dir", str(tmp_path / "ckpt"), "--models", "small", "-n", "1", "--profile",
                             "--out", str(tmp_path), "--label", "after", "--note", "a test"]) == 0
     rows = [json.loads(line) for line in (tmp_path / "plan-speed-after.jsonl").read_text().splitlines()]

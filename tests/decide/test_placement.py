@@ -62,8 +62,8 @@ def test_uva_walks_params_in_order_and_overshoots_by_the_last_one():
                                                          StagedLayer("model.layers.1", "model.layers.1", 2 * MiB)))
     assert d.summary.gpu_footprint_bytes == 16 * MiB + 6 * MiB
     assert d.notes == ("backend uva (auto: uva.offload_gib is set): 5.0 MiB on uva from 2 layers",
-                       "warning: the plan saves little GPU memory: nothing of the 5.0 MiB offloaded; the prefill "
-                       "staging buffers take 6.0 MiB (2 slots x 3.0 MiB for 2 uva layers); offload more layers to "
+                       "warning: the plan saves little GPU memory: none: it takes 1.0 MiB more than keeping every "
+                       "weight on the GPU would; the prefill staging buffers take 6.0 MiB (2 slots x 3.0 MiB for 2 uva layers); offload more layers to "
                        "uva, or set `uva: {stage_prefill: false}` to read them in place at prefill")
 
 

@@ -137,3 +137,15 @@ def test_smallest_budget_gib_is_the_shortest_exact_decimal():
     assert smallest_budget_gib(9 * MiB) == "0.008789063"
     for n in (1, 614400, 10662744064, 2**40 + 12345):
         assert int(float(smallest_budget_gib(n)) * 2**30) == n
+
+
+def test_one_expert_off_the_gpu_costs_more_than_it_saves_and_says_so():
+    """One of 8 experts of one layer on uva: the layer's experts forward gathers the touched rows in HBM each time
+    (a prefill touches all 8: 24 MiB, working.py) for 3 MiB moved off the GPU."""
+    d, _ = plan_of(moe_toy(layers=3, experts=8), policy(rules=[(["re:layers\\.0\\.mlp\\.experts\\.0\\."], "uva")],
+                                                         stage_prefill=False))
+    assert (d.summary.uva_bytes, d.summary.working_peak_bytes) == (3 * MiB, 24 * MiB)
+    assert d.notes[-1] == (
+        "warning: the plan saves little GPU memory: none: it takes 21.0 MiB more than keeping every weight on the GPU "
+        "would; the experts' working memory takes 24.0 MiB at its peak (the rows of the touched experts off the GPU, "
+        "gathered in each forward): offload more of them, or none")

@@ -258,8 +258,8 @@ def test_show_and_diff_report_the_staging_and_the_prefill(tmp_path, monkeypatch,
                      f"GPU buffers when a forward carries more than {H100.stage_above_tokens} tokens")
     assert lines[at + 1:at + 3] == [
         "GPU footprint: 208.6 KiB resident + 145.0 KiB prefill staging buffers = 353.6 KiB (no budget set)",
-        "host (pinned): 144.5 KiB uva; offloading saves 0 B of GPU memory (0% of the offloaded bytes; the buffers "
-        "and working memory above take the rest)"]
+        "host (pinned): 144.5 KiB uva; offloading costs 512 B of GPU memory: the buffers and working memory above "
+        "take more than it moves off the GPU"]
     assert lines[at + 3].endswith(f"; time to first token (prefill of 512 tokens) {on.cost.prefill_us / 1e3:.3f} ms")
     assert main(["show", "on.plan.yaml", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)

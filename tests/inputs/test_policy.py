@@ -156,6 +156,9 @@ def test_step_zero_is_fine_when_prefetch_is_off(tmp_path):
     ("uva:\n  offload_gib: 4\nprefetch:\n  params: [mlp]\n",
      "5:1: prefetch.* is set but backend auto only prefetches when prefetch.group_size > 0; it is "
      "ignored (set group_size, or `backend: prefetch` to let budget_gib choose the layers)"),
+    ("uva:\n  params: [self_attn]\n",
+     "4:3: uva.params is set but no amount (uva.offload_gib or budget_gib): it picks the candidates only, so it "
+     "offloads nothing; set one"),
 ])
 def test_warnings_for_the_other_backends_fields(tmp_path, body, warning):
     path = write_policy(tmp_path, body)
@@ -167,6 +170,7 @@ def test_warnings_for_the_other_backends_fields(tmp_path, body, warning):
     "uva:\n  offload_gib: 4\n",
     "prefetch:\n  group_size: 8\n  num_in_group: 2\n  step: 3\n",
     "backend: uva\nuva:\n  offload_gib: 0\nprefetch:\n  group_size: 0\n",
+    "budget_gib: 4\nuva:\n  params: [mlp]\n",
 ])
 def test_no_warnings(tmp_path, body):
     assert load_policy(write_policy(tmp_path, body)).warnings == ()

@@ -185,3 +185,20 @@ def test_a_consistent_plan_is_read_in_one_parse(tmp_path, built, name, monkeypat
         raise AssertionError("the node tree was composed, for no message")
     monkeypatch.setattr(yaml, "compose", compose)
     assert read_plan(path).plan == built[name][0]
+
+
+def test_a_layer_row_that_hides_its_split_experts_is_named(tmp_path):
+    """A hand edit drops a layer row's `experts:` map: the readers say the row claims no split group while params:
+    split one, quoting the map they give (not Python's None)."""
+    from headeronly import moe_toy
+
+    write_header_only(tmp_path / "ckpt", moe_toy(layers=2, experts=4), single=True)
+    policy = write_policy(tmp_path, "rules:\n  - {match: ['re:experts\\.0\\.'], place: uva}\n")
+    text = dumps(build(load_policy(policy), tmp_path))
+    row = next(line for line in text.splitlines() if "name: model.layers.0," in line)
+    assert row.endswith(', experts: "mlp.experts: gpu 1-3, uva 0"}')
+    edited = text.replace(row, row.replace(', experts: "mlp.experts: gpu 1-3, uva 0"}', "}"))
+    with pytest.raises(OffplanError) as e:
+        loads(edited, "p.plan.yaml", open_checkpoint(tmp_path / "ckpt").tensors)
+    assert any(p.endswith("layers[1]: model.layers.0 says experts: no split expert group, but params: place them "
+                          "'mlp.experts: gpu 1-3, uva 0'") for p in e.value.problems)
