@@ -94,7 +94,8 @@ def _parser() -> argparse.ArgumentParser:
     p = cmd("build", "read a policy and the checkpoint's headers; write the plan")
     p.add_argument("policy", metavar="POLICY", help="policy YAML (see schemas/policy.schema.json)")
     p.add_argument("-o", "--output", metavar="PLAN",
-                   help="where to write the plan (default: NAME.plan.yaml beside NAME.policy.yaml; - for stdout)")
+                   help="where to write the plan (default: NAME.plan.yaml beside NAME.policy.yaml; - for stdout, "
+                        "its paths relative to the working directory)")
     p = cmd("show", "per-layer table, totals, and the footprint against the budget")
     p.add_argument("plan", metavar="PLAN")
     p.add_argument("--tensors", action="store_true",
@@ -240,5 +241,4 @@ _COMMANDS = {"build": planning.build_command, "show": planning.show_command, "di
 
 
 if __name__ == "__main__":  # `python -m offplan.cli` (as torchrun's `-m` runs it): what `plan` and `-m offplan` run
-    from .__main__ import run
-    sys.exit(run())
+    sys.exit(main())

@@ -15,7 +15,8 @@ from planner.inputs.checkpoint import INDEX_NAME, open_checkpoint, resolve
 from planner.inputs.hardware import load_hardware
 from planner.inputs.policy import Policy, load_policy
 from planner.inputs.routing import load_profile, skew
-from planner.planfile import dumps, load_plan, read_plan
+from planner.inputs.schema import schema
+from planner.planfile import dumps, read_plan
 from planner.planfile.diff import diff_data, diff_text
 from planner.planfile.show import show, show_data, show_tensors, tensors_data
 from planner.planfile.staleness import checkpoint_of, stale_reasons, up_to_date
@@ -28,6 +29,9 @@ def build_command(args) -> int:
     policy = load_policy(args.policy)
     for w in policy.warnings:
         print(f"warning: {w}", file=sys.stderr)
+    if args.output == "":
+        raise OffplanError("-o: an empty path; name the plan file to write, or leave -o out for "
+                           f"{default_output(policy.path)}")
     to_stdout = args.output == "-"
     out = Path(args.output) if args.output and not to_stdout else default_output(Path(args.policy))
     if not to_stdout:  # before planning: nothing to plan for that cannot be written
@@ -37,11 +41,7 @@ def build_command(args) -> int:
                           + ", or remove that file first")
     plan = build(policy, Path.cwd() if to_stdout else out.parent)
     text = dumps(plan)
-    warnings = [n for n in plan.notes if is_warning(n)]
-    said = {WARNING + unlocated(w) for w in policy.warnings}  # printed above, with their file:line:column
-    for w in warnings:
-        if w not in said:
-            print(w, file=sys.stderr)
+    warnings = _warn(policy, plan)
     if to_stdout:
         sys.stdout.write(text)
         return 0
@@ -61,6 +61,17 @@ def build_command(args) -> int:
                        f"{human(s.gpu_footprint_bytes)}{buffers}, host {host}; predicted step "
                        f"{ms(s.predicted_step_us)}{prefill}", *(f"note: {n}" for n in plan.notes if n not in warnings)])
     return 0
+
+
+def _warn(policy: Policy, plan) -> list[str]:
+    """Print the plan's warnings on stderr but those of the policy, printed already with their file:line:column;
+    returns them all."""
+    warnings = [n for n in plan.notes if is_warning(n)]
+    said = {WARNING + unlocated(w) for w in policy.warnings}
+    for w in warnings:
+        if w not in said:
+            print(w, file=sys.stderr)
+    return warnings
 
 
 def _refuse_to_overwrite_an_input(out: Path, policy: Policy) -> None:
@@ -119,10 +130,16 @@ def validate_command(args) -> int:
     kind = yamlio.kind(doc.data)
     if kind in (None, "policy"):  # a file cut short: its first line, offplan's own, still says what it is
         kind = written_as(text) or kind
+    policy_keys = schema("policy.schema.json")["properties"]
+    if kind is None and isinstance(doc.data, dict) and not set(doc.data) & set(policy_keys):
+        raise PolicyError(f"{path}: not a policy, plan, hardware or routing profile (it has none of a policy's keys, "
+                          "and none that says it is one of the others): `plan validate` checks offplan's files")
     if kind == "plan":
-        plan = load_plan(path)
-        emit(args, {"file": str(path), "kind": "plan", "valid": True, "tensors": plan.tensors},
-              f"{path}: valid plan ({plan.tensors} tensors, backend {plan.backend.value})")
+        loaded = read_plan(path)
+        plan, unchecked = loaded.plan, loaded.unchecked
+        emit(args, {"file": str(path), "kind": "plan", "valid": True, "tensors": plan.tensors, "exact": not unchecked},
+              f"{path}: valid plan ({plan.tensors} tensors, backend {plan.backend.value})"
+              + (f"; its parts agree, but not checked against tensor sizes: {unchecked}" if unchecked else ""))
         return 0
     if kind == "hardware profile":
         hw = load_hardware(path)
@@ -139,6 +156,7 @@ def validate_command(args) -> int:
     for w in policy.warnings:
         print(f"warning: {w}", file=sys.stderr)
     plan = build(policy, path.parent)
+    _warn(policy, plan)
     emit(args, {"file": str(path), "kind": "policy", "valid": True, "backend": plan.backend.value},
           f"{path}: valid policy (checkpoint {plan.checkpoint_path}, {plan.tensors} tensors; "
           f"it plans backend {plan.backend.value})")

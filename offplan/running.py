@@ -142,12 +142,16 @@ def report(plan_path, s: LoadStats, facts: dict, gen: dict, plan, root: Path) ->
     rate = f", {human(total / s.load_seconds)}/s" if s.load_seconds else ""
     cuda = s.device.startswith("cuda")
     where = "GPU" if cuda else "CPU (no CUDA: uva stays in host memory, prefetch copies synchronously)"
-    buffers = f" (+{human(s.gpu_buffer_bytes)} prefetch buffers)" if s.gpu_buffer_bytes else ""
+    # every buffer the runtime holds beside the weights: prefetch and staging slots, the experts lookahead (handle.py)
+    buffers = f" (+{human(s.gpu_buffer_bytes)} buffers)" if s.gpu_buffer_bytes else ""
+    cpu = plan.summary.cpu_bytes if s.uva_bytes >= plan.summary.cpu_bytes else 0  # the load counts them as uva's
     out = [f"loaded {plan_path} on {s.device} in {s.load_seconds:.2f} s ({human(total)}{rate})",
-           *([f"  tensor parallel over {plan.parallel.gpus} processes, one per GPU: each loaded its share; the "
-              f"figures here are process 0's"] if plan.parallel else []),
-           f"  resident {human(s.gpu_bytes)}, uva {human(s.uva_bytes)}, prefetch "
-           f"{human(s.prefetch_bytes)}{buffers}, on the {where}"]
+           *([f"  tensor parallel over {plan.parallel.gpus} processes, "
+              + ("one per GPU" if cuda else "on the CPU (no CUDA: one per GPU the plan was built for, over gloo)")
+              + ": each loaded its share; the figures here are process 0's"] if plan.parallel else []),
+           f"  resident {human(s.gpu_bytes)}, uva {human(s.uva_bytes - cpu)}, "
+           + (f"cpu {human(cpu)} (computed by the host), " if cpu else "")
+           + f"prefetch {human(s.prefetch_bytes)}{buffers}, on the {where}"]
     if s.pinned_host_bytes:
         out.append(f"  pinned host memory {human(s.pinned_host_bytes)} "
                    f"({s.pinned_ratio:.3f}x the offloaded bytes)")
@@ -215,6 +219,11 @@ def _generate(model, handle, texts: list[str], batch: int, max_new_tokens: int, 
     if not all(prompts):  # a tokenizer that makes nothing of a prompt
         empty = texts[[bool(p) for p in prompts].index(False)]
         raise OffplanError(f"--prompt: the tokenizer makes no tokens of {empty!r}")
+    limit = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+    if isinstance(limit, int) and max(map(len, prompts)) + max_new_tokens > limit:
+        print(f"warning: {max(map(len, prompts))} prompt tokens and --max-new-tokens {max_new_tokens} run past the "
+              f"model's {limit} positions (max_position_embeddings in config.json): what it makes there is "
+              "past what it was made for", file=sys.stderr)
     if compile:
         check_compiles(model, handle, batch)
     generator = handle.generator(eager=eager, compile=compile)

@@ -1,6 +1,9 @@
-"""`plan apply` of a plan `plan check` calls stale while the runtime still loads it (its checkpoint unchanged):
-applied as it is, with one warning saying why; a current plan gets none."""
+"""What `plan apply` says beside the tokens: a plan `plan check` calls stale while the runtime still loads it (its
+checkpoint unchanged) is applied as it is, with one warning saying why, where a current plan gets none; a run past
+the model's positions is warned of; the load line tells experts on cpu from uva."""
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 
@@ -9,6 +12,7 @@ pytest.importorskip("transformers")
 
 from offplan.cli import main  # noqa: E402
 from planner.planfile import load_plan  # noqa: E402
+from planner.units import human  # noqa: E402
 from tiny_models import make_plan, qwen3_moe_config, save_model  # noqa: E402
 
 
@@ -51,3 +55,28 @@ def test_a_plan_whose_hardware_profile_is_gone_is_applied_with_a_warning(tmp_pat
     assert capsys.readouterr().err == (
         f"warning: {plan} is stale (the hardware profile {tmp_path / 'hw.yaml'} named by the policy is gone); applied "
         "as it is: rebuild it for what its inputs now ask (`plan check` says how)\n")
+
+
+def test_a_run_past_the_models_positions_is_warned_of(tmp_path, capsys):
+    """The default prompt's 24 bytes (no tokenizer: one id each) and 2 new tokens, on a model of 16 positions."""
+    checkpoint = save_model(qwen3_moe_config(num_hidden_layers=2, max_position_embeddings=16), tmp_path / "m")
+    plan = make_plan(tmp_path, checkpoint, "prefetch: {group_size: 1, num_in_group: 1, step: 2}")
+    capsys.readouterr()
+    assert main(["apply", str(plan), "--max-new-tokens", "2"]) == 0
+    assert capsys.readouterr().err == (
+        "warning: 24 prompt tokens and --max-new-tokens 2 run past the model's 16 positions (max_position_embeddings "
+        "in config.json): what it makes there is past what it was made for\n")
+
+
+def test_the_load_line_tells_experts_on_cpu_from_uva(tmp_path, capsys):
+    """Every routed expert on cpu: the load line gives their bytes as cpu's, not uva's."""
+    from planner.inputs.hardware import H100, dumps_hardware
+
+    checkpoint = save_model(qwen3_moe_config(num_hidden_layers=2), tmp_path / "m")
+    (tmp_path / "hw.yaml").write_text(dumps_hardware(dataclasses.replace(H100, cpu_threads=1)))
+    plan = make_plan(tmp_path, checkpoint, "hardware: hw.yaml\nrules:\n  - {match: [experts], place: cpu}")
+    cpu = load_plan(plan).summary.cpu_bytes
+    capsys.readouterr()
+    assert main(["apply", str(plan), "--max-new-tokens", "2", "--device", "cpu"]) == 0
+    line = capsys.readouterr().out.splitlines()[1]
+    assert line.startswith("  resident ") and f", uva 0 B, cpu {human(cpu)} (computed by the host), prefetch 0 B" in line

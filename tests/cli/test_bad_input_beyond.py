@@ -159,6 +159,38 @@ def test_one_shard_of_a_sharded_checkpoint_is_refused(work, capsys):
     assert err.endswith("point `checkpoint:` at the folder, ckpt\n") and not (work / "s.plan.yaml").exists()
 
 
+def test_shards_without_their_index_are_refused(work, capsys):
+    """The index gone: the folder says the index is missing, and one shard alone is refused by its name (it was
+    planned as a whole checkpoint: a fraction of the model)."""
+    (work / "ckpt" / "model.safetensors.index.json").unlink()
+    (work / "s.policy.yaml").write_text("format_version: 1\ncheckpoint: ./ckpt/model-00001-of-00002.safetensors\n")
+    (work / "d.policy.yaml").write_text("format_version: 1\ncheckpoint: ./ckpt\n")
+    before = snapshot(work)
+    assert main(["build", "s.policy.yaml"]) == 1
+    assert capsys.readouterr().err == (
+        "error: ckpt/model-00001-of-00002.safetensors: its name says it is shard 1 of 2, and no "
+        "model.safetensors.index.json beside it lists the others: planned alone, it would be part of the model; put "
+        "the index back and point `checkpoint:` at the folder, ckpt\n")
+    assert main(["build", "d.policy.yaml"]) == 1
+    assert capsys.readouterr().err.endswith(": shards of a checkpoint whose model.safetensors.index.json is missing; "
+                                            "put it back, as the checkpoint's writer made it)\n")
+    assert snapshot(work) == before
+
+
+def test_a_config_json_declaring_more_layers_than_the_checkpoint_holds_is_refused(work, capsys):
+    """config.json says 8 decoder layers, the checkpoint's tensors make 4: refused at build, not at the load."""
+    (work / "ckpt" / "config.json").write_text('{"num_hidden_layers": 8}\n')
+    before = snapshot(work)
+    assert main(["build", "p.policy.yaml", "-o", "new.plan.yaml"]) == 1
+    assert capsys.readouterr().err == (
+        f"error: {Path('ckpt') / 'config.json'}: num_hidden_layers is 8, but the checkpoint's tensors make 4 layers of "
+        "model.layers: a checkpoint missing layers (a shard left out?) or the config.json of another model; point "
+        "`checkpoint:` at the whole checkpoint, or restore its config.json\n")
+    assert snapshot(work) == before
+    (work / "ckpt" / "config.json").write_text('{"num_hidden_layers": 4}\n')
+    assert main(["build", "p.policy.yaml", "-o", "new.plan.yaml"]) == 0
+
+
 def test_a_truncated_shard_names_the_tensors_past_its_end_once(work, capsys):
     shard = work / "ckpt" / "model-00002-of-00002.safetensors"
     os.truncate(shard, shard.stat().st_size - 100)
@@ -175,3 +207,24 @@ def test_a_plan_cut_inside_its_yaml_says_to_rebuild(work, capsys):
     err = capsys.readouterr().err
     assert "invalid YAML" in err and err.endswith("(it starts as a plan: cut short, or edited?); rebuild it with "
                                                   "`plan build POLICY`\n"), err
+
+
+def test_output_paths_that_cannot_be_written_say_what_to_do(work, capsys):
+    """An empty -o, and a folder that does not exist: one error each, with the fix, and nothing written."""
+    before = snapshot(work)
+    assert main(["build", "p.policy.yaml", "-o", ""]) == 1
+    assert capsys.readouterr().err == ("error: -o: an empty path; name the plan file to write, or leave -o out for "
+                                       "p.plan.yaml\n")
+    assert main(["build", "p.policy.yaml", "-o", "nowhere/p.plan.yaml"]) == 1
+    assert capsys.readouterr().err == ("error: nowhere/p.plan.yaml: cannot write the plan: No such file or directory: "
+                                       "its folder nowhere does not exist; create it, or write the plan elsewhere\n")
+    assert snapshot(work) == before
+
+
+def test_validate_of_a_file_of_none_of_offplans_kinds_is_one_error(work, capsys):
+    """A checkpoint's config.json given to `plan validate`: not read as a policy with a dozen unknown keys."""
+    (work / "ckpt" / "config.json").write_text('{"model_type": "llama", "num_hidden_layers": 4, "vocab_size": 8}\n')
+    assert main(["validate", "ckpt/config.json"]) == 1
+    assert capsys.readouterr().err == (
+        "error: ckpt/config.json: not a policy, plan, hardware or routing profile (it has none of a policy's keys, "
+        "and none that says it is one of the others): `plan validate` checks offplan's files\n")

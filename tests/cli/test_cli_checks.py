@@ -17,15 +17,30 @@ def test_validate_policy_and_plan(work, capsys):
     run(capsys, "build", "uva.policy.yaml")
     assert run(capsys, "validate", "uva.plan.yaml") == (0, "uva.plan.yaml: valid plan (11 tensors, backend uva)\n", "")
     code, out, _ = run(capsys, "validate", "uva.plan.yaml", "--json")
-    assert json.loads(out) == {"file": "uva.plan.yaml", "kind": "plan", "valid": True, "tensors": 11}
+    assert json.loads(out) == {"file": "uva.plan.yaml", "kind": "plan", "valid": True, "tensors": 11, "exact": True}
     code, out, _ = run(capsys, "validate", "uva.policy.yaml", "--json")
     assert json.loads(out) == {"file": "uva.policy.yaml", "kind": "policy", "valid": True, "backend": "uva"}
 
 
+def test_validate_says_what_it_checked_and_warns_as_build_does(work, capsys):
+    """A plan whose checkpoint is not at hand is checked by its structure alone, and the line says so; a policy's
+    plan warnings (here: as many prefetch slots as layers) come on stderr, as `plan build` prints them."""
+    run(capsys, "build", "uva.policy.yaml")
+    os.rename(work / "ckpt", work / "moved")
+    assert run(capsys, "validate", "uva.plan.yaml") == (
+        0, "uva.plan.yaml: valid plan (11 tensors, backend uva); its parts agree, but not checked against tensor "
+           "sizes: its checkpoint ckpt is not at hand\n", "")
+    os.rename(work / "moved", work / "ckpt")
+    write_policy(work, "prefetch:\n  group_size: 2\n  step: 2\n", name="two.policy.yaml")
+    code, out, err = run(capsys, "validate", "two.policy.yaml")
+    assert code == 0 and out.startswith("two.policy.yaml: valid policy")
+    assert err.startswith("warning: the plan saves little GPU memory: nothing of the 6.0 MiB offloaded")
+
+
 def test_validate_rejects_a_policy_whose_pattern_matches_nothing(work, capsys):
-    write_policy(work, "uva:\n  params: [mlp.dwon_proj]\n", name="typo.policy.yaml")
+    write_policy(work, "uva:\n  offload_gib: 0.001\n  params: [mlp.dwon_proj]\n", name="typo.policy.yaml")
     code, out, err = run(capsys, "validate", "typo.policy.yaml")
-    assert_one_error(code, out, err, "typo.policy.yaml:4:12: uva.params[0]: 'mlp.dwon_proj' matches no "
+    assert_one_error(code, out, err, "typo.policy.yaml:5:12: uva.params[0]: 'mlp.dwon_proj' matches no "
                      "tensor of the checkpoint; did you mean 'mlp.down_proj'?")
 
 
@@ -186,6 +201,23 @@ def test_diff_notices_a_changed_checkpoint_alone(work, capsys):
     assert code == 2 and out.splitlines()[0] == "checkpoint: its headers differ (another fingerprint)"
 
 
+def test_diff_names_the_files_that_make_two_alike_plans_differ(work, capsys):
+    """The same plan copied into another folder with its own copy of the checkpoint and the policy: it names other
+    files, so it differs (exit 2), and the lines say which, resolved where each plan names them alike."""
+    import shutil
+
+    run(capsys, "build", "uva.policy.yaml")
+    (work / "copy").mkdir()
+    for name in ("ckpt", "uva.policy.yaml", "uva.plan.yaml"):
+        (shutil.copytree if (work / name).is_dir() else shutil.copy)(work / name, work / "copy" / name)
+    code, out, _ = run(capsys, "diff", "uva.plan.yaml", "copy/uva.plan.yaml", "--detailed-exitcode")
+    assert code == 2 and out.splitlines()[:2] == [
+        f"policy: {(work / 'uva.policy.yaml').resolve().as_posix()} -> "
+        f"{(work / 'copy' / 'uva.policy.yaml').resolve().as_posix()} (same content)",
+        f"checkpoint: {(work / 'ckpt').resolve().as_posix()} -> {(work / 'copy' / 'ckpt').resolve().as_posix()} "
+        "(the same headers)"]
+
+
 def test_validate_tells_policy_from_plan_by_content_not_comments(work, capsys):
     text = (work / "uva.policy.yaml").read_text()
     (work / "commented.policy.yaml").write_text("# compare with the offplan plan of last week\n" + text)
@@ -206,11 +238,11 @@ def test_a_plan_cut_short_is_said_to_be_one_by_every_reader(work, capsys, cut):
 
 
 def test_with_json_an_error_goes_to_stdout_as_json_too(work, capsys):
-    write_policy(work, "uva:\n  params: [mlp.dwon_proj]\n", name="typo.policy.yaml")
+    write_policy(work, "uva:\n  offload_gib: 0.001\n  params: [mlp.dwon_proj]\n", name="typo.policy.yaml")
     code, out, err = run(capsys, "build", "typo.policy.yaml", "--json")
     assert code == 1 and err.startswith("error: typo.policy.yaml: ")
     assert json.loads(out) == {"error": "typo.policy.yaml: patterns that match nothing", "problems": [
-        "typo.policy.yaml:4:12: uva.params[0]: 'mlp.dwon_proj' matches no tensor of the checkpoint; did you mean "
+        "typo.policy.yaml:5:12: uva.params[0]: 'mlp.dwon_proj' matches no tensor of the checkpoint; did you mean "
         "'mlp.down_proj'?"]}
     code, out, err = run(capsys, "show", "nope.plan.yaml", "--json")
     assert code == 1 and json.loads(out) == {"error": "nope.plan.yaml: no such plan file", "problems": []}

@@ -230,7 +230,7 @@ def test_cli_apply_reports_the_bundled_example(capsys):
     lines = out.splitlines()
     assert re.fullmatch(r"loaded plans/examples/tiny-moe.plan.yaml on cpu in \d+\.\d\d s "
                         r"\(856\.0 KiB, [\d.]+ (KiB|MiB|GiB)/s\)", lines[0])
-    assert lines[1] == ("  resident 408.0 KiB, uva 64.0 KiB, prefetch 384.0 KiB (+192.0 KiB prefetch buffers), on the "
+    assert lines[1] == ("  resident 408.0 KiB, uva 64.0 KiB, prefetch 384.0 KiB (+192.0 KiB buffers), on the "
                         "CPU (no CUDA: uva stays in host memory, prefetch copies synchronously)")
     assert lines[2:4] == [
         'note: the weights are random (its config.json says "offplan_random_weights": true): the generated tokens '
