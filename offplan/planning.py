@@ -1,6 +1,7 @@
 """The planning commands of `plan`: build, show, diff, validate, check. Pure Python, like the planner."""
 from __future__ import annotations
 
+import difflib
 import json
 import os
 import sys
@@ -9,7 +10,7 @@ from pathlib import Path
 from planner.decide.build import build, default_output
 from planner.decide.notes import WARNING, is_warning, unlocated
 from planner.errors import InconsistentPlanError, OffplanError, PolicyError
-from planner.files import refuse_to_replace, write_atomic, written_as
+from planner.files import missing_folder, refuse_to_replace, write_atomic, written_as
 from planner.inputs import yamlio
 from planner.inputs.checkpoint import INDEX_NAME, open_checkpoint, resolve
 from planner.inputs.hardware import load_hardware
@@ -35,6 +36,8 @@ def build_command(args) -> int:
     to_stdout = args.output == "-"
     out = Path(args.output) if args.output and not to_stdout else default_output(Path(args.policy))
     if not to_stdout:  # before planning: nothing to plan for that cannot be written
+        if (fix := missing_folder(out, "plan")) is not None:
+            raise OffplanError(f"{out}: cannot write the plan: {fix}")
         _refuse_to_overwrite_an_input(out, policy)
         refuse_to_replace(out, "plan", (f"choose another -o (default: {default_output(policy.path)})"
                                                 if args.output else "write the plan elsewhere with -o PATH")
@@ -130,10 +133,9 @@ def validate_command(args) -> int:
     kind = yamlio.kind(doc.data)
     if kind in (None, "policy"):  # a file cut short: its first line, offplan's own, still says what it is
         kind = written_as(text) or kind
-    policy_keys = schema("policy.schema.json")["properties"]
-    if kind is None and isinstance(doc.data, dict) and not set(doc.data) & set(policy_keys):
-        raise PolicyError(f"{path}: not a policy, plan, hardware or routing profile (it has none of a policy's keys, "
-                          "and none that says it is one of the others): `plan validate` checks offplan's files")
+    if kind is None and isinstance(doc.data, dict) and not any(map(_offplans, doc.data)):
+        raise PolicyError(f"{path}: not a policy, plan, hardware or routing profile (none of its keys is one of "
+                          "theirs, or close to one): `plan validate` checks offplan's files")
     if kind == "plan":
         loaded = read_plan(path)
         plan, unchecked = loaded.plan, loaded.unchecked
@@ -161,6 +163,12 @@ def validate_command(args) -> int:
           f"{path}: valid policy (checkpoint {plan.checkpoint_path}, {plan.tensors} tensors; "
           f"it plans backend {plan.backend.value})")
     return 0
+
+
+def _offplans(key) -> bool:
+    """Whether a top-level key is, or nearly is (a misspelling: `chekpoint`), one of a policy's or a profile's."""
+    known = [k for name in ("policy", "hardware", "routing") for k in schema(f"{name}.schema.json")["properties"]]
+    return bool(difflib.get_close_matches(str(key), known, n=1, cutoff=0.85))
 
 
 def check_command(args) -> int:

@@ -112,7 +112,7 @@ def apply_one(req: Request, rank: int | None = None) -> str:
         root = Path(handle.checkpoint.root)
         facts = {"tokenizer": has_tokenizer(root), "random_weights": declares_random_weights(root)}
         gen = _generate(model, handle, list(req.texts), req.batch, req.max_new_tokens, req.eager,
-                        facts["tokenizer"], req.compile)
+                        facts["tokenizer"], req.compile, says=not rank)
         plan = handle.plan
         if req.json:
             return json.dumps({"stats": {**dataclasses.asdict(stats), "pinned_ratio": stats.pinned_ratio,
@@ -144,13 +144,14 @@ def report(plan_path, s: LoadStats, facts: dict, gen: dict, plan, root: Path) ->
     where = "GPU" if cuda else "CPU (no CUDA: uva stays in host memory, prefetch copies synchronously)"
     # every buffer the runtime holds beside the weights: prefetch and staging slots, the experts lookahead (handle.py)
     buffers = f" (+{human(s.gpu_buffer_bytes)} buffers)" if s.gpu_buffer_bytes else ""
-    cpu = plan.summary.cpu_bytes if s.uva_bytes >= plan.summary.cpu_bytes else 0  # the load counts them as uva's
+    cpu = plan.summary.cpu_bytes  # the load counts experts on cpu with uva's host bytes: the plan's figure beside
     out = [f"loaded {plan_path} on {s.device} in {s.load_seconds:.2f} s ({human(total)}{rate})",
            *([f"  tensor parallel over {plan.parallel.gpus} processes, "
               + ("one per GPU" if cuda else "on the CPU (no CUDA: one per GPU the plan was built for, over gloo)")
               + ": each loaded its share; the figures here are process 0's"] if plan.parallel else []),
-           f"  resident {human(s.gpu_bytes)}, uva {human(s.uva_bytes - cpu)}, "
-           + (f"cpu {human(cpu)} (computed by the host), " if cpu else "")
+           f"  resident {human(s.gpu_bytes)}, "
+           + (f"uva and cpu {human(s.uva_bytes)} (the plan puts {human(cpu)} of the checkpoint's on cpu, computed "
+              "by the host), " if cpu else f"uva {human(s.uva_bytes)}, ")
            + f"prefetch {human(s.prefetch_bytes)}{buffers}, on the {where}"]
     if s.pinned_host_bytes:
         out.append(f"  pinned host memory {human(s.pinned_host_bytes)} "
@@ -200,10 +201,11 @@ def _predicted_mode(plan) -> str | None:
 
 
 def _generate(model, handle, texts: list[str], batch: int, max_new_tokens: int, eager: bool,
-              tokenizer_files: bool, compile: bool = False) -> dict:
+              tokenizer_files: bool, compile: bool = False, says: bool = True) -> dict:
     """The runtime's generation (runtime/execute/generation.py) of `batch` sequences, the prompts taken in turn;
     the checkpoint's tokenizer when it has one (stopping at its end-of-sequence token), else each prompt's bytes
-    as ids. `prepare` captures the decode step and warms up; the generation is timed."""
+    as ids. `prepare` captures the decode step and warms up; the generation is timed. `says`: whether this process
+    warns (rank 0's, under tensor parallelism)."""
     tokenizer = None
     if tokenizer_files:
         from transformers import AutoTokenizer
@@ -220,7 +222,7 @@ def _generate(model, handle, texts: list[str], batch: int, max_new_tokens: int, 
         empty = texts[[bool(p) for p in prompts].index(False)]
         raise OffplanError(f"--prompt: the tokenizer makes no tokens of {empty!r}")
     limit = getattr(model.config.get_text_config(), "max_position_embeddings", None)
-    if isinstance(limit, int) and max(map(len, prompts)) + max_new_tokens > limit:
+    if says and isinstance(limit, int) and max(map(len, prompts)) + max_new_tokens > limit:  # one process says it
         print(f"warning: {max(map(len, prompts))} prompt tokens and --max-new-tokens {max_new_tokens} run past the "
               f"model's {limit} positions (max_position_embeddings in config.json): what it makes there is "
               "past what it was made for", file=sys.stderr)

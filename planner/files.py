@@ -13,17 +13,27 @@ def write_atomic(path: str | Path, text: str, what: str = "plan") -> None:
     """Write via a temp file in the same directory and rename: never half a file.
 
     The file gets the permissions a plain `open(path, "w")` would give (mkstemp's
-    are 0600). A symlink is written through, as `open` would: the file it names is replaced, the link kept (the
-    rename would replace the link itself). An unwritable destination raises OffplanError naming the path.
+    are 0600). A symlink to a file in its own folder is written through, as `open` would: the file it names is
+    replaced, the link kept (the rename would replace the link itself). One into another folder is refused: a
+    plan's paths are relative to where it lies, so its bytes would be wrong for one of the two paths. So is a link
+    to nothing or a loop. An unwritable destination raises OffplanError naming the path.
     """
-    given = Path(path)
-    path = Path(os.path.realpath(given)) if os.path.islink(given) else given
+    given = path = Path(path)
+    if os.path.islink(given):
+        try:
+            path = Path(os.path.realpath(given, strict=True))
+        except OSError as e:
+            raise OffplanError(f"{given}: a symlink to no file ({e.strerror}): write the {what} to a plain "
+                               "file") from None
+        if path.parent != given.parent.resolve():
+            raise OffplanError(f"{given}: a symlink to {path}, in another folder: the {what}'s paths are relative "
+                               f"to where it lies; write it to {path} itself, or to a plain file")
     try:
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     except OSError as e:
-        fix = (f": its folder {path.parent} does not exist; create it, or write the {what} elsewhere"
-               if e.errno == errno.ENOENT else f"; write the {what} where you may write" if e.errno in (
-                   errno.EACCES, errno.EPERM, errno.EROFS) else "")
+        fix = (f": {missing_folder(given, what)}" if e.errno == errno.ENOENT else
+               f"; write the {what} where you may write" if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS)
+               else "")
         raise OffplanError(f"{given}: cannot write the {what}: {e.strerror}{fix}") from None
     try:
         with os.fdopen(fd, "w") as f:  # owns fd from here on, closed whatever happens
@@ -37,6 +47,12 @@ def write_atomic(path: str | Path, text: str, what: str = "plan") -> None:
         if isinstance(e, OSError):
             raise OffplanError(f"{given}: cannot write the {what}: {e.strerror}") from None
         raise
+
+
+def missing_folder(path: Path, what: str) -> str | None:
+    """What to do where `path`'s folder does not exist; None where it does."""
+    folder = Path(path).parent
+    return None if folder.is_dir() else f"its folder {folder} does not exist; create it, or write the {what} elsewhere"
 
 
 KINDS = ("plan", "routing profile", "hardware profile")  # what offplan writes, each's first line `# offplan KIND`

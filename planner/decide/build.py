@@ -20,7 +20,7 @@ from ..layers.graph import build_graph
 from ..layers.scales import layer_pairs
 from ..layers.shards import collectives, find_split, local_tensors
 from ..nogc import no_gc
-from ..plan import Built, Parallel, Plan, RoutingRef
+from ..plan import Built, Parallel, Plan, RoutingRef, Runs
 from ..provenance import inputs_fingerprint, version
 from .notes import parallel_notes
 from .placement import decide
@@ -72,10 +72,11 @@ def check_patterns(policy: Policy, names: list[str]) -> None:
 
 def _refuse_missing_layers(graph, layers: int | None, root: Path) -> None:
     """config.json's decoder layers (`num_hidden_layers`) against the checkpoint's: no stack holding as many is a
-    checkpoint missing layers (a shard left out) or a config.json of another model, which only the load would find."""
+    checkpoint missing layers (a shard left out) or a config.json of another model, which only the load would find.
+    A vision tower's stack is not the text model's: not counted."""
     counts: dict[str, int] = {}
     for l in graph.layers:
-        if l.stack is not None:
+        if l.stack is not None and l.runs is not Runs.IMAGES:
             counts[l.stack] = counts.get(l.stack, 0) + 1
     if layers is None or not counts or max(counts.values()) >= layers:
         return
@@ -111,7 +112,8 @@ def _build(policy: Policy, plan_dir: Path, checkpoint: Checkpoint | None) -> Pla
     check_patterns(policy, names)
     if unfit is not None:
         raise unfit
-    _refuse_missing_layers(graph, facts.layers, ckpt.root)
+    if policy.stacks is None:  # else the stacks are the policy's: the text model's may be none of them
+        _refuse_missing_layers(graph, facts.layers, ckpt.root)
     hardware = load_hardware(policy.hardware) if policy.hardware else H100
     top_k = policy.workload.experts_per_token or facts.top_k
     routing = load_profile(policy.workload.routing) if policy.workload.routing else None

@@ -68,7 +68,7 @@ def resolve(path: str | os.PathLike) -> tuple[Path, Path | None, list[str]]:
             path = path / SINGLE_NAME
         else:
             found = sorted(p.name for p in path.glob("*.safetensors*"))[:5]
-            shards = [n for n in found if _SHARD_OF.search(n)]
+            shards = [n for n in found if (of := _SHARD_OF.search(n)) and int(of[2]) > 1]
             hint = (f" (found: {', '.join(found)}: shards of a checkpoint whose {INDEX_NAME} is missing; put it "
                     "back, as the checkpoint's writer made it)" if shards else
                     f" (found: {', '.join(found)}; pass a file path instead)" if found else "")

@@ -225,10 +225,11 @@ def load_policy(path: str | Path) -> Policy:
         warnings.append(f"{doc.key_where([], 'prefetch')}: prefetch.* is set but backend auto only prefetches "
                         "when prefetch.group_size > 0; it is ignored (set group_size, or `backend: "
                         "prefetch` to let budget_gib choose the layers)")
-    if backend in (Backend.AUTO, Backend.UVA) and uva.params and not uva.offload_gib and "budget_gib" not in data:
+    gpus, budgets = _gpus(data, doc, problems)
+    if backend in (Backend.AUTO, Backend.UVA) and uva.params and not uva.offload_gib and not budgets and \
+            data.get("budget_gib") is None:
         warnings.append(f"{doc.key_where(['uva'], 'params')}: uva.params is set but no amount (uva.offload_gib or "
                         "budget_gib): it picks the candidates only, so it offloads nothing; set one")
-    gpus, budgets = _gpus(data, doc, problems)
     if "gpus" in data:
         locations["gpus"] = doc.where(["gpus"])
     if backend is Backend.MIXED and budgets is None and "budget_gib" not in data:

@@ -86,7 +86,8 @@ def diff_data(old: Plan, new: Plan, sizes: Mapping[str, int] | None = None,
                        "resolved": [a.checkpoint_path, b.checkpoint_path]},
         "routing": {"old": old.routing and old.routing.path, "new": new.routing and new.routing.path,
                     "changed": a.routing != b.routing,
-                    "path_changed": (a.routing and a.routing.path) != (b.routing and b.routing.path)},
+                    "path_changed": (a.routing and a.routing.path) != (b.routing and b.routing.path),
+                    "resolved": [a.routing and a.routing.path, b.routing and b.routing.path]},
         "budget_bytes": {"old": old.budget_bytes, "new": new.budget_bytes},
         "stacks": {"old": list(old.stacks), "new": list(new.stacks)},
         "cost": {"old": _cost(old), "new": _cost(new)},
@@ -175,7 +176,7 @@ def diff_text(d: dict) -> list:
         out.append(f"checkpoint: {headers}")
     rt = d["routing"]
     if rt["changed"]:
-        out.append(f"routing profile: {change(rt['old'], rt['new'], lambda p: 'none (uniform)' if p is None else p)}"
+        out.append(f"routing profile: {change(*_named(rt), lambda p: 'none (uniform)' if p is None else p)}"
                    if rt["path_changed"] else f"routing profile: {rt['new']} changed since the old plan was built")
     bud = d["budget_bytes"]
     if bud["old"] != bud["new"]:

@@ -192,11 +192,12 @@ def _footprint(plan: Plan) -> list[str]:
         if c and c.cpu_expert_gbps:
             threads += f" (assumed: {c.cpu_expert_gbps:g} GB/s and {c.cpu_expert_sync_us:g} us a call)"
         out.append(f"host CPU{per}: computes {human(s.cpu_bytes)} of routed experts{threads}, kept in host memory")
-    offloaded = s.uva_bytes + s.prefetch_bytes
+    offloaded = s.uva_bytes + s.prefetch_bytes + s.cpu_bytes  # off the GPU, as notes.py `saving_warnings` counts
     if not offloaded:
-        out.append(f"host (pinned){per}: nothing offloaded" + (" beyond the experts on cpu" if s.cpu_bytes else ""))
+        out.append(f"host (pinned){per}: nothing offloaded")
         return out
-    host = " + ".join(f"{human(b)} {k}" for k, b in (("uva", s.uva_bytes), ("prefetch", s.prefetch_bytes)) if b)
+    host = " + ".join(f"{human(b)} {k}" for k, b in (("uva", s.uva_bytes), ("prefetch", s.prefetch_bytes),
+                                                     ("cpu", s.cpu_bytes)) if b)
     taken = s.prefetch_buffer_bytes + s.stage_buffer_bytes + s.working_peak_bytes  # the footprint's, above
     saved = offloaded - taken
     if saved < 0:  # the buffers and working memory take more than the offloaded bytes free

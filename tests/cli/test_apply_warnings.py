@@ -69,7 +69,8 @@ def test_a_run_past_the_models_positions_is_warned_of(tmp_path, capsys):
 
 
 def test_the_load_line_tells_experts_on_cpu_from_uva(tmp_path, capsys):
-    """Every routed expert on cpu: the load line gives their bytes as cpu's, not uva's."""
+    """Every routed expert on cpu: the load line does not call their bytes uva's alone, and gives the plan's
+    figure for them."""
     from planner.inputs.hardware import H100, dumps_hardware
 
     checkpoint = save_model(qwen3_moe_config(num_hidden_layers=2), tmp_path / "m")
@@ -79,4 +80,5 @@ def test_the_load_line_tells_experts_on_cpu_from_uva(tmp_path, capsys):
     capsys.readouterr()
     assert main(["apply", str(plan), "--max-new-tokens", "2", "--device", "cpu"]) == 0
     line = capsys.readouterr().out.splitlines()[1]
-    assert line.startswith("  resident ") and f", uva 0 B, cpu {human(cpu)} (computed by the host), prefetch 0 B" in line
+    assert line.startswith("  resident ") and (f", uva and cpu {human(cpu)} (the plan puts {human(cpu)} of the "
+                                               "checkpoint's on cpu, computed by the host), prefetch 0 B") in line

@@ -210,14 +210,15 @@ def test_a_plan_cut_inside_its_yaml_says_to_rebuild(work, capsys):
 
 
 def test_output_paths_that_cannot_be_written_say_what_to_do(work, capsys):
-    """An empty -o, and a folder that does not exist: one error each, with the fix, and nothing written."""
+    """An empty -o, and a folder that does not exist (found before planning): one error each, with the fix, and
+    nothing written."""
     before = snapshot(work)
     assert main(["build", "p.policy.yaml", "-o", ""]) == 1
     assert capsys.readouterr().err == ("error: -o: an empty path; name the plan file to write, or leave -o out for "
                                        "p.plan.yaml\n")
     assert main(["build", "p.policy.yaml", "-o", "nowhere/p.plan.yaml"]) == 1
-    assert capsys.readouterr().err == ("error: nowhere/p.plan.yaml: cannot write the plan: No such file or directory: "
-                                       "its folder nowhere does not exist; create it, or write the plan elsewhere\n")
+    assert capsys.readouterr().err == ("error: nowhere/p.plan.yaml: cannot write the plan: its folder nowhere does "
+                                       "not exist; create it, or write the plan elsewhere\n")
     assert snapshot(work) == before
 
 
@@ -226,5 +227,8 @@ def test_validate_of_a_file_of_none_of_offplans_kinds_is_one_error(work, capsys)
     (work / "ckpt" / "config.json").write_text('{"model_type": "llama", "num_hidden_layers": 4, "vocab_size": 8}\n')
     assert main(["validate", "ckpt/config.json"]) == 1
     assert capsys.readouterr().err == (
-        "error: ckpt/config.json: not a policy, plan, hardware or routing profile (it has none of a policy's keys, "
-        "and none that says it is one of the others): `plan validate` checks offplan's files\n")
+        "error: ckpt/config.json: not a policy, plan, hardware or routing profile (none of its keys is one of "
+        "theirs, or close to one): `plan validate` checks offplan's files\n")
+    (work / "typo.policy.yaml").write_text("chekpoint: ./ckpt\n")  # misspelled: read as the policy it nearly is
+    assert main(["validate", "typo.policy.yaml"]) == 1
+    assert "did you mean 'checkpoint'?" in capsys.readouterr().err

@@ -260,3 +260,23 @@ def test_a_setting_the_plan_ignores_is_a_warning_in_its_notes_too(work, capsys):
     assert code == 0 and err.count(said) == 1 and "ign.policy.yaml:" in err.split(said)[0].splitlines()[-1]
     code, out, err = run(capsys, "show", "ign.plan.yaml")
     assert code == 0 and said in out + err
+
+
+def test_show_counts_experts_on_cpu_as_offloaded_as_the_warnings_do(tmp_path, monkeypatch, capsys):
+    """Experts 0-5 of 8 on cpu and 6 on uva: `plan show`'s line and the plan's warning count the same bytes off
+    the GPU (uva and cpu both), so they agree on what offloading saves: here, against the experts' working memory
+    (a prefill gathers every expert of a layer, and streams the cpu ones through the ring), it costs 4.5 MiB."""
+    from headeronly import moe_toy
+    from planner.inputs.hardware import H100, dumps_hardware
+    from synthetic import write_header_only
+
+    monkeypatch.chdir(tmp_path)
+    write_header_only(tmp_path / "ckpt", moe_toy(layers=2, experts=8), single=True)
+    (tmp_path / "hw.yaml").write_text(dumps_hardware(H100))
+    write_policy(tmp_path, "hardware: hw.yaml\nrules:\n  - {match: ['re:experts\\.[0-5]\\.'], place: cpu}\n"
+                 "  - {match: ['re:experts\\.6\\.'], place: uva}\n", name="c.policy.yaml")
+    assert run(capsys, "build", "c.policy.yaml")[0] == 0
+    out = run(capsys, "show", "c.plan.yaml")[1].splitlines()
+    line = next(x for x in out if x.startswith("host (pinned)"))
+    assert line.startswith("host (pinned): 6.0 MiB uva + 36.0 MiB cpu; offloading costs 4.5 MiB of GPU memory")
+    assert out[-1].startswith("warning: the plan saves little GPU memory: none: it takes 4.5 MiB more than keeping")

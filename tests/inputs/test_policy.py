@@ -171,6 +171,7 @@ def test_warnings_for_the_other_backends_fields(tmp_path, body, warning):
     "prefetch:\n  group_size: 8\n  num_in_group: 2\n  step: 3\n",
     "backend: uva\nuva:\n  offload_gib: 0\nprefetch:\n  group_size: 0\n",
     "budget_gib: 4\nuva:\n  params: [mlp]\n",
+    "gpus: [4, 5]\nuva:\n  params: [mlp]\n",
 ])
 def test_no_warnings(tmp_path, body):
     assert load_policy(write_policy(tmp_path, body)).warnings == ()

@@ -142,16 +142,31 @@ def test_write_atomic_replaces_and_keeps_umask_permissions(tmp_path):
     assert os.listdir(tmp_path) == ["p.plan.yaml"]
 
 
-def test_write_atomic_writes_through_a_symlink(tmp_path):
-    """`-o current.plan.yaml`, a link to the plan of the day: the file it names gets the plan, the link stays."""
-    (tmp_path / "kept").mkdir()
-    target = tmp_path / "kept" / "v1.plan.yaml"
+def test_write_atomic_writes_through_a_symlink_in_its_folder_only(tmp_path):
+    """`-o current.plan.yaml`, a link to the plan of the day beside it: that file gets the plan, the link stays. A
+    link into another folder (the plan's relative paths would be wrong for one of the two), to nothing, or a loop:
+    refused, nothing written."""
+    target = tmp_path / "v1.plan.yaml"
     target.write_text("old")
-    (tmp_path / "current.plan.yaml").symlink_to(target)
+    (tmp_path / "current.plan.yaml").symlink_to("v1.plan.yaml")
     write_atomic(tmp_path / "current.plan.yaml", "new\n")
     assert (tmp_path / "current.plan.yaml").is_symlink() and target.read_text() == "new\n"
-    assert sorted(os.listdir(tmp_path)) == ["current.plan.yaml", "kept"] and os.listdir(tmp_path / "kept") == [
-        "v1.plan.yaml"]
+    (tmp_path / "kept").mkdir()
+    (tmp_path / "kept" / "v2.plan.yaml").write_text("old")
+    (tmp_path / "other.plan.yaml").symlink_to(tmp_path / "kept" / "v2.plan.yaml")
+    (tmp_path / "loop.plan.yaml").symlink_to("loop.plan.yaml")
+    (tmp_path / "none.plan.yaml").symlink_to("gone.plan.yaml")
+    with pytest.raises(OffplanError, match=r"other.plan.yaml: a symlink to .*kept/v2.plan.yaml, in another folder: "
+                                           r"the plan's paths are relative to where it lies"):
+        write_atomic(tmp_path / "other.plan.yaml", "x")
+    for name in ("loop", "none"):
+        with pytest.raises(OffplanError, match=rf"{name}.plan.yaml: a symlink to no file \(.*\): write the plan to a "
+                                               "plain file"):
+            write_atomic(tmp_path / f"{name}.plan.yaml", "x")
+    assert (tmp_path / "kept" / "v2.plan.yaml").read_text() == "old" and all(
+        (tmp_path / f"{n}.plan.yaml").is_symlink() for n in ("other", "loop", "none"))
+    assert sorted(os.listdir(tmp_path)) == ["current.plan.yaml", "kept", "loop.plan.yaml", "none.plan.yaml",
+                                            "other.plan.yaml", "v1.plan.yaml"]
 
 
 def test_write_atomic_leaves_nothing_on_error(tmp_path):
