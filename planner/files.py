@@ -15,8 +15,9 @@ def write_atomic(path: str | Path, text: str, what: str = "plan") -> None:
     The file gets the permissions a plain `open(path, "w")` would give (mkstemp's
     are 0600). A symlink to a file in its own folder is written through, as `open` would: the file it names is
     replaced, the link kept (the rename would replace the link itself). One into another folder is refused: a
-    plan's paths are relative to where it lies, so its bytes would be wrong for one of the two paths. So is a link
-    to nothing or a loop. An unwritable destination raises OffplanError naming the path.
+    plan's and a routing profile's paths are relative to where it lies, so its bytes would be wrong for one of the
+    two paths (a hardware profile names none). So is a link to nothing or a loop. An unwritable destination
+    raises OffplanError naming the path.
     """
     given = path = Path(path)
     if os.path.islink(given):
@@ -25,7 +26,7 @@ def write_atomic(path: str | Path, text: str, what: str = "plan") -> None:
         except OSError as e:
             raise OffplanError(f"{given}: a symlink to no file ({e.strerror}): write the {what} to a plain "
                                "file") from None
-        if path.parent != given.parent.resolve():
+        if path.parent != given.parent.resolve() and what != "hardware profile":  # it names no path
             raise OffplanError(f"{given}: a symlink to {path}, in another folder: the {what}'s paths are relative "
                                f"to where it lies; write it to {path} itself, or to a plain file")
     try:
