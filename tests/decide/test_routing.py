@@ -221,3 +221,20 @@ def test_diff_and_validate_name_the_profile(work, capsys):
     assert capsys.readouterr().out == ("r.routing.yaml: valid routing profile (2 MoE layers, 100 decode tokens; each "
                                        "layer's most-hit expert (of 8) takes 32.5% of decode hits (12.5% if "
                                        "uniform))\n")
+
+
+def test_diff_names_the_routing_profiles_of_alike_plans_by_where_they_lie(work, capsys):
+    """The plan, its policy, profile and checkpoint copied to another folder: both name `r.routing.yaml`, so diff
+    says which two files they are (resolved), not `r.routing.yaml -> r.routing.yaml`."""
+    import shutil
+
+    profile_file(work, fp=open_checkpoint(work / "ckpt").fingerprint)
+    mixed_policy(work, "r.routing.yaml")
+    assert main(["build", "m.policy.yaml"]) == 0
+    (work / "copy").mkdir()
+    for name in ("ckpt", "r.routing.yaml", "m.policy.yaml", "m.plan.yaml"):
+        (shutil.copytree if (work / name).is_dir() else shutil.copy)(work / name, work / "copy" / name)
+    capsys.readouterr()
+    assert main(["diff", "m.plan.yaml", "copy/m.plan.yaml", "--detailed-exitcode"]) == 2
+    assert (f"routing profile: {(work / 'r.routing.yaml').resolve().as_posix()} -> "
+            f"{(work / 'copy' / 'r.routing.yaml').resolve().as_posix()}") in capsys.readouterr().out.splitlines()
