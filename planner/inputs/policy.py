@@ -187,7 +187,7 @@ def load_policy(path: str | Path) -> Policy:
         for i, r in enumerate(data.get("rules", []))
     )
     w = data.get("workload", {})
-    routing = path.parent / Path(w["routing"]).expanduser() if "routing" in w else None
+    routing = beside(path, w["routing"]) if "routing" in w else None
     workload = Workload(int(w.get("batch_size", 1)),
                         int(w["experts_per_token"]) if "experts_per_token" in w else None,
                         routing, w.get("routing"), bool(w.get("cuda_graphs", True)),
@@ -195,12 +195,12 @@ def load_policy(path: str | Path) -> Policy:
     if routing is not None:
         locations["workload.routing"] = doc.where(["workload", "routing"])
         if not routing.is_file():
-            ckpt = path.parent / Path(data["checkpoint"]).expanduser()
+            ckpt = beside(path, data["checkpoint"])
             problems.append(f"{doc.where(['workload', 'routing'])}: workload.routing: " + (
                 f"{routing} is a directory; name a routing profile file" if routing.is_dir() else f"no such file "
                 f"{routing} (record one with `plan profile {ckpt} -o {routing}`; the path is relative to the policy "
                 "file)"))
-    hardware = path.parent / Path(data["hardware"]).expanduser() if "hardware" in data else None
+    hardware = beside(path, data["hardware"]) if "hardware" in data else None
     if hardware is not None and not hardware.is_file():
         problems.append(f"{doc.where(['hardware'])}: hardware: no such file {hardware} "
                         "(write one with `plan calibrate -o FILE` on the GPU machine)")
@@ -250,20 +250,20 @@ def load_policy(path: str | Path) -> Policy:
         raise PolicyError(f"{path}: the policy is invalid", problems)
     ckpt_text = data["checkpoint"]
     return Policy(
-        path=path,
-        fingerprint=policy_fingerprint(text),
-        checkpoint=path.parent / Path(ckpt_text).expanduser(),
-        checkpoint_text=ckpt_text,
-        backend=backend,
+        path=path, fingerprint=policy_fingerprint(text),
+        checkpoint=beside(path, ckpt_text), checkpoint_text=ckpt_text, backend=backend,
         budget_gib=min(budgets) if budgets else data.get("budget_gib"),
         stacks=tuple(data["stacks"]) if "stacks" in data else None,
         uva=uva, prefetch=pre, rules=rules,
-        hardware=hardware, workload=workload, gpus=gpus,
-        cpu_experts=bool(data.get("cpu_experts", False)),
+        hardware=hardware, workload=workload, gpus=gpus, cpu_experts=bool(data.get("cpu_experts", False)),
         gpu_budgets_gib=budgets if budgets and len(set(budgets)) > 1 else None,
-        warnings=tuple(warnings),
-        locations=locations,
+        warnings=tuple(warnings), locations=locations,
     )
+
+
+def beside(policy_path: Path, name: str) -> Path:
+    """A path a policy names (checkpoint, hardware, routing): relative to the policy's folder, `~` expanded."""
+    return policy_path.parent / Path(name).expanduser()
 
 
 def _gpus(data: dict, doc, problems: list[str]) -> tuple[int, tuple[float, ...] | None]:

@@ -40,7 +40,7 @@ from ..decide.build import build
 from ..errors import OffplanError, PlanFileError, PolicyError, RoutingProfileError, StalePlanError
 from ..inputs import yamlio
 from ..inputs.checkpoint import Checkpoint, fingerprint, open_checkpoint, resolve
-from ..inputs.policy import load_policy, policy_fingerprint
+from ..inputs.policy import beside, load_policy, policy_fingerprint
 from ..inputs.routing import profile_fingerprint
 from ..nogc import no_gc
 from ..plan import Plan
@@ -106,13 +106,13 @@ def stale_reasons(plan: Plan, plan_path: Path, ckpt: Checkpoint) -> list[str]:
 
 
 def _gone_hardware(policy_path: Path, text: str) -> Path | None:
-    """The hardware profile the policy's `hardware:` names (resolved as policy.py does), where it is gone: the
+    """The hardware profile the policy's `hardware:` names (policy.py `beside`), where it is gone: the
     policy then no longer loads, and the plan is stale as with a gone routing profile."""
     try:
         name = yaml.safe_load(text).get("hardware")
     except (yaml.YAMLError, AttributeError):
         return None  # not a mapping: whatever checks the policy says so
-    path = policy_path.parent / Path(name).expanduser() if isinstance(name, str) else None
+    path = beside(policy_path, name) if isinstance(name, str) else None
     return path if path is not None and not path.is_file() else None
 
 
