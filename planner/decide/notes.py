@@ -33,7 +33,7 @@ from ..inputs.checkpoint import TensorInfo
 from ..inputs.policy import Policy
 from ..inputs.routing import RoutingProfile, skew
 from ..layers.graph import LayerGraph
-from ..plan import Backend, Placement, PrefetchSchedule, PrefillStaging, Runs
+from ..plan import Backend, Placement, PrefetchSchedule, PrefillStaging, Runs, Summary
 from ..units import human, percent, plural
 
 GPU, UVA, PREFETCH, CPU = Placement.GPU, Placement.UVA, Placement.PREFETCH, Placement.CPU
@@ -52,9 +52,11 @@ def unlocated(warning: str) -> str:
     return _LOCATION.sub("", warning, count=1)
 
 
-def offloaded(place: Mapping[str, Placement]) -> list[str]:
-    """The tensors `place` puts off the GPU, in order (picked in one pass in C: most of 90k stay)."""
-    return list(compress(place, map(is_not, place.values(), repeat(GPU))))
+def saving(s: Summary) -> tuple[int, int]:
+    """(the bytes a plan moves off the GPU, what that saves of GPU memory: those less the prefetch and staging pools
+    and the experts' working memory at its peak), from its summary: `plan show` and the warnings below say the same."""
+    offloaded = s.uva_bytes + s.prefetch_bytes + s.cpu_bytes
+    return offloaded, offloaded - s.prefetch_buffer_bytes - s.stage_buffer_bytes - s.working_peak_bytes
 
 
 @dataclass(frozen=True)
@@ -80,7 +82,7 @@ class Outcome:
     on: Mapping[Placement, int] | None = None  # bytes on each placement, as decide summed them; None: summed here
     wheres: Mapping[str, tuple] | None = None  # layer name -> its tensors' placements, as decide read them
     shadowed: tuple[int, ...] = ()  # the rules with a place whose every match an earlier rule placed
-    working_bytes: int = 0  # the experts' working memory at its peak (working.py), which offloading them costs
+    summary: Summary | None = None  # the plan's sums: what offloading saves (`saving`)
 
 
 def notes(o: Outcome) -> tuple[str, ...]:
@@ -116,8 +118,7 @@ def notes(o: Outcome) -> tuple[str, ...]:
                    "workload.experts_per_token): the cost model assumes each step reads every expert")
     if o.graph.tied_embeddings:
         out.append("tied embeddings: the checkpoint has no lm_head tensor; the head reuses the embedding")
-    out += saving_warnings(o.place, o.tensors, o.schedule, o.staging, on[UVA] + on[PREFETCH] + on[CPU],
-                           o.working_bytes)
+    out += saving_warnings(o.summary, o.schedule, o.staging) if o.summary else []
     return tuple(out)
 
 
@@ -220,15 +221,13 @@ def _backend_note(o: Outcome, by_backend: Mapping[Placement, int], rules_offload
     return f"backend {o.backend.value} ({origin}): {_amounts(by_backend)} from {plural(layers, 'layer')}"
 
 
-def saving_warnings(place: Mapping[str, Placement], tensors: Mapping[str, TensorInfo],
-                    schedule: PrefetchSchedule | None, staging: PrefillStaging | None = None,
-                    offloaded_bytes: int | None = None, working_bytes: int = 0) -> list[str]:
+def saving_warnings(summary: Summary, schedule: PrefetchSchedule | None,
+                    staging: PrefillStaging | None = None) -> list[str]:
     """Warnings for a plan whose prefetch or prefill staging buffers, or the experts' working memory, eat what
     offloading saves.
 
-    Offloading saves `offloaded - pools - working_bytes` bytes of GPU memory (uva saves what it
-    moves less the staging slots; prefetch what it moves less its slots; experts off the GPU, less the rows each
-    forward gathers of them: working.py). Two warnings:
+    Offloading saves what `saving` says (uva saves what it moves less the staging slots; prefetch what it moves less
+    its slots; experts off the GPU, less the rows each forward gathers of them: working.py). Two warnings:
     - the plan as a whole saves less than half of what it offloads, for
       example because it has as many slots as prefetched layers, or streams a
       single tensor (a prefetched `lm_head` alone: its slot is as large as it),
@@ -237,12 +236,10 @@ def saving_warnings(place: Mapping[str, Placement], tensors: Mapping[str, Tensor
       largest (a prefetched `lm_head` among the decoder layers): each slot
       grows by the difference, for one layer's sake.
     """
+    working_bytes = summary.working_peak_bytes
     if schedule is None and staging is None and not working_bytes:
         return []
-    if offloaded_bytes is None:  # else the caller's sum: the bytes `place` puts off the GPU
-        offloaded_bytes = sum(tensors[n].nbytes for n in offloaded(place))
-    saved = (offloaded_bytes - (schedule.pool_bytes if schedule else 0) - (staging.pool_bytes if staging else 0)
-             - working_bytes)
+    offloaded_bytes, saved = saving(summary)
     out = []
     if 2 * saved < offloaded_bytes:
         amount = (f"{human(saved)} ({percent(saved, offloaded_bytes)} of the {human(offloaded_bytes)} offloaded)"

@@ -291,7 +291,7 @@ def decide(graph: LayerGraph, tensors: Mapping[str, TensorInfo], policy: Policy,
                       routing, bool(moe) and top_k is not None and routing is None, checkpoint_fingerprint, staging,
                       groups.not_experts, by, wheres,
                       tuple(i for i, (r, mine) in enumerate(zip(policy.rules, won)) if r.place is not None
-                            and not mine), summary.working_peak_bytes)
+                            and not mine), summary)
     said = notes(outcome)
     return Decision(backend, place, schedule, tuple(layers), said, summary, cost, staging,
                     (prediction.collectives, prediction.collectives_us))

@@ -17,7 +17,7 @@ from rich.console import Console, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from ..decide.notes import WARNING, is_warning
+from ..decide.notes import WARNING, is_warning, saving
 from ..inputs.checkpoint import TensorInfo
 from ..layers.graph import Layer, build_graph
 from ..layers.expert_map import group_numbers, ranges
@@ -192,21 +192,19 @@ def _footprint(plan: Plan) -> list[str]:
         if c and c.cpu_expert_gbps:
             threads += f" (assumed: {c.cpu_expert_gbps:g} GB/s and {c.cpu_expert_sync_us:g} us a call)"
         out.append(f"host CPU{per}: computes {human(s.cpu_bytes)} of routed experts{threads}, kept in host memory")
-    offloaded = s.uva_bytes + s.prefetch_bytes + s.cpu_bytes  # off the GPU, as notes.py `saving_warnings` counts
+    offloaded, saved = saving(s)
     if not offloaded:
         out.append(f"host (pinned){per}: nothing offloaded")
         return out
     host = " + ".join(f"{human(b)} {k}" for k, b in (("uva", s.uva_bytes), ("prefetch", s.prefetch_bytes),
                                                      ("cpu", s.cpu_bytes)) if b)
-    taken = s.prefetch_buffer_bytes + s.stage_buffer_bytes + s.working_peak_bytes  # the footprint's, above
-    saved = offloaded - taken
     if saved < 0:  # the buffers and working memory take more than the offloaded bytes free
         out.append(f"host (pinned){per}: {host}; offloading costs {human(-saved)} of GPU memory: the buffers and "
                    "working memory above take more than it moves off the GPU")
         return out
     out.append(f"host (pinned){per}: {host}; offloading saves {human(saved)} of GPU memory "
                f"({percent(saved, offloaded)} of the offloaded bytes" + ("; the buffers and working memory above take "
-                                                                          "the rest)" if taken else ")"))
+                                                                          "the rest)" if saved < offloaded else ")"))
     return out
 
 
