@@ -125,7 +125,7 @@ def _build(policy: Policy, plan_dir: Path, checkpoint: Checkpoint | None) -> Pla
                               f"{ckpt.root}", problems)
         tensors = local_tensors(ckpt.tensors, split.dims, policy.gpus)
         waits = collectives(graph.layers, split, tensors, facts.hidden)
-        hardware = dataclasses.replace(hardware, h2d_copy_gbps=hardware.parallel_h2d_copy_gbps)
+        hardware = hardware.one_of(policy.gpus)
         parallel = Parallel(policy.gpus, tuple(split.dims.items()), split.reduce, split.gather,
                             policy.gpu_budgets_bytes)
     d = decide(graph, tensors, policy, hardware, top_k, routing, ckpt.fingerprint, facts.experts, quantized, waits,

@@ -60,9 +60,9 @@ cpu needs no GPU memory but the host engine's output buffer (working.py), and a 
 tried only where that fits the budget. Whole experts only (the host computes an
 expert whole), block-scaled FP8 (E4M3) ones with their scales (the runtime's
 host kernel converts them as it reads them, at a bf16 element's cost a byte:
-cost.py), never MXFP4 ones (the host does not compute them), and not with
-several GPUs (each one's process would run its own host threads on the same
-cores).
+cost.py), never MXFP4 ones (the host does not compute them). With several GPUs
+each GPU's process computes its share of those experts with its share of the
+host's cores (hardware.py `one_of`).
 
 Limits: each strategy is greedy (no search over arbitrary subsets), and the
 prediction is only as good as the hardware profile and the routing (a
@@ -174,10 +174,7 @@ def place_mixed(graph: LayerGraph, policy: Policy, fp: Footprint, fixed: set[str
     notes = (f"mixed chose {best!r}: predicted {said(best)} (prefill of {preds[best].prompt_tokens} tokens + "
              f"{new} steps at batch {model.batch})" + (f"; others: {others}" if others else ""),)
     chosen, prediction = strategies[best], preds[best]
-    if policy.cpu_experts and policy.gpus > 1:  # each GPU's process would run its own host threads on one host
-        notes += ("cpu_experts: not with several GPUs yet (each GPU's process would compute its share of the experts "
-                  "on the same host cores; never measured): no expert on cpu",)
-    elif policy.cpu_experts:  # each strategy's placement with its best share on cpu: the fastest request of those
+    if policy.cpu_experts:  # each strategy's placement with its best share on cpu: the fastest request of those
         fits = lambda f: f.total + room(f.place) <= budget  # noqa: E731
         tried = [k for i, k in enumerate(fitting)  # a placement two strategies reached: once
                  if not any(strategies[k].place == strategies[j].place for j in fitting[:i])]

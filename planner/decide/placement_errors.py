@@ -75,12 +75,6 @@ def check_cpu(groups: FusedGroups, won: list[set[str]], policy: Policy, tensors:
     GPU sums with the others'; any other tensor would have the CPU run a part of the model's every step, part of
     an expert the rest of it on the GPU's side, and a quantized one nothing (the runtime refuses such plans at
     load). One line per rule, naming up to three tensors."""
-    several = [f"{policy.where(f'rules[{i}].match[0]')}: rules[{i}]" for i, rule in enumerate(policy.rules)
-               if rule.place is CPU and policy.gpus > 1]
-    if several:  # as cpu_experts under mixed says it (mixed.py)
-        raise PolicyError(f"{policy.path}: place: cpu is not with several GPUs yet (each GPU's process would compute "
-                          "its share of the experts on the same host cores; never measured): place those experts on "
-                          "uva, or plan one GPU", several)
     problems = []
     on_cpu = set().union(*(mine for rule, mine in zip(policy.rules, won) if rule.place is CPU))
     for i, (rule, mine) in enumerate(zip(policy.rules, won)):

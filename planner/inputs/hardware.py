@@ -83,6 +83,19 @@ class Hardware:
         """`cpu_expert_alone_gbps`, or its default: cpu_expert_gbps (the field's comment)."""
         return self.cpu_expert_alone_gbps or self.cpu_expert_gbps
 
+    def one_of(self, gpus: int) -> "Hardware":
+        """One GPU's process of `gpus` that share one host (tensor parallelism): its link copies at
+        `parallel_h2d_copy_gbps` while the others copy too, and its experts on cpu get 1/gpus of the host: of its
+        cores (`cpu_threads // gpus` threads, at least one) and of what they read (`cpu_expert_gbps` and
+        `cpu_expert_alone_gbps` / gpus), since every process's threads read the one host memory at once. Limit:
+        the host's share is an even split, not measured per process count."""
+        if gpus <= 1:
+            return self
+        return dataclasses.replace(self, h2d_copy_gbps=self.parallel_h2d_copy_gbps,
+                                   cpu_threads=max(1, self.cpu_threads // gpus),
+                                   cpu_expert_gbps=self.cpu_expert_gbps / gpus,
+                                   cpu_expert_alone_gbps=self.cpu_expert_alone_gbps / gpus)
+
 
 H100 = Hardware(
     name="NVIDIA H100 80GB HBM3 (PCIe Gen5 host link)",

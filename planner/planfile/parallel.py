@@ -30,7 +30,7 @@ def parallel_problems(plan: Plan, at, tensors: Mapping[str, TensorInfo] | None =
     if par is None:
         return []
     problems = []
-    layers = sum(l.gpu + l.uva + l.prefetch for l in plan.layers)
+    layers = sum(l.gpu + l.uva + l.prefetch + l.cpu for l in plan.layers)
     if tensors is not None and layers != (local := sum(t.nbytes for t in tensors.values())):
         problems.append(f"{at('layers')}: add up to {layers} bytes, but one GPU's share of the checkpoint "
                         f"(parallel.split over {par.gpus} GPUs) is {local}")

@@ -9,6 +9,8 @@ import json
 import pytest
 
 from headeronly import tp_checkpoint, write_policy
+from planner.inputs.hardware import H100
+from planner.plan import Placement
 from planner.planfile import load_plan
 from planner.planfile.diff import diff_data, diff_text
 from test_cli import assert_one_error, run
@@ -148,3 +150,21 @@ def test_diff_of_another_split_or_only_other_collectives_is_a_difference(work, c
     assert (d["same"], d["parallel"]) == (False, {"collectives": {"old": {"per_step": 5, "us": 49},
                                                                   "new": {"per_step": 5, "us": 98}}})
     assert diff_text(d)[0] == "collectives per step: 5 (unchanged), predicted 0.049 ms -> 0.098 ms"
+
+
+def test_experts_on_cpu_are_planned_as_each_gpus_share_with_its_share_of_the_host(work, capsys):
+    """Each GPU's process computes its share of the routed experts on cpu with its share of the host's cores
+    (hardware.py `one_of`): the plan names each process's threads, half the profile's on 2 GPUs, counts one GPU's
+    share of the experts on cpu, and every reader takes it."""
+    write_policy(work, "gpus: 2\nrules:\n  - {match: [experts], place: cpu}\n"
+                 "workload: {experts_per_token: 1, prompt_tokens: 1}\n", name="cpu.policy.yaml", head=HEAD)
+    assert run(capsys, "build", "cpu.policy.yaml")[0] == 0
+    assert run(capsys, "check", "cpu.plan.yaml")[0] == 0
+    plan, two = load_plan(work / "cpu.plan.yaml"), load_plan(work / "two.plan.yaml")
+    assert plan.cost.cpu_threads == H100.cpu_threads // 2
+    experts = [n for n in plan.params if ".experts." in n]
+    assert [n for n, p in plan.params.items() if p is Placement.CPU] == experts
+    assert plan.summary.cpu_bytes == sum(l.cpu for l in plan.layers) == 4 * 3 * 4096  # 4 experts x 3 x 4 KiB each
+    assert plan.summary.cpu_bytes + plan.summary.gpu_bytes == two.summary.gpu_bytes + two.summary.uva_bytes
+    out = run(capsys, "show", "cpu.plan.yaml")[1]
+    assert "host CPU per GPU: computes 48.0 KiB of routed experts with 7 threads (assumed: 37.5 GB/s" in out

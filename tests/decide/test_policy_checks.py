@@ -1,5 +1,5 @@
 """What a policy may not ask, and what mixed does not do for nothing: refusals and choices a policy-authoring review
-found wrong (place: cpu with several GPUs, a top-k above a layer's experts, a cpu share that gains no time)."""
+found wrong (a top-k above a layer's experts, a cpu share that gains no time)."""
 from __future__ import annotations
 
 import dataclasses
@@ -32,15 +32,6 @@ def test_mixed_puts_no_expert_on_cpu_where_the_request_is_no_faster_for_it():
     assert note.startswith("cpu_experts: no expert on cpu: predicted request")
     ms = re.findall(r"(\d+\.\d+) ms", note)
     assert ms[0] == ms[1]  # a tie
-
-
-def test_place_cpu_with_several_gpus_is_refused_naming_the_rule():
-    """Its plan was written, then refused by every reader (the share check left the cpu bytes out): a policy
-    review found it."""
-    with pytest.raises(PolicyError) as e:
-        plan_of(moe_toy(2), dataclasses.replace(policy(rules=[(["experts"], "cpu")]), gpus=2))
-    assert str(e.value).splitlines()[0].startswith("test.policy.yaml: place: cpu is not with several GPUs yet")
-    assert e.value.problems == ["test.policy.yaml: rules[0]"]
 
 
 def test_a_top_k_above_a_layers_experts_is_refused():

@@ -12,6 +12,8 @@ each other in both (the all-reduce hands every process the same sum).
 """
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -19,6 +21,7 @@ pytest.importorskip("transformers")
 
 from offplan.cli import main  # noqa: E402
 from planner.errors import OffplanError, StalePlanError  # noqa: E402
+from planner.inputs.hardware import H100, dumps_hardware  # noqa: E402
 from runtime.execute.generation import PlainHandle  # noqa: E402
 from runtime.distributed.launch import run_ranks  # noqa: E402
 
@@ -33,7 +36,9 @@ MOE = qwen3_moe_config(moe_intermediate_size=64)
 TOLERANCE = {torch.bfloat16: 0.02, torch.float32: 1e-5}  # of the largest logit's magnitude (module doc)
 POLICIES = {"gpu": "gpus: 2", "uva": "gpus: 2\nuva: {offload_gib: 0.0002}",
             "prefetch": "gpus: 2\nprefetch: {group_size: 2, num_in_group: 1, step: 2}",
-            "experts": "gpus: 2\nrules:\n  - {match: [experts], place: uva}"}
+            "experts": "gpus: 2\nrules:\n  - {match: [experts], place: uva}",
+            # each process computes its share of the experts on the host with 1 thread (hw.yaml: 2 for 2 processes)
+            "cpu": "gpus: 2\nhardware: hw.yaml\nrules:\n  - {match: [experts], place: cpu}"}
 
 
 @pytest.fixture(scope="module")
@@ -45,11 +50,17 @@ def checkpoints(tmp_path_factory):
     return made
 
 
+def _hardware(tmp_path):
+    """The profile the "cpu" policy names: 2 host threads, 1 for each process."""
+    (tmp_path / "hw.yaml").write_text(dumps_hardware(dataclasses.replace(H100, cpu_threads=2)))
+
+
 def _plans(tmp_path, checkpoints):
+    _hardware(tmp_path)
     plans = {}
     for kind in ("llama", "moe", "llama32", "moe32"):
         for name, body in POLICIES.items():
-            if name == "experts" and kind.startswith("llama") or kind.endswith("32") and name == "gpu":
+            if name in ("experts", "cpu") and kind.startswith("llama") or kind.endswith("32") and name == "gpu":
                 continue
             plans[kind, name] = str(make_plan(tmp_path, checkpoints[kind], body, name=f"{kind}-{name}"))
     return plans
@@ -81,6 +92,10 @@ def test_two_processes_compute_what_one_does(tmp_path, checkpoints):
         layers = ref.config.num_hidden_layers
         assert zero["hooks"] == (2 * layers, 1)  # o_proj and the MLP or experts of each layer; the head
         assert zero["bytes"] == one["bytes"] and sum(zero["bytes"]) < sum(p.nbytes for p in ref.parameters())
+        if name == "cpu":  # each process's host computed its share, with its one thread
+            assert zero["host"][0] == one["host"][0] == 1 and zero["host"][1] > 0 and one["host"][1] > 0
+        else:
+            assert zero["host"] is None
 
 
 def test_fp8_shares_compute_what_one_process_does(tmp_path, checkpoints):
@@ -88,9 +103,10 @@ def test_fp8_shares_compute_what_one_process_does(tmp_path, checkpoints):
     share of the weights with its share of the scales. Against the same FP8 checkpoint in one process: float32
     tokens equal, bf16 logits within TOLERANCE (module doc)."""
     plans, single = {}, {}
+    _hardware(tmp_path)
     for kind in ("moe", "moe32"):
         fp8 = write_fp8(checkpoints[kind], tmp_path / f"{kind}-fp8", block=16)
-        for name in ("uva", "experts"):
+        for name in ("uva", "experts") + (("cpu",) if kind == "moe" else ()):  # the host computes FP8 in bf16
             plans[kind, name] = str(make_plan(tmp_path, fp8, POLICIES[name], name=f"{kind}-fp8-{name}"))
         single[kind] = str(make_plan(tmp_path, fp8, "rules:\n  - {match: [experts], place: uva}",
                                      name=f"{kind}-fp8-one"))
