@@ -92,10 +92,27 @@ def test_two_processes_compute_what_one_does(tmp_path, checkpoints):
         layers = ref.config.num_hidden_layers
         assert zero["hooks"] == (2 * layers, 1)  # o_proj and the MLP or experts of each layer; the head
         assert zero["bytes"] == one["bytes"] and sum(zero["bytes"]) < sum(p.nbytes for p in ref.parameters())
-        if name == "cpu":  # each process's host computed its share, with its one thread
-            assert zero["host"][0] == one["host"][0] == 1 and zero["host"][1] > 0 and one["host"][1] > 0
-        else:
-            assert zero["host"] is None
+
+
+def host_share(rank: int, plan: str) -> tuple[int, int]:
+    """One process of test_each_process_computes_its_share_of_the_experts_on_its_own_host_threads: its host
+    engine's threads, and the forwards it computed experts in over a short greedy decode."""
+    from runtime.hf import from_pretrained
+    model, handle = from_pretrained(plan, device="cpu", progress=False)
+    try:
+        handle.generate(torch.tensor(PROMPT), 4, eager=True)
+        return handle.host_experts.threads, handle.host_experts.host_calls
+    finally:
+        handle.remove(restore=False)
+
+
+def test_each_process_computes_its_share_of_the_experts_on_its_own_host_threads(tmp_path, checkpoints):
+    """A plan for 2 GPUs names each process's host threads (half the profile's 2); each process's host computes
+    its share of the experts on cpu, in every forward of the prompt and the decode."""
+    _hardware(tmp_path)
+    plan = make_plan(tmp_path, checkpoints["moe"], POLICIES["cpu"], name="host")
+    for threads, calls in run_ranks(host_share, 2, str(plan), device="cpu"):
+        assert threads == 1 and calls >= 2 * MOE.num_hidden_layers  # the prompt's and at least one step's layers
 
 
 def test_fp8_shares_compute_what_one_process_does(tmp_path, checkpoints):
