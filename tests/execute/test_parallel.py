@@ -27,7 +27,8 @@ from runtime.distributed.launch import run_ranks  # noqa: E402
 
 from parallel_ranks import PROMPT, load_and_run, load_with  # noqa: E402
 from quantized_models import write_fp8  # noqa: E402
-from tiny_models import llama_config, logits, make_plan, qwen3_moe_config, reference, save_model  # noqa: E402
+from tiny_models import (deepseek_v3_config, llama_config, logits, make_plan, qwen3_moe_config,  # noqa: E402
+                         reference, save_model)
 
 # each GPU's share of the experts' intermediate features is 32, as one GPU's whole is in the other tests: at 16,
 # torch's grouped_mm (transformers' default experts implementation) failed in a CUDA graph capture on the H200
@@ -92,6 +93,35 @@ def test_two_processes_compute_what_one_does(tmp_path, checkpoints):
         layers = ref.config.num_hidden_layers
         assert zero["hooks"] == (2 * layers, 1)  # o_proj and the MLP or experts of each layer; the head
         assert zero["bytes"] == one["bytes"] and sum(zero["bytes"]) < sum(p.nbytes for p in ref.parameters())
+
+
+def test_deepseek_v3_shares_compute_what_one_process_does(tmp_path):
+    """DeepSeek-V3 (tiny: MLA, a dense first layer, then routed experts and a shared one): transformers' plan
+    leaves its attention whole on every process and splits its MLPs and experts, on uva, on cpu or on the GPU's
+    side. Against transformers in one process, within TOLERANCE (module doc); float32 tokens equal."""
+    _hardware(tmp_path)
+    plans, checkpoints = {}, {}
+    for dtype in (torch.bfloat16, torch.float32):
+        kind = str(dtype).removeprefix("torch.")
+        checkpoints[dtype] = save_model(deepseek_v3_config(), tmp_path / f"ds-{kind}", dtype=dtype)
+        for name in ("uva", "experts", "cpu"):
+            plans[dtype, name] = str(make_plan(tmp_path, checkpoints[dtype], POLICIES[name], name=f"ds-{kind}-{name}"))
+    zero, one = run_ranks(load_and_run, 2, list(plans.values()), "cpu", device="cpu")
+    for (dtype, name), a, b in zip(plans, zero, one):
+        ref = reference(checkpoints[dtype], dtype=dtype)
+        want = logits(ref)
+        assert torch.equal(a["logits"], b["logits"]) and a["tokens"] == b["tokens"], (dtype, name)
+        err = (a["logits"].float() - want.float()).abs().max().item()
+        assert err <= TOLERANCE[dtype] * want.float().abs().max().item(), (dtype, name, err)
+        if dtype is torch.float32:
+            assert a["tokens"] == PlainHandle(ref).generate(torch.tensor(PROMPT), 8).tokens, name
+        full = {n: tuple(p.shape) for n, p in ref.named_parameters()}
+        for param, dim in (("self_attn.q_b_proj.weight", None), ("mlp.experts.gate_up_proj", 1),
+                           ("mlp.experts.down_proj", 2), ("mlp.shared_experts.down_proj.weight", 1)):
+            shape = list(full[f"model.layers.1.{param}"])
+            if dim is not None:
+                shape[dim] //= 2
+            assert a["shapes"][f"model.layers.1.{param}"] == tuple(shape), (name, param)
 
 
 def host_share(rank: int, plan: str) -> tuple[int, int]:
