@@ -9,7 +9,7 @@ from ..errors import CheckpointError, PolicyError
 from ..files import relpath
 from ..inputs.checkpoint import INDEX_NAME, Checkpoint, open_checkpoint
 from ..inputs.config import read_config
-from ..inputs.hardware import H100, load_hardware
+from ..inputs.hardware import H100, Hardware, load_hardware
 from ..inputs.patterns import Names, closest
 from ..inputs.policy import Policy, load_policy
 from ..inputs.prefused import prefused_key
@@ -87,7 +87,7 @@ def _refuse_missing_layers(graph, layers: int | None, root: Path) -> None:
                           "config.json")
 
 
-def _refuse_threadless(policy: Policy, hardware) -> None:
+def _refuse_threadless(policy: Policy, hardware: Hardware) -> None:
     """Experts on cpu over more GPUs than the profile's host threads: each GPU's process would get none
     (hardware.py `one_of`)."""
     if hardware.cpu_threads >= policy.gpus:

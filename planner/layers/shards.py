@@ -30,7 +30,7 @@ against transformers' plan for the model it loads (runtime/place/shards.py):
   which is not split: then it stays whole on every GPU.
 Everything else (embeddings, norms, routers) is whole on every GPU, and
 deepseek_v3's attention too (MLA: transformers' plan splits none of its
-projections; DeepSeek-V3's and Kimi-K2's weights are nearly all experts). The
+projections; DeepSeek-V3's weights are nearly all experts). The
 plan is keyed by checkpoint names; `split` names them by template, numbers
 replaced by `*` (`model.layers.*.mlp.experts.*.down_proj.weight`), as
 transformers' plans do.

@@ -169,7 +169,8 @@ def test_experts_on_cpu_are_planned_as_each_gpus_share_with_its_share_of_the_hos
     assert plan.summary.cpu_bytes + plan.summary.gpu_bytes == two.summary.gpu_bytes + two.summary.uva_bytes
     out = run(capsys, "show", "cpu.plan.yaml")[1]
     assert out.startswith("plan for ckpt/model.safetensors: 45 tensors, 177.8 KiB (97.8 KiB on each GPU)")
-    assert "host CPU per GPU: computes 48.0 KiB of routed experts with 7 threads (assumed: 35 GB/s and 100 us a call)" in out
+    assert "host CPU per GPU: computes 48.0 KiB of routed experts with 7 threads (assumed: 35 GB/s and 100 us a " \
+           "call)" in out
 
 
 def test_experts_on_cpu_over_more_gpus_than_host_threads_is_one_error(work, capsys):
