@@ -146,6 +146,18 @@ def deepseek_v3_config(**overrides):
     return DeepseekV3Config(**kw)
 
 
+def glm4_moe_config(**overrides):
+    """GLM-4.5's structure: q, k and v biases, q/k norms, half the head rotated, a dense first layer, then routed
+    experts (sigmoid scores with a correction bias, as DeepSeek-V3) and a shared expert."""
+    from transformers import Glm4MoeConfig
+    kw = dict(vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=16, first_k_dense_replace=1, n_shared_experts=1,
+              n_routed_experts=4, num_experts_per_tok=2, attention_bias=True, use_qk_norm=True,
+              partial_rotary_factor=0.5, max_position_embeddings=128, tie_word_embeddings=False)
+    kw.update(overrides)
+    return Glm4MoeConfig(**kw)
+
+
 def gpt_oss_config(**overrides):
     """Alternating sliding-window and full attention (window 8: the test prompts pass it), attention sinks,
     4 experts with biases fused as [E, H, 2I], YaRN rope scaled to 128 positions; saved in bf16 (not MXFP4)."""

@@ -22,7 +22,7 @@ against transformers' plan for the model it loads (runtime/place/shards.py):
   the split per-expert tensors;
 - rowwise, split along dim 1 (input features): attention's o projection, the
   MLP's down projection, each expert's down (`w2`) and the shared experts'
-  (deepseek_v3's gate and up colwise too). Such a module computes a
+  (deepseek_v3's and glm4_moe's; their gate and up colwise). Such a module computes a
   partial sum: its output is summed over the GPUs (an all-reduce): `reduce`
   lists those modules, an experts module once for all its experts;
 - the head (`lm_head`, `colwise_gather_output`): split along dim 0 (the
@@ -81,7 +81,8 @@ _SHARED = ((r"^(.*\.shared_experts\.(gate|up)_proj)\.weight$", 0, ""),
            (r"^(.*\.shared_experts\.down_proj)\.weight$", 1, r"\1"))
 TP_PLANS = {"llama": _ATTENTION + _MLP, "mistral": _ATTENTION + _MLP, "qwen2": _ATTENTION + _MLP,
             "qwen3": _ATTENTION + _MLP, "qwen3_moe": _ATTENTION + _MLP + _EXPERTS,
-            "mixtral": _ATTENTION + _EXPERTS, "deepseek_v3": _MLP + _SHARED + _EXPERTS}
+            "mixtral": _ATTENTION + _EXPERTS, "deepseek_v3": _MLP + _SHARED + _EXPERTS,
+            "glm4_moe": _ATTENTION + _MLP + _SHARED + _EXPERTS}
 _HEADS = {k for k, v in TP_PLANS.items() if _ATTENTION[0] in v}  # plans that split attention by heads
 HEAD = "lm_head"
 _COMPILED = {k: tuple((re.compile(p), d, r) for p, d, r in v) for k, v in TP_PLANS.items()}

@@ -47,8 +47,8 @@ def test_build_of_a_model_type_offplan_cannot_split_is_one_error_and_writes_noth
     code, out, err = run(capsys, "build", "gpt2.policy.yaml")
     assert_one_error(code, out, err, "error: gpt2.policy.yaml:3:7: gpus: 2: tensor parallelism cannot split ckpt\n"
                      "  - config.json: model_type 'gpt2': offplan knows transformers' tensor-parallel plan of "
-                     "deepseek_v3, llama, mistral, mixtral, qwen2, qwen3, qwen3_moe only; plan this model on one GPU "
-                     "(`gpus: 1`)\n")
+                     "deepseek_v3, glm4_moe, llama, mistral, mixtral, qwen2, qwen3, qwen3_moe only; plan this model on one "
+                     "GPU (`gpus: 1`)\n")
     assert not (tmp_path / "gpt2.plan.yaml").exists()
 
 

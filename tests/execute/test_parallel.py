@@ -28,8 +28,8 @@ from runtime.distributed.launch import run_ranks  # noqa: E402
 
 from parallel_ranks import PROMPT, load_and_run, load_with  # noqa: E402
 from quantized_models import write_fp8  # noqa: E402
-from tiny_models import (deepseek_v3_config, llama_config, logits, make_plan, qwen3_moe_config,  # noqa: E402
-                         reference, save_model)
+from tiny_models import (deepseek_v3_config, glm4_moe_config, llama_config, logits, make_plan,  # noqa: E402
+                         qwen3_moe_config, reference, save_model)
 
 # each GPU's share of the experts' intermediate features is 32, as one GPU's whole is in the other tests: at 16,
 # torch's grouped_mm (transformers' default experts implementation) failed in a CUDA graph capture on the H200
@@ -96,17 +96,29 @@ def test_two_processes_compute_what_one_does(tmp_path, checkpoints):
         assert zero["bytes"] == one["bytes"] and sum(zero["bytes"]) < sum(p.nbytes for p in ref.parameters())
 
 
-def test_deepseek_v3_shares_compute_what_one_process_does(tmp_path):
-    """DeepSeek-V3 (tiny: MLA, a dense first layer, then routed experts and a shared one): transformers' plan
-    leaves its attention whole on every process and splits its MLPs and experts, on uva, on cpu or on the GPU's
-    side. Against transformers in one process, within TOLERANCE (module doc); float32 tokens equal."""
+# per family with shared experts: its config, and (parameter of layer 1, the dim each process holds half of; None:
+# whole on every process)
+SHARED = {"deepseek_v3": (deepseek_v3_config, (("self_attn.q_b_proj.weight", None), ("mlp.experts.gate_up_proj", 1),
+                                               ("mlp.experts.down_proj", 2),
+                                               ("mlp.shared_experts.down_proj.weight", 1))),
+          "glm4_moe": (glm4_moe_config, (("self_attn.q_proj.bias", 0), ("self_attn.o_proj.weight", 1),
+                                         ("mlp.experts.gate_up_proj", 1), ("mlp.shared_experts.up_proj.weight", 0)))}
+
+
+@pytest.mark.parametrize("family", list(SHARED))
+def test_shared_experts_families_share_what_one_process_computes(tmp_path, family):
+    """DeepSeek-V3 (tiny: MLA, whose attention transformers' plan leaves whole on every process) and GLM-4.5
+    (attention split by heads, its q, k and v biases with their weights), each with a dense first layer, then
+    routed experts and a shared one, on uva, on cpu or on the GPU's side. Against transformers in one process,
+    within TOLERANCE (module doc); float32 tokens equal."""
+    make_config, params = SHARED[family]
     _hardware(tmp_path)
     plans, checkpoints = {}, {}
     for dtype in (torch.bfloat16, torch.float32):
         kind = str(dtype).removeprefix("torch.")
-        checkpoints[dtype] = save_model(deepseek_v3_config(), tmp_path / f"ds-{kind}", dtype=dtype)
+        checkpoints[dtype] = save_model(make_config(), tmp_path / kind, dtype=dtype)
         for name in ("uva", "experts", "cpu"):
-            plans[dtype, name] = str(make_plan(tmp_path, checkpoints[dtype], POLICIES[name], name=f"ds-{kind}-{name}"))
+            plans[dtype, name] = str(make_plan(tmp_path, checkpoints[dtype], POLICIES[name], name=f"{kind}-{name}"))
     zero, one = run_ranks(load_and_run, 2, list(plans.values()), "cpu", device="cpu")
     for (dtype, name), a, b in zip(plans, zero, one):
         ref = reference(checkpoints[dtype], dtype=dtype)
@@ -117,8 +129,7 @@ def test_deepseek_v3_shares_compute_what_one_process_does(tmp_path):
         if dtype is torch.float32:
             assert a["tokens"] == PlainHandle(ref).generate(torch.tensor(PROMPT), 8).tokens, name
         full = {n: tuple(p.shape) for n, p in ref.named_parameters()}
-        for param, dim in (("self_attn.q_b_proj.weight", None), ("mlp.experts.gate_up_proj", 1),
-                           ("mlp.experts.down_proj", 2), ("mlp.shared_experts.down_proj.weight", 1)):
+        for param, dim in params:
             shape = list(full[f"model.layers.1.{param}"])
             if dim is not None:
                 shape[dim] //= 2

@@ -11,7 +11,7 @@ from synthetic import deepseek_v3, llama, qwen3_moe
 
 LLAMA = dict(layers=2, hidden=64, intermediate=128, heads=4, kv_heads=2, vocab=256)
 MOE = dict(layers=2, hidden=64, experts=4, moe_intermediate=32, heads=4, kv_heads=2, head_dim=16, vocab=128)
-KNOWN = "deepseek_v3, llama, mistral, mixtral, qwen2, qwen3, qwen3_moe"
+KNOWN = "deepseek_v3, glm4_moe, llama, mistral, mixtral, qwen2, qwen3, qwen3_moe"
 
 
 def facts(model_type="llama", heads=4, kv_heads=2, hidden=64, tied=False) -> ModelFacts:
@@ -82,6 +82,26 @@ def test_deepseek_v3_splits_its_mlps_and_experts_and_leaves_its_attention_whole(
     with_scales = {t: d for w, dim in dims.items() for t, d in ((w, dim), (w + "_scale_inv", dim))}
     assert split == Split(2, {**with_scales, "lm_head.weight": 0},
                           (f"{mlp}.down_proj", f"{mlp}.experts", f"{mlp}.shared_experts.down_proj"), ("lm_head",))
+
+
+def test_glm4_moe_splits_attention_with_its_biases_and_the_shared_experts():
+    """GLM-4.5: Qwen3-MoE's layer with q, k and v biases and a shared expert; the biases split with their weights,
+    the shared expert's down is summed as the routed experts' are."""
+    tensors = list(qwen3_moe(**MOE))
+    for i in range(MOE["layers"]):
+        p = f"model.layers.{i}"
+        tensors += [(f"{p}.self_attn.{x}_proj.bias", "BF16", (64 if x == "q" else 32,)) for x in "qkv"]
+        tensors += [(f"{p}.mlp.shared_experts.{x}_proj.weight", "BF16", (32, 64)) for x in ("gate", "up")]
+        tensors += [(f"{p}.mlp.shared_experts.down_proj.weight", "BF16", (64, 32))]
+    split, problems = find_split(infos(tensors), facts("glm4_moe"), 2)
+    assert problems == []
+    shared = "model.layers.*.mlp.shared_experts"
+    assert {t: d for t, d in split.dims.items() if ".bias" in t or "shared" in t} == {
+        f"{ATTN}.q_proj.bias": 0, f"{ATTN}.k_proj.bias": 0, f"{ATTN}.v_proj.bias": 0,
+        f"{shared}.gate_proj.weight": 0, f"{shared}.up_proj.weight": 0, f"{shared}.down_proj.weight": 1}
+    assert split.reduce == (f"{ATTN}.o_proj", "model.layers.*.mlp.experts", f"{shared}.down_proj")
+    assert find_split(infos(tensors), facts("glm4_moe", heads=3), 2)[1] == [
+        "config.json: num_attention_heads is 3, which 2 GPUs cannot share evenly: use a GPU count that divides it"]
 
 
 def test_mixtral_names_its_experts_w1_w2_w3():
