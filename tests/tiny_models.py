@@ -158,6 +158,20 @@ def glm4_moe_config(**overrides):
     return Glm4MoeConfig(**kw)
 
 
+def qwen3_next_config(**overrides):
+    """Qwen3-Next's structure: linear attention (gated delta rule, a causal conv) in three layers of four, gated full
+    attention in the fourth with a quarter of the head rotated, every layer's routed experts beside a gated shared
+    expert."""
+    from transformers import Qwen3NextConfig
+    kw = dict(vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+              shared_expert_intermediate_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+              head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+              linear_value_head_dim=16, num_experts=4, num_experts_per_tok=2, max_position_embeddings=128,
+              tie_word_embeddings=False)
+    kw.update(overrides)
+    return Qwen3NextConfig(**kw)
+
+
 def gpt_oss_config(**overrides):
     """Alternating sliding-window and full attention (window 8: the test prompts pass it), attention sinks,
     4 experts with biases fused as [E, H, 2I], YaRN rope scaled to 128 positions; saved in bf16 (not MXFP4)."""
