@@ -252,11 +252,11 @@ def auto_class(config):
     return transformers.AutoModelForCausalLM
 
 
-def save_family(config, directory: Path, seed: int = 0, shard: str = "40KB") -> Path:
+def save_family(config, directory: Path, seed: int = 0, shard: str = "40KB", dtype=torch.bfloat16) -> Path:
     """As save_model, for any family: its own model class; 1-dim persistent buffers (DeepSeek-V3's router
     correction bias) are randomised too, so that a misplaced one shows."""
     torch.manual_seed(seed)
-    model = auto_class(config).from_config(config, dtype=torch.bfloat16)
+    model = auto_class(config).from_config(config, dtype=dtype)
     state = model.state_dict(keep_vars=True)
     with torch.no_grad():
         for name, t in state.items():

@@ -5,8 +5,9 @@ Why: a host's GPUs each have their own PCIe link. If every GPU holds its
 share of every layer, a decode step reads each offloaded tensor over all the
 links at once, and the links add up (55 GB/s each for copies, 50 for UVA
 reads, measured together on two GPUs: 49 and 50.5 each). Splitting whole
-layers between GPUs instead (a pipeline) leaves each link idle while the
-other GPU computes, at batch 1 nothing gained.
+layers between GPUs instead (a pipeline, not built) streams only what all the
+GPUs' memory together leaves out, one stage at a time: at batch 1 about 1/G
+of tensor parallelism's speed with equal budgets (docs/pipeline/README.md).
 
 What splits is transformers' own tensor-parallel plan (`base_model_tp_plan`
 of the config class, `_tp_plan` of the model) for the model types listed in

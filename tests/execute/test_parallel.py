@@ -29,7 +29,7 @@ from runtime.distributed.launch import run_ranks  # noqa: E402
 from parallel_ranks import PROMPT, load_and_run, load_with  # noqa: E402
 from quantized_models import write_fp8  # noqa: E402
 from tiny_models import (deepseek_v3_config, glm4_moe_config, llama_config, logits, make_plan,  # noqa: E402
-                         qwen3_moe_config, reference, save_model)
+                         qwen3_moe_config, reference, save_family, save_model)
 
 # each GPU's share of the experts' intermediate features is 32, as one GPU's whole is in the other tests: at 16,
 # torch's grouped_mm (transformers' default experts implementation) failed in a CUDA graph capture on the H200
@@ -116,7 +116,7 @@ def test_shared_experts_families_share_what_one_process_computes(tmp_path, famil
     plans, checkpoints = {}, {}
     for dtype in (torch.bfloat16, torch.float32):
         kind = str(dtype).removeprefix("torch.")
-        checkpoints[dtype] = save_model(make_config(), tmp_path / kind, dtype=dtype)
+        checkpoints[dtype] = save_family(make_config(), tmp_path / kind, dtype=dtype)  # the routers' biases too
         for name in ("uva", "experts", "cpu"):
             plans[dtype, name] = str(make_plan(tmp_path, checkpoints[dtype], POLICIES[name], name=f"{kind}-{name}"))
     zero, one = run_ranks(load_and_run, 2, list(plans.values()), "cpu", device="cpu")
