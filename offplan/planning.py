@@ -5,6 +5,7 @@ import difflib
 import json
 import os
 import sys
+from functools import lru_cache
 from pathlib import Path
 
 from planner.decide.build import build, default_output
@@ -167,8 +168,13 @@ def validate_command(args) -> int:
 
 def _offplans(key) -> bool:
     """Whether a top-level key is, or nearly is (a misspelling: `chekpoint`), one of a policy's or a profile's."""
-    known = [k for name in ("policy", "hardware", "routing") for k in schema(f"{name}.schema.json")["properties"]]
-    return bool(difflib.get_close_matches(str(key), known, n=1, cutoff=0.85))
+    return bool(difflib.get_close_matches(str(key), _known_keys(), n=1, cutoff=0.85))
+
+
+@lru_cache(maxsize=None)
+def _known_keys() -> tuple[str, ...]:
+    """The top-level keys of a policy, a hardware profile and a routing profile, as their schemas name them."""
+    return tuple(k for name in ("policy", "hardware", "routing") for k in schema(f"{name}.schema.json")["properties"])
 
 
 def check_command(args) -> int:

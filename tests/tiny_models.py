@@ -146,6 +146,32 @@ def deepseek_v3_config(**overrides):
     return DeepseekV3Config(**kw)
 
 
+def glm4_moe_config(**overrides):
+    """GLM-4.5's structure: q, k and v biases, q/k norms, half the head rotated, a dense first layer, then routed
+    experts (sigmoid scores with a correction bias, as DeepSeek-V3) and a shared expert."""
+    from transformers import Glm4MoeConfig
+    kw = dict(vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=16, first_k_dense_replace=1, n_shared_experts=1,
+              n_routed_experts=4, num_experts_per_tok=2, attention_bias=True, use_qk_norm=True,
+              partial_rotary_factor=0.5, max_position_embeddings=128, tie_word_embeddings=False)
+    kw.update(overrides)
+    return Glm4MoeConfig(**kw)
+
+
+def qwen3_next_config(**overrides):
+    """Qwen3-Next's structure: linear attention (gated delta rule, a causal conv) in three layers of four, gated full
+    attention in the fourth with a quarter of the head rotated, every layer's routed experts beside a gated shared
+    expert."""
+    from transformers import Qwen3NextConfig
+    kw = dict(vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+              shared_expert_intermediate_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+              head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+              linear_value_head_dim=16, num_experts=4, num_experts_per_tok=2, max_position_embeddings=128,
+              tie_word_embeddings=False)
+    kw.update(overrides)
+    return Qwen3NextConfig(**kw)
+
+
 def gpt_oss_config(**overrides):
     """Alternating sliding-window and full attention (window 8: the test prompts pass it), attention sinks,
     4 experts with biases fused as [E, H, 2I], YaRN rope scaled to 128 positions; saved in bf16 (not MXFP4)."""
@@ -226,11 +252,11 @@ def auto_class(config):
     return transformers.AutoModelForCausalLM
 
 
-def save_family(config, directory: Path, seed: int = 0, shard: str = "40KB") -> Path:
+def save_family(config, directory: Path, seed: int = 0, shard: str = "40KB", dtype=torch.bfloat16) -> Path:
     """As save_model, for any family: its own model class; 1-dim persistent buffers (DeepSeek-V3's router
     correction bias) are randomised too, so that a misplaced one shows."""
     torch.manual_seed(seed)
-    model = auto_class(config).from_config(config, dtype=torch.bfloat16)
+    model = auto_class(config).from_config(config, dtype=dtype)
     state = model.state_dict(keep_vars=True)
     with torch.no_grad():
         for name, t in state.items():

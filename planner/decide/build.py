@@ -9,7 +9,7 @@ from ..errors import CheckpointError, PolicyError
 from ..files import relpath
 from ..inputs.checkpoint import INDEX_NAME, Checkpoint, open_checkpoint
 from ..inputs.config import read_config
-from ..inputs.hardware import H100, load_hardware
+from ..inputs.hardware import H100, Hardware, load_hardware
 from ..inputs.patterns import Names, closest
 from ..inputs.policy import Policy, load_policy
 from ..inputs.prefused import prefused_key
@@ -20,7 +20,7 @@ from ..layers.graph import build_graph
 from ..layers.scales import layer_pairs
 from ..layers.shards import collectives, find_split, local_tensors
 from ..nogc import no_gc
-from ..plan import Built, Parallel, Plan, RoutingRef, Runs
+from ..plan import Built, Parallel, Placement, Plan, RoutingRef, Runs
 from ..provenance import inputs_fingerprint, version
 from .notes import parallel_notes
 from .placement import decide
@@ -87,6 +87,21 @@ def _refuse_missing_layers(graph, layers: int | None, root: Path) -> None:
                           "config.json")
 
 
+def _refuse_threadless(policy: Policy, hardware: Hardware) -> None:
+    """Experts on cpu over more GPUs than the profile's host threads: each GPU's process would get none
+    (hardware.py `one_of`)."""
+    if hardware.cpu_threads >= policy.gpus:
+        return
+    asks = [f"{policy.where(f'rules[{i}].match[0]')}: rules[{i}] (place: cpu)"
+            for i, rule in enumerate(policy.rules) if rule.place is Placement.CPU]
+    asks += [f"{policy.where('cpu_experts')}: cpu_experts: true"] if policy.cpu_experts else []
+    if asks:
+        raise PolicyError(f"{policy.path}: experts on cpu over {policy.gpus} GPUs, but the hardware profile's "
+                          f"cpu_threads is {hardware.cpu_threads}: each GPU's process computes its share of the experts "
+                          "with its share of those threads, and would get none; use fewer GPUs, a profile of a host "
+                          "with more cores (`plan calibrate`), or leave the experts on uva", asks)
+
+
 def build(policy: Policy, plan_dir: Path, checkpoint: Checkpoint | None = None) -> Plan:
     """Plan `policy` for a plan file that will live in `plan_dir` (paths are stored relative to it)."""
     with no_gc():
@@ -125,6 +140,7 @@ def _build(policy: Policy, plan_dir: Path, checkpoint: Checkpoint | None) -> Pla
                               f"{ckpt.root}", problems)
         tensors = local_tensors(ckpt.tensors, split.dims, policy.gpus)
         waits = collectives(graph.layers, split, tensors, facts.hidden)
+        _refuse_threadless(policy, hardware)
         hardware = hardware.one_of(policy.gpus)
         parallel = Parallel(policy.gpus, tuple(split.dims.items()), split.reduce, split.gather,
                             policy.gpu_budgets_bytes)

@@ -219,7 +219,8 @@ def on_cpu(fp: Footprint, prediction: Prediction, groups: FusedGroups, model: Co
         # (an eager step bound by its launches) is no gain, and moves the experts to where eager decode is slower
         return fp, prediction, (f"cpu_experts: no expert on cpu: predicted request {ms(prediction)}, against "
                                 f"{ms(p)} at best with {share:.0%} of each layer's uva experts there (the host's "
-                                "figures: the hardware profile's cpu_expert_gbps and cpu_expert_sync_us)")
+                                "figures: cpu_expert_gbps and cpu_expert_sync_us, as plan show's \"host CPU\" line gives "
+                                "them)")
     return f, p, (f"cpu_experts: {share:.0%} of each layer's uva experts on cpu, the least read first: predicted "
                   f"request {ms(p)}, against {ms(prediction)} with none")
 

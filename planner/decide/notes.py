@@ -103,7 +103,9 @@ def notes(o: Outcome) -> tuple[str, ...]:
     if by_rules[CPU]:
         out.append(f"{human(by_rules[CPU])} of routed experts on cpu: the host CPU computes them beside the GPU, as "
                    "the hardware profile's cpu figures predict (cpu_threads host threads; the runtime refuses the "
-                   "plan where fewer cores are free)")
+                   "plan where fewer cores are free)" + (
+                       f"; over {o.policy.gpus} GPUs each process computes its share with its share of the host's "
+                       "threads and reads (plan show's \"host CPU per GPU\")" if o.policy.gpus > 1 else ""))
     out += [f"{WARNING}rules[{i}] places nothing: an earlier rule places every tensor it matches (the first rule "
             "that matches a tensor wins); move it up, or remove it" for i in o.shadowed]  # (no file:line: a plan's
     # notes do not depend on where the policy was named from)

@@ -85,16 +85,18 @@ class Hardware:
 
     def one_of(self, gpus: int) -> "Hardware":
         """One GPU's process of `gpus` that share one host (tensor parallelism): its link copies at
-        `parallel_h2d_copy_gbps` while the others copy too, and its experts on cpu get 1/gpus of the host: of its
-        cores (`cpu_threads // gpus` threads, at least one) and of what they read (`cpu_expert_gbps` and
-        `cpu_expert_alone_gbps` / gpus), since every process's threads read the one host memory at once. Limit:
-        the host's share is an even split, not measured per process count."""
+        `parallel_h2d_copy_gbps` while the others copy too, and its experts on cpu get its share of the host:
+        `cpu_threads // gpus` threads, which read the profile's rates (`cpu_expert_gbps`, `cpu_expert_alone_gbps`)
+        times their share of its threads, since every process's threads read the one host memory at once. Limits:
+        the host's share is even, not measured per process count; with fewer threads than GPUs a process gets
+        none, and build refuses experts on cpu then (decide/build.py)."""
         if gpus <= 1:
             return self
-        return dataclasses.replace(self, h2d_copy_gbps=self.parallel_h2d_copy_gbps,
-                                   cpu_threads=max(1, self.cpu_threads // gpus),
-                                   cpu_expert_gbps=self.cpu_expert_gbps / gpus,
-                                   cpu_expert_alone_gbps=self.cpu_expert_alone_gbps / gpus)
+        threads = self.cpu_threads // gpus
+        share = threads / self.cpu_threads if self.cpu_threads else 0.0
+        return dataclasses.replace(self, h2d_copy_gbps=self.parallel_h2d_copy_gbps, cpu_threads=threads,
+                                   cpu_expert_gbps=self.cpu_expert_gbps * share,
+                                   cpu_expert_alone_gbps=self.cpu_expert_alone_gbps * share)
 
 
 H100 = Hardware(

@@ -5,8 +5,9 @@ Why: a host's GPUs each have their own PCIe link. If every GPU holds its
 share of every layer, a decode step reads each offloaded tensor over all the
 links at once, and the links add up (55 GB/s each for copies, 50 for UVA
 reads, measured together on two GPUs: 49 and 50.5 each). Splitting whole
-layers between GPUs instead (a pipeline) leaves each link idle while the
-other GPU computes, at batch 1 nothing gained.
+layers between GPUs instead (a pipeline, not built) streams only what all the
+GPUs' memory together leaves out, one stage at a time: at batch 1 about 1/G
+of tensor parallelism's speed with equal budgets (docs/pipeline/README.md).
 
 What splits is transformers' own tensor-parallel plan (`base_model_tp_plan`
 of the config class, `_tp_plan` of the model) for the model types listed in
@@ -21,20 +22,23 @@ against transformers' plan for the model it loads (runtime/place/shards.py):
   each GPU holds its share of gate and of up, which is exactly the fusion of
   the split per-expert tensors;
 - rowwise, split along dim 1 (input features): attention's o projection, the
-  MLP's down projection, each expert's down (`w2`). Such a module computes a
+  MLP's down projection, each expert's down (`w2`) and the shared experts'
+  (deepseek_v3's and glm4_moe's; their gate and up colwise). Such a module computes a
   partial sum: its output is summed over the GPUs (an all-reduce): `reduce`
   lists those modules, an experts module once for all its experts;
 - the head (`lm_head`, `colwise_gather_output`): split along dim 0 (the
   vocabulary), its output gathered (`gather`). Not when tied to the embedding,
   which is not split: then it stays whole on every GPU.
-Everything else (embeddings, norms, routers) is whole on every GPU. The
+Everything else (embeddings, norms, routers) is whole on every GPU, and
+deepseek_v3's attention too (MLA: transformers' plan splits none of its
+projections; DeepSeek-V3's weights are nearly all experts). The
 plan is keyed by checkpoint names; `split` names them by template, numbers
 replaced by `*` (`model.layers.*.mlp.experts.*.down_proj.weight`), as
 transformers' plans do.
 
-Each GPU must take whole attention heads and whole key/value heads
-(config.json's `num_attention_heads`, `num_key_value_heads`), and every split
-dimension must divide by the GPU count.
+Where attention splits, each GPU must take whole attention heads and whole
+key/value heads (config.json's `num_attention_heads`, `num_key_value_heads`),
+and every split dimension must divide by the GPU count.
 
 Block-scaled FP8 (`X.weight` F8 with `X.weight_scale_inv`, one scale per
 b0 x b1 block, config.json's `weight_block_size`): the scales split with their
@@ -74,12 +78,16 @@ _MLP = ((r"^(.*\.mlp\.(gate|up)_proj)\.(weight|bias)$", 0, ""),  # a colwise bia
         (r"^(.*\.mlp\.down_proj)\.weight$", 1, r"\1"))
 _EXPERTS = ((r"^(.*\.experts)\.\d+\.(gate_proj|up_proj|w1|w3)\.(weight|bias)$", 0, ""),
             (r"^(.*\.experts)\.\d+\.(down_proj|w2)\.weight$", 1, r"\1"))
+_SHARED = ((r"^(.*\.shared_experts\.(gate|up)_proj)\.weight$", 0, ""),
+           (r"^(.*\.shared_experts\.down_proj)\.weight$", 1, r"\1"))
 TP_PLANS = {"llama": _ATTENTION + _MLP, "mistral": _ATTENTION + _MLP, "qwen2": _ATTENTION + _MLP,
             "qwen3": _ATTENTION + _MLP, "qwen3_moe": _ATTENTION + _MLP + _EXPERTS,
-            "mixtral": _ATTENTION + _EXPERTS}
+            "mixtral": _ATTENTION + _EXPERTS, "deepseek_v3": _MLP + _SHARED + _EXPERTS,
+            "glm4_moe": _ATTENTION + _MLP + _SHARED + _EXPERTS}
+_HEADS = {k for k, v in TP_PLANS.items() if _ATTENTION[0] in v}  # plans that split attention by heads
 HEAD = "lm_head"
 _COMPILED = {k: tuple((re.compile(p), d, r) for p, d, r in v) for k, v in TP_PLANS.items()}
-_BIAS = re.compile(r"^(.*\.(self_attn\.o_proj|mlp\.down_proj|experts\.\d+\.(down_proj|w2)))\.bias$")
+_BIAS = re.compile(r"^(.*\.(self_attn\.o_proj|mlp\.(shared_experts\.)?down_proj|experts\.\d+\.(down_proj|w2)))\.bias$")
 _NUMBER = re.compile(r"\.\d+(?=\.|$)")
 
 
@@ -114,7 +122,8 @@ def find_split(tensors: Mapping[str, TensorInfo], facts: ModelFacts, gpus: int) 
         problems.append(f"config.json: {what}: offplan knows transformers' tensor-parallel plan of {known} only; "
                         "plan this model on one GPU (`gpus: 1`)")
         return Split(gpus, {}, (), ()), problems
-    for key, count in (("num_attention_heads", facts.heads), ("num_key_value_heads", facts.kv_heads)):
+    heads = (("num_attention_heads", facts.heads), ("num_key_value_heads", facts.kv_heads))
+    for key, count in heads if facts.model_type in _HEADS else ():
         if count is None:
             problems.append(f"config.json: no {key}: each GPU takes a whole share of the heads, and offplan cannot "
                             "tell them without it")

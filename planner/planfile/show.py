@@ -128,7 +128,8 @@ def show(plan: Plan, unchecked: str | None = None) -> list[RenderableType | str]
              *([""] if why else [])]
     out: list[RenderableType | str] = [
         f"plan for {plan.checkpoint_path}: {plural(plan.tensors, 'tensor')}, {human(plan.total_bytes)}"
-        + (f" ({human(s.gpu_bytes + s.uva_bytes + s.prefetch_bytes)} on each GPU)" if plan.parallel else "")
+        + (f" ({human(s.gpu_bytes + s.uva_bytes + s.prefetch_bytes + s.cpu_bytes)} on each GPU)"
+           if plan.parallel else "")
         + f", backend {plan.backend.value}", *([parallel_review.headline(plan.parallel)] if plan.parallel else []), "",
         table(["layer", *shown, "slot", "h2d/step", "gpu ms", *(["why"] if why else [])],
               rows, total, "l" + "r" * (len(shown) + 3) + ("l" if why else "")), ""]

@@ -46,8 +46,9 @@ def test_build_of_a_model_type_offplan_cannot_split_is_one_error_and_writes_noth
     write_policy(tmp_path, "gpus: 2\n", name="gpt2.policy.yaml", head=HEAD)
     code, out, err = run(capsys, "build", "gpt2.policy.yaml")
     assert_one_error(code, out, err, "error: gpt2.policy.yaml:3:7: gpus: 2: tensor parallelism cannot split ckpt\n"
-                     "  - config.json: model_type 'gpt2': offplan knows transformers' tensor-parallel plan of llama, "
-                     "mistral, mixtral, qwen2, qwen3, qwen3_moe only; plan this model on one GPU (`gpus: 1`)\n")
+                     "  - config.json: model_type 'gpt2': offplan knows transformers' tensor-parallel plan of "
+                     "deepseek_v3, glm4_moe, llama, mistral, mixtral, qwen2, qwen3, qwen3_moe only; plan this model on one "
+                     "GPU (`gpus: 1`)\n")
     assert not (tmp_path / "gpt2.plan.yaml").exists()
 
 
@@ -167,4 +168,19 @@ def test_experts_on_cpu_are_planned_as_each_gpus_share_with_its_share_of_the_hos
     assert plan.summary.cpu_bytes == sum(l.cpu for l in plan.layers) == 4 * 3 * 4096  # 4 experts x 3 x 4 KiB each
     assert plan.summary.cpu_bytes + plan.summary.gpu_bytes == two.summary.gpu_bytes + two.summary.uva_bytes
     out = run(capsys, "show", "cpu.plan.yaml")[1]
-    assert "host CPU per GPU: computes 48.0 KiB of routed experts with 7 threads (assumed: 37.5 GB/s" in out
+    assert out.startswith("plan for ckpt/model.safetensors: 45 tensors, 177.8 KiB (97.8 KiB on each GPU)")
+    assert "host CPU per GPU: computes 48.0 KiB of routed experts with 7 threads (assumed: 35 GB/s and 100 us a " \
+           "call)" in out
+
+
+def test_experts_on_cpu_over_more_gpus_than_host_threads_is_one_error(work, capsys):
+    """Each GPU's process would get no host thread for its share of the experts on cpu."""
+    (work / "one.yaml").write_text("format_version: 1\nname: one core\ncpu_threads: 1\n")
+    write_policy(work, "gpus: 2\nhardware: one.yaml\nrules:\n  - {match: [experts], place: cpu}\n",
+                 name="few.policy.yaml", head=HEAD)
+    code, out, err = run(capsys, "build", "few.policy.yaml")
+    assert_one_error(code, out, err, "error: few.policy.yaml: experts on cpu over 2 GPUs, but the hardware profile's "
+                     "cpu_threads is 1: each GPU's process computes its share of the experts with its share of those "
+                     "threads, and would get none; use fewer GPUs, a profile of a host with more cores (`plan "
+                     "calibrate`), or leave the experts on uva\n  - few.policy.yaml:6:14: rules[0] (place: cpu)\n")
+    assert not (work / "few.plan.yaml").exists()

@@ -201,17 +201,17 @@ def test_mixed_leaves_the_cpu_alone_where_the_host_is_slower_and_says_so():
 
 
 def test_with_several_gpus_each_process_gets_its_share_of_the_host():
-    """Each GPU's process gets its share of the host's cores and reads (hardware.py `one_of`): at 2 GPUs half the
-    threads and rate, and its link's rate while the other copies too; mixed plans each share with them."""
+    """Each GPU's process gets its share of the host's threads and their reads (hardware.py `one_of`): at 2 GPUs 7
+    of 15, and its link's rate while the other copies too; mixed plans each share with them."""
     hw = dataclasses.replace(H100, cpu_expert_alone_gbps=90.0)
     assert hw.one_of(2) == dataclasses.replace(hw, h2d_copy_gbps=hw.parallel_h2d_copy_gbps, cpu_threads=7,
-                                               cpu_expert_gbps=37.5, cpu_expert_alone_gbps=45.0)
-    assert hw.one_of(1) is hw and dataclasses.replace(H100, cpu_threads=3).one_of(4).cpu_threads == 1
+                                               cpu_expert_gbps=75.0 * 7 / 15, cpu_expert_alone_gbps=90.0 * 7 / 15)
+    assert hw.one_of(1) is hw and dataclasses.replace(H100, cpu_threads=3).one_of(4).cpu_threads == 0
     # a host twice as fast as _mixed_cpu(4.0)'s, over 2 GPUs: the same experts on cpu, with 7 threads each
     from test_cost import HW, moe
     pol = dataclasses.replace(policy("mixed", budget_gib=60 * 10**6 / 2**30, step=2), cpu_experts=True, gpus=2,
                               workload=Workload(2, cuda_graphs=True))
-    t, hw = infos(moe()), dataclasses.replace(HW, cpu_expert_gbps=8.0, cpu_expert_sync_us=50.0,
+    t, hw = infos(moe()), dataclasses.replace(HW, cpu_expert_gbps=8.0, cpu_expert_sync_us=50.0, cpu_threads=14,
                                               parallel_h2d_copy_gbps=HW.h2d_copy_gbps)
     shared = decide(build_graph(t), t, pol, hw.one_of(2), 2)
     assert placed(shared, CPU) == placed(_mixed_cpu(4.0), CPU)

@@ -7,11 +7,11 @@ from headeronly import infos
 from planner.inputs.config import ModelFacts
 from planner.layers.graph import build_graph
 from planner.layers.shards import Split, collectives, find_split, local_tensors, template
-from synthetic import llama, qwen3_moe
+from synthetic import deepseek_v3, llama, qwen3_moe
 
 LLAMA = dict(layers=2, hidden=64, intermediate=128, heads=4, kv_heads=2, vocab=256)
 MOE = dict(layers=2, hidden=64, experts=4, moe_intermediate=32, heads=4, kv_heads=2, head_dim=16, vocab=128)
-KNOWN = "llama, mistral, mixtral, qwen2, qwen3, qwen3_moe"
+KNOWN = "deepseek_v3, glm4_moe, llama, mistral, mixtral, qwen2, qwen3, qwen3_moe"
 
 
 def facts(model_type="llama", heads=4, kv_heads=2, hidden=64, tied=False) -> ModelFacts:
@@ -63,6 +63,45 @@ def test_qwen3_moe_splits_every_expert_and_sums_the_experts_module_once():
                               f"{experts}.*.up_proj.weight": 0, f"{experts}.*.down_proj.weight": 1,
                               "lm_head.weight": 0},
                           (f"{ATTN}.o_proj", experts), ("lm_head",))  # q_norm, k_norm and the router stay whole
+
+
+def test_deepseek_v3_splits_its_mlps_and_experts_and_leaves_its_attention_whole():
+    """transformers' plan for deepseek_v3 splits no MLA projection: attention stays whole on every GPU, so its
+    head counts need not divide (3 heads over 2 GPUs); the FP8 scales split with their weights, the MTP layer's
+    experts as the others'."""
+    tensors = deepseek_v3(layers=2, dense_layers=1, hidden=256, intermediate=512, experts=4, moe_intermediate=256,
+                          heads=3, q_lora=128, kv_lora=128, nope=32, rope=16, v_head=32, vocab=256)
+    ds = ModelFacts(model_type="deepseek_v3", heads=3, kv_heads=3, hidden=256, fp8_block=(128, 128))
+    split, problems = find_split(infos(tensors), ds, 2)
+    assert problems == []
+    mlp = "model.layers.*.mlp"
+    dims = {f"{mlp}.gate_proj.weight": 0, f"{mlp}.up_proj.weight": 0, f"{mlp}.down_proj.weight": 1,
+            f"{mlp}.experts.*.gate_proj.weight": 0, f"{mlp}.experts.*.up_proj.weight": 0,
+            f"{mlp}.experts.*.down_proj.weight": 1, f"{mlp}.shared_experts.gate_proj.weight": 0,
+            f"{mlp}.shared_experts.up_proj.weight": 0, f"{mlp}.shared_experts.down_proj.weight": 1}
+    with_scales = {t: d for w, dim in dims.items() for t, d in ((w, dim), (w + "_scale_inv", dim))}
+    assert split == Split(2, {**with_scales, "lm_head.weight": 0},
+                          (f"{mlp}.down_proj", f"{mlp}.experts", f"{mlp}.shared_experts.down_proj"), ("lm_head",))
+
+
+def test_glm4_moe_splits_attention_with_its_biases_and_the_shared_experts():
+    """GLM-4.5: Qwen3-MoE's layer with q, k and v biases and a shared expert; the biases split with their weights,
+    the shared expert's down is summed as the routed experts' are."""
+    tensors = list(qwen3_moe(**MOE))
+    for i in range(MOE["layers"]):
+        p = f"model.layers.{i}"
+        tensors += [(f"{p}.self_attn.{x}_proj.bias", "BF16", (64 if x == "q" else 32,)) for x in "qkv"]
+        tensors += [(f"{p}.mlp.shared_experts.{x}_proj.weight", "BF16", (32, 64)) for x in ("gate", "up")]
+        tensors += [(f"{p}.mlp.shared_experts.down_proj.weight", "BF16", (64, 32))]
+    split, problems = find_split(infos(tensors), facts("glm4_moe"), 2)
+    assert problems == []
+    shared = "model.layers.*.mlp.shared_experts"
+    assert {t: d for t, d in split.dims.items() if ".bias" in t or "shared" in t} == {
+        f"{ATTN}.q_proj.bias": 0, f"{ATTN}.k_proj.bias": 0, f"{ATTN}.v_proj.bias": 0,
+        f"{shared}.gate_proj.weight": 0, f"{shared}.up_proj.weight": 0, f"{shared}.down_proj.weight": 1}
+    assert split.reduce == (f"{ATTN}.o_proj", "model.layers.*.mlp.experts", f"{shared}.down_proj")
+    assert find_split(infos(tensors), facts("glm4_moe", heads=3), 2)[1] == [
+        "config.json: num_attention_heads is 3, which 2 GPUs cannot share evenly: use a GPU count that divides it"]
 
 
 def test_mixtral_names_its_experts_w1_w2_w3():

@@ -27,15 +27,17 @@ from planner.inputs.checkpoint import open_checkpoint  # noqa: E402
 from planner.plan import Placement  # noqa: E402
 from planner.planfile import load_plan  # noqa: E402
 from runtime.hf import build_meta_model, from_pretrained  # noqa: E402
-from tiny_models import (deepseek_v3_config, gemma2_config, gemma3_text_config, gpt_oss_config,  # noqa: E402
-                         llama4_text_config, llama_config, llava_config, make_plan, mixtral_config, qwen2_vl_config,
-                         qwen3_moe_config, reference_family, save_family)
+from tiny_models import (deepseek_v3_config, gemma2_config, gemma3_text_config, glm4_moe_config,  # noqa: E402
+                         gpt_oss_config, llama4_text_config, llama_config, llava_config, make_plan, mixtral_config,
+                         qwen2_vl_config, qwen3_moe_config, qwen3_next_config, reference_family, save_family)
 
 FAMILIES = {
     "llama": llama_config,
     "qwen3-moe": qwen3_moe_config,
     "mixtral": mixtral_config,
     "deepseek-v3": deepseek_v3_config,
+    "glm4-moe": glm4_moe_config,
+    "qwen3-next": qwen3_next_config,
     "gpt-oss": gpt_oss_config,
     "llama4-text": llama4_text_config,
     "gemma2": gemma2_config,
