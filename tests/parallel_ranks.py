@@ -28,6 +28,8 @@ def load_and_run(rank: int, plans: list[str], device: str, new_tokens: int = 8, 
                         "dtypes": {n: p.dtype for n, p in model.named_parameters()},
                         "buffers": {n: tuple(b.shape) for n, b in model.named_buffers()},
                         "peak": stats.peak_gpu_bytes_during_load,
+                        "host": (handle.host_experts.threads, handle.host_experts.host_calls)
+                        if handle.host_experts else None,
                         "hooks": (len(handle.parallel.reduced), len(handle.parallel.gathered))
                         if handle.parallel else None})
         finally:
