@@ -142,6 +142,9 @@ def render(models: dict, with_plot: bool) -> str:
              "mv results/parallel-qwen3-30b-a3b-8layers-fp8.jsonl results/parallel-qwen3-30b-a3b-fp8-2xh200.jsonl",
              "python benchmarks/parallel.py --model llama-8b --gpus 1 2   # then: mv results/parallel-llama-8b.jsonl "
              "results/parallel-llama-8b-2xh200.jsonl",
+             "python benchmarks/parallel.py --model qwen3-30b-a3b --layers 8 --gpus 1 2 --batches 1 8 "
+             "--cpu-shares 0 0.3 0.5   # on two H200s of a 32-core host; then: mv "
+             "results/parallel-qwen3-30b-a3b-8layers-cpu.jsonl results/parallel-qwen3-30b-a3b-8layers-cpu-2xh200.jsonl",
              "PYTHONPATH=CHECKOUT_OF_MAIN python benchmarks/plan_speed.py --profile -n 3 --label before "
              "--note 'main at COMMIT'   # on a CPU machine, as the next",
              "python benchmarks/plan_speed.py --profile --label after --note 'this tree'",
