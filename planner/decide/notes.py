@@ -229,7 +229,8 @@ def saving_warnings(summary: Summary, schedule: PrefetchSchedule | None,
     offloading saves.
 
     Offloading saves what `saving` says (uva saves what it moves less the staging slots; prefetch what it moves less
-    its slots; experts off the GPU, less the rows each forward gathers of them: working.py). Two warnings:
+    its slots; experts off the GPU, less the rows each forward gathers of them: working.py). A plan that offloads
+    nothing gets neither. Two warnings:
     - the plan as a whole saves less than half of what it offloads, for
       example because it has as many slots as prefetched layers, or streams a
       single tensor (a prefetched `lm_head` alone: its slot is as large as it),
@@ -243,7 +244,8 @@ def saving_warnings(summary: Summary, schedule: PrefetchSchedule | None,
         return []
     offloaded_bytes, saved = saving(summary)
     out = []
-    if 2 * saved < offloaded_bytes:
+    if offloaded_bytes and 2 * saved < offloaded_bytes:  # nothing offloaded: nothing to save (resident FP8
+        # experts still have working memory, their rows dequantized in each forward: show lists it)
         amount = (f"{human(saved)} ({percent(saved, offloaded_bytes)} of the {human(offloaded_bytes)} offloaded)"
                   if saved > 0 else f"nothing of the {human(offloaded_bytes)} offloaded" if saved == 0 else
                   f"none: it takes {human(-saved)} more than keeping every weight on the GPU would")

@@ -2,15 +2,20 @@
 save little GPU memory, and the smallest budget that builds."""
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
 
-from headeronly import GPU, UVA, MiB, mib, placed, plan_of, policy, toy
+from headeronly import GPU, UVA, MiB, infos, mib, moe_toy, placed, plan_of, policy, toy
+from planner.decide.placement import decide
 from planner.decide.placement_errors import smallest_budget_gib
 from planner.errors import BudgetError
+from planner.inputs.policy import Workload
+from planner.layers.graph import build_graph
+from test_cost import HW, moe
+from test_cpu_experts_quantized import _quantized
 from test_placement import layer_params
-from headeronly import moe_toy
 
 
 def test_rules_that_offload_are_not_reported_as_nothing_offloaded():
@@ -149,3 +154,14 @@ def test_one_expert_off_the_gpu_costs_more_than_it_saves_and_says_so():
         "warning: the plan saves little GPU memory: none: it takes 21.0 MiB more than keeping every weight on the GPU "
         "would; the experts' working memory takes 24.0 MiB at its peak (the rows of the touched experts off the GPU, "
         "gathered in each forward): offload more of them, or none")
+
+
+def test_a_plan_that_offloads_nothing_gets_no_saving_warning_though_fp8_experts_have_working_memory():
+    """Resident FP8 experts are dequantized row by row in each forward (working.py): working memory, but not a cost
+    of offloading. A plan that fits whole offloads nothing: it said it took that memory "more than keeping every
+    weight on the GPU would" (DeepSeek-V3, every weight resident: 31.5 GiB)."""
+    t = infos(_quantized(moe(), "F8_E4M3"))
+    pol = dataclasses.replace(policy("mixed", budget_gib=1.0, step=2), workload=Workload(1, prompt_tokens=512))
+    d = decide(build_graph(t), t, pol, HW, 2)
+    assert set(d.params.values()) == {GPU} and d.summary.working_peak_bytes > 0
+    assert not any(n.startswith("warning: ") for n in d.notes), d.notes
