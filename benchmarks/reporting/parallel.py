@@ -13,17 +13,19 @@ def parallel_tables() -> list[str]:
         decode = [r for r in rows if r["kind"] == "decode"]
         link = decode[0]["link"]
         cpu = any(r.get("cpu_share") for r in decode)  # benchmarks/parallel.py --cpu-shares
+        base = decode[0].get("cpu_share") or 0  # the share of the run's one-GPU baseline (its first)
         fp8, b = run.get("fp8", False), run.get("fp8_block") or 128  # records before fp8_block: 128
         out += [f"## {run['model']}{' FP8' * fp8}: tensor parallelism over {max(r['gpus'] for r in decode)} GPUs of "
-                "one host", "",
+                f"one host{' (experts partly on cpu)' * cpu}", "",
                 f"`{path.name}` (`benchmarks/parallel.py`; {run['layers'] or 'all its'} decoder layers; {run['device']}, "
                 f"{run['gpus_on_host']} on the host; torch {run['torch']}). "
                 + ("Every other decoder layer streamed (prefetch, step 2)" if link == "h2d" else
                    "Every routed expert in pinned memory (uva)")
                 + (", but `share on cpu` of each layer's experts computed by the host CPU (`place: cpu`): each process "
                    "its share of them, with `threads` of the host's (the plan's `cpu_threads`); the floor is still "
-                   "the all-uva plan's (above 1x, the host's cores add to the links), and `x 1 GPU` is against one "
-                   "GPU with every expert on uva" if cpu else "")
+                   "the all-uva plan's (above 1x, the host's cores add to the links), and `x 1 GPU` and the tokens are "
+                   f"against one GPU with {f'{base:.0%} on cpu' if base else 'every expert on uva'}; tokens also part "
+                   "where the host sums its experts in its own order" if cpu else "")
                 + (f", the checkpoint block-scaled FP8 ({b} x {b} blocks): each process holds its share of every "
                    "split weight and of its scales as stored, and the floor counts those bytes" if fp8 else "")
                 + ". Each process measured its own link while the others measured theirs; floor: the bytes a step "
