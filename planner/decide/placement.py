@@ -1,7 +1,7 @@
 """Deciding placements: a pure function from (layer graph, tensor sizes, policy) to placements.
 
 Order. Everything walks the layer graph's execution order, and within a layer
-the natural order of tensor names (`graph.natural_key`): that is the
+the natural order of tensor names (natural.py `natural_key`): that is the
 "stable order" in which vLLM's per-parameter UVA walk is reproduced.
 
 Steps:

@@ -39,8 +39,7 @@ import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from itertools import compress, repeat
-from operator import getitem
+from itertools import compress
 
 import networkx as nx
 
@@ -50,6 +49,7 @@ from ..inputs.patterns import closest
 from ..plan import LayerKind, Runs, Transfer
 from .alike import Template, applies
 from .expert_names import experts_among
+from .natural import natural_key, natural_order
 
 _EMBED = re.compile(r"(^|\.)(embed\w*|wte|wpe|tok_embeddings|word_embeddings|patch_embed\w*)(\.|$)")
 _HEAD = re.compile(r"(^|\.)(lm_head|output|head)$")
@@ -57,15 +57,6 @@ _EARLY_STACK = re.compile(r"vision|visual|audio|encoder")
 _VISION = re.compile(r"(^|\.)(visual|vision_tower|vision_model|vision_encoder|vision_embed\w*|multi_modal_projector"
                      r"|mm_projector|image_newline)(\.|$)")
 _MTP = re.compile(r"(^|\.)(mtp|mtp_layers)(\.|$)")
-
-
-def natural_key(name: str) -> str:
-    """Sort key that orders `layers.10` after `layers.9`: numeric segments zero-padded.
-
-    A string key (not a tuple) because comparing strings is what makes sorting
-    90k names fast; segments of up to 12 digits compare numerically.
-    """
-    return ".".join([p.rjust(12, "0") if p.isdigit() else p for p in name.split(".")])
 
 
 @dataclass(frozen=True)
@@ -153,24 +144,6 @@ def _layer_runs(names: list[str]) -> list[tuple[tuple[str, str], int, int]]:
     return runs
 
 
-def _natural_order(node: str, params: list[str], keys: dict[str, str], orders: dict[tuple, tuple]
-                   ) -> tuple[tuple[str, ...], Template]:
-    """`params` of one layer in natural order of their local names (keys cached across layers), and the
-    template of those local names (alike.py: one object per distinct list, shared by the layers alike).
-    The order depends on the local names alone, so layers alike are sorted once (`orders`)."""
-    cut = len(node) + 1
-    local = tuple(map(getitem, params, repeat(slice(cut, None))))  # in C: a layer of DeepSeek-V3 holds 1,548
-    got = orders.get(local)
-    if got is None:
-        for name in set(local).difference(keys):
-            keys[name] = natural_key(name)
-        order = tuple(i for _, _, i in sorted(zip(map(keys.__getitem__, local), local, range(len(local)))))
-        own = tuple(map(local.__getitem__, order))
-        template = next((t for _, t in orders.values() if t.names == own), None) or Template(own)
-        got = orders[local] = (order, template)  # layers whose names come in another order: the same template
-    return tuple(map(params.__getitem__, got[0])), got[1]
-
-
 def _runs(node: str, kind: LayerKind, stack: str | None, index: int | None, facts: ModelFacts) -> Runs:
     if _VISION.search(node):
         return Runs.IMAGES
@@ -241,8 +214,9 @@ def build_graph(names: Iterable[str], stacks: Iterable[str] | None = None,
     nodes = sorted(by_layer, key=lambda n: (order(n), natural_key(n)))
     keys: dict[str, str] = {}  # natural keys of local names, shared by every layer of a stack
     orders: dict[tuple, tuple] = {}  # a layer's local names, in the index's order -> their order, template
+    last: list = []  # the local names last cut and their entry of `orders` (natural.py `natural_order`)
     layers = tuple(Layer(n, kinds[n][0], params, kinds[n][1], kinds[n][2], _runs(n, *kinds[n], facts), template)
-                   for n in nodes for params, template in [_natural_order(n, by_layer[n], keys, orders)])
+                   for n in nodes for params, template in [natural_order(n, by_layer[n], keys, orders, last)])
     graph = nx.DiGraph()
     graph.add_nodes_from((l.name, {"layer": l, "runs": l.runs}) for l in layers)
     graph.add_edges_from(zip(nodes, nodes[1:]), kind="order")
