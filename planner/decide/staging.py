@@ -84,6 +84,7 @@ from itertools import compress, filterfalse
 
 from ..inputs.checkpoint import TensorInfo
 from ..inputs.hardware import Hardware
+from ..layers.alike import applies
 from ..layers.graph import Layer, LayerGraph
 from ..layers.slots import align
 from ..plan import LayerKind, Placement, PrefillStaging, Runs, StagedLayer
@@ -132,8 +133,18 @@ class Stageables:
 
     @cached_property
     def routed(self) -> bool:
-        return any(l.expert_tensors and not any(map(self.quantized.__contains__, l.expert_tensors))
+        return any(_unquantized_experts(l, self.quantized)
                    for l in self.layers if l.kind is not LayerKind.EMBED and l.runs is not Runs.MTP)
+
+
+def _unquantized_experts(layer: Layer, quantized: Collection[str]) -> bool:
+    """Whether `layer` holds routed experts and none of them is quantized. Where its template applies (alike.py),
+    read from the template's marks over its tensors, stopping at the first quantized one: its `expert_tensors`, a
+    set of 1,536 names on a MoE layer of DeepSeek-V3, are not made for this question (a prefetch plan asks no other)."""
+    t = layer.template
+    if t is None or not applies(layer.name):
+        return bool(layer.expert_tensors) and not any(map(quantized.__contains__, layer.expert_tensors))
+    return True in t.experts and not any(map(quantized.__contains__, compress(layer.params, t.experts)))
 
 
 def stage_experts(touched: float, hw: Hardware) -> bool:
