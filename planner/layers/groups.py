@@ -159,10 +159,17 @@ class FusedGroups:
 
     @cached_property
     def _counts(self) -> dict[str, int]:
-        """Group -> `experts(group)`."""
-        return {g: (len(set(map(_EXPERT, self.pieces[g][1]))) if g in self.pieces else 0)
-                or max((self.rows_of[m] for m in ms if m in self.rows_of), default=0)
-                for g, ms in self.members.items()}
+        """Group -> `experts(group)`. A group whose pieces equal the last counted group's (the layers of one
+        template hold the same pieces objects: a list compare in C) has as many experts, not counted again."""
+        out: dict[str, int] = {}
+        last: tuple[list | None, int] = (None, 0)  # the pieces last counted, their experts
+        for g, ms in self.members.items():
+            pieces = self.pieces[g][1] if g in self.pieces else None
+            if pieces is not None and pieces != last[0]:
+                last = (pieces, len(set(map(_EXPERT, pieces))))
+            out[g] = (0 if pieces is None else last[1]) or max((self.rows_of[m] for m in ms if m in self.rows_of),
+                                                               default=0)
+        return out
 
     def group(self, name: str) -> tuple[str, ...]:
         """Everything that streams with `name`: its whole group, or the tensor alone."""
