@@ -91,11 +91,13 @@ class Footprint:
         self.staged: dict[str, int] = {}  # layer name -> its staged bytes
         # layer -> [staged bytes, staged tensors] on uva, kept as tensors move
         self.on_uva: dict[str, list[int]] = {l.name: [0, 0] for l in graph.layers}
-        # a placement of the rules alone has often no tensor to prefetch or stage: no layer is looked at then
-        if PREFETCH in place.values():
+        # a placement of the rules alone has often no tensor to prefetch or stage: no layer is looked at then. The
+        # placements held are found in one pass (not one look for each, over 90k tensors held on the GPU)
+        held = set(place.values())
+        if PREFETCH in held:
             for layer in graph.layers:
                 self._restream(layer)
-        if (UVA in place.values() or CPU in place.values()) and self.stageable:
+        if (UVA in held or CPU in held) and self.stageable:
             for layer in graph.layers:
                 names, size = staged(layer, self.stageable, self.place, self.tensors)
                 self.on_uva[layer.name] = [size, len(names)]

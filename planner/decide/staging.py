@@ -174,7 +174,8 @@ def make_staging(graph: LayerGraph, place: Mapping[str, Placement], tensors: Map
                  above_tokens: int, names: Callable[[], frozenset[str]]) -> PrefillStaging | None:
     """The plan's `prefill:` section for `place`, or None when no layer holds a stageable uva tensor.
     `names()`: `stageable(graph.layers, partners(tensors), experts)`, asked for where a tensor is on uva or cpu."""
-    if UVA not in place.values() and CPU not in place.values():  # no layer has a tensor to stage
+    held = set(place.values())  # the placements held, in one pass (not one look for each over 90k tensors)
+    if UVA not in held and CPU not in held:  # no layer has a tensor to stage
         return None
     names = names()
     layers, host = [], []
