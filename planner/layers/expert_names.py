@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
+from functools import lru_cache
 
 from ..inputs.prefused import prefused_key
 
@@ -63,9 +64,11 @@ def matches(names: list[str]) -> list[tuple[str, ...]]:
     return out
 
 
+@lru_cache(maxsize=8192)
 def _rest(rest: str) -> tuple[str, ...] | None:
     """What follows a name's only `.experts.`: (number, projection, suffix, "", "") of one expert's
-    tensor, ("",) for a pre-fused one, None for neither (as `MEMBER` and `prefused_key` say)."""
+    tensor, ("",) for a pre-fused one, None for neither (as `MEMBER` and `prefused_key` say). Cached: layers
+    of several templates (DeepSeek-V3's MoE and MTP layers) hold the same 1,536 expert tensors' ends."""
     m = _REST.fullmatch(rest)
     if m:
         return (*m.groups(), "", "")
