@@ -220,7 +220,7 @@ class CostModel:
                 rows.append((layer.name, 0, 0, 0, None))
                 continue
             # a layer of a kind (reads.py) placed and staged alike costs alike: worked out once
-            wheres[i] = where = tuple(map(place.__getitem__, layer.params))
+            wheres[i] = where = layer.values(place)
             key = (self.facts.layers[layer.name][0], where, tuple(map(self.staged.__contains__, layer.params))
                    if self._staging is not None and (UVA in where or CPU in where) and self.staged else ())
             got = costs.get(key)

@@ -205,7 +205,7 @@ class Footprint:
         """`move`, each step over all of `names` at once (in C where it can be); `layer`: `move`'s; `chosen`: the
         layer's prefetched tensors after the move, where the caller knows them."""
         place = self.place
-        was = list(map(place.__getitem__, names))
+        was = itemgetter(*names)(place)  # one C call: more than _BULK names, so a tuple
         if to in was:  # those already there stay out
             keep = list(map(is_not, was, repeat(to)))
             names, was = list(compress(names, keep)), list(compress(was, keep))

@@ -173,7 +173,7 @@ class Shapes:
     def __call__(self, layer) -> int:
         number = self._of.get(layer.name)
         if number is None:
-            infos = list(map(self.tensors.__getitem__, layer.params))
+            infos = layer.values(self.tensors)
             if layer.template is None:
                 number = self._numbers.setdefault(tuple(map(_DTYPE_SHAPE, infos)), self._count())
             else:

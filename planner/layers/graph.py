@@ -36,10 +36,12 @@ order in which the plan lists them, never where they are placed.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from itertools import compress
+from operator import itemgetter
+from typing import Any
 
 import networkx as nx
 
@@ -74,6 +76,17 @@ class Layer:
     def local(self, param: str) -> str:
         """The tensor's name within this layer (`mlp.down_proj.weight`)."""
         return param[len(self.name) + 1:]
+
+    def values(self, mapping: Mapping[str, Any]) -> tuple:
+        """Its tensors' values in `mapping` (their placements, their headers), in order: where it holds several, in
+        one C call (an itemgetter of its names, kept), not one lookup called per tensor (90k per placement read)."""
+        if len(self.params) < 2:  # itemgetter gives one item bare
+            return tuple(map(mapping.__getitem__, self.params))
+        return self._getter(mapping)
+
+    @cached_property
+    def _getter(self) -> itemgetter:
+        return itemgetter(*self.params)
 
     @cached_property
     def expert_tensors(self) -> frozenset[str]:
