@@ -227,7 +227,7 @@ def build_graph(names: Iterable[str], stacks: Iterable[str] | None = None,
     nodes = sorted(by_layer, key=lambda n: (order(n), natural_key(n)))
     keys: dict[str, str] = {}  # natural keys of local names, shared by every layer of a stack
     orders: dict[tuple, tuple] = {}  # a layer's local names, in the index's order -> their order, template
-    last: list = []  # the local names last cut and their entry of `orders` (natural.py `natural_order`)
+    last: list = []  # the local names last cut, their entry of `orders`, none with a newline (natural.py)
     layers = tuple(Layer(n, kinds[n][0], params, kinds[n][1], kinds[n][2], _runs(n, *kinds[n], facts), template)
                    for n in nodes for params, template in [natural_order(n, by_layer[n], keys, orders, last)])
     graph = nx.DiGraph()

@@ -27,15 +27,15 @@ def natural_order(node: str, params: list[str], keys: dict[str, str], orders: di
     template of those local names (alike.py: one object per distinct list, shared by the layers alike).
     The order depends on the local names alone, so layers alike are sorted once (`orders`).
 
-    `last` holds the local names last cut from a layer and their entry of `orders`: a layer whose names, joined
-    by newlines, are the layer's name and a dot before each of those, joined alike, has those local names (where no
-    name holds a newline, the pieces match one for one). Its names are compared in two joins and one compare in C,
-    not cut and hashed again (a stack's next layer: 1,548 names on DeepSeek-V3)."""
+    `last` holds the local names last cut from a layer, their entry of `orders` and whether none holds a newline:
+    then a layer whose name holds none and whose names, joined by newlines, are its name and a dot before each of
+    those, joined alike, has those local names (the newlines are the joins', so the pieces match one for one). Its
+    names are compared in two joins and one compare in C, not cut and hashed again (a stack's next layer: 1,548
+    names on DeepSeek-V3)."""
     cut = len(node) + 1
-    if last and len(last[0]) == len(params):
+    if last and last[2] and len(last[0]) == len(params) and "\n" not in node:
         head = node + "."
-        joined = "\n".join(params)
-        if joined.count("\n") == len(params) - 1 and joined == head + ("\n" + head).join(last[0]):
+        if "\n".join(params) == head + ("\n" + head).join(last[0]):
             got = last[1]
             return tuple(map(params.__getitem__, got[0])), got[1]
     local = tuple(map(getitem, params, repeat(slice(cut, None))))  # in C: a layer of DeepSeek-V3 holds 1,548
@@ -47,5 +47,5 @@ def natural_order(node: str, params: list[str], keys: dict[str, str], orders: di
         own = tuple(map(local.__getitem__, order))
         template = next((t for _, t in orders.values() if t.names == own), None) or Template(own)
         got = orders[local] = (order, template)  # layers whose names come in another order: the same template
-    last[:] = local, got
+    last[:] = local, got, "\n" not in "".join(local)
     return tuple(map(params.__getitem__, got[0])), got[1]
