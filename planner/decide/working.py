@@ -36,14 +36,14 @@ and 604 MB at batch 8, prefill 2.28 GB (a layer's 128 experts, 1.21 GB, and the
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import compress, repeat
 from operator import eq, itemgetter
 from typing import Protocol, TypeVar
 
 from ..inputs.checkpoint import TensorInfo
-from ..layers.alike import Shapes, template_groups
+from ..layers.alike import Shapes, taker, template_groups
 from ..layers.graph import Layer
 from ..plan import Placement, working_peak
 
@@ -97,12 +97,13 @@ class GroupFacts:
                  layers: Iterable[Layer] = (), shapes: Shapes | None = None):
         """`layers` (the stack's, whose groups `members` holds) and `shapes` (over `tensors`) tell the kinds."""
         self.members, self.tensors = members, tensors
-        self.at: dict[str, tuple[str, tuple[int, ...]]] = {}  # group -> (its layer's name, its members' places)
+        # group -> (its layer's name, a function taking its members' items of a sequence over the layer's tensors)
+        self.at: dict[str, tuple[str, Callable[[Sequence], tuple]]] = {}
         self.kinds: dict[str, tuple] = {}  # group -> its kind, where `shapes` tells it
         for l in layers:  # the groups whose members are where the layer's template says
             for group, ms, every in template_groups(members, l) or ():
                 if ms is not None:
-                    self.at[group] = (l.name, every)
+                    self.at[group] = (l.name, taker(every))
                     if shapes is not None:
                         local = group[len(l.name):]
                         self.kinds[group] = (l.template, shapes(l), local, "down" in l.name, "bias" in l.name)
@@ -149,7 +150,7 @@ def working(members: Mapping[str, tuple[str, ...]], experts: Mapping[str, int], 
     over_link: list[int] = []  # per group read over the link: one expert's weights (gate_up_proj and down_proj)
     for group, count in experts.items():
         at = facts.at.get(group) if wheres is not None else None
-        where = set(map(place.__getitem__, members[group]) if at is None else map(wheres[at[0]].__getitem__, at[1]))
+        where = set(map(place.__getitem__, members[group]) if at is None else at[1](wheres[at[0]]))
         if Placement.PREFETCH in where:
             continue  # all in HBM, in a slot: transformers' own experts implementation (experts.py)
         k = top_k or count

@@ -61,8 +61,8 @@ def select(layers: Sequence, patterns: Iterable[Pattern], names: Names) -> set[s
     return out
 
 
-def _taker(places: tuple[int, ...]) -> Callable[[Sequence], tuple]:
-    """The items of a sequence at `places`, as a tuple (itemgetter's, which gives one item bare)."""
+def taker(places: tuple[int, ...]) -> Callable[[Sequence], tuple]:
+    """The items of a sequence at `places`, as a tuple, in one C call (itemgetter's, which gives one item bare)."""
     if len(places) == 1:
         return lambda seq, i=places[0]: (seq[i],)
     return itemgetter(*places) if places else lambda seq: ()
@@ -137,7 +137,7 @@ class Template:
     def takers(self) -> list[tuple[str, Callable, Callable, tuple, Callable | None]]:
         """`groups`, each list of places as a function that takes those of a layer's tensors as a tuple, in C
         (`FusedGroups.of_layers`); None for a group with no member holding every expert."""
-        return [(g, _taker(every), _taker(each), their, _taker(whole) if whole else None)
+        return [(g, taker(every), taker(each), their, taker(whole) if whole else None)
                 for g, every, each, their, whole in self.groups]
 
     @cached_property
