@@ -132,7 +132,7 @@ class Footprint:
 
     def _restream(self, layer: Layer, chosen: tuple[bool, ...] | None = None) -> None:
         """`chosen`: the layer's prefetched tensors, where the caller knows them."""
-        chosen = chosen or tuple(map(is_, map(self.place.__getitem__, layer.params), repeat(PREFETCH)))
+        chosen = chosen or tuple(map(is_, layer.values(self.place), repeat(PREFETCH)))
         names = list(compress(layer.params, chosen))
         if names:
             self.streamed[layer.name] = self.image_bytes(layer, names, chosen)

@@ -247,7 +247,7 @@ def decide(graph: LayerGraph, tensors: Mapping[str, TensorInfo], policy: Policy,
                 chosen.fp.place):  # neither fits: the budget error below names the nearer one's least
             chosen, (running, room) = other, rest
     # each layer's placements, as the cost model read them where it did (Prediction.wheres)
-    wheres = {l.name: tuple(map(chosen.fp.place.__getitem__, l.params)) if where is None else where
+    wheres = {l.name: l.values(chosen.fp.place) if where is None else where
               for l, where in zip(graph.layers, chosen.prediction.wheres or repeat(None))}
     staging, runs = running(chosen.fp.place, wheres)
     if budget is not None and chosen.fp.total + runs.peak_bytes > budget:

@@ -158,7 +158,7 @@ def staged(layer: Layer, names: Collection[str], place: Mapping[str, Placement],
     those other than routed experts take in a slot, each rounded up to ALIGN (module doc); None without
     `tensors`."""
     params = layer.params
-    mine = [n for n in compress(params, map(_STAGED.__contains__, map(place.__getitem__, params))) if n in names]
+    mine = [n for n in compress(params, map(_STAGED.__contains__, layer.values(place))) if n in names]
     if tensors is None or not mine:
         return mine, None if tensors is None else 0
     routed = layer.expert_tensors
