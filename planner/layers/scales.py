@@ -15,11 +15,11 @@ a weight (whose pairing would depend on the order the names are read in).
 """
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from ..inputs.checkpoint import TensorInfo
 from ..inputs.quantized import matched, pairs
-from .alike import Shapes
+from .alike import Shapes, taker
 from .graph import Layer
 
 
@@ -37,25 +37,28 @@ def layer_pairs(layers: Sequence[Layer], tensors: Mapping[str, TensorInfo], bloc
     """`pairs(tensors, block)`, the tensors being those of `layers` (a layer graph's, over the same `tensors`
     as `shapes`): the same partners, weights first, and the same problems (module doc); a `LayerPairs` unless
     it fell back to `pairs`."""
-    kinds: dict[tuple, tuple[list[int], list[int]]] = {}  # (template, Shapes number) -> weights', scales' places
+    # (template, Shapes number) -> weights', scales' places, and functions taking those of a layer's tensors (in C)
+    kinds: dict[tuple, tuple[tuple[list[int], list[int]], Callable, Callable]] = {}
     weights: list[str] = []
     scales: list[str] = []
     positions: dict[str, tuple[list[int], list[int]]] = {}
     for layer in layers:
         params = layer.params
         kind = None if layer.template is None else (layer.template, shapes(layer))
-        got = kinds.get(kind) if kind is not None else None
-        if got is None:
+        known = kinds.get(kind) if kind is not None else None
+        if known is None:
             problems: list[str] = []
             found = matched(dict(zip(params, map(tensors.__getitem__, params))), block, problems)
             if problems or len({n for pair in found for n in pair}) < 2 * len(found):
                 return pairs(tensors, block)
             at = {n: i for i, n in enumerate(params)}
             got = ([at[w] for w, _ in found], [at[s] for _, s in found])
+            known = (got, taker(tuple(got[0])), taker(tuple(got[1])))
             if kind is not None:
-                kinds[kind] = got
-        weights += map(params.__getitem__, got[0])
-        scales += map(params.__getitem__, got[1])
+                kinds[kind] = known
+        got, take_weights, take_scales = known
+        weights += take_weights(params)
+        scales += take_scales(params)
         positions[layer.name] = got
     out = LayerPairs(zip(weights, scales))
     out.update(zip(scales, weights))
