@@ -219,10 +219,10 @@ class CostModel:
             if layer.runs is not Runs.STEP:
                 rows.append((layer.name, 0, 0, 0, None))
                 continue
-            # a layer of a kind (reads.py) placed and staged alike costs alike: worked out once
+            # a layer of a kind (reads.py) placed and staged alike costs alike: worked out once (uva, cpu: one look)
             wheres[i] = where = layer.values(place)
             key = (self.facts.layers[layer.name][0], where, tuple(map(self.staged.__contains__, layer.params))
-                   if self._staging is not None and (UVA in where or CPU in where) and self.staged else ())
+                   if self._staging is not None and not {UVA, CPU}.isdisjoint(where) and self.staged else ())
             got = costs.get(key)
             if got is None:
                 got = costs[key] = self._layer(layer, place)
