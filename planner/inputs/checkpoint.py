@@ -104,10 +104,9 @@ def _refuse_one_of_many(path: Path) -> None:
                                   f"model; put the index back and point `checkpoint:` at the folder, {path.parent}")
         return
     try:
-        weight_map = _read_index(index)[1]
+        _, weight_map, shards = _read_index(index)
     except CheckpointError:
         return  # not this file's problem: it is planned as given
-    shards = set(weight_map.values())
     if path.name in shards and len(shards) > 1:
         mine = sum(1 for s in weight_map.values() if s == path.name)
         raise CheckpointError(f"{path}: one of the {len(shards)} shards that {index.name} beside it indexes (it holds "
@@ -135,9 +134,9 @@ def fingerprint(path: str | os.PathLike) -> str | None:
         root, index, shards = resolve(path)
         digest = hashlib.sha256()
         if index is not None:
-            raw, weight_map = _read_index(index)
+            raw, weight_map, names = _read_index(index)
             _add_index(digest, raw)
-            shards = sorted(set(weight_map.values()))
+            shards = sorted(names)
     except CheckpointError:
         return None
     problems: list[str] = []
@@ -149,7 +148,10 @@ def fingerprint(path: str | os.PathLike) -> str | None:
     return "sha256:" + digest.hexdigest()
 
 
-def _read_index(index: Path) -> tuple[bytes, dict[str, str]]:
+def _read_index(index: Path) -> tuple[bytes, dict[str, str], set[str]]:
+    """The index's bytes, its weight map and the shard names it maps to. The values' types are checked on the
+    distinct ones (the shard names, a few hundred, which the callers want anyway), not on all 90k values:
+    a list or an object among them fails the set, any other type the check."""
     try:
         raw = index.read_bytes()
         data = loads(raw)
@@ -158,12 +160,15 @@ def _read_index(index: Path) -> tuple[bytes, dict[str, str]]:
     except ValueError as e:
         raise CheckpointError(f"{index}: not valid JSON: {e}") from None
     weight_map = data.get("weight_map") if isinstance(data, dict) else None
-    # JSON keys are strings; the values must be too (the parser makes no str subclass: their types say it at once)
-    if not isinstance(weight_map, dict) or not set(map(type, weight_map.values())) <= {str}:
+    try:  # JSON keys are strings; the values must be too (the parser makes no str subclass: their types say it at once)
+        shards = set(weight_map.values()) if isinstance(weight_map, dict) else None
+    except TypeError:  # unhashable: a list or an object
+        shards = None
+    if shards is None or not set(map(type, shards)) <= {str}:
         raise CheckpointError(
             f"{index}: expected an object with a \"weight_map\" of tensor name -> shard file name"
         )
-    return raw, weight_map
+    return raw, weight_map, shards
 
 
 def _as_indexed(weight_map: dict[str, str], tensors_by_shard: dict[str, dict[str, TensorInfo]]
@@ -200,9 +205,9 @@ def _open_checkpoint(path: str | os.PathLike) -> Checkpoint:
     digest = hashlib.sha256()
     weight_map: dict[str, str] | None = None
     if index is not None:
-        raw, weight_map = _read_index(index)
+        raw, weight_map, names = _read_index(index)
         _add_index(digest, raw)
-        shards = sorted(set(weight_map.values()))
+        shards = sorted(names)
     tensors_by_shard: dict[str, dict[str, TensorInfo]] = {}
     metadata: dict[str, str] = {}
     known: dict[tuple, tuple] = {}  # (dtype, shape) -> the objects its tensors share (parse_tensors)
