@@ -51,8 +51,8 @@ def select(layers: Sequence, patterns: Iterable[Pattern], names: Names) -> set[s
     if not segments:
         return out
     for l in layers:
-        # a tensor named as its layer has no local name; a newline in a name makes it lines to patterns.py
-        if l.template is None or l.name in l.params or "\n" in l.name or not l.template.plain:
+        # its template tells nothing (no template, a tensor named as the layer, a newline): graph.py Layer.by_name
+        if l.by_name:
             out |= Names(l.params).select([Pattern(t) for t in segments])
         elif not segments.isdisjoint(l.name.split(".")):
             out.update(l.params)

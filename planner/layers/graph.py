@@ -89,6 +89,14 @@ class Layer:
         return itemgetter(*self.params)
 
     @cached_property
+    def by_name(self) -> bool:
+        """Whether patterns must match its tensors name by name, its template telling nothing (alike.py `select`):
+        it has none, a tensor is named as the layer (no local name) or a name holds a newline (lines to
+        patterns.py). Asked once per layer, not by every selection again (a look through its 1,548 names)."""
+        t = self.template
+        return t is None or self.name in self.params or "\n" in self.name or not t.plain
+
+    @cached_property
     def expert_tensors(self) -> frozenset[str]:
         """Its tensors of fused expert groups, by name (groups.py `is_expert`): found once per template
         (alike.py) and layer, for the planner's every question about them (staging, the experts map)."""

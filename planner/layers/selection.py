@@ -31,7 +31,7 @@ class Selection:
         if segments and all(p.regex is None and "." not in p.text for p in self.patterns):
             self.masks = {}
             for l in layers:
-                if l.template is None or l.name in l.params or "\n" in l.name or not l.template.plain:
+                if l.by_name:
                     self.masks = None  # named one by one: the set
                     break
                 if not segments.isdisjoint(l.name.split(".")):
