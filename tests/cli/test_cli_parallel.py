@@ -40,16 +40,21 @@ def work(tmp_path, monkeypatch, capsys):
     return tmp_path
 
 
+def build_refused(capsys, folder, body: str, name: str, error: str) -> None:
+    """`plan build NAME.policy.yaml` (in `folder`, the cwd) of `body`: exit 1, `error` alone, no plan written."""
+    write_policy(folder, body, name=f"{name}.policy.yaml", head=HEAD)
+    assert_one_error(*run(capsys, "build", f"{name}.policy.yaml"), error)
+    assert not (folder / f"{name}.plan.yaml").exists()
+
+
 def test_build_of_a_model_type_offplan_cannot_split_is_one_error_and_writes_nothing(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     tp_checkpoint(tmp_path / "ckpt", model_type="gpt2")
-    write_policy(tmp_path, "gpus: 2\n", name="gpt2.policy.yaml", head=HEAD)
-    code, out, err = run(capsys, "build", "gpt2.policy.yaml")
-    assert_one_error(code, out, err, "error: gpt2.policy.yaml:3:7: gpus: 2: tensor parallelism cannot split ckpt\n"
-                     "  - config.json: model_type 'gpt2': offplan knows transformers' tensor-parallel plan of "
-                     "deepseek_v3, glm4_moe, llama, mistral, mixtral, qwen2, qwen3, qwen3_moe only; plan this model on one "
-                     "GPU (`gpus: 1`)\n")
-    assert not (tmp_path / "gpt2.plan.yaml").exists()
+    build_refused(capsys, tmp_path, "gpus: 2\n", "gpt2",
+                  "error: gpt2.policy.yaml:3:7: gpus: 2: tensor parallelism cannot split ckpt\n"
+                  "  - config.json: model_type 'gpt2': offplan knows transformers' tensor-parallel plan of "
+                  "deepseek_v3, glm4_moe, llama, mistral, mixtral, qwen2, qwen3, qwen3_moe only; plan this model on "
+                  "one GPU (`gpus: 1`)\n")
 
 
 def test_show_says_every_figure_is_one_gpus_share(work, capsys):
@@ -176,11 +181,8 @@ def test_experts_on_cpu_are_planned_as_each_gpus_share_with_its_share_of_the_hos
 def test_experts_on_cpu_over_more_gpus_than_host_threads_is_one_error(work, capsys):
     """Each GPU's process would get no host thread for its share of the experts on cpu."""
     (work / "one.yaml").write_text("format_version: 1\nname: one core\ncpu_threads: 1\n")
-    write_policy(work, "gpus: 2\nhardware: one.yaml\nrules:\n  - {match: [experts], place: cpu}\n",
-                 name="few.policy.yaml", head=HEAD)
-    code, out, err = run(capsys, "build", "few.policy.yaml")
-    assert_one_error(code, out, err, "error: few.policy.yaml: experts on cpu over 2 GPUs, but the hardware profile's "
-                     "cpu_threads is 1: each GPU's process computes its share of the experts with its share of those "
-                     "threads, and would get none; use fewer GPUs, a profile of a host with more cores (`plan "
-                     "calibrate`), or leave the experts on uva\n  - few.policy.yaml:6:14: rules[0] (place: cpu)\n")
-    assert not (work / "few.plan.yaml").exists()
+    build_refused(capsys, work, "gpus: 2\nhardware: one.yaml\nrules:\n  - {match: [experts], place: cpu}\n", "few",
+                  "error: few.policy.yaml: experts on cpu over 2 GPUs, but the hardware profile's cpu_threads is 1: "
+                  "each GPU's process computes its share of the experts with its share of those threads, and would "
+                  "get none; use fewer GPUs, a profile of a host with more cores (`plan calibrate`), or leave the "
+                  "experts on uva\n  - few.policy.yaml:6:14: rules[0] (place: cpu)\n")
