@@ -13,6 +13,7 @@ each other in both (the all-reduce hands every process the same sum).
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import pytest
 
@@ -155,6 +156,19 @@ def test_each_process_computes_its_share_of_the_experts_on_its_own_host_threads(
     plan = make_plan(tmp_path, checkpoints["moe"], POLICIES["cpu"], name="host")
     for threads, calls in run_ranks(host_share, 2, str(plan), device="cpu"):
         assert threads == 1 and calls >= 2 * MOE.num_hidden_layers  # the prompt's and at least one step's layers
+
+
+def test_more_threads_in_all_than_the_host_has_is_refused_by_every_process(tmp_path, checkpoints):
+    """Each process's share of the profile's threads fits its cores, but together they would oversubscribe the
+    host: refused at load, naming both counts, before anything is allocated."""
+    cores = len(os.sched_getaffinity(0))
+    (tmp_path / "hw.yaml").write_text(dumps_hardware(dataclasses.replace(H100, cpu_threads=cores + 2)))
+    plan = make_plan(tmp_path, checkpoints["moe"], POLICIES["cpu"], name="oversubscribed")
+    each = (cores + 2) // 2
+    with pytest.raises(OffplanError, match=f"with {each} host threads \\(cost.cpu_threads\\) in each of its 2 "
+                                           f"processes \\({2 * each} in all\\), but this process may run on {cores} "
+                                           f"cores: rebuild it with `cpu_threads: {cores}`"):
+        run_ranks(host_share, 2, str(plan), device="cpu")
 
 
 def test_fp8_shares_compute_what_one_process_does(tmp_path, checkpoints):
