@@ -29,8 +29,8 @@ def check(plan: Plan, targets: list[Target], quantized: dict, uva: bool, device:
     """Refuse what the runtime cannot do with experts on cpu, before anything is allocated: a module that does not
     dispatch through transformers' experts interface, quantized experts there that the host does not compute
     (`_quantized_on_cpu`), `uva=False`, a plan without its cost section's thread count, or more host threads than
-    this process may run on (under tensor parallelism, all its processes' threads: the plan gives each its share
-    of the profile's). `quantized`: quant.py `map_stored`'s, by module."""
+    this process may run on, or than the host has in all its processes (tensor parallelism: the plan gives each its
+    share of the profile's). `quantized`: quant.py `map_stored`'s, by module."""
     on_cpu = [t.name for t in targets if t.on_cpu]
     if not on_cpu:
         return
@@ -52,13 +52,18 @@ def check(plan: Plan, targets: list[Target], quantized: dict, uva: bool, device:
     if not uva and device.type == "cuda":
         raise OffplanError(f"uva=False copies each uva parameter to the GPU whole, but the plan computes experts "
                            f"of {on_cpu[0]} on the host CPU from pinned memory: load it with uva=True (the default)")
-    cores = len(os.sched_getaffinity(0))  # every process of a tensor-parallel plan runs on this one host
-    gpus = plan.parallel.gpus if plan.parallel is not None else 1
-    if threads * gpus > cores:
-        each = f" in each of its {gpus} processes ({threads * gpus} in all)" if gpus > 1 else ""
-        raise OffplanError(f"the plan computes experts on cpu with {threads} host threads (cost.cpu_threads){each}, "
-                           f"but this process may run on {cores} cores: rebuild it with `cpu_threads: {cores}` in "
-                           "the hardware profile (`plan calibrate` measures it)")
+    cores = len(os.sched_getaffinity(0))
+    if threads > cores:
+        raise OffplanError(f"the plan computes experts on cpu with {threads} host threads (cost.cpu_threads), but "
+                           f"this process may run on {cores} cores: rebuild it with `cpu_threads: {cores}` in the "
+                           "hardware profile (`plan calibrate` measures it)")
+    gpus, host = plan.parallel.gpus if plan.parallel is not None else 1, os.cpu_count() or cores
+    if threads * gpus > host:  # every process of a tensor-parallel plan runs on this one host (each may be bound
+        # to its own cores: each checked its own above)
+        raise OffplanError(f"the plan computes experts on cpu with {threads} host threads (cost.cpu_threads) in "
+                           f"each of its {gpus} processes, {threads * gpus} in all, but this host has {host} cores: "
+                           + (f"rebuild it with `cpu_threads: {host}` in the hardware profile" if host >= gpus else
+                              "place the experts on uva (rebuild the plan)"))
 
 
 def _quantized_on_cpu(on_cpu: list[Target], quantized: dict, model: torch.nn.Module) -> list[str]:
