@@ -14,7 +14,10 @@ from the headers, per phase, for the largest such module:
               FP8 at batch 1 is multiplied where it lies: no dequantized copy,
               and nothing staged where every expert is in HBM
     prefill = U x (the same), U = min(E, prompt tokens x k), or E in a staged
-              layer (every expert in order), plus the expert ring there
+              layer (every expert in order), plus the expert ring there;
+              above BATCHED_PAIRS pairs, outside a staged layer, U is at most
+              `experts_per_chunk` (the runtime stages such a forward's experts
+              a chunk at a time, runtime/execute/grouped.py: CHUNK_BYTES each)
     buffers = LOOKAHEAD experts' rows of the two largest fused parameters
               (gate_up_proj and down_proj: an expert's weights), where two or
               more modules read experts over the link (lookahead.py)
@@ -30,7 +33,9 @@ sizes are each GPU's. Not sized: what transformers' own forward allocates
 Worked example, 8 layers of Qwen3-30B-A3B (E 128, k 8, one expert's bf16 rows
 9.4 MB), every expert on uva, a 512-token prompt: decode 75.5 MB at batch 1
 and 604 MB at batch 8, prefill 2.28 GB (a layer's 128 experts, 1.21 GB, and the
-1 GiB ring of a staged layer), buffers 18.9 MB. Where config.json gives no k
+1 GiB ring of a staged layer), buffers 18.9 MB. DeepSeek-V3 (FP8, one expert's
+rows 44 MB stored and 88 MB dequantized): a 512-token prompt's forward stages
+its experts 8 at a time, 1.06 GB, where all 256 took 31.5 GiB. Where config.json gives no k
 (and the policy no `workload.experts_per_token`), every expert counts: k = E.
 """
 from __future__ import annotations
@@ -45,9 +50,11 @@ from typing import Protocol, TypeVar
 from ..inputs.checkpoint import TensorInfo
 from ..layers.alike import Shapes, taker, template_groups
 from ..layers.graph import Layer
+from ..layers.groups import BATCHED_PAIRS
 from ..plan import Placement, working_peak
 
 TRIES = 3  # walks per budget-driven placement (`within`)
+CHUNK_BYTES = 1 << 30  # staged expert rows a chunked forward holds at once (runtime/execute/grouped.py reads it)
 LOOKAHEAD = 2  # experts the lookahead reads ahead; runtime/execute/lookahead.py LOOKAHEAD (a test holds them equal)
 _DTYPE, _NBYTES = itemgetter(1), itemgetter(3)  # of a TensorInfo
 _DEQUANTIZED = {"F8_E4M3": 2, "F8_E5M2": 2}  # bf16 bytes per stored byte; MXFP4 blocks: `_per_byte`
@@ -64,6 +71,12 @@ class Working:
     @property
     def peak_bytes(self) -> int:
         return working_peak(self.decode_bytes, self.prefill_bytes, self.buffer_bytes)
+
+
+def experts_per_chunk(expert_bytes: int) -> int:
+    """How many experts a chunked forward stages at once, each `expert_bytes` of rows (stored and dequantized):
+    as many as CHUNK_BYTES holds, at least one. The runtime asks the same of its modules (grouped.py)."""
+    return max(1, CHUNK_BYTES // max(1, expert_bytes))
 
 
 def _per_byte(t: TensorInfo) -> int:
@@ -168,7 +181,9 @@ def working(members: Mapping[str, tuple[str, ...]], experts: Mapping[str, int], 
         else:
             decode = max(decode, slots * (stored + dequantized))
         ring = staged.get(group)
-        slots = count if ring is not None else min(count, max(1, prompt_tokens) * k)
+        pairs = max(1, prompt_tokens) * k
+        slots = count if ring is not None else min(count, pairs) if pairs <= BATCHED_PAIRS else \
+            min(count, pairs, experts_per_chunk(stored + dequantized))
         prefill = max(prefill, slots * (stored + dequantized) + (ring or 0))
         if Placement.UVA in where and Placement.CPU not in where:  # the lookahead's modules (bind_experts.py)
             over_link.append(weights // count)

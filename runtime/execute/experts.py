@@ -18,7 +18,9 @@ routing over E experts:
    experts and read them ahead: those rows come from the lookahead's buffer in HBM (lookahead.py, `gather`);
 3. the experts' arithmetic over the staged rows, each (token, k) pair routed to its slot (`arithmetic`): up to
    `BATCHED_PAIRS` pairs (one or two tokens) transformers' `batched_mm`'s, above its `grouped_mm`'s over the U
-   staged experts; the same kernels on the same values, so bitwise their outputs on the whole parameter. These are
+   staged experts (grouped.py; in an eager forward whose U experts' rows exceed CHUNK_BYTES, steps 2 and 3 a
+   chunk of the U slots at a time); the same kernels on the same values, so bitwise their outputs on the whole
+   parameter. These are
    the fastest all-GPU paths at batch 1 and from batch 8 on (H100, benchmarks/RESULTS.md). The exception, an FP8
    parameter at one token: fp8_gemv.py multiplies each pair by its expert's FP8 rows where they lie, dequantizing
    in registers (batched_mm's outputs on the dequantized experts within one rounding: another summing order).
@@ -51,6 +53,7 @@ from ..place.fp8_gemv import Fp8Rows
 from ..place.dequant import dequantize, quantized, stored
 from . import ops
 from .gather import gather, gather_many, route
+from .grouped import chunk_of, chunked_pairs, grouped_pairs
 
 _PREFIX = "offplan_"  # non-persistent buffers on an experts module: `offplan_slot_<param>`, `offplan_rows_<param>`
 
@@ -188,14 +191,6 @@ def _linear(x: torch.Tensor, w: torch.Tensor | Fp8Rows, b: torch.Tensor | None, 
     return out if b is None else out.add_(b)
 
 
-def _grouped(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, b: torch.Tensor | None,
-             transposed: bool) -> torch.Tensor:
-    """x [S, in] sorted by slot, w [U, ...], offsets: cumulative rows per slot -> [S, out], as grouped_mm does."""
-    weight = w if transposed else w.transpose(-2, -1)
-    out = torch.nn.functional.grouped_mm(x.to(weight.dtype), weight, offs=offsets)
-    return out if b is None else out.add_(b)
-
-
 def _batched(self: torch.nn.Module, hidden_states: torch.Tensor, rows: dict[str, torch.Tensor],
              weights: torch.Tensor, k: int, pos: torch.Tensor | None = None, merge=None) -> torch.Tensor:
     """batched_mm's arithmetic: one GEMV per (token, expert) pair. `pos` [T*k] picks each pair's staged row (a
@@ -258,39 +253,22 @@ def offplan_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, 
         order, valid, pos = route(ids, experts)  # hit experts first, by number; pos [T*k]: each pair's slot
         if merge is not None:  # the host's experts: not read here
             valid = valid * mine.index_select(0, order).logical_not().to(torch.int32)
-        rows = _stage(self, fused_params(self), order, valid)
+        params = fused_params(self)
+        if arithmetic(pairs) == "grouped_mm" and (chunk := chunk_of(self, params, size, ids)) < size:
+            return chunked_pairs(self, hidden_states, lambda o, v: _stage(self, params, o, v), order, valid, pos,
+                                 size, chunk, weights, k, merge)  # a chunk of the experts' rows at a time
+        rows = _stage(self, params, order, valid)
     if arithmetic(pairs) == "batched_mm":  # one weight copy per pair, from HBM
         return _batched(self, hidden_states, rows, weights, k, pos, merge)
-    return _grouped_pairs(self, hidden_states, rows, pos, size, weights, k, merge)
-
-
-def _grouped_pairs(self: torch.nn.Module, hidden_states: torch.Tensor, rows: dict[str, torch.Tensor],
-                   pos: torch.Tensor, size: int, weights: torch.Tensor, k: int, merge=None) -> torch.Tensor:
-    """grouped_mm's arithmetic over `size` staged experts: the pairs sorted by slot (`pos` [T*k]: each pair's),
-    one grouped GEMM per projection, back in pair order, weighted and summed. `merge` as in `_batched`."""
-    first = "gate_up_proj" if self.has_gate else "up_proj"
-    bias = (lambda p, at: rows[f"{p}_bias"][at]) if self.has_bias else (lambda p, at: None)
-    pos_sorted, perm = torch.sort(pos)
-    x = hidden_states[perm // k]
-    counts = torch.histc(pos_sorted.float() if x.device.type == "cpu" else pos_sorted.int(), bins=size, min=0,
-                         max=size - 1)
-    offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
-    up = _grouped(x, rows[first], offsets, bias(first, pos_sorted), self.is_transposed)
-    up = self._apply_gate(up) if self.has_gate else self.act_fn(up)
-    out = _grouped(up, rows["down_proj"], offsets, bias("down_proj", pos_sorted), self.is_transposed)
-    inverse = torch.empty_like(perm)
-    inverse[perm] = torch.arange(perm.numel(), device=perm.device)
-    out = out[inverse]  # pair order (then weighted: the same products as weighting first, then reordering)
-    out = out if merge is None else merge(out)
-    return (out * weights.unsqueeze(-1)).view(-1, k, out.shape[-1]).sum(dim=1).to(hidden_states.dtype)
+    return grouped_pairs(self, hidden_states, rows, pos, size, weights, k, merge)
 
 
 def grouped_mm_forward(self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                        top_k_weights: torch.Tensor) -> torch.Tensor:
     """"offplan_grouped_mm": transformers' grouped_mm less its sentinel masks (module doc), experts all in HBM."""
     rows = {p: getattr(self, p) for p in fused_params(self)}
-    return _grouped_pairs(self, hidden_states, rows, top_k_index.reshape(-1), self.num_experts,
-                          top_k_weights.reshape(-1), top_k_index.shape[1])
+    return grouped_pairs(self, hidden_states, rows, top_k_index.reshape(-1), self.num_experts,
+                         top_k_weights.reshape(-1), top_k_index.shape[1])
 
 
 def register() -> None:

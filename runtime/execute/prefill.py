@@ -29,7 +29,7 @@ Per forward:
   once the layer that used it last has run. The copy of layer i+1 overlaps the
   compute of layer i, as prefetch does;
 - while the layer runs, each staged parameter reads its slot view instead of
-  the pinned tensor, through a class property (slot_params.py); `remove()` restores
+  the pinned tensor, through a class property (place/slot_params.py); `remove()` restores
   each module's class.
 
 The wait and the copies run in `offplan::prefetch_wait` (ops.py), threaded
@@ -67,7 +67,7 @@ from ..place.modules import module_paths
 from ..place.names import Target
 from . import experts as experts_impl, ops
 from .ring import ExpertRing
-from .slot_params import LayerState, staged_class
+from ..place.slot_params import LayerState, staged_class
 
 
 @dataclass(frozen=True)
