@@ -35,7 +35,8 @@ Worked example, 8 layers of Qwen3-30B-A3B (E 128, k 8, one expert's bf16 rows
 and 604 MB at batch 8, prefill 2.28 GB (a layer's 128 experts, 1.21 GB, and the
 1 GiB ring of a staged layer), buffers 18.9 MB. DeepSeek-V3 (FP8, one expert's
 rows 44 MB stored and 88 MB dequantized): a 512-token prompt's forward stages
-its experts 8 at a time, 1.06 GB, where all 256 took 31.5 GiB. Where config.json gives no k
+its experts 16 at a time, 2.1 GB, where all 256 took 31.5 GiB (a layer of
+Qwen3-30B-A3B's, 1.2 GB, is one chunk). Where config.json gives no k
 (and the policy no `workload.experts_per_token`), every expert counts: k = E.
 """
 from __future__ import annotations
@@ -54,7 +55,7 @@ from ..layers.groups import BATCHED_PAIRS
 from ..plan import Placement, working_peak
 
 TRIES = 3  # walks per budget-driven placement (`within`)
-CHUNK_BYTES = 1 << 30  # staged expert rows a chunked forward holds at once (runtime/execute/grouped.py reads it)
+CHUNK_BYTES = 2 << 30  # staged expert rows a chunked forward holds at once (runtime/execute/grouped.py reads it)
 LOOKAHEAD = 2  # experts the lookahead reads ahead; runtime/execute/lookahead.py LOOKAHEAD (a test holds them equal)
 _DTYPE, _NBYTES = itemgetter(1), itemgetter(3)  # of a TensorInfo
 _DEQUANTIZED = {"F8_E4M3": 2, "F8_E5M2": 2}  # bf16 bytes per stored byte; MXFP4 blocks: `_per_byte`

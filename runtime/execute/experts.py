@@ -18,12 +18,12 @@ routing over E experts:
    experts and read them ahead: those rows come from the lookahead's buffer in HBM (lookahead.py, `gather`);
 3. the experts' arithmetic over the staged rows, each (token, k) pair routed to its slot (`arithmetic`): up to
    `BATCHED_PAIRS` pairs (one or two tokens) transformers' `batched_mm`'s, above its `grouped_mm`'s over the U
-   staged experts (grouped.py; in an eager forward whose U experts' rows exceed CHUNK_BYTES, steps 2 and 3 a
-   chunk of the U slots at a time); the same kernels on the same values, so bitwise their outputs on the whole
-   parameter. These are
-   the fastest all-GPU paths at batch 1 and from batch 8 on (H100, benchmarks/RESULTS.md). The exception, an FP8
-   parameter at one token: fp8_gemv.py multiplies each pair by its expert's FP8 rows where they lie, dequantizing
-   in registers (batched_mm's outputs on the dequantized experts within one rounding: another summing order).
+   staged experts (grouped.py; in an eager forward whose U experts' rows exceed CHUNK_BYTES, 2 GiB, steps 2
+   and 3 a chunk of the U slots at a time); the same kernels on the same values, so bitwise their outputs on
+   the whole parameter. These are the fastest all-GPU paths at batch 1 and from batch 8 on (H100,
+   benchmarks/RESULTS.md). The exception, an FP8 parameter at one token: fp8_gemv.py multiplies each pair by its
+   expert's FP8 rows where they lie, dequantizing in registers (batched_mm's outputs on the dequantized experts
+   within one rounding: another summing order).
 
 The lookahead (step 2) runs in a step captured in a CUDA graph or traced by torch.compile, and on the CPU (so CI
 exercises it). An eager step on CUDA skips it: there the CPU's launches set the pace, and its launches cost more

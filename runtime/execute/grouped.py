@@ -6,8 +6,9 @@ A forward of many tokens touches nearly every expert, and experts.py stages the 
 That is 1.2 GB for Qwen3-30B-A3B in bf16, but 31.5 GiB for DeepSeek-V3 in FP8 (256 experts, each 44 MB stored and
 88 MB dequantized): on one 80 GB GPU, a 70 GiB budget then kept 38 GiB for weights. `chunked_pairs` computes the
 same forward a chunk of staged slots at a time, each chunk's rows staged just before its GEMMs and freed after:
-`chunk_of` experts, as many as planner/decide/working.py's CHUNK_BYTES holds (1 GiB; 8 of DeepSeek-V3's), and the
-plan's footprint counts one chunk (working.py `experts_per_chunk`).
+`chunk_of` experts, as many as planner/decide/working.py's CHUNK_BYTES holds (2 GiB; 16 of DeepSeek-V3's, while
+a layer of Qwen3-30B-A3B's is one chunk), and the plan's footprint counts one chunk (working.py
+`experts_per_chunk`).
 
 The arithmetic is `grouped_pairs`': the pairs sorted by slot, each slot's rows one group of the grouped GEMM. A
 chunk passes a contiguous run of those groups, with their offsets less the chunk's first row, so each expert's

@@ -70,7 +70,8 @@ def test_chunked_forwards_equal_the_whole_one_bitwise(tmp_path, checkpoints, kin
 
 
 def test_an_expert_larger_than_a_chunk_is_staged_alone(tmp_path, checkpoints, monkeypatch):
-    model, handle = from_pretrained(make_plan(tmp_path, checkpoints["bf16"], PLANS["uva"]), progress=False, device="cpu")
+    plan = make_plan(tmp_path, checkpoints["bf16"], PLANS["uva"])
+    model, handle = from_pretrained(plan, progress=False, device="cpu")
     try:
         whole = logits(model)
         monkeypatch.setattr(working, "CHUNK_BYTES", 1)
@@ -99,7 +100,8 @@ def test_the_plan_counts_one_chunk_of_the_rows_the_runtime_stages(tmp_path, chec
     """The plan's prefill working memory (a 512-token prompt touches every expert) is `experts_per_chunk` experts'
     rows, each counted from the headers as the runtime counts its module's (grouped.expert_bytes)."""
     body = PLANS["uva"] + "uva: {stage_prefill: false}\n"  # not staged: a staged layer holds every expert
-    model, handle = from_pretrained(make_plan(tmp_path, checkpoints[kind], body, name="whole"), progress=False, device="cpu")
+    plan = make_plan(tmp_path, checkpoints[kind], body, name="whole")
+    model, handle = from_pretrained(plan, progress=False, device="cpu")
     try:
         module = model.get_submodule("model.layers.0.mlp.experts")
         one = grouped.expert_bytes(module, experts.fused_params(module))
