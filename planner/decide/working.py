@@ -35,7 +35,7 @@ Worked example, 8 layers of Qwen3-30B-A3B (E 128, k 8, one expert's bf16 rows
 and 604 MB at batch 8, prefill 2.28 GB (a layer's 128 experts, 1.21 GB, and the
 1 GiB ring of a staged layer), buffers 18.9 MB. DeepSeek-V3 (FP8, one expert's
 rows 44 MB stored and 88 MB dequantized): a 512-token prompt's forward stages
-its experts 16 at a time, 2.1 GB, where all 256 took 31.5 GiB (a layer of
+its experts 16 at a time, 1.97 GiB, where all 256 took 31.5 GiB (a layer of
 Qwen3-30B-A3B's, 1.2 GB, is one chunk). Where config.json gives no k
 (and the policy no `workload.experts_per_token`), every expert counts: k = E.
 """

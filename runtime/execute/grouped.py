@@ -12,8 +12,11 @@ a layer of Qwen3-30B-A3B's is one chunk), and the plan's footprint counts one ch
 
 The arithmetic is `grouped_pairs`': the pairs sorted by slot, each slot's rows one group of the grouped GEMM. A
 chunk passes a contiguous run of those groups, with their offsets less the chunk's first row, so each expert's
-products are the same GEMM over the same rows, and the outputs equal the whole forward's bitwise (the CPU tests; the
-GPU test on CUDA's grouped GEMM). A chunk whose slots no pair uses (padding) stages nothing.
+products are the same GEMM over the same rows, and the outputs equal the whole forward's bitwise on the CPU (the
+tests, with biases, transposed experts, FP8, MXFP4 and the host's experts merged in). On CUDA, torch's grouped GEMM
+picks its kernel by the rows per group and the output width (sm90), so a chunk of cold experts may run another kernel
+than the whole forward; neither splits the inner dimension, and tests/execute/test_experts_chunks_gpu.py checks such a
+case bitwise, but has not run on a GPU yet. A chunk whose slots no pair uses (padding) stages nothing.
 
 Limits: the chunks' row ranges are read on the host (one synchronization per forward), so a forward is chunked only
 where nothing is being captured or compiled: a prefill (always eager, generation.py) and eager decode steps. A

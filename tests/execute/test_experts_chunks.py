@@ -1,7 +1,8 @@
 """A long forward's experts staged a chunk at a time (runtime/execute/grouped.py), on the CPU: outputs bitwise those
-of the whole forward (and so of transformers' grouped_mm), in bf16 and block-scaled FP8, and the plan's prefill
-working memory is one chunk's rows as the runtime counts them. The chunk is made small here (CHUNK_BYTES patched)
-so that these tiny models' forwards run in several."""
+of the whole forward (and so of transformers' grouped_mm), in bf16, block-scaled FP8 and MXFP4, with biases and
+transposed experts (gpt-oss), with the host's experts merged in; and the plan's prefill working memory is one
+chunk's rows as the runtime counts them. The chunk is made small here (CHUNK_BYTES patched) so that these tiny
+models' forwards run in several."""
 from __future__ import annotations
 
 import pytest
@@ -9,12 +10,15 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
+import dataclasses  # noqa: E402
+
 from planner.decide import working  # noqa: E402
+from planner.inputs.hardware import H100, dumps_hardware  # noqa: E402
 from planner.planfile import load_plan  # noqa: E402
 from runtime.execute import experts, grouped  # noqa: E402
 from runtime.hf import from_pretrained  # noqa: E402
-from quantized_models import write_fp8  # noqa: E402
-from tiny_models import make_plan, qwen3_moe_config, reference, save_model  # noqa: E402
+from quantized_models import write_fp8, write_mxfp4  # noqa: E402
+from tiny_models import gpt_oss_config, make_plan, qwen3_moe_config, reference, save_family, save_model  # noqa: E402
 
 CONFIG = dict(num_hidden_layers=2, num_experts=8, num_experts_per_tok=2)
 PLANS = {"split": "rules:\n  - {match: ['re:experts\\.[0246]\\.'], place: uva}\n",
@@ -27,7 +31,9 @@ TOKENS = 12  # 2 sequences x 12 tokens x top-2: 48 pairs, above BATCHED_PAIRS: g
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("chunks")
     bf16 = save_model(qwen3_moe_config(**CONFIG), root / "bf16")
-    return {"bf16": bf16, "fp8": write_fp8(bf16, root / "fp8", block=16)}
+    oss = save_family(gpt_oss_config(num_hidden_layers=2, num_local_experts=8), root / "oss")  # [E, H, 2I], biases
+    return {"bf16": bf16, "fp8": write_fp8(bf16, root / "fp8", block=16), "oss": oss,
+            "oss-mxfp4": write_mxfp4(oss, root / "oss-mxfp4")}
 
 
 def logits(model, seed: int = 7):
@@ -47,26 +53,47 @@ def counted(monkeypatch) -> list[int]:
     return seen
 
 
-@pytest.mark.parametrize("kind", ["bf16", "fp8"])
-@pytest.mark.parametrize("plan", list(PLANS))
-def test_chunked_forwards_equal_the_whole_one_bitwise(tmp_path, checkpoints, kind, plan, monkeypatch):
-    if kind == "bf16" and plan == "gpu":
-        pytest.skip("bf16 experts all in HBM run transformers' own implementation: nothing is staged")
+# (checkpoint, plan): bf16 experts all in HBM run transformers' own implementation, staging nothing; gpt-oss's
+# experts are stored fused (no expert of their own to split)
+CASES = [("bf16", "split"), ("bf16", "uva"), ("fp8", "split"), ("fp8", "uva"), ("fp8", "gpu"), ("oss", "uva"),
+         ("oss-mxfp4", "uva"), ("oss-mxfp4", "gpu")]
+
+
+@pytest.mark.parametrize("per", [1, 3])  # experts a chunk (a random router may send every pair to a few)
+@pytest.mark.parametrize("kind, plan", CASES)
+def test_chunked_forwards_equal_the_whole_one_bitwise(tmp_path, checkpoints, kind, plan, per, monkeypatch):
     model, handle = from_pretrained(make_plan(tmp_path, checkpoints[kind], PLANS[plan]), progress=False, device="cpu")
     try:
         whole = logits(model)
         module = model.get_submodule("model.layers.0.mlp.experts")
         one = grouped.expert_bytes(module, experts.fused_params(module))
-        monkeypatch.setattr(working, "CHUNK_BYTES", 3 * one)  # 3 experts a chunk: 8 slots in 3 chunks
+        monkeypatch.setattr(working, "CHUNK_BYTES", per * one)  # 8 slots in 8 chunks, or in 3
         seen = counted(monkeypatch)
         assert torch.equal(logits(model), whole)
-        assert seen == [3] * CONFIG["num_hidden_layers"], seen
+        assert seen == [per] * model.config.num_hidden_layers, seen
     finally:
         handle.remove(restore=False)
     if kind == "bf16":  # and so transformers' grouped_mm's, which the whole forward reproduces (test_experts.py)
         ref = reference(checkpoints[kind])
         ref.set_experts_implementation("grouped_mm")
         assert torch.equal(whole, logits(ref))
+
+
+def test_the_hosts_experts_merge_into_a_chunked_forward(tmp_path, checkpoints, monkeypatch):
+    """Experts on cpu (computed by the host for a forward of at most the profile's 64 tokens): their slots are
+    staged with the chunk but never read, and the host's outputs replace theirs, as in the whole forward."""
+    (tmp_path / "hw.yaml").write_text(dumps_hardware(dataclasses.replace(H100, cpu_threads=1, stage_above_tokens=64)))
+    body = "hardware: hw.yaml\nrules:\n  - {match: ['re:experts\\.[0246]\\.'], place: cpu}\n"
+    model, handle = from_pretrained(make_plan(tmp_path, checkpoints["bf16"], body), progress=False, device="cpu")
+    try:
+        whole = logits(model)
+        module = model.get_submodule("model.layers.0.mlp.experts")
+        monkeypatch.setattr(working, "CHUNK_BYTES", 3 * grouped.expert_bytes(module, experts.fused_params(module)))
+        seen, calls = counted(monkeypatch), handle.host_experts.host_calls
+        assert torch.equal(logits(model), whole)
+        assert seen == [3, 3] and handle.host_experts.host_calls == calls + 2  # each layer: chunked, host merged
+    finally:
+        handle.remove(restore=False)
 
 
 def test_an_expert_larger_than_a_chunk_is_staged_alone(tmp_path, checkpoints, monkeypatch):
@@ -82,7 +109,8 @@ def test_an_expert_larger_than_a_chunk_is_staged_alone(tmp_path, checkpoints, mo
 
 
 def test_no_chunk_where_the_rows_fit_or_the_pairs_are_few(tmp_path, checkpoints, monkeypatch):
-    """CHUNK_BYTES (1 GiB) holds every tiny expert; one token's pairs run batched_mm's arithmetic, never chunked."""
+    """CHUNK_BYTES holds every tiny expert; a forward of at most BATCHED_PAIRS pairs runs batched_mm's arithmetic,
+    never chunked."""
     model, handle = from_pretrained(make_plan(tmp_path, checkpoints["fp8"], PLANS["uva"]), progress=False, device="cpu")
     try:
         seen = counted(monkeypatch)

@@ -1,8 +1,12 @@
 """A long forward's experts staged a chunk at a time (runtime/execute/grouped.py) on CUDA (marked `gpu`): outputs
 bitwise those of the whole forward, through the Triton gathers and the one-launch FP8 gather-and-dequantize, with
-experts split between HBM and pinned memory, all pinned, and all FP8 in HBM; and decode steps replayed from a CUDA
-graph (never chunked) give the tokens of eager ones (chunked)."""
+experts split between HBM and pinned memory, all pinned, and all FP8 in HBM; decode steps replayed from a CUDA
+graph (never chunked) give the tokens of eager ones (chunked); and where a chunk's rows per expert fall on the other
+side of 128 from the whole forward's, torch's grouped GEMM (which picks its kernel by the rows per group and the
+output width, sm90) still gives each expert's products bitwise."""
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import pytest
 
@@ -43,3 +47,24 @@ def test_chunked_forwards_equal_the_whole_one_bitwise_on_cuda(tmp_path, checkpoi
         assert replayed.mode == "graph" and replayed.tokens == eager.tokens
     finally:
         handle.remove(restore=False)
+
+
+def test_a_chunk_of_cold_experts_computes_as_the_whole_forward_on_cuda():
+    """8 experts of 256 -> 512 -> 256 (widths above 128), 2 hot with 600 rows each and 6 cold with 10: the whole
+    forward has 157 rows a group, a chunk of 2 cold ones 10 (another kernel, where torch picks by rows a group)."""
+    torch.manual_seed(0)
+    e, h, i = 8, 256, 512
+    module = SimpleNamespace(has_gate=False, has_bias=False, is_transposed=False, act_fn=torch.nn.functional.silu)
+    up = torch.randn(e, i, h, dtype=torch.bfloat16, device="cuda") / 16
+    down = torch.randn(e, h, i, dtype=torch.bfloat16, device="cuda") / 16
+    pos = torch.cat([torch.full((n,), s) for s, n in enumerate([600, 600] + [10] * 6)]).cuda()
+    pos = pos[torch.randperm(pos.numel(), device="cuda")]
+    x = torch.randn(pos.numel(), h, dtype=torch.bfloat16, device="cuda")
+    weights = torch.ones(pos.numel(), dtype=torch.float32, device="cuda")
+    order, valid = torch.arange(e, device="cuda"), torch.ones(e, dtype=torch.int32, device="cuda")
+    rows = {"up_proj": up, "down_proj": down}
+    whole = grouped.grouped_pairs(module, x, rows, pos, e, weights, 1)
+    for chunk in (1, 2, 3):
+        stage = lambda o, v: {p: t.index_select(0, o) for p, t in rows.items()}  # noqa: E731
+        got = grouped.chunked_pairs(module, x, stage, order, valid, pos, e, chunk, weights, 1)
+        assert torch.equal(got, whole), chunk
