@@ -7,7 +7,9 @@ host rows from the expert ring (ring.py) into `rows`, the rows its experts
 forward gathered (experts.py), which it mutates. The lookahead (lookahead.py)
 adds two more, for decode of one token: `offplan::ahead_begin` and
 `offplan::ahead_read`. Experts on cpu (host/engine.py) add `offplan::host_begin`
-and `offplan::host_end`, and their kernel `offplan::host_gated` (host/kernel.py).
+and `offplan::host_end`, which experts.py calls under torch.compile only (elsewhere
+it calls the engine directly: no op's dispatch), and their kernel
+`offplan::host_gated` (host/kernel.py).
 
 `offplan::prefetch_wait(x, engine, layer)`: make the current stream wait for
 `layer`'s copy, then return a copy of `x` (the layer's input activations).

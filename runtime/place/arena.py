@@ -174,3 +174,15 @@ def typed(flat: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> tor
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
     """A flat uint8 view of a contiguous tensor (any dtype, including 0-d and empty)."""
     return t.reshape(-1).view(torch.uint8)
+
+
+def named_views(layout, cuda: bool, device: torch.device) -> tuple[PinnedArena, dict[str, torch.Tensor]]:
+    """One arena holding each (name, dtype, shape) of `layout` at its own aligned offset: the arena, and each
+    name's typed view of it."""
+    offsets, total = [], 0
+    for _, dtype, shape in layout:
+        offsets.append(total)
+        total = align(total + dtype.itemsize * torch.Size(shape).numel())
+    arena = PinnedArena(total, cuda=cuda, device=device)
+    return arena, {name: typed(arena.host_view(offset, dtype.itemsize * torch.Size(shape).numel()), dtype, shape)
+                   for (name, dtype, shape), offset in zip(layout, offsets)}

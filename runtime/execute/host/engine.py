@@ -3,8 +3,7 @@
 At an experts module with experts on cpu (experts.py), a forward of T tokens with top-k routing, T <= `max_tokens`:
 
 1. `begin`: the tokens' activations [T, H] and routed experts [T*k] are copied into pinned memory (copy engine);
-2. the GPU computes its own pairs (experts on the GPU or on uva) meanwhile; it reads no row of an expert on cpu
-   (experts.py leaves them out of its gather);
+2. the GPU computes its own pairs (experts on the GPU or on uva) meanwhile, gathering no row of an expert on cpu;
 3. the host computes, for each (token, expert) pair whose expert is on cpu, that expert's output for that token (the
    rounding of batched_mm's GEMVs) into pinned memory `y` [T*k, H], reading the expert's rows where the arena holds
    them;
@@ -19,18 +18,15 @@ two barriers (handoff.py). How the GPU hands the work over:
 - in a step captured in a CUDA graph (decode's fast path): on a side stream forked from the current one, the two
   copies, then one host node, then the copy of `y`; the current stream joins the side stream before step 4's
   `where`. The GPU's experts run on the current stream in between, so the two sides overlap. The host node is
-  native.cpp's `offplan_run` itself, with the call's job (native.py `Job`: the module, the token count, the buffers)
-  as its argument. For the worker it is a copy of the call's number into pinned memory and two host nodes, libc's
-  barrier wait itself (the first wakes the worker, the second holds the side stream until it is done); the worker
-  needs the GIL, so the generator keeps at most two replays in flight and sleeps otherwise (generation.py). Why host
-  nodes: a CUDA graph replays them with no Python; a GPU kernel spinning on a flag in pinned memory would hold an SM
-  for the whole wait. Why native: a host node running the kernel in Python took it 1.58x as long as the main thread
-  did (1.17 against 0.74 ms, docs/host-experts/host_node_timing.py), and the worker's Python and OpenMP's waking
-  cost some 0.6 ms a call (docs/host-experts/README.md);
+  native.cpp's `offplan_run` itself, with the call's job (native.py `Job`) as its argument. For the worker it is a
+  copy of the call's number into pinned memory and two host nodes, libc's barrier wait itself (the first wakes the
+  worker, the second holds the side stream until it is done); the worker needs the GIL, so the generator keeps at
+  most two replays in flight and sleeps otherwise (generation.py). Why host nodes: a CUDA graph replays them with no
+  Python; a GPU kernel spinning on a flag in pinned memory would hold an SM for the whole wait. Why native: native.py,
+  and a host node running the kernel in Python took 1.58x the main thread's time (docs/host-experts);
 - eager on CUDA, native.cpp's modules: as in a capture, the job a host function on the side stream (one job per
-  (module, token count), which the stream's calls share one after another). The Python thread never waits for the
-  host: it goes on launching the step's kernels, as a replay would, where waiting for the copies and running the
-  job itself held every later launch (eager decode with 70% of the experts on cpu ran at 0.51x the link floor);
+  (module, token count), which the stream's calls share one after another), so the Python thread never waits for
+  the host: it goes on launching the step's kernels, as a replay would;
 - eager on CUDA, the worker's modules: the copies on the side stream; `end`, called once the GPU's experts are
   enqueued, waits for the copies, meets the barriers (the host computes meanwhile, while the GPU computes its own
   pairs), then copies `y` in on the side stream;
@@ -60,7 +56,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ...place.arena import PinnedArena, align, typed
+from ...place.arena import PinnedArena, named_views
 from .. import ops
 from . import native
 from .handoff import Handoff, serve, stop
@@ -85,10 +81,8 @@ class HostExperts:
     """The experts that the plan puts on cpu, for every experts module that has some (module doc)."""
 
     def __init__(self, device: torch.device, threads: int, max_tokens: int, compile: bool = True):
-        self.device = device
-        self.cuda = device.type == "cuda"
-        self.threads = threads
-        self.max_tokens = max_tokens
+        self.device, self.cuda = device, device.type == "cuda"
+        self.threads, self.max_tokens = threads, max_tokens
         self.kernel = Kernel(threads, compile)
         self.modules: list[HostModule] = []
         self.key = ops.register(self)
@@ -99,6 +93,7 @@ class HostExperts:
         self._calls: dict[int, tuple[int, int]] = {}  # a captured call's number -> (module, tokens)
         self._eager = (0, 0)  # the (module, tokens) of the call `end` hands over itself
         self._arena: PinnedArena | None = None
+        self._by_size: dict[tuple[int, int], tuple] = {}  # `_sized`'s views
         self._stream = self._event = self._copied = None
         self._handoff, self._worker = None, None  # Handoff, threading.Thread: where the worker computes some module
 
@@ -106,8 +101,7 @@ class HostExperts:
             fp8: tuple[dict[str, torch.Tensor], tuple[int, int], torch.dtype] | None = None) -> int:
         """Register an experts module; `weights`: its fused parameters' host tensors (pinned arena views); `fp8`
         for block-scaled FP8 ones: (their scales' host tensors by fused parameter, the block, the model's dtype),
-        which native.cpp computes (module.py). Returns its index, which its forward passes to `ops.host_begin` /
-        `host_end`."""
+        which native.cpp computes (module.py). Returns its index, which its forward passes to `begin` / `end`."""
         mask = torch.zeros(module.num_experts, dtype=torch.bool)
         mask[on_cpu] = True
         gated = gated_like(module)
@@ -126,13 +120,7 @@ class HostExperts:
         dtype = self.modules[0].dtype
         layout = (("x", dtype, (self.max_tokens, hidden)), ("ids", torch.long, (pairs,)),
                   ("y", dtype, (pairs, hidden)), ("call", torch.long, (1,)))
-        offsets, total = [], 0
-        for _, d, shape in layout:
-            offsets.append(total)
-            total = align(total + d.itemsize * torch.Size(shape).numel())
-        self._arena = PinnedArena(total, cuda=self.cuda, device=self.device)
-        self._views = {name: typed(self._arena.host_view(offset, d.itemsize * torch.Size(shape).numel()), d, shape)
-                       for (name, d, shape), offset in zip(layout, offsets)}
+        self._arena, self._views = named_views(layout, self.cuda, self.device)
         if self.cuda:
             self._y = torch.empty((pairs, hidden), dtype=dtype, device=self.device)  # the host's outputs, copied in
             self._numbers = torch.arange(MAX_CALLS, device=self.device)  # a captured call copies its own
@@ -163,15 +151,17 @@ class HostExperts:
         if not self.cuda:
             return
         tokens, pairs = x.shape[0], ids.numel()
+        host_x, host_ids, host_y, y = self._sized(tokens, pairs)
         fast = self.modules[index].native
         capturing = torch.cuda.is_current_stream_capturing()
         if capturing and not fast and len(self._calls) + 1 >= MAX_CALLS:  # before anything is enqueued
             raise RuntimeError(f"offplan: more than {MAX_CALLS - 1} captured calls of experts on cpu: capture "
                                "fewer steps, or remove the handle and load again")
-        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        current = torch.cuda.current_stream(self.device)
+        self._stream.wait_stream(current)
         with torch.cuda.stream(self._stream):
-            self._views["x"][:tokens].copy_(x, non_blocking=True)  # copies by the copy engine (memcpy)
-            self._views["ids"][:pairs].copy_(ids, non_blocking=True)
+            host_x.copy_(x, non_blocking=True)  # copies by the copy engine (memcpy)
+            host_ids.copy_(ids, non_blocking=True)
             self._copied.record(self._stream)
             if fast:  # native.cpp itself is the host function (node): no worker, no GIL, no wait in Python
                 self._enqueue(index, tokens, capturing)
@@ -181,29 +171,40 @@ class HostExperts:
                 self._views["call"].copy_(self._numbers[call:call + 1], non_blocking=True)
                 self._handoff.enqueue(self._stream.cuda_stream)
             if fast or capturing:
-                self._y[:pairs].copy_(self._views["y"][:pairs], non_blocking=True)
+                y.copy_(host_y, non_blocking=True)
         # the GPU's experts after the copies: else its gathers, which fill the SMs, can hold the copies (and the
         # host's start) back until they end
-        torch.cuda.current_stream(self.device).wait_event(self._copied)
+        current.wait_event(self._copied)
 
     def end(self, index: int, out: torch.Tensor, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Step 3 handed to the worker here (eagerly), then step 4: out [T*k, H], the GPU's pair outputs."""
         self.check()
         tokens, pairs = x.shape[0], ids.numel()
+        host_x, host_ids, host_y, y = self._sized(tokens, pairs)
         m = self.modules[index]
         if not self.cuda:  # through the same buffers: the compiled kernel sees the tensors it was compiled for
-            self._views["x"][:tokens].copy_(x)
-            self._views["ids"][:pairs].copy_(ids)
+            host_x.copy_(x)
+            host_ids.copy_(ids)
             self._hand_over(index, tokens)
-            return torch.where(m.on_cpu[ids].unsqueeze(1), self._views["y"][:pairs], out)
+            return torch.where(m.on_cpu[ids].unsqueeze(1), host_y, out)
         if not m.native and not torch.cuda.is_current_stream_capturing():  # the worker, eagerly
             self._event.record(self._stream)
             self._event.synchronize()
             self._hand_over(index, tokens)
             with torch.cuda.stream(self._stream):
-                self._y[:pairs].copy_(self._views["y"][:pairs], non_blocking=True)
+                y.copy_(host_y, non_blocking=True)
         torch.cuda.current_stream(self.device).wait_stream(self._stream)
-        return torch.where(m.on_cpu_device[ids].unsqueeze(1), self._y[:pairs], out)
+        return torch.where(m.on_cpu_device[ids].unsqueeze(1), y, out)
+
+    def _sized(self, tokens: int, pairs: int) -> tuple:
+        """The exchange buffers' views for a call of `tokens` tokens and `pairs` pairs: the host's x, ids, y, and
+        y's copy on the GPU (None on the CPU), sliced once per size: an eager step's pace is its Python's."""
+        got = self._by_size.get((tokens, pairs))
+        if got is None:
+            v = self._views
+            got = self._by_size[tokens, pairs] = (v["x"][:tokens], v["ids"][:pairs], v["y"][:pairs],
+                                                  self._y[:pairs] if self.cuda else None)
+        return got
 
     @property
     def host_calls(self) -> int:
@@ -250,12 +251,11 @@ class HostExperts:
         barriers (the GIL released either way)."""
         if self.modules[index].native:
             self.native.run((index, tokens), lambda: self._job(index, tokens))
-            self.check()
-            return
-        self._eager = (index, tokens)
-        self._views["call"][0] = _EAGER
-        self._handoff.start()
-        self._handoff.finish()
+        else:
+            self._eager = (index, tokens)
+            self._views["call"][0] = _EAGER
+            self._handoff.start()
+            self._handoff.finish()
         self.check()
 
     def work(self, call: int) -> None:
@@ -266,8 +266,8 @@ class HostExperts:
             self.kernel.own()
             index, tokens = self._eager if call == _EAGER else self._calls[call]
             m = self.modules[index]
-            y = y[:tokens * m.top_k]
-            self._compute(m, self._views["x"][:tokens], self._views["ids"][:y.shape[0]], y)
+            x, ids, y, _ = self._sized(tokens, tokens * m.top_k)
+            self._compute(m, x, ids, y)
         except BaseException as e:  # noqa: BLE001 - a replay cannot take it: the outputs show it, `check` raises it
             self.error = e
             y.fill_(float("nan"))
@@ -292,7 +292,7 @@ class HostExperts:
             self.native.close()
             self.native = None
         self._calls.clear()
-        self._views = {}
+        self._views, self._by_size = {}, {}
         if self._arena is not None:
             self._arena.release()
             self._arena = None
