@@ -6,9 +6,11 @@ The formats and why they stay quantized: quant.py. Here:
   FP8: `(fp8 -> f32) x scale of its block`, rounded once. MXFP4: the E2M1
   value (sign, 2 exponent bits, 1 mantissa bit) x 2^(s - 127), exact in bf16.
   On CUDA, FP8 runs one Triton kernel (`offplan::dequant_fp8`), which reads a
-  uva weight through its zero-copy view once; elsewhere, and for MXFP4, torch
-  arithmetic. Both compute the same f32 product and round it once, so they
-  agree bitwise, with each other and with a checkpoint dequantized on the host.
+  uva weight through its zero-copy view once; elsewhere torch arithmetic. Both
+  compute the same f32 product and round it once, so they agree bitwise, with
+  each other and with a checkpoint dequantized on the host. MXFP4 in bf16 on
+  CUDA runs one kernel too (`offplan::dequant_mxfp4`), building each value's
+  bits from integers, bitwise the torch arithmetic's, with no temporaries.
   No tensor is made from host data on the way (a CUDA graph capture forbids it).
   `valid` [M] (0 or 1 per matrix of a stack) leaves matrices out on CUDA: a
   gathered stack's padding slots (experts.py), whose rows nothing reads. At
@@ -41,8 +43,8 @@ def dequantize(q: Quant, data: torch.Tensor, scale: torch.Tensor, valid: torch.T
     `valid` [M] int32 for a stack of M matrices: those with 0 may be left unset (module doc)."""
     if q.format == "fp8":
         return dequant_fp8(data, scale, q.block[0], q.block[1], q.dtype, valid)
-    out = _mxfp4(data, scale, q.dtype)
-    return out.transpose(-2, -1).contiguous() if q.transposed else out
+    run = dequant_mxfp4_op if torch.compiler.is_compiling() else _dequant_mxfp4
+    return run(data, scale, q.dtype, q.transposed)
 
 
 def _fp8_reference(data: torch.Tensor, scale: torch.Tensor, b0: int, b1: int, dtype: torch.dtype) -> torch.Tensor:
@@ -85,6 +87,62 @@ if triton is not None:
         s = tl.load(scale + m * scale_rows * scale_cols + (r0 // B0) * scale_cols + c0 // B1)
         x = tl.load(data + offs, mask=mask).to(tl.float32)
         tl.store(out + offs, (x * s).to(out.dtype.element_ty), mask=mask)
+
+
+    @triton.jit
+    def _e2m1_bits(code, s):
+        """The bf16 bits of E2M1 `code` (int32, 0-15) x 2^(s - 127), built from integers: the value is exact in
+        bf16 (a subnormal below 2^-126), so nothing rounds and nothing is flushed; +-inf past bf16's range, NaN
+        where s is 255 (E8M0's NaN)."""
+        e, m = (code >> 1) & 3, code & 1
+        frac = tl.where(e == 0, 0, m)  # 1.5 = 1.1b: the mantissa's top bit; 0.5 (e 0, m 1) is 2^-1 x 1.0
+        biased = s + tl.where(e == 0, -1, e - 1)  # the bf16 exponent field of 2^(s - 127 + its exponent)
+        normal = (biased << 7) | (frac << 6)
+        subnormal = (2 + frac) << tl.maximum(biased + 5, 0)  # 2^(biased - 127) (1 + frac / 2) in units of 2^-133
+        bits = tl.where(biased >= 255, 0x7F80, tl.where(biased <= 0, subnormal, normal))
+        bits = tl.where((e == 0) & (m == 0), 0, bits) | ((code & 8) << 12)
+        return tl.where(s == 255, 0x7FC0, bits)
+
+    @triton.jit
+    def _mxfp4_kernel(out, blocks, scales, n, rows, per_row, stride_m, stride_r, stride_c, BLOCK: tl.constexpr):
+        """BLOCK stored bytes of [M, R, G, 16] (two codes each, low nibble first; `per_row` = 16 G bytes a row),
+        each to its two values at columns c, c + 1 of row r of matrix m, through `out`'s strides (int16 bits)."""
+        i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = i < n
+        b = tl.load(blocks + i, mask=mask, other=0).to(tl.int32)
+        s = tl.load(scales + i // 16, mask=mask, other=127).to(tl.int32)
+        row, c = i // per_row, (i % per_row) * 2
+        at = (row // rows) * stride_m + (row % rows) * stride_r + c * stride_c
+        tl.store(out + at, _e2m1_bits(b & 15, s).to(tl.int16), mask=mask)
+        tl.store(out + at + stride_c, _e2m1_bits(b >> 4, s).to(tl.int16), mask=mask)
+
+
+def _dequant_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, transposed: bool) -> torch.Tensor:
+    """[..., R, G, 16] bytes and [..., R, G] E8M0 scales -> [..., R, 32 G] in `dtype`, or its transpose made
+    contiguous. On CUDA in bf16, one kernel writes the values where they go (the output, 4 bytes a stored byte, its
+    only allocation, as decide/working.py counts it); elsewhere torch arithmetic (`_mxfp4`), whose temporaries
+    peaked at 58 bytes a stored byte on CUDA (docs/memory-peak). Bitwise the same for every scale below 255."""
+    if not blocks.is_cuda or triton is None or dtype != torch.bfloat16:
+        out = _mxfp4(blocks, scales, dtype)
+        return out.transpose(-2, -1).contiguous() if transposed else out
+    *lead, rows, groups, _ = blocks.shape
+    cols = 32 * groups
+    out = torch.empty(*lead, *((cols, rows) if transposed else (rows, cols)), dtype=dtype, device=blocks.device)
+    n = blocks.numel()
+    if n:
+        strides = (1, rows) if transposed else (cols, 1)
+        _mxfp4_kernel[(triton.cdiv(n, 1024),)](out.view(torch.int16), blocks.contiguous(), scales.contiguous(), n,
+                                               rows, 16 * groups, rows * cols, *strides, BLOCK=1024)
+    return out
+
+
+dequant_mxfp4_op = torch.library.custom_op("offplan::dequant_mxfp4", _dequant_mxfp4, mutates_args=())
+
+
+@dequant_mxfp4_op.register_fake
+def _(blocks, scales, dtype, transposed):
+    *lead, rows, groups, _ = blocks.shape
+    return blocks.new_empty((*lead, *((32 * groups, rows) if transposed else (rows, 32 * groups))), dtype=dtype)
 
 
 def power_of_two(n: int) -> bool:

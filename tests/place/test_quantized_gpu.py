@@ -1,7 +1,8 @@
 """Quantized checkpoints on CUDA (marked `gpu`): the Triton FP8 dequantization reads pinned memory in place and
-equals the torch arithmetic bitwise; FP8 and MXFP4 loads equal the dequantized reference under every placement,
-eagerly, compiled without graph breaks, and in a replayed CUDA graph. FP8 at decode (a few rows) runs
-fp8_gemv.py's fused products, which sum in another order than the reference's GEMM: within its rounding."""
+equals the torch arithmetic bitwise, and the MXFP4 one builds the torch arithmetic's bits with no temporaries; FP8
+and MXFP4 loads equal the dequantized reference under every placement, eagerly, compiled without graph breaks, and
+in a replayed CUDA graph. FP8 at decode (a few rows) runs fp8_gemv.py's fused products, which sum in another order
+than the reference's GEMM: within its rounding."""
 from __future__ import annotations
 
 import pytest
@@ -53,6 +54,28 @@ def test_fp8_kernel_reads_pinned_memory_and_equals_the_torch_arithmetic():
     del view
     arena.release()
 
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_mxfp4_kernel_is_the_torch_arithmetic_bitwise_and_allocates_only_its_output(transposed):
+    """Every byte (two codes) under every scale but E8M0's NaN (255), subnormal and infinite results included,
+    bit for bit (signed zeros too); the kernel's only allocation is the tensor it returns (working.py counts
+    that)."""
+    every = torch.arange(256, dtype=torch.uint8).view(16, 16)  # a row of 16 groups: every byte once
+    blocks = torch.stack([every.expand(255, 16, 16), every.flip(0).expand(255, 16, 16)]).contiguous()
+    scales = torch.stack([torch.arange(255).view(255, 1).expand(255, 16),
+                          (torch.arange(255).view(255, 1) + torch.arange(16)) % 255]).to(torch.uint8).contiguous()
+    want = dequant._mxfp4(blocks, scales, torch.bfloat16)  # the torch arithmetic, on the CPU
+    want = want.transpose(-2, -1).contiguous() if transposed else want
+    blocks, scales = blocks.cuda(), scales.cuda()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    got = dequant._dequant_mxfp4(blocks, scales, torch.bfloat16, transposed)
+    torch.cuda.synchronize()
+    assert torch.cuda.max_memory_allocated() - before == -(-got.nbytes // 512) * 512  # the allocator's blocks
+    assert got.shape == want.shape and got.is_contiguous()
+    assert torch.equal(got.cpu().view(torch.int16), want.view(torch.int16))
 
 def test_gather_dequant_equals_gather_then_dequantize_and_skips_padding():
     """One launch for two FP8 parameters of unlike shapes (partial blocks), experts read in place through the
