@@ -13,8 +13,10 @@ from the headers, per phase, for the largest such module:
               U = k at batch 1 (one token's pairs); min(E, batch x k) above;
               FP8 at batch 1 is multiplied where it lies: no dequantized copy,
               and nothing staged where every expert is in HBM
-    prefill = U x (the same), U = min(E, prompt tokens x k), or E in a staged
-              layer (every expert in order), plus the expert ring there;
+    prefill = U x (the same), U = min(E, batch x prompt tokens x k): the
+              batch's prompts in one forward, as the runtime's generation
+              prefills them; or E in a staged layer (every expert in
+              order), plus the expert ring there;
               above BATCHED_PAIRS pairs, outside a staged layer, U is at most
               `experts_per_chunk` (the runtime stages such a forward's experts
               a chunk at a time, runtime/execute/grouped.py: CHUNK_BYTES each)
@@ -182,7 +184,7 @@ def working(members: Mapping[str, tuple[str, ...]], experts: Mapping[str, int], 
         else:
             decode = max(decode, slots * (stored + dequantized))
         ring = staged.get(group)
-        pairs = max(1, prompt_tokens) * k
+        pairs = max(1, prompt_tokens) * batch * k  # the batch's prompts prefilled together
         slots = count if ring is not None else min(count, pairs) if pairs <= BATCHED_PAIRS else \
             min(count, pairs, experts_per_chunk(stored + dequantized))
         prefill = max(prefill, slots * (stored + dequantized) + (ring or 0))

@@ -42,6 +42,9 @@ def test_a_bf16_module_stages_k_experts_at_batch_1_and_every_touched_one_above()
     expert = 3 * 4096
     assert _working(t, UVA) == Working(2 * expert, 4 * expert, 0)  # one module: no lookahead
     assert _working(t, UVA, batch=2) == Working(4 * expert, 4 * expert, 0)  # min(E, 2 x 2)
+    # a prefill of one token a prompt: its pairs, batch x 1 x k, stage min(E, 2 batch x 2 k) at batch 2
+    assert _working(t, UVA, prompt=1) == Working(2 * expert, 2 * expert, 0)
+    assert _working(t, UVA, batch=2, prompt=1) == Working(4 * expert, 4 * expert, 0)
     assert _working(t, UVA, prompt=1, staged={"model.layers.0.mlp.experts": 1000}) == Working(
         2 * expert, 4 * expert + 1000, 0)  # a staged layer: every expert, and the ring
     assert _working(t, GPU) == Working()  # transformers' own implementation: nothing staged
