@@ -107,14 +107,17 @@ def policy(strategy: str, layers: int, budget_bytes: int, split_bytes: int = 0) 
                    }[strategy]
 
 
-def predicted_steps_per_s(work: Path, name: str, text: str, params, batch: int, graph: bool) -> float | None:
+def predicted_steps_per_s(work: Path, name: str, text: str, applied, batch: int, graph: bool) -> float | None:
     """The plan's prediction at `batch`, eager or replayed: the same policy's plan for that workload, if it places
-    every tensor as the applied plan does."""
+    every tensor as the applied plan does; else, at the applied plan's batch, its own prediction of that mode (a
+    plan predicts both, planner/plan.py `Cost.step_us_in`)."""
     path = work / f"{name}-b{batch}-{'graph' if graph else 'eager'}.policy.yaml"
     path.write_text(text + f"workload: {{batch_size: {batch}, cuda_graphs: {'true' if graph else 'false'}}}\n")
     d = build(load_policy(path), work)
-    step = d.summary.predicted_step_us
-    return 1e6 / step if d.params == params and step else None
+    step = d.summary.predicted_step_us if d.params == applied.params else None
+    if step is None and applied.cost is not None and applied.cost.batch_size == batch:
+        step = applied.cost.step_us_in(graph)
+    return 1e6 / step if step else None
 
 
 def prompts(batch: int) -> list[str]:
@@ -249,7 +252,7 @@ def main(argv=None) -> int:
                    steps_per_s=rate, ratio_to_loop=rate / loop_rate, same_tokens_as_loop=same,
                    floor_steps_per_s=floor if b == 1 else None, paired_eager_steps_per_s=paired.get((path, b)),
                    predicted_steps_per_s=None if path == "transformers" else
-                   predicted_steps_per_s(work, strategy, text, applied.params, b, graph),
+                   predicted_steps_per_s(work, strategy, text, applied, b, graph),
                    gpu_bytes=applied.summary.gpu_bytes, uva_bytes=applied.summary.uva_bytes,
                    prefetch_bytes=applied.summary.prefetch_bytes)
     for h in beside.values():

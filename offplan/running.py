@@ -118,7 +118,8 @@ def apply_one(req: Request, rank: int | None = None) -> str:
             return json.dumps({"stats": {**dataclasses.asdict(stats), "pinned_ratio": stats.pinned_ratio,
                                          "load_bytes_per_s": stats.load_bytes_per_s},
                                **facts, "predicted_step_us": plan.summary.predicted_step_us if plan.cost else None,
-                               "predicted_mode": _predicted_mode(plan), **gen}, indent=2)
+                               "predicted_mode": _predicted_mode(plan),
+                               "predicted_step_us_as_run": _as_run(plan, gen["mode"]), **gen}, indent=2)
         return "\n".join(report(req.plan, stats, facts, gen, plan, root))
     finally:
         handle.remove(restore=False)
@@ -181,15 +182,16 @@ def report(plan_path, s: LoadStats, facts: dict, gen: dict, plan, root: Path) ->
                    f"step over {plural(gen['decode_steps'], 'step')} at batch {sequences}")
     if plan.cost is not None:
         c = plan.cost
-        predicted = _predicted_mode(plan)
+        step, graphs = _as_run(plan, gen["mode"]), "graph" in gen["mode"]
+        if step is None or not cuda:  # the plan's own: the CPU's run compares with neither; or a graph plan
+            step, graphs = plan.summary.predicted_step_us, c.cuda_graphs  # written before its eager prediction
         unlike = ("this run is on the CPU" if not cuda else
                   f"this run is at batch {sequences}" if c.batch_size != sequences else
-                  "this run replays a CUDA graph" if predicted == "eager" and "graph" in gen["mode"] else
-                  ("this run is eager" if gen["mode"] == "eager" else "this run replays no CUDA graph")
-                  if predicted == "graph" and "graph" not in gen["mode"] else
+                  "this run is eager (the plan was written before eager predictions)"
+                  if graphs and "graph" not in gen["mode"] else
                   "this run is compiled (the plan predicts uncompiled kernels)" if "compiled" in gen["mode"] else "")
-        out.append(f"  predicted {ms(plan.summary.predicted_step_us)} per decode step by the plan, for batch "
-                   f"{c.batch_size}, {'CUDA graph replay' if predicted == 'graph' else 'eager'}, on {c.hardware}"
+        out.append(f"  predicted {ms(step)} per decode step by the plan, for batch {c.batch_size}, "
+                   f"{'CUDA graph replay' if graphs else 'eager'}, on {c.hardware}"
                    + (f"; {unlike}: they do not compare" if unlike else ""))
     for seq in gen["sequences"]:
         out.append(f"  {seq['text']!r}" if seq["text"] is not None else f"  token ids {seq['token_ids']}")
@@ -198,6 +200,12 @@ def report(plan_path, s: LoadStats, facts: dict, gen: dict, plan, root: Path) ->
 
 def _predicted_mode(plan) -> str | None:
     return None if plan.cost is None else "graph" if plan.cost.cuda_graphs else "eager"
+
+
+def _as_run(plan, mode: str) -> int | None:
+    """The plan's decode step for the mode that ran (`mode`: eager or graph, compiled or not), at the plan's batch:
+    both modes are predicted (Cost.step_us_in), but for eager in a graph plan written before that."""
+    return None if plan.cost is None else plan.cost.step_us_in("graph" in mode)
 
 
 def _generate(model, handle, texts: list[str], batch: int, max_new_tokens: int, eager: bool,

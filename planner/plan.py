@@ -222,10 +222,20 @@ class Cost:
     cpu_expert_gbps: float = 0.0  # with them, the host figures assumed (the load checks them: host/pace.py); 0:
     cpu_expert_sync_us: float = 0.0  # no expert on cpu, or a plan written before they were recorded
     top_k: int = 0  # routed experts a token reads, as assumed (workload or config.json); 0: a dense model, or unknown
+    eager_cpu_us: int = 0  # a graph prediction's: cpu_us were the steps eager (their launches); 0 in eager ones
 
     @property
     def step_us(self) -> int:
         return max(self.cpu_us, self.gpu_us, self.link_us)
+
+    def step_us_in(self, graphs: bool) -> int | None:
+        """The decode step predicted eager or replayed from a CUDA graph (`graphs`), whichever the plan's workload
+        named: the two differ only in the launches (cpu_us). None for eager in a graph plan written before
+        `eager_cpu_us`."""
+        if graphs:
+            return max(self.gpu_us, self.link_us)
+        launches = self.eager_cpu_us if self.cuda_graphs else self.cpu_us
+        return max(launches, self.gpu_us, self.link_us) if launches else None
 
 
 @dataclass(frozen=True)

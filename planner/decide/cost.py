@@ -130,6 +130,7 @@ class Prediction:
     prefill_us: int = 0  # the time to first token for prompt_tokens
     collectives: int = 0  # all-reduces and all-gathers per step (tensor parallelism)
     collectives_us: int = 0  # their time per step, in gpu_us
+    eager_cpu_us: int = 0  # cpu_us were the step eager: its launches (cpu_us itself, for an eager prediction)
     wheres: tuple = field(default=(), repr=False, compare=False)  # each layer's placements (None: in no step)
 
     @property
@@ -241,7 +242,8 @@ class CostModel:
         ends = [0, *map(round, pipelined(timeline, ((self.prefetch_slots, False), (1, True), None)))]  # module doc
         layers = tuple(LayerCost(*row[:4], 0 if row[4] is None else ends[row[4] + 1] - ends[row[4]]) for row in rows)
         return Prediction(self.batch, total[0], round(cpu), round(total[1]), round(total[2]), layers,
-                          self.tokens, round(max(ends[-1], launch)), int(count), round(together), tuple(wheres))
+                          self.tokens, round(max(ends[-1], launch)), int(count), round(together),
+                          round(hw.step_overhead_us * typical + launch), tuple(wheres))
 
     def _layer(self, layer: Layer, place: Mapping[str, Placement]) -> tuple[int, float, float, tuple]:
         """One layer's bytes over the link, GPU us and link us per step, and its prefill's (compute us, copy us per

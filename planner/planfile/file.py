@@ -124,8 +124,9 @@ def _dumps(plan: Plan) -> str:
         threads = {"cpu_threads": c.cpu_threads, "cpu_expert_gbps": c.cpu_expert_gbps,
                    "cpu_expert_sync_us": c.cpu_expert_sync_us} if c.cpu_threads else {}
         top_k = {"top_k": c.top_k} if c.top_k else {}  # absent for a dense model, as in plans before it
+        eager = {"eager_cpu_us": c.eager_cpu_us} if c.eager_cpu_us else {}  # graph plans only
         flow = _flow(hardware=c.hardware, batch_size=c.batch_size, cpu_us=c.cpu_us, gpu_us=c.gpu_us,
-                     link_us=c.link_us, **graphs, **prefill, **threads, **top_k)
+                     link_us=c.link_us, **graphs, **eager, **prefill, **threads, **top_k)
         out.append(f"cost: {flow}\n")
     out.append("notes:" + (" []\n" if not plan.notes else "\n"))
     out += [f"  - {_s(n)}\n" for n in plan.notes]

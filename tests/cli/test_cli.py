@@ -90,7 +90,7 @@ GPU footprint: 15.0 MiB resident + 3.0 MiB prefetch buffers = 18.0 MiB (no budge
 host (pinned): 6.0 MiB prefetch; offloading saves 3.0 MiB of GPU memory (50% of the offloaded bytes; the buffers and working memory above take the rest)
 predicted at batch 1, CUDA graph replay, on NVIDIA H100 80GB HBM3 (PCIe Gen5 host link): 6.0 MiB over the link \
 per step; step 0.359 ms = max(cpu 0.000 ms, gpu 0.359 ms, link 0.114 ms), bound by the GPU (its kernels and reads); \
-time to first token (prefill of 512 tokens) 3.20 ms
+eager, step 3.20 ms (launches 3.20 ms); time to first token (prefill of 512 tokens) 3.20 ms
 note: backend prefetch (auto: prefetch.group_size is set): 6.0 MiB on prefetch from 2 layers
 """
 
@@ -113,7 +113,7 @@ def test_show_against_the_budget(work, capsys):
         "host (pinned): 3.0 MiB uva; offloading saves 3.0 MiB of GPU memory (100% of the offloaded bytes)",
         "predicted at batch 1, CUDA graph replay, on NVIDIA H100 80GB HBM3 (PCIe Gen5 host link): 3.0 MiB over the "
         "link per step; step 0.420 ms = max(cpu 0.000 ms, gpu 0.420 ms, link 0.062 ms), bound by the GPU (its kernels "
-        "and reads); time to first token (prefill of 512 tokens) 3.20 ms"]
+        "and reads); eager, step 3.20 ms (launches 3.20 ms); time to first token (prefill of 512 tokens) 3.20 ms"]
 
 
 def test_show_tensors(work, capsys):

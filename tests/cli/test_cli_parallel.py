@@ -75,7 +75,8 @@ def test_show_says_every_figure_is_one_gpus_share(work, capsys):
         "buffers and working memory above take the rest)",
         "predicted at batch 1, CUDA graph replay, on NVIDIA H100 80GB HBM3 (PCIe Gen5 host link): each of the 2 "
         "host links carries 5.1 KiB per step; step 0.336 ms = max(cpu 0.000 ms, gpu 0.336 ms, link 0.000 ms), bound "
-        "by the GPU (its kernels and reads); time to first token (prefill of 1 token) 3.80 ms"]
+        "by the GPU (its kernels and reads); eager, step 3.80 ms (launches 3.80 ms); time to first token (prefill "
+        "of 1 token) 3.80 ms"]
     assert lines[18:20] == [
         "note: tensor parallel over 2 GPUs (transformers' plan for model_type qwen3_moe): every figure is one GPU's "
         "share; each GPU reads its share over its own host link (H2D predicted at 49 GB/s each)",

@@ -129,7 +129,8 @@ def test_eager_cpu_time_per_layer_dense_or_with_routed_experts(tmp_path):
         (tmp_path / "hw.yaml").write_text(dumps_hardware(hw))
         assert load_hardware(tmp_path / "hw.yaml") == hw
         assert CostModel(g, t, hw, 1, groups, 1).predict(place).cpu_us == cpu
-        assert CostModel(g, t, hw, 1, groups, 1, graphs=True).predict(place).cpu_us == 0
+        replayed = CostModel(g, t, hw, 1, groups, 1, graphs=True).predict(place)
+        assert (replayed.cpu_us, replayed.eager_cpu_us) == (0, cpu)  # a graph prediction keeps the eager launches
 
 
 def mixed(tensors, budget_mb, batch=1, step=2, top_k=2, rules=(), stage=True, stage_experts=None):
@@ -260,6 +261,18 @@ def test_graph_replay_costs_no_launch_time():
     graphs = CostModel(g, i, HW, 1, FusedGroups.find(n for l in g.stack_layers() for n in l.params), 1, graphs=True)
     assert eager.predict(place).cpu_us == 200 and graphs.predict(place).cpu_us == 0
     assert graphs.predict(place).gpu_us == eager.predict(place).gpu_us
+
+
+
+def test_a_graph_plan_predicts_the_eager_step_too(tmp_path):
+    """The two modes differ only in the launches: a plan predicting replayed steps records the eager launches
+    (cost.eager_cpu_us), so `plan apply --eager` has a prediction of its own; an eager plan's are its cpu_us."""
+    from planner.plan import Cost
+    graph = Cost("h", 1, 0, 700, 300, cuda_graphs=True, eager_cpu_us=2000)
+    assert (graph.step_us_in(True), graph.step_us_in(False)) == (700, 2000)
+    eager = Cost("h", 1, 2000, 700, 300)
+    assert (eager.step_us_in(True), eager.step_us_in(False)) == (700, 2000)
+    assert Cost("h", 1, 0, 700, 300, cuda_graphs=True).step_us_in(False) is None  # written before eager_cpu_us
 
 
 def test_a_hand_written_profile_may_hold_a_few_figures_the_rest_the_builtin_ones(tmp_path, capsys):

@@ -191,6 +191,8 @@ def test_cli_apply_generates(tmp_path, checkpoints, capsys):
     out = json.loads(capsys.readouterr().out)
     assert [len(s["token_ids"]) for s in out["sequences"]] == [3] and out["stats"]["prefetch_bytes"] > 0
     assert (out["mode"], out["decode_steps"], out["predicted_mode"]) == ("eager", 2, "graph")
+    cost = load_plan(plan).cost  # the plan predicts replayed steps, and eager ones: the mode that ran's given
+    assert out["predicted_step_us_as_run"] == cost.step_us_in(False) == max(cost.eager_cpu_us, cost.gpu_us) > 0
 
 
 def test_cli_apply_compiles_the_decode_step(capsys):

@@ -40,13 +40,16 @@ def built(tmp_path, toy_ckpt):
 
 
 def test_cost_records_graph_replay(built):
-    """By default (workload.cuda_graphs: true) a plan predicts no CPU launch time, and says it assumed graph
-    replay; an eager plan (cuda_graphs: false) has no cuda_graphs key in its cost, as plans written before it."""
+    """By default (workload.cuda_graphs: true) a plan predicts no CPU launch time, says it assumed graph replay,
+    and keeps the launches of eager steps (eager_cpu_us); an eager plan (cuda_graphs: false) has no cuda_graphs
+    key in its cost, as plans written before it, and no eager_cpu_us: its cpu_us is that."""
     graphs, text = built["budget"]
-    assert graphs.cost.cuda_graphs and graphs.cost.cpu_us == 0
-    assert f", cuda_graphs: true, prompt_tokens: 512, prefill_us: {graphs.cost.prefill_us}}}\n" in text
-    eager, text = built["eager"]
-    assert not eager.cost.cuda_graphs and eager.cost.cpu_us > 0 and "cuda_graphs" not in text
+    eager, eager_text = built["eager"]
+    assert graphs.cost.cuda_graphs and graphs.cost.cpu_us == 0 and graphs.cost.eager_cpu_us > 0
+    assert (f", cuda_graphs: true, eager_cpu_us: {graphs.cost.eager_cpu_us}, prompt_tokens: 512, prefill_us: "
+            f"{graphs.cost.prefill_us}}}\n") in text
+    assert not eager.cost.cuda_graphs and eager.cost.cpu_us > 0 and "cuda_graphs" not in eager_text
+    assert "eager_cpu_us" not in eager_text and eager.cost.eager_cpu_us == 0
 
 
 def test_plan_content(tmp_path, built):
