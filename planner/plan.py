@@ -79,8 +79,7 @@ class LayerBytes:
 
 @dataclass(frozen=True)
 class Buffer:
-    """Where one prefetched checkpoint tensor sits in its layer's slot: name within the layer, dtype,
-    shape, and its byte offset from the start of the slot."""
+    """Where a prefetched tensor sits in its layer's slot: name in the layer, dtype, shape, byte offset in the slot."""
 
     name: str
     dtype: str
@@ -91,8 +90,7 @@ class Buffer:
 
 @dataclass(frozen=True)
 class Layout:
-    """A prefetched layer's slot image (slots.py): its tensors at their offsets, `bytes` long.
-    Layers with the same tensors share one layout."""
+    """A prefetched layer's slot image (slots.py): its tensors at their offsets, `bytes` long (shared)."""
 
     bytes: int
     buffers: tuple[Buffer, ...]
@@ -100,14 +98,10 @@ class Layout:
 
 @dataclass(frozen=True)
 class Transfer:
-    """Copy `layer`'s prefetched tensors into `slot`, laid out as `layouts[layout]`, once `after`'s
-    forward has run; the runtime hooks the forward of the module at path `module`.
-
-    `after` is the previous user of the slot (cyclically), so a copy never
-    overwrites a buffer that a layer still has to read. The runtime also issues
-    the first transfer of every slot at load, so the first forward finds its
-    layers ready.
-    """
+    """Copy `layer`'s prefetched tensors into `slot`, laid out as `layouts[layout]`, once `after`'s forward has run;
+    the runtime hooks the forward of the module at path `module`. `after` is the previous user of the slot
+    (cyclically), so a copy never overwrites a buffer that a layer still has to read. The runtime also issues the
+    first transfer of every slot at load, so the first forward finds its layers ready."""
 
     layer: str
     module: str
@@ -133,10 +127,9 @@ class PrefetchSchedule:
 
 @dataclass(frozen=True)
 class StagedLayer:
-    """A layer whose uva tensors (routed experts only if `PrefillStaging.experts`) are copied to the GPU
-    before a forward over many tokens: the plan's layer name, the module whose forward the runtime hooks (as `Transfer.module`),
-    and the bytes its staged tensors other than routed experts take in a slot, each ALIGN (256 B) apart
-    (0 when it stages only experts, which go through the ring)."""
+    """A layer whose uva tensors (routed experts only if `PrefillStaging.experts`) are copied to the GPU before a
+    forward over many tokens: the plan's layer name, the module whose forward the runtime hooks (as `Transfer.module`),
+    and the bytes its staged tensors but routed experts take in a slot, each ALIGN (256 B) apart (0: experts only)."""
 
     layer: str
     module: str
@@ -229,13 +222,10 @@ class Cost:
         return max(self.cpu_us, self.gpu_us, self.link_us)
 
     def step_us_in(self, graphs: bool) -> int | None:
-        """The decode step predicted eager or replayed from a CUDA graph (`graphs`), whichever the plan's workload
-        named: the two differ only in the launches (cpu_us). None for eager in a graph plan written before
-        `eager_cpu_us`."""
-        if graphs:
-            return max(self.gpu_us, self.link_us)
-        launches = self.eager_cpu_us if self.cuda_graphs else self.cpu_us
-        return max(launches, self.gpu_us, self.link_us) if launches else None
+        """The decode step replayed from a CUDA graph (`graphs`) or eager, whichever the workload named: they differ
+        in the launches only. None for eager in a graph plan written before `eager_cpu_us`."""
+        launches = 0 if graphs else self.eager_cpu_us if self.cuda_graphs else self.cpu_us
+        return max(launches, self.gpu_us, self.link_us) if graphs or launches else None
 
 
 @dataclass(frozen=True)

@@ -14,9 +14,8 @@ Only what runs in every decode step counts (graph.py `Runs`): a vision tower run
 with images, an MTP layer never in plain decode, so wherever they live they cost a decode step nothing.
 
 Time per step: three resources work at once, and the slowest sets the pace.
-    cpu  = (step overhead + stack layers x layer overhead)  (launching kernels, eagerly; x eager_median_ratio;
-                                                            0 when steps replay a CUDA graph;
-                                                            a layer with routed experts: its own figure)
+    cpu  = (step overhead + stack layers x layer overhead) x eager_median_ratio   (launching kernels eagerly; a layer
+           with routed experts: its own figure; 0 when steps replay a CUDA graph, its eager figure kept beside)
     gpu  = step GPU time + stack layers x layer GPU time   (kernel latency: hardware.py)
            + resident and prefetched bytes read / HBM + uva bytes read / UVA
     link = uva bytes read / UVA + prefetched bytes / H2D copy
@@ -132,10 +131,7 @@ class Prediction:
     collectives_us: int = 0  # their time per step, in gpu_us
     eager_cpu_us: int = 0  # cpu_us were the step eager: its launches (cpu_us itself, for an eager prediction)
     wheres: tuple = field(default=(), repr=False, compare=False)  # each layer's placements (None: in no step)
-
-    @property
-    def step_us(self) -> int:
-        return max(self.cpu_us, self.gpu_us, self.link_us)
+    step_us = property(lambda self: max(self.cpu_us, self.gpu_us, self.link_us))
 
     def request_us(self, new_tokens: int) -> int:
         """One request: its prefill, then `new_tokens` decode steps (what `backend: mixed` minimises)."""

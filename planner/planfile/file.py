@@ -5,9 +5,8 @@ surprises). A plan's `built:` stamp ends in the digest of the text around it (pl
 it last. Paths inside a plan are relative to the plan file's directory, so a plan committed next to its policy stays
 valid in any clone.
 
-Every reader goes through `read_plan` (or `loads`), which refuses a plan whose
-parts disagree (consistency.py): `plan show`, `validate`, `diff`, `check` and
-the runtime alike.
+Every reader goes through `read_plan` (or `loads`), which refuses a plan whose parts disagree (consistency.py):
+`plan show`, `validate`, `diff`, `check` and the runtime alike.
 """
 from __future__ import annotations
 
@@ -120,13 +119,13 @@ def _dumps(plan: Plan) -> str:
         out.append("cost: null\n")
     else:
         graphs = {"cuda_graphs": True} if c.cuda_graphs else {}  # absent for eager, as plans before it
+        graphs |= {"eager_cpu_us": c.eager_cpu_us} if c.eager_cpu_us else {}  # graph plans since it was recorded
         prefill = {"prompt_tokens": c.prompt_tokens, "prefill_us": c.prefill_us} if c.prompt_tokens else {}
         threads = {"cpu_threads": c.cpu_threads, "cpu_expert_gbps": c.cpu_expert_gbps,
                    "cpu_expert_sync_us": c.cpu_expert_sync_us} if c.cpu_threads else {}
         top_k = {"top_k": c.top_k} if c.top_k else {}  # absent for a dense model, as in plans before it
-        eager = {"eager_cpu_us": c.eager_cpu_us} if c.eager_cpu_us else {}  # graph plans only
         flow = _flow(hardware=c.hardware, batch_size=c.batch_size, cpu_us=c.cpu_us, gpu_us=c.gpu_us,
-                     link_us=c.link_us, **graphs, **eager, **prefill, **threads, **top_k)
+                     link_us=c.link_us, **graphs, **prefill, **threads, **top_k)
         out.append(f"cost: {flow}\n")
     out.append("notes:" + (" []\n" if not plan.notes else "\n"))
     out += [f"  - {_s(n)}\n" for n in plan.notes]

@@ -191,8 +191,7 @@ def test_cli_apply_generates(tmp_path, checkpoints, capsys):
     out = json.loads(capsys.readouterr().out)
     assert [len(s["token_ids"]) for s in out["sequences"]] == [3] and out["stats"]["prefetch_bytes"] > 0
     assert (out["mode"], out["decode_steps"], out["predicted_mode"]) == ("eager", 2, "graph")
-    cost = load_plan(plan).cost  # the plan predicts replayed steps, and eager ones: the mode that ran's given
-    assert out["predicted_step_us_as_run"] == cost.step_us_in(False) == max(cost.eager_cpu_us, cost.gpu_us) > 0
+    assert out["predicted_step_us_as_run"] == load_plan(plan).cost.step_us_in(False) > 0  # the plan's eager step
 
 
 def test_cli_apply_compiles_the_decode_step(capsys):
@@ -224,8 +223,7 @@ def test_cli_apply_generates_for_a_batch_of_prompts(tmp_path, checkpoints, capsy
 
 
 def test_cli_apply_reports_the_bundled_example(capsys):
-    """The bundled example on the CPU: what was loaded, that its weights are random and it has no
-    tokenizer, and the predicted step time next to the measured one."""
+    """The bundled example on the CPU: what was loaded, its random weights, no tokenizer, the predicted step."""
     assert main(["apply", "plans/examples/tiny-moe.plan.yaml", "--max-new-tokens", "2", "--device", "cpu"]) == 0
     out, err = capsys.readouterr()
     assert err == ""  # not a terminal: no bar, and apply reports the load itself
