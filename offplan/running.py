@@ -187,9 +187,9 @@ def report(plan_path, s: LoadStats, facts: dict, gen: dict, plan, root: Path) ->
             step, graphs = plan.summary.predicted_step_us, c.cuda_graphs  # written before its eager prediction
         unlike = ("this run is on the CPU" if not cuda else
                   f"this run is at batch {sequences}" if c.batch_size != sequences else
+                  "this run is compiled (the plan predicts uncompiled kernels)" if "compiled" in gen["mode"] else
                   "this run is eager (the plan was written before eager predictions)"
-                  if graphs and "graph" not in gen["mode"] else
-                  "this run is compiled (the plan predicts uncompiled kernels)" if "compiled" in gen["mode"] else "")
+                  if graphs and "graph" not in gen["mode"] else "")
         out.append(f"  predicted {ms(step)} per decode step by the plan, for batch {c.batch_size}, "
                    f"{'CUDA graph replay' if graphs else 'eager'}, on {c.hardware}"
                    + (f"; {unlike}: they do not compare" if unlike else ""))

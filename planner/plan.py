@@ -215,7 +215,7 @@ class Cost:
     cpu_expert_gbps: float = 0.0  # with them, the host figures assumed (the load checks them: host/pace.py); 0:
     cpu_expert_sync_us: float = 0.0  # no expert on cpu, or a plan written before they were recorded
     top_k: int = 0  # routed experts a token reads, as assumed (workload or config.json); 0: a dense model, or unknown
-    eager_cpu_us: int = 0  # a graph prediction's: cpu_us were the steps eager (their launches); 0 in eager ones
+    eager_cpu_us: int | None = None  # a graph prediction's: cpu_us were the steps eager; None in eager ones
 
     @property
     def step_us(self) -> int:
@@ -225,7 +225,7 @@ class Cost:
         """The decode step replayed from a CUDA graph (`graphs`) or eager, whichever the workload named: they differ
         in the launches only. None for eager in a graph plan written before `eager_cpu_us`."""
         launches = 0 if graphs else self.eager_cpu_us if self.cuda_graphs else self.cpu_us
-        return max(launches, self.gpu_us, self.link_us) if graphs or launches else None
+        return None if launches is None else max(launches, self.gpu_us, self.link_us)
 
 
 @dataclass(frozen=True)

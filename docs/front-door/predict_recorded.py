@@ -16,16 +16,18 @@ modules import: their policies are taken from them, not written again here.
 
 Compared: decode rows replayed (the loop's rate) and eager (`generate --eager`), per plan and batch, and prefill
 rows. Left out, saying why: a plan rebuilt that is not the run's (other bytes on the GPU, uva or prefetch: the
-planner has changed its mind since); a batch above 1 with routed experts in host memory, on uva or cpu, or FP8
-ones anywhere (staged dequantized, fp8_gather.py), whose step reads what the batch routes to: the run's sequences
-route alike (copies of one prompt before run g; there distinct prompts, but a random model's routers pick mostly
-the same experts for any token: 2.2-2.3x the prediction at batch 8) and a step reads little more than one
-sequence's, where the plan predicts independent tokens' routing (resident FP8 at batch 8: 1.48x, run f1); and a plan for that workload that places otherwise than the applied one, at another batch than
-the applied plan's (at its batch the applied plan's own prediction of the other mode stands in: a plan predicts
-replayed and eager steps, Cost.step_us_in; the benchmark recorded none there before). `--check` judges the front-door runs' replayed decode rows only: an eager prediction
-rests on the run's calibrated launch overheads, which vary between calibrations by up to 2x (issue 25's calibration
-item), and a long prompt's on one GEMM rate for every shape (docs/front-door/README.md); the moe-cpu runs' oldest
-profiles come from calibrations since replaced, and their first two runs from a host kernel since replaced.
+planner has changed its mind since); a batch above 1 with routed experts in host memory, on uva or cpu, or FP8 ones
+anywhere (staged dequantized, fp8_gather.py), whose step reads what the batch routes to: the run's sequences route
+alike (copies of one prompt before run g; there distinct prompts, but a random model's routers pick mostly the same
+experts for any token: 2.2-2.3x the prediction at batch 8) and a step reads little more than one sequence's, where
+the plan predicts independent tokens' routing (resident FP8 at batch 8: 1.48x, run f1); and a plan for that workload
+that places otherwise than the applied one, at another batch than the applied plan's (at its batch the applied
+plan's own prediction of the other mode stands in: a plan predicts replayed and eager steps, Cost.step_us_in; the
+benchmark recorded none there before). `--check` judges the front-door runs' replayed decode rows only: an eager
+prediction rests on the run's calibrated launch overheads, which vary between calibrations by up to 2x (issue 25's
+calibration item), and a long prompt's on one GEMM rate for every shape (docs/front-door/README.md); the moe-cpu
+runs' oldest profiles come from calibrations since replaced, and their first two runs from a host kernel since
+replaced.
 """
 from __future__ import annotations
 

@@ -207,7 +207,6 @@ class CostModel:
         total = [0, float(hw.step_gpu_us), 0.0]
         # a replayed CUDA graph launches nothing from the CPU; the prefill's launches count always (module doc)
         typical = hw.eager_median_ratio  # launches at a typical step's pace, not the calibration's fastest round's
-        cpu = 0.0 if self.graphs else hw.step_overhead_us * typical
         moe_overhead = (hw.moe_layer_overhead_us or hw.layer_overhead_us) * typical
         costs = self._layer_costs
         count = together = launch = 0.0
@@ -231,15 +230,15 @@ class CostModel:
                 compute += n * hw.allreduce_us + self.tokens * per_token / (hw.allreduce_gbps * 1e3)
             if layer.kind is LayerKind.LAYER:
                 overhead = moe_overhead if self.experts[layer.name] else hw.layer_overhead_us * typical
-                launch, cpu = launch + overhead, cpu + (0.0 if self.graphs else overhead)
+                launch += overhead
             rows.append((layer.name, h2d_bytes, round(gpu), round(link), len(timeline)))
             timeline.append((compute, in_place, copies))
             total = list(map(add, total, (h2d_bytes, gpu, link)))
         ends = [0, *map(round, pipelined(timeline, ((self.prefetch_slots, False), (1, True), None)))]  # module doc
         layers = tuple(LayerCost(*row[:4], 0 if row[4] is None else ends[row[4] + 1] - ends[row[4]]) for row in rows)
-        return Prediction(self.batch, total[0], round(cpu), round(total[1]), round(total[2]), layers,
-                          self.tokens, round(max(ends[-1], launch)), int(count), round(together),
-                          round(hw.step_overhead_us * typical + launch), tuple(wheres))
+        eager = round(hw.step_overhead_us * typical + launch)  # the step's launches, were it eager
+        return Prediction(self.batch, total[0], 0 if self.graphs else eager, round(total[1]), round(total[2]), layers,
+                          self.tokens, round(max(ends[-1], launch)), int(count), round(together), eager, tuple(wheres))
 
     def _layer(self, layer: Layer, place: Mapping[str, Placement]) -> tuple[int, float, float, tuple]:
         """One layer's bytes over the link, GPU us and link us per step, and its prefill's (compute us, copy us per

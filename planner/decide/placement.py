@@ -286,7 +286,7 @@ def decide(graph: LayerGraph, tensors: Mapping[str, TensorInfo], policy: Policy,
                 work.cuda_graphs, prediction.prompt_tokens, prediction.prefill_us,
                 *((hardware.cpu_threads, hardware.cpu_expert_gbps, hardware.cpu_expert_sync_us) if by[CPU] else
                   (0, 0.0, 0.0)), top_k=top_k or 0 if moe else 0,
-                eager_cpu_us=prediction.eager_cpu_us if work.cuda_graphs else 0)
+                eager_cpu_us=prediction.eager_cpu_us if work.cuda_graphs else None)
     outcome = Outcome(policy, backend, reason, skipped, place, frozenset(fixed), tensors, graph, schedule,
                       mixed_notes, bool(groups.members) and top_k is None and routing is None,
                       routing, bool(moe) and top_k is not None and routing is None, checkpoint_fingerprint, staging,

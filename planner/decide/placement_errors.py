@@ -205,7 +205,8 @@ def over_budget(policy: Policy, backend: Backend, need: int, place, tensors, gra
                "tokens)." if stage_pool else "")
     work = policy.workload
     running = (f"\n  {gib(working)} of it are the experts' working memory as the model runs (their touched rows at a "
-               f"decode step of batch {work.batch_size} or a prefill of {work.prompt_tokens} tokens): a smaller "
+               f"decode step of batch {work.batch_size} or a prefill of {work.batch_size} x {work.prompt_tokens} "
+               "tokens): a smaller "
                "workload.batch_size or workload.prompt_tokens lowers it." if working else "")
     by_rules = [f"rules[{i}] {gib(b)}" for i, (rule, mine) in enumerate(zip(policy.rules, won)) if rule.place is GPU
                 and (b := sum(tensors[n].nbytes for n in mine))]

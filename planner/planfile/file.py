@@ -119,7 +119,7 @@ def _dumps(plan: Plan) -> str:
         out.append("cost: null\n")
     else:
         graphs = {"cuda_graphs": True} if c.cuda_graphs else {}  # absent for eager, as plans before it
-        graphs |= {"eager_cpu_us": c.eager_cpu_us} if c.eager_cpu_us else {}  # graph plans since it was recorded
+        graphs |= {"eager_cpu_us": c.eager_cpu_us} if c.eager_cpu_us is not None else {}  # graph plans only
         prefill = {"prompt_tokens": c.prompt_tokens, "prefill_us": c.prefill_us} if c.prompt_tokens else {}
         threads = {"cpu_threads": c.cpu_threads, "cpu_expert_gbps": c.cpu_expert_gbps,
                    "cpu_expert_sync_us": c.cpu_expert_sync_us} if c.cpu_threads else {}

@@ -95,7 +95,7 @@ def show_data(plan: Plan) -> dict:
         "cost": None if plan.cost is None else {
             "hardware": plan.cost.hardware, "batch_size": plan.cost.batch_size,
             "cpu_us": plan.cost.cpu_us, "gpu_us": plan.cost.gpu_us, "link_us": plan.cost.link_us,
-            "cuda_graphs": plan.cost.cuda_graphs, "eager_cpu_us": plan.cost.eager_cpu_us or None,
+            "cuda_graphs": plan.cost.cuda_graphs, "eager_cpu_us": plan.cost.eager_cpu_us,
             "prompt_tokens": plan.cost.prompt_tokens or None, "prefill_us": plan.cost.prefill_us or None,
             **({"cpu_threads": plan.cost.cpu_threads, "cpu_expert_gbps": plan.cost.cpu_expert_gbps or None,
                 "cpu_expert_sync_us": plan.cost.cpu_expert_sync_us or None} if plan.cost.cpu_threads else {})},
@@ -155,8 +155,8 @@ def show(plan: Plan, unchecked: str | None = None) -> list[RenderableType | str]
                 if c.prompt_tokens else "")
         link = (f"each of the {plan.parallel.gpus} host links carries {human(s.predicted_h2d_bytes_per_step)} per step"
                 if plan.parallel else f"{human(s.predicted_h2d_bytes_per_step)} over the link per step")
-        eager = (f"; eager, step {ms(c.step_us_in(False))} (launches {ms(c.eager_cpu_us)})" if c.eager_cpu_us
-                 else "")
+        eager = (f"; eager, step {ms(c.step_us_in(False))} (launches {ms(c.eager_cpu_us)})"
+                 if c.eager_cpu_us is not None else "")
         out.append(f"predicted at batch {c.batch_size}, {mode}, on {c.hardware}: {link}; step {ms(c.step_us)} = "
                    f"max(cpu {ms(c.cpu_us)}, gpu {ms(c.gpu_us)}, link {ms(c.link_us)}), bound by {bound}{eager}"
                    f"{ttft}")

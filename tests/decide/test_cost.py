@@ -273,6 +273,7 @@ def test_a_graph_plan_predicts_the_eager_step_too(tmp_path):
     eager = Cost("h", 1, 2000, 700, 300)
     assert (eager.step_us_in(True), eager.step_us_in(False)) == (700, 2000)
     assert Cost("h", 1, 0, 700, 300, cuda_graphs=True).step_us_in(False) is None  # written before eager_cpu_us
+    assert Cost("h", 1, 0, 700, 300, cuda_graphs=True, eager_cpu_us=0).step_us_in(False) == 700  # no launches
 
 
 def test_a_hand_written_profile_may_hold_a_few_figures_the_rest_the_builtin_ones(tmp_path, capsys):

@@ -96,7 +96,7 @@ def test_qwen3_30b_a3b_experts_on_uva_count_their_working_memory_against_the_bud
     err = " ".join(capsys.readouterr().err.split())
     assert f"the plan needs 3.37 GiB ({resident + peak:,} bytes) of GPU memory but budget_gib 1.5" in err
     assert ("2.14 GiB of it are the experts' working memory as the model runs (their touched rows at a decode step "
-            f"of batch {batch} or a prefill of 512 tokens): a smaller workload.batch_size") in err
+            f"of batch {batch} or a prefill of {batch} x 512 tokens): a smaller workload.batch_size") in err
     smallest = re.search(r"is budget_gib: (\S+) \(", err)[1]
     assert build(smallest) == 0
     s = load_plan(tmp_path / "p.plan.yaml").summary
