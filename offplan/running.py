@@ -14,9 +14,11 @@ What the report says about the checkpoint, and how it knows:
   config.json, which `plans/examples/make_tiny.py` writes for the bundled
   example. Without it the report says nothing either way.
 The predicted decode step comes from the plan (its cost model and hardware
-profile: for one batch size and one mode, eager or CUDA graph replay, as
-`workload` says), the measured one from this run's decode steps, the time to
-first token apart; the report says when the two do not compare.
+profile, at its workload's batch size, for the mode that ran: a plan predicts
+replayed and eager steps), or at another batch from its policy built again for
+that batch, where that places every tensor as the plan does; the measured one
+from this run's decode steps, the time to first token apart; the report says
+when the two do not compare.
 """
 from __future__ import annotations
 
@@ -118,8 +120,9 @@ def apply_one(req: Request, rank: int | None = None) -> str:
             return json.dumps({"stats": {**dataclasses.asdict(stats), "pinned_ratio": stats.pinned_ratio,
                                          "load_bytes_per_s": stats.load_bytes_per_s},
                                **facts, "predicted_step_us": plan.summary.predicted_step_us if plan.cost else None,
-                               "predicted_mode": _predicted_mode(plan),
-                               "predicted_step_us_as_run": _as_run(plan, gen["mode"]), **gen}, indent=2)
+                               "predicted_mode": plan.cost and ("graph" if plan.cost.cuda_graphs else "eager"),
+                               "predicted_step_us_as_run": _as_run(req.plan, plan, gen["mode"],
+                                                                   len(gen["sequences"])), **gen}, indent=2)
         return "\n".join(report(req.plan, stats, facts, gen, plan, root))
     finally:
         handle.remove(restore=False)
@@ -182,15 +185,18 @@ def report(plan_path, s: LoadStats, facts: dict, gen: dict, plan, root: Path) ->
                    f"step over {plural(gen['decode_steps'], 'step')} at batch {sequences}")
     if plan.cost is not None:
         c = plan.cost
-        step, graphs = _as_run(plan, gen["mode"]), "graph" in gen["mode"]
-        if step is None or not cuda:  # the plan's own: the CPU's run compares with neither; or a graph plan
-            step, graphs = plan.summary.predicted_step_us, c.cuda_graphs  # written before its eager prediction
+        step = _as_run(plan_path, plan, gen["mode"], sequences) if cuda else None
+        graphs, batch = "graph" in gen["mode"], sequences
+        if step is None:  # the plan's own: the CPU's run compares with neither; else a graph plan written before
+            step, graphs, batch = plan.summary.predicted_step_us, c.cuda_graphs, c.batch_size  # its eager
+            # prediction, or a batch its policy places otherwise at (or that is gone)
         unlike = ("this run is on the CPU" if not cuda else
-                  f"this run is at batch {sequences}" if c.batch_size != sequences else
+                  f"this run is at batch {sequences}" if batch != sequences else
                   "this run is compiled (the plan predicts uncompiled kernels)" if "compiled" in gen["mode"] else
                   "this run is eager (the plan was written before eager predictions)"
                   if graphs and "graph" not in gen["mode"] else "")
-        out.append(f"  predicted {ms(step)} per decode step by the plan, for batch {c.batch_size}, "
+        again = f" (its policy built for batch {batch})" if batch != c.batch_size else ""
+        out.append(f"  predicted {ms(step)} per decode step by the plan{again}, for batch {batch}, "
                    f"{'CUDA graph replay' if graphs else 'eager'}, on {c.hardware}"
                    + (f"; {unlike}: they do not compare" if unlike else ""))
     for seq in gen["sequences"]:
@@ -198,14 +204,24 @@ def report(plan_path, s: LoadStats, facts: dict, gen: dict, plan, root: Path) ->
     return out
 
 
-def _predicted_mode(plan) -> str | None:
-    return None if plan.cost is None else "graph" if plan.cost.cuda_graphs else "eager"
-
-
-def _as_run(plan, mode: str) -> int | None:
-    """The plan's decode step for the mode that ran (`mode`: eager or graph, compiled or not), at the plan's batch:
-    both modes are predicted (Cost.step_us_in), but for eager in a graph plan written before that."""
-    return None if plan.cost is None else plan.cost.step_us_in("graph" in mode)
+def _as_run(plan_path, plan, mode: str, batch: int) -> int | None:
+    """The plan's decode step for the run: in its mode (`mode`: eager or graph, compiled or not; a plan predicts
+    both, Cost.step_us_in, but for eager in a graph plan written before that), at `batch` sequences. At another
+    batch than the plan's, its policy is built again for that batch and mode (planning from headers: a second or so
+    on DeepSeek-V3), and counts where it places every tensor as the plan does: `backend: mixed` may place
+    otherwise. None where neither holds, or the policy is gone or no longer builds."""
+    if plan.cost is None or plan.cost.batch_size == batch:
+        return None if plan.cost is None else plan.cost.step_us_in("graph" in mode)
+    from planner.decide.build import build
+    from planner.inputs.policy import load_policy
+    directory = Path(plan_path).parent
+    try:
+        policy = load_policy(directory / plan.policy_path)
+        work = dataclasses.replace(policy.workload, batch_size=batch, cuda_graphs="graph" in mode)
+        again = build(dataclasses.replace(policy, workload=work), directory)
+    except OffplanError:
+        return None
+    return again.summary.predicted_step_us if again.params == plan.params else None
 
 
 def _generate(model, handle, texts: list[str], batch: int, max_new_tokens: int, eager: bool,
