@@ -107,6 +107,8 @@ def test_the_host_computes_its_experts_and_the_logits_are_transformers(tmp_path,
     ref = reference(qwen)
     ref.set_experts_implementation(experts.arithmetic(batch * tokens * model.config.num_experts_per_tok))
     calls = engine.host_calls
+    for op in ("host_begin", "host_end"):  # outside torch.compile the forward calls the engine itself, no op
+        monkeypatch.setattr(experts.ops, op, None)
     ours, theirs = logits(model, tokens, batch), logits(ref, tokens, batch)
     assert engine.host_calls == calls + 3 and engine.kernel.misses == 0, engine.kernel.last_miss  # all compiled
     torch.testing.assert_close(ours, theirs, **TOLERANCE)
