@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from planner.decide.build import step_at
 from planner.errors import OffplanError
 from planner.files import refuse_to_replace, write_atomic
 from planner.inputs.hardware import dumps_hardware
@@ -121,8 +122,8 @@ def apply_one(req: Request, rank: int | None = None) -> str:
                                          "load_bytes_per_s": stats.load_bytes_per_s},
                                **facts, "predicted_step_us": plan.summary.predicted_step_us if plan.cost else None,
                                "predicted_mode": plan.cost and ("graph" if plan.cost.cuda_graphs else "eager"),
-                               "predicted_step_us_as_run": _as_run(req.plan, plan, gen["mode"],
-                                                                   len(gen["sequences"])), **gen}, indent=2)
+                               "predicted_step_us_as_run": step_at(plan, req.plan, len(gen["sequences"]),
+                                                                   "graph" in gen["mode"]), **gen}, indent=2)
         return "\n".join(report(req.plan, stats, facts, gen, plan, root))
     finally:
         handle.remove(restore=False)
@@ -185,11 +186,10 @@ def report(plan_path, s: LoadStats, facts: dict, gen: dict, plan, root: Path) ->
                    f"step over {plural(gen['decode_steps'], 'step')} at batch {sequences}")
     if plan.cost is not None:
         c = plan.cost
-        step = _as_run(plan_path, plan, gen["mode"], sequences) if cuda else None
         graphs, batch = "graph" in gen["mode"], sequences
-        if step is None:  # the plan's own: the CPU's run compares with neither; else a graph plan written before
-            step, graphs, batch = plan.summary.predicted_step_us, c.cuda_graphs, c.batch_size  # its eager
-            # prediction, or a batch its policy places otherwise at (or that is gone)
+        step = step_at(plan, plan_path, batch, graphs) if cuda else None
+        if step is None:  # on the CPU, or none for this mode and batch (`step_at`): the plan's own prediction
+            step, graphs, batch = plan.summary.predicted_step_us, c.cuda_graphs, c.batch_size
         unlike = ("this run is on the CPU" if not cuda else
                   f"this run is at batch {sequences}" if batch != sequences else
                   "this run is compiled (the plan predicts uncompiled kernels)" if "compiled" in gen["mode"] else
@@ -202,26 +202,6 @@ def report(plan_path, s: LoadStats, facts: dict, gen: dict, plan, root: Path) ->
     for seq in gen["sequences"]:
         out.append(f"  {seq['text']!r}" if seq["text"] is not None else f"  token ids {seq['token_ids']}")
     return out
-
-
-def _as_run(plan_path, plan, mode: str, batch: int) -> int | None:
-    """The plan's decode step for the run: in its mode (`mode`: eager or graph, compiled or not; a plan predicts
-    both, Cost.step_us_in, but for eager in a graph plan written before that), at `batch` sequences. At another
-    batch than the plan's, its policy is built again for that batch and mode (planning from headers: a second or so
-    on DeepSeek-V3), and counts where it places every tensor as the plan does: `backend: mixed` may place
-    otherwise. None where neither holds, or the policy is gone or no longer builds."""
-    if plan.cost is None or plan.cost.batch_size == batch:
-        return None if plan.cost is None else plan.cost.step_us_in("graph" in mode)
-    from planner.decide.build import build
-    from planner.inputs.policy import load_policy
-    directory = Path(plan_path).parent
-    try:
-        policy = load_policy(directory / plan.policy_path)
-        work = dataclasses.replace(policy.workload, batch_size=batch, cuda_graphs="graph" in mode)
-        again = build(dataclasses.replace(policy, workload=work), directory)
-    except OffplanError:
-        return None
-    return again.summary.predicted_step_us if again.params == plan.params else None
 
 
 def _generate(model, handle, texts: list[str], batch: int, max_new_tokens: int, eager: bool,

@@ -90,7 +90,7 @@ class Buffer:
 
 @dataclass(frozen=True)
 class Layout:
-    """A prefetched layer's slot image (slots.py): its tensors at their offsets, `bytes` long (shared)."""
+    """A prefetched layer's slot image (slots.py): its tensors at their offsets, `bytes` long; alike layers share it."""
 
     bytes: int
     buffers: tuple[Buffer, ...]

@@ -5,7 +5,7 @@ import dataclasses
 import re
 from pathlib import Path
 
-from ..errors import CheckpointError, PolicyError
+from ..errors import CheckpointError, OffplanError, PolicyError
 from ..files import relpath
 from ..inputs.checkpoint import INDEX_NAME, Checkpoint, open_checkpoint
 from ..inputs.config import read_config
@@ -185,3 +185,21 @@ def build_file(policy_path: str | Path, output: str | Path | None = None) -> tup
     policy = load_policy(policy_path)
     out = Path(output) if output else default_output(Path(policy_path))
     return build(policy, out.parent), out
+
+
+def step_at(plan: Plan, plan_file: str | Path, batch: int, graphs: bool) -> int | None:
+    """`plan`'s decode step at `batch` sequences, replayed from a CUDA graph (`graphs`) or eager. At the plan's own
+    batch its cost gives both modes (Cost.step_us_in; None for eager in a graph plan written before that). At
+    another, its policy is built again for that batch and mode (planning from headers: a second or so on
+    DeepSeek-V3), and counts where it places every tensor as the plan does (`backend: mixed` may place otherwise).
+    None where neither holds, or where the policy is gone or no longer builds."""
+    if plan.cost is None or plan.cost.batch_size == batch:
+        return None if plan.cost is None else plan.cost.step_us_in(graphs)
+    directory = Path(plan_file).parent
+    try:
+        policy = load_policy(directory / plan.policy_path)
+        again = build(dataclasses.replace(policy, workload=dataclasses.replace(
+            policy.workload, batch_size=batch, cuda_graphs=graphs)), directory)
+    except OffplanError:
+        return None
+    return again.summary.predicted_step_us if again.params == plan.params else None
