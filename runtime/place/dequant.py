@@ -104,15 +104,20 @@ if triton is not None:
         return tl.where(s == 255, 0x7FC0, bits)
 
     @triton.jit
-    def _mxfp4_kernel(out, blocks, scales, n, rows, per_row, stride_m, stride_r, stride_c, BLOCK: tl.constexpr):
-        """BLOCK stored bytes of [M, R, G, 16] (two codes each, low nibble first; `per_row` = 16 G bytes a row),
-        each to its two values at columns c, c + 1 of row r of matrix m, through `out`'s strides (int16 bits)."""
-        i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        mask = i < n
-        b = tl.load(blocks + i, mask=mask, other=0).to(tl.int32)
-        s = tl.load(scales + i // 16, mask=mask, other=127).to(tl.int32)
-        row, c = i // per_row, (i % per_row) * 2
-        at = (row // rows) * stride_m + (row % rows) * stride_r + c * stride_c
+    def _mxfp4_kernel(out, blocks, scales, rows, per_row, stride_m, stride_r, stride_c, BR: tl.constexpr,
+                      BB: tl.constexpr):
+        """A tile of BR rows x BB stored bytes of matrix m of [M, R, G, 16] (two codes a byte, low nibble first;
+        `per_row` = 16 G bytes a row), each byte to its two values at columns 2j, 2j + 1, through `out`'s strides
+        (int16 bits). Loaded along the bytes; Triton lays each store out along whichever of r and c `out` holds
+        contiguous, so a transposed output is written in whole lines too."""
+        m = tl.program_id(0).to(tl.int64)
+        r = tl.program_id(1) * BR + tl.arange(0, BR)
+        j = tl.program_id(2) * BB + tl.arange(0, BB)
+        mask = (r[:, None] < rows) & (j[None, :] < per_row)
+        byte = (m * rows + r[:, None].to(tl.int64)) * per_row + j[None, :]
+        b = tl.load(blocks + byte, mask=mask, other=0).to(tl.int32)
+        s = tl.load(scales + byte // 16, mask=mask, other=127).to(tl.int32)
+        at = m * stride_m + r[:, None].to(tl.int64) * stride_r + (2 * j[None, :]).to(tl.int64) * stride_c
         tl.store(out + at, _e2m1_bits(b & 15, s).to(tl.int16), mask=mask)
         tl.store(out + at + stride_c, _e2m1_bits(b >> 4, s).to(tl.int16), mask=mask)
 
@@ -128,11 +133,12 @@ def _dequant_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtyp
     *lead, rows, groups, _ = blocks.shape
     cols = 32 * groups
     out = torch.empty(*lead, *((cols, rows) if transposed else (rows, cols)), dtype=dtype, device=blocks.device)
-    n = blocks.numel()
-    if n:
+    matrices = blocks.numel() // max(1, rows * groups * 16)
+    if blocks.numel():
         strides = (1, rows) if transposed else (cols, 1)
-        _mxfp4_kernel[(triton.cdiv(n, 1024),)](out.view(torch.int16), blocks.contiguous(), scales.contiguous(), n,
-                                               rows, 16 * groups, rows * cols, *strides, BLOCK=1024)
+        grid = (matrices, triton.cdiv(rows, 64), triton.cdiv(16 * groups, 64))
+        _mxfp4_kernel[grid](out.view(torch.int16), blocks.contiguous(), scales.contiguous(), rows, 16 * groups,
+                            rows * cols, *strides, BR=64, BB=64)
     return out
 
 
