@@ -2,7 +2,8 @@
 `offplan::dequant_mxfp4`) against the kernel, on a decode step's staged experts at gpt-oss-120b's shape (4 touched
 experts of gate_up_proj [2880 x 2, 90 groups of 32] and down_proj [2880, 90 groups]), transposed as transformers holds
 gpt-oss's experts: peak GPU memory above the inputs (torch.cuda.max_memory_allocated) per stored byte, and time per
-call (CUDA events, median of 50), and whether the outputs are bitwise equal.
+call (CUDA events, median of 50), the kernel's output bytes per second, and whether the outputs are bitwise equal;
+both as transformers holds gpt-oss's experts (transposed) and as stored.
 
     python3 docs/memory-peak/mxfp4_probe.py OUT_DIR    # on a GPU machine; writes OUT_DIR/mxfp4-probe.json
 """
@@ -16,12 +17,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from runtime.place import dequant  # noqa: E402
 
 
-def torch_path(blocks, scales):
-    return dequant._mxfp4(blocks, scales, torch.bfloat16).transpose(-2, -1).contiguous()
+def torch_path(transposed):
+    def run(blocks, scales):
+        out = dequant._mxfp4(blocks, scales, torch.bfloat16)
+        return out.transpose(-2, -1).contiguous() if transposed else out
+    return run
 
 
-def kernel_path(blocks, scales):
-    return dequant._dequant_mxfp4(blocks, scales, torch.bfloat16, True)
+def kernel_path(transposed):
+    return lambda blocks, scales: dequant._dequant_mxfp4(blocks, scales, torch.bfloat16, transposed)
 
 
 def measure(run, blocks, scales):
@@ -52,11 +56,14 @@ def main():
     for name, shape in (("gate_up_proj", (4, 5760, 90, 16)), ("down_proj", (4, 2880, 90, 16))):
         blocks = torch.randint(0, 256, shape, dtype=torch.uint8, device="cuda")
         scales = torch.randint(118, 128, shape[:-1], dtype=torch.uint8, device="cuda")
-        want, slow = measure(torch_path, blocks, scales)
-        got, fast = measure(kernel_path, blocks, scales)
-        rows[name] = {"stored_bytes": blocks.numel(), "torch": slow, "kernel": fast,
-                      "bitwise": torch.equal(got.view(torch.int16), want.view(torch.int16))}
-        print(name, json.dumps(rows[name]), flush=True)
+        for transposed in (True, False):
+            want, slow = measure(torch_path(transposed), blocks, scales)
+            got, fast = measure(kernel_path(transposed), blocks, scales)
+            key = name if transposed else f"{name} (not transposed)"
+            rows[key] = {"stored_bytes": blocks.numel(), "torch": slow, "kernel": fast,
+                         "written_gbps": got.nbytes / fast["us"] / 1e3,
+                         "bitwise": torch.equal(got.view(torch.int16), want.view(torch.int16))}
+            print(key, json.dumps(rows[key]), flush=True)
     (out_dir / "mxfp4-probe.json").write_text(json.dumps({"device": torch.cuda.get_device_name(), **rows}, indent=1))
 
 
