@@ -86,6 +86,8 @@ def render(models: dict, with_plot: bool) -> str:
              "--label h200-split-again   # another H200 lease: is h200-guess's split apply at batch 8 (0.86x) noise?",
              "python benchmarks/front_door.py --layers 8 --strategies experts-uva experts-split --batches 1 "
              "--no-pair-eager --label h200-cli   # an H200, plan apply after this session's CLI changes (running.py)",
+             "python benchmarks/front_door.py --layers 8 --strategies experts-uva experts-split --batches 1 "
+             "--label h200-eager2   # an H200, an eager step calling the host engine directly (experts.py)",
              "python benchmarks/moe.py --batches 1 4 8 --modes graph --baselines --transformers-baselines "
              "--host-implementations offplan --cpu-split --new-tokens 24   # all 48 layers; then: mv "
              "results/moe-qwen3-30b-a3b.jsonl results/moe-cpu-qwen3-30b-a3b-48layers-split.jsonl; with "

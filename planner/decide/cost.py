@@ -14,8 +14,8 @@ Only what runs in every decode step counts (graph.py `Runs`): a vision tower run
 with images, an MTP layer never in plain decode, so wherever they live they cost a decode step nothing.
 
 Time per step: three resources work at once, and the slowest sets the pace.
-    cpu  = (step overhead + stack layers x layer overhead) x eager_median_ratio   (launching kernels eagerly; a layer
-           with routed experts: its own figure; 0 when steps replay a CUDA graph, its eager figure kept beside)
+    cpu  = (step overhead + stack layers x layer overhead) x eager_median_ratio + host time (experts on cpu, below)
+           (eager launches; a MoE layer: its own figure; 0 when steps replay a CUDA graph, its eager figure kept)
     gpu  = step GPU time + stack layers x layer GPU time   (kernel latency: hardware.py)
            + resident and prefetched bytes read / HBM + uva bytes read / UVA
     link = uva bytes read / UVA + prefetched bytes / H2D copy
@@ -61,7 +61,9 @@ predicted pessimistic). A short prompt is launch-bound (Llama-3.1-8B's at 128 an
 Experts on cpu: the host reads each touched expert once (the share above), beside the GPU, which sums both: layer gpu =
 E[max(its GPU time, layer GPU time + host)] as both vary with routing (reads.py `later`), host = those bytes /
 cpu_expert_gbps (cpu_expert_alone_gbps where the layer has no expert on uva) + cpu_expert_sync_us (the hand-over and
-the host's fixed cost; native.cpp, docs/host-experts/), its uva experts read at uva_read_beside_cpu_gbps. FP8:
+the host's fixed cost; native.cpp, docs/host-experts/), its uva experts read at uva_read_beside_cpu_gbps. Eager, the
+launches add each such layer's host time: the pool's threads and the launching one share the host (8 layers of
+Qwen3-30B-A3B, H200: the all-uva eager step + 0.79 ms a layer measured, + 0.66 predicted: docs/front-door). FP8:
 native.cpp converts each byte as it reads it, so the cores set the pace: an FP8 byte counts twice at the bf16 rate
 (docs/fp8-cpu/). Prefill: staged (staging.py), copied and computed on the GPU; unstaged above the threshold, gathered
 over uva as uva experts are (the runtime's host takes at most stage_above_tokens tokens); else host reads add.
@@ -77,12 +79,10 @@ larger kernels of larger batches (an all-GPU Qwen3-30B-A3B step at batch 8 measu
 1.02x on the H100); without a routing profile, expert routing is assumed uniform (real routers are skewed, which
 touches fewer experts); with one, the tokens of a batch are assumed routed independently of each other, as the
 profile's prompts were; the overlap of prefetch is assumed perfect, so a plan whose offloaded layers sit together
-(nothing to overlap with) is predicted optimistic. A decoder layer's prefill kernels besides GEMMs and attention
-(eager norms, rotary embeddings, activations, residual adds; the experts' sorts and gathers: small elementwise
-kernels) take the profile's prefill_token_ns per token, or moe_prefill_token_ns in a layer with routed experts (built
-in: 357 ns from a Llama-3.1-8B prefill on an H100, 335 from Qwen3-30B-A3B layers on an H200, offplan's masks-free
-grouped arithmetic: docs/moe-prefill/; not calibrated yet). Attention and every GEMM run at matmul_tflops whatever
-their shape (FlashAttention and small GEMMs run below it), and what runs only with images (vision towers) is left out.
+(nothing to overlap with) is predicted optimistic. A decoder layer's other prefill kernels (norms, rotary
+embeddings, activations; the experts' sorts and gathers) take (moe_)prefill_token_ns per token: built in, 357 ns (a
+Llama-3.1-8B prefill, H100) and 335 (Qwen3-30B-A3B layers, H200: docs/moe-prefill/), not calibrated yet. Attention and
+every GEMM run at matmul_tflops whatever their shape, and what runs only with images (vision towers) is left out.
 """
 from __future__ import annotations
 
@@ -209,7 +209,7 @@ class CostModel:
         typical = hw.eager_median_ratio  # launches at a typical step's pace, not the calibration's fastest round's
         moe_overhead = (hw.moe_layer_overhead_us or hw.layer_overhead_us) * typical
         costs = self._layer_costs
-        count = together = launch = 0.0
+        count = together = launch = waits = 0.0
         wheres = [None] * len(self.graph.layers)
         for i, layer in enumerate(self.graph.layers):
             if layer.runs is not Runs.STEP:
@@ -222,7 +222,7 @@ class CostModel:
             got = costs.get(key)
             if got is None:
                 got = costs[key] = self._layer(layer, place)
-            h2d_bytes, gpu, link, (compute, in_place, copies) = got
+            h2d_bytes, gpu, link, (compute, in_place, copies), host = got
             if layer.name in self.collectives:
                 n, per_token = self.collectives[layer.name]
                 wait = n * hw.allreduce_us + self.batch * per_token / (hw.allreduce_gbps * 1e3)
@@ -231,18 +231,19 @@ class CostModel:
             if layer.kind is LayerKind.LAYER:
                 overhead = moe_overhead if self.experts[layer.name] else hw.layer_overhead_us * typical
                 launch += overhead
+            waits += host  # an eager step's launches wait out the host's experts (module doc)
             rows.append((layer.name, h2d_bytes, round(gpu), round(link), len(timeline)))
             timeline.append((compute, in_place, copies))
             total = list(map(add, total, (h2d_bytes, gpu, link)))
         ends = [0, *map(round, pipelined(timeline, ((self.prefetch_slots, False), (1, True), None)))]  # module doc
         layers = tuple(LayerCost(*row[:4], 0 if row[4] is None else ends[row[4] + 1] - ends[row[4]]) for row in rows)
-        eager = round(hw.step_overhead_us * typical + launch)  # the step's launches, were it eager
+        eager = round(hw.step_overhead_us * typical + launch + waits)  # the step's launches, were it eager
         return Prediction(self.batch, total[0], 0 if self.graphs else eager, round(total[1]), round(total[2]), layers,
                           self.tokens, round(max(ends[-1], launch)), int(count), round(together), eager, tuple(wheres))
 
-    def _layer(self, layer: Layer, place: Mapping[str, Placement]) -> tuple[int, float, float, tuple]:
-        """One layer's bytes over the link, GPU us and link us per step, and its prefill's (compute us, copy us per
-        pool) (module doc)."""
+    def _layer(self, layer: Layer, place: Mapping[str, Placement]) -> tuple[int, float, float, tuple, float]:
+        """One layer's bytes over the link, GPU us and link us per step, its prefill's (compute us, copy us per
+        pool), and its host's us per step (experts on cpu) (module doc)."""
         hw = self.hw
         hbm, uva, h2d = hw.hbm_read_gbps * 1e3, hw.uva_read_gbps * 1e3, hw.h2d_copy_gbps * 1e3  # bytes/us
         flops_us = hw.matmul_tflops * 1e6  # FLOPs per us
@@ -286,12 +287,14 @@ class CostModel:
                     pre_copied[0] += size
         beside = hw.uva_beside_cpu_gbps * 1e3 if read_cpu else uva  # the cores read host memory too (module doc)
         gpu = latency + (read_hbm + staged) / hbm + read_uva / beside
+        host_us = 0.0
         if read_cpu:  # the GPU sums the CPU's outputs: the layer ends when the later side does (module doc)
             host = (hw.cpu_expert_gbps if read_uva else hw.cpu_alone_gbps) * 1e3  # bytes/us (FP8 counted twice: doc)
             var = sum(q * (1 - q) * (c / host - u / beside) ** 2 for c, u, q in touch.values())
-            gpu = later(gpu, latency + read_cpu / host + hw.cpu_expert_sync_us - gpu, var)
+            host_us = read_cpu / host + hw.cpu_expert_sync_us
+            gpu = later(gpu, latency + host_us - gpu, var)
         link = read_uva / uva + copied / h2d
         other = 0.0 if layer.kind is not LayerKind.LAYER else \
             self.tokens * (hw.moe_prefill_token_ns if experts else hw.prefill_token_ns) / 1e3
         compute = flops / flops_us + pre_hbm / hbm + other + pre_uva / uva + pre_cpu / (hw.cpu_expert_gbps * 1e3)
-        return int(read_uva + copied), gpu, link, (compute, pre_uva / uva, tuple(b / h2d for b in pre_copied))
+        return int(read_uva + copied), gpu, link, (compute, pre_uva / uva, tuple(b / h2d for b in pre_copied)), host_us

@@ -19,8 +19,8 @@ CPU = Placement.CPU
 
 
 def test_mixed_puts_no_expert_on_cpu_where_the_request_is_no_faster_for_it():
-    """An eager step bound by its launches takes as long with experts on cpu: fewer bytes over the link then are
-    no gain, and the experts stay on uva (where eager decode is faster than with the host's hand-overs)."""
+    """An eager step bound by its launches takes longer with experts on cpu (its launches wait out the host's time
+    at each such layer: cost.py): fewer bytes over the link then are no gain, and the experts stay on uva."""
     from test_cost import HW, moe
     hw = dataclasses.replace(HW, cpu_expert_gbps=4.0, cpu_expert_sync_us=50.0, layer_overhead_us=10**5)
     pol = dataclasses.replace(policy("mixed", budget_gib=60 * 10**6 / 2**30, step=2), cpu_experts=True,
@@ -30,8 +30,8 @@ def test_mixed_puts_no_expert_on_cpu_where_the_request_is_no_faster_for_it():
     assert CPU not in d.params.values()
     note = next(n for n in d.notes if n.startswith("cpu_experts: "))
     assert note.startswith("cpu_experts: no expert on cpu: predicted request")
-    ms = re.findall(r"(\d+\.\d+) ms", note)
-    assert ms[0] == ms[1]  # a tie
+    none, best = map(float, re.findall(r"(\d+\.\d+) ms", note))
+    assert none < best  # the launches no shorter, the host's time added
 
 
 def test_a_top_k_above_a_layers_experts_is_refused():
