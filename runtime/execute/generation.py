@@ -31,15 +31,13 @@ work to the engine's worker, which needs the GIL (host/engine.py) that a loop
 queuing replays holds. So the loop keeps at most two steps in flight, asleep on
 a blocking event until the older one is done (a spinning wait takes a core).
 
-Greedy tokens are those of transformers' `generate` on the same model and
-prompts with a static cache of the same length, eager on the CPU
-(tests/execute/test_generation.py) and replayed on CUDA (test_generation_gpu.py).
-With a cache of another length, attention rounds otherwise, and an MoE router's
-top-k can then pick another expert some tokens later.
+Greedy tokens are those of transformers' `generate` on the same model and prompts with a static cache of the same
+length, eager on the CPU (tests/execute/test_generation.py) and replayed on CUDA (test_generation_gpu.py; gpt-oss,
+whose eager attention's mask tokens.py makes capturable: its own eager steps'). With a cache of another length,
+attention rounds otherwise, and an MoE router's top-k can then pick another expert some tokens later.
 
 Limits: one prompt length per batch is fastest (no mask, the kernels the
-benchmarks time); decoder-only text models; the cache's dtype is the model's.
-"""
+benchmarks time); decoder-only text models; the cache's dtype is the model's."""
 from __future__ import annotations
 
 import contextlib
@@ -50,7 +48,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .tokens import batch_prompts, hit_stop, sampler, until_stop
+from .tokens import batch_prompts, capturable_eager_mask, hit_stop, sampler, until_stop
 
 CACHE_QUANTUM = 128  # cache lengths are rounded up to a multiple of this, so nearby calls share a captured step
 WARMUP = 3  # eager steps before a capture (allocator, lazy kernels, compilation)
@@ -153,6 +151,8 @@ class Generator:
     def __init__(self, model: torch.nn.Module, handle, *, eager: bool = False, compile: bool = False):
         self.model, self.handle, self.device = model, handle, handle.device
         self.replay = handle.cuda and not eager
+        if self.replay:
+            capturable_eager_mask()
         if self.replay:
             self.mode = "compiled-graph" if compile else "graph"
         else:

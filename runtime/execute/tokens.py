@@ -1,5 +1,6 @@
 """Prompts in, tokens out, for generation.py: a batch of prompts left-padded to one length (with the mask of its
-real tokens), the next token picked from logits (argmax, or a seeded sample), and stop tokens."""
+real tokens), the attention mask transformers builds from it made capturable, the next token picked from logits
+(argmax, or a seeded sample), and stop tokens."""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -51,3 +52,21 @@ def until_stop(tokens: list[int], stop: Sequence[int]) -> list[int]:
         if t in stop:
             return tokens[:i + 1]
     return tokens
+
+
+def capturable_eager_mask() -> None:
+    """Let a CUDA graph capture the attention mask of a model with eager attention (gpt-oss: its attention sinks
+    need it). transformers' `eager_mask` (masking_utils) casts sdpa's boolean mask to 0 and the dtype's minimum,
+    taking its 0 from a host scalar (`torch.tensor(0.0, device=...)`): a copy from pageable memory, which a capture
+    refuses. `_eager_mask`, registered in its place under "eager" (AttentionMaskInterface.register, transformers'
+    extension point for mask functions), builds the same mask, bit for bit, its 0 filled on the device. The registry
+    is process-wide: every model with eager attention gets it, the same values either way. Idempotent."""
+    from transformers.masking_utils import AttentionMaskInterface
+    AttentionMaskInterface.register("eager", _eager_mask)
+
+
+def _eager_mask(*args, dtype: torch.dtype = torch.float32, **kwargs) -> torch.Tensor | None:
+    from transformers.masking_utils import sdpa_mask
+    kwargs.pop("allow_is_causal_skip", None)  # as eager_mask: an eager mask is never skipped as causal
+    mask = sdpa_mask(*args, allow_is_causal_skip=False, **kwargs)
+    return None if mask is None else torch.where(mask, mask.new_zeros((), dtype=dtype), torch.finfo(dtype).min)

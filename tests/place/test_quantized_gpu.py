@@ -1,7 +1,7 @@
 """Quantized checkpoints on CUDA (marked `gpu`): the Triton FP8 dequantization reads pinned memory in place and
 equals the torch arithmetic bitwise, and the MXFP4 one builds the torch arithmetic's bits with no temporaries; FP8
 and MXFP4 loads equal the dequantized reference under every placement, eagerly, compiled without graph breaks, and
-in a replayed CUDA graph. FP8 at decode (a few rows) runs fp8_gemv.py's fused products, which sum in another order
+in a replayed CUDA graph; gpt-oss decodes through the front door replayed as eagerly. FP8 at decode (a few rows) runs fp8_gemv.py's fused products, which sum in another order
 than the reference's GEMM: within its rounding."""
 from __future__ import annotations
 
@@ -188,6 +188,21 @@ def test_compiled_and_graph_replay_equal_eager(tmp_path, checkpoints, name):
         torch._dynamo.reset()
         handle.remove(restore=False)
 
+
+
+def test_gpt_oss_decodes_through_the_front_door_replayed_as_eager(tmp_path, checkpoints):
+    """`handle.generate` replays gpt-oss's decode steps (its eager attention's mask made capturable:
+    runtime/execute/tokens.py), MXFP4 experts on uva dequantized in the graph, with the eager steps' tokens: one
+    prompt length (no mask) and two (padded), past the sliding window of 8."""
+    quantized, _ = checkpoints["mxfp4"]
+    model, handle = from_pretrained(make_plan(tmp_path, quantized, POLICIES["uva"]), progress=False)
+    try:
+        for prompts in ([[5, 17, 99, 3], [8, 8, 200, 31]], [[5, 17, 99, 3, 41], [9, 250]]):
+            got = handle.generate(prompts, 12)
+            assert got.mode == "graph" and got.decode_steps == 11
+            assert got.tokens == handle.generate(prompts, 12, eager=True).tokens
+    finally:
+        handle.remove(restore=False)
 
 def test_quantized_benchmark_runs_on_cuda(tmp_path):
     """benchmarks/quantized.py on its tiny model on CUDA, eager and graph replay: FP8 tokens equal bf16's."""
