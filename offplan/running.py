@@ -233,7 +233,10 @@ def _generate(model, handle, texts: list[str], batch: int, max_new_tokens: int, 
     if compile:
         check_compiles(model, handle, batch)
     generator = handle.generator(eager=eager, compile=compile)
-    generator.prepare(prompts, max_new_tokens, pad_id=pad)  # capture the decode step, warm up the prefill
+    try:
+        generator.prepare(prompts, max_new_tokens, pad_id=pad)  # capture the decode step, warm up the prefill
+    except ValueError as e:  # a step the runtime's generation cannot replay (tokens.py): its message says why
+        raise OffplanError(str(e)) from None
     got = generator(prompts, max_new_tokens, pad_id=pad, stop=stop)
     return {"mode": got.mode, "max_new_tokens": max_new_tokens, "prompt_tokens": got.prompt_tokens,
             "ttft_s": got.ttft_s, "decode_steps": got.decode_steps, "decode_s": got.decode_s,

@@ -112,3 +112,17 @@ def test_the_capturable_eager_mask_is_transformers_eager_mask_bitwise(sliding):
         want, got = eager_mask(**kw), _eager_mask(**kw)
         assert got.dtype == want.dtype == torch.bfloat16 and got.shape == want.shape == (2, 1, q, 12)
         assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+def test_a_replay_is_refused_a_cache_past_a_sliding_window():
+    """tokens.py `replayable`: transformers' sliding-window static cache rolls by a Python count, which a replayed
+    step never updates, so a cache longer than the window is refused before a capture, naming what to do."""
+    from transformers import StaticCache
+    from runtime.execute.tokens import replayable
+    from tiny_models import gpt_oss_config
+    with pytest.raises(ValueError, match=r"GptOss: its sliding-window attention keeps 8 tokens, .* holds 128 .*"
+                                         r"\(`eager=True`, `plan apply --eager`\), or keep the prompt and new tokens "
+                                         r"within 8$"):
+        replayable(StaticCache(config=gpt_oss_config(), max_cache_len=128), 128, "GptOss")
+    replayable(StaticCache(config=gpt_oss_config(sliding_window=128), max_cache_len=128), 128, "GptOss")
+    replayable(StaticCache(config=gpt_oss_config(), max_cache_len=8), 8, "GptOss")  # within the window
