@@ -85,4 +85,3 @@ def _eager_mask(*args, dtype: torch.dtype = torch.float32, **kwargs) -> torch.Te
     kwargs.pop("allow_is_causal_skip", None)  # as eager_mask: an eager mask is never skipped as causal
     mask = sdpa_mask(*args, allow_is_causal_skip=False, **kwargs)
     return None if mask is None else torch.where(mask, mask.new_zeros((), dtype=dtype), torch.finfo(dtype).min)
-

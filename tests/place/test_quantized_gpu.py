@@ -1,8 +1,8 @@
 """Quantized checkpoints on CUDA (marked `gpu`): the Triton FP8 dequantization reads pinned memory in place and
 equals the torch arithmetic bitwise, and the MXFP4 one builds the torch arithmetic's bits with no temporaries; FP8
 and MXFP4 loads equal the dequantized reference under every placement, eagerly, compiled without graph breaks, and
-in a replayed CUDA graph; gpt-oss decodes through the front door replayed as eagerly. FP8 at decode (a few rows) runs fp8_gemv.py's fused products, which sum in another order
-than the reference's GEMM: within its rounding."""
+in a replayed CUDA graph; gpt-oss decodes through the front door replayed as eagerly. FP8 at decode (a few rows)
+runs fp8_gemv.py's fused products, which sum in another order than the reference's GEMM: within its rounding."""
 from __future__ import annotations
 
 import pytest
@@ -189,7 +189,6 @@ def test_compiled_and_graph_replay_equal_eager(tmp_path, checkpoints, name):
         handle.remove(restore=False)
 
 
-
 def test_gpt_oss_decodes_through_the_front_door_replayed_as_eager(tmp_path, checkpoints):
     """`handle.generate` replays gpt-oss's decode steps (its eager attention's mask made capturable:
     runtime/execute/tokens.py) with the eager steps' tokens, one prompt length (no mask) and two (padded), while its
@@ -213,6 +212,7 @@ def test_gpt_oss_decodes_through_the_front_door_replayed_as_eager(tmp_path, chec
         assert handle.generate([[5, 17, 99, 3]], 12, eager=True).decode_steps == 11
     finally:
         handle.remove(restore=False)
+
 
 def test_quantized_benchmark_runs_on_cuda(tmp_path):
     """benchmarks/quantized.py on its tiny model on CUDA, eager and graph replay: FP8 tokens equal bf16's."""
