@@ -3,7 +3,7 @@
 `plan apply PLAN`: load the plan's checkpoint with transformers per the plan, report, and generate through
 the runtime's generation (runtime/execute/generation.py: on a GPU each decode step replayed from a CUDA graph,
 unless --eager; with --compile, the step compiled by torch.compile first), for one sequence per prompt or `--batch`
-of them.
+of them. Before the steps run, step_checks.py refuses what they could not run right, each naming the way out.
 
 What the report says about the checkpoint, and how it knows:
 - no tokenizer: none of the files transformers reads one from (`TOKENIZER_FILES`)
@@ -37,16 +37,15 @@ from planner.inputs.hardware import dumps_hardware
 from planner.planfile import load_plan
 from planner.planfile.staleness import checkpoint_of, stale_but_loadable
 from planner.units import human, ms, plural
-from runtime.execute import experts
 from runtime.execute.handle import LoadStats
 from runtime.execute.host import native
 from runtime.execute.host.pace import HostSlowerWarning
 from runtime.hf import from_pretrained
 from runtime.measure.calibrate import calibrate
-from runtime.place.dequant import quantized
 
 from .output import emit
 from .parallel_apply import apply_parallel
+from .step_checks import capture_refused, check_compiles, check_replays
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 DEFAULT_PROMPT = "The capital of France is"
@@ -233,10 +232,10 @@ def _generate(model, handle, texts: list[str], batch: int, max_new_tokens: int, 
     if compile:
         check_compiles(model, handle, batch)
     generator = handle.generator(eager=eager, compile=compile)
-    try:
+    if generator.replay:
+        check_replays(model.config, max(map(len, prompts)) + max_new_tokens)
+    with capture_refused():
         generator.prepare(prompts, max_new_tokens, pad_id=pad)  # capture the decode step, warm up the prefill
-    except ValueError as e:  # a step the runtime's generation cannot replay (tokens.py): its message says why
-        raise OffplanError(str(e)) from None
     got = generator(prompts, max_new_tokens, pad_id=pad, stop=stop)
     return {"mode": got.mode, "max_new_tokens": max_new_tokens, "prompt_tokens": got.prompt_tokens,
             "ttft_s": got.ttft_s, "decode_steps": got.decode_steps, "decode_s": got.decode_s,
@@ -244,20 +243,6 @@ def _generate(model, handle, texts: list[str], batch: int, max_new_tokens: int, 
             "step_us": got.decode_s / got.decode_steps * 1e6 if got.decode_steps else None,
             "sequences": [{"prompt": text, "token_ids": ids, "text": tokenizer.decode(ids) if tokenizer else None}
                           for text, ids in zip(texts, got.tokens)]}
-
-
-def check_compiles(model, handle, batch: int) -> None:
-    """--compile: where a step's offloaded experts run a grouped GEMM (experts.py `arithmetic`), torch.compile traces
-    it for bf16 only; refuse other dtypes before compiling."""
-    k = getattr(model.config, "num_experts_per_tok", None)
-    odd = {next(iter(q.values())).dtype if (q := quantized(m)) else m.down_proj.dtype  # each one's arithmetic
-           for m in handle.bound_experts} - {torch.bfloat16}
-    if odd and (k is None or experts.arithmetic(batch * k) == "grouped_mm"):
-        dtype = ", ".join(sorted(str(d).removeprefix("torch.") for d in odd))
-        most = max((b for b in range(1, batch) if experts.arithmetic(b * k) != "grouped_mm"), default=0) if k else 0
-        fits = f", or run at batch {most} or less" if most else ""
-        raise OffplanError(f"--compile: at batch {batch} the decode step's offloaded experts run a grouped GEMM, which "
-                           f"torch.compile takes in bf16 only, and this model is {dtype}: leave --compile out{fits}")
 
 
 def calibrate_command(args) -> int:

@@ -1,6 +1,7 @@
 """What `plan apply` says beside the tokens: a plan `plan check` calls stale while the runtime still loads it (its
 checkpoint unchanged) is applied as it is, with one warning saying why, where a current plan gets none; a run past
-the model's positions is warned of; the load line tells experts on cpu from uva."""
+the model's positions is warned of; the load line tells experts on cpu from uva; a replay that could not run
+right is refused before it runs."""
 from __future__ import annotations
 
 import dataclasses
@@ -82,3 +83,25 @@ def test_the_load_line_tells_experts_on_cpu_from_uva(tmp_path, capsys):
     line = capsys.readouterr().out.splitlines()[1]
     assert line.startswith("  resident ") and (f", uva and cpu {human(cpu)} (the plan puts {human(cpu)} of the "
                                                "checkpoint's on cpu, computed by the host), prefetch 0 B") in line
+
+
+def test_a_replay_past_a_sliding_window_or_a_refused_capture_is_one_error_naming_eager():
+    """offplan/step_checks.py, what `plan apply` checks before it replays decode steps on a GPU: transformers' static
+    sliding-window cache rolls by a Python count that a replay never updates (the window of 8 here), so a cache past
+    it is refused, and within it (or with no sliding layer) it runs; a capture torch refuses becomes one error."""
+    from offplan.step_checks import capture_refused, check_replays
+    from planner.errors import OffplanError
+    from tiny_models import gpt_oss_config
+    with pytest.raises(OffplanError, match=r"^the model's sliding-window attention keeps 8 tokens, .*: 20 prompt and "
+                                           r"new tokens need a cache of 128; run with --eager, or keep the prompt "
+                                           r"and --max-new-tokens within 8$"):
+        check_replays(gpt_oss_config(), 20)
+    check_replays(gpt_oss_config(sliding_window=128), 100)
+    check_replays(qwen3_moe_config(), 1000)
+    with pytest.raises(OffplanError, match=r"could not be captured in a CUDA graph \(.*during CUDA graph capture.*\)"
+                                           r": run with --eager"):
+        with capture_refused():
+            raise RuntimeError("Cannot copy between CPU and CUDA tensors during CUDA graph capture")
+    with pytest.raises(RuntimeError, match="out of memory"):  # anything else goes on as it was
+        with capture_refused():
+            raise RuntimeError("CUDA out of memory")
