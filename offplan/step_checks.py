@@ -14,12 +14,13 @@ from runtime.place.dequant import quantized
 
 @contextlib.contextmanager
 def capture_refused():
-    """A capture's refusal (torch's RuntimeError naming the capture) as one error naming --eager. gpt-oss is such a
-    model: transformers' eager attention mask takes its 0 from a host scalar, a copy a capture refuses."""
+    """A capture's refusal (torch's RuntimeError naming the capture, or CUDA's "stream is capturing") as one error
+    naming --eager. gpt-oss is such a model: transformers' eager attention mask takes its 0 from a host scalar, a
+    copy a capture refuses."""
     try:
         yield
     except RuntimeError as e:
-        if "capture" not in str(e):
+        if "captur" not in str(e):
             raise
         raise OffplanError(f"the decode step could not be captured in a CUDA graph ({e}): run with --eager (gpt-oss's "
                            "eager attention builds its mask from a host scalar)") from None

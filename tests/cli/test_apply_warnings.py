@@ -102,6 +102,9 @@ def test_a_replay_past_a_sliding_window_or_a_refused_capture_is_one_error_naming
                                            r": run with --eager"):
         with capture_refused():
             raise RuntimeError("Cannot copy between CPU and CUDA tensors during CUDA graph capture")
+    with pytest.raises(OffplanError, match=r"\(CUDA error: operation not permitted when stream is capturing\)"):
+        with capture_refused():
+            raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
     with pytest.raises(RuntimeError, match="out of memory"):  # anything else goes on as it was
         with capture_refused():
             raise RuntimeError("CUDA out of memory")
