@@ -36,8 +36,9 @@ of the all-GPU plan's eager rate at that batch (the calls alternating with its o
 checkpoint (`gpu-fp8` for the FP8 rows, where measured; `gpu` otherwise, and for FP8 rows also beside it), and the
 link floor (target >= 0.8x; the floor, for the experts-uva, -fp8 and -split rows at batch 1: the bytes of the k
 experts a token touches per layer over the UVA read rate calibrated now), and the plan's predicted step for that
-batch and mode (a plan of the same policy with `workload: {batch_size: B, cuda_graphs: ...}`; none where that plan
-places differently). offplan's rows must give the loop's tokens (exit 1 otherwise). Records go to
+batch and mode as `plan apply` gives it (at the plan's batch its own figure of that mode; at another, the same
+policy built for that batch and mode, where it places as the plan does; none otherwise). offplan's rows must give
+the loop's tokens (exit 1 otherwise). Records go to
 OUT/front-door-MODEL[-LABEL].jsonl, a table is printed last.
 """
 from __future__ import annotations
@@ -55,10 +56,9 @@ import torch
 from harness.checkpoints import config_for, make_checkpoint
 from harness.plans import experts_working_bytes, make_plan, offloaded_layers
 from reporting.front_door import eager_ratios
-from planner.decide.build import build
+from planner.decide.build import step_at
 from planner.inputs.checkpoint import open_checkpoint
 from planner.inputs.hardware import dumps_hardware, load_hardware
-from planner.inputs.policy import load_policy
 from planner.planfile import load_plan
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
@@ -107,16 +107,11 @@ def policy(strategy: str, layers: int, budget_bytes: int, split_bytes: int = 0) 
                    }[strategy]
 
 
-def predicted_steps_per_s(work: Path, name: str, text: str, applied, batch: int, graph: bool) -> float | None:
-    """The plan's prediction at `batch`, eager or replayed: the same policy's plan for that workload, if it places
-    every tensor as the applied plan does; else, at the applied plan's batch, its own prediction of that mode (a
-    plan predicts both, planner/plan.py `Cost.step_us_in`)."""
-    path = work / f"{name}-b{batch}-{'graph' if graph else 'eager'}.policy.yaml"
-    path.write_text(text + f"workload: {{batch_size: {batch}, cuda_graphs: {'true' if graph else 'false'}}}\n")
-    d = build(load_policy(path), work)
-    step = d.summary.predicted_step_us if d.params == applied.params else None
-    if step is None and applied.cost is not None and applied.cost.batch_size == batch:
-        step = applied.cost.step_us_in(graph)
+def predicted_steps_per_s(plan: Path, applied, batch: int, graph: bool) -> float | None:
+    """The plan's prediction at `batch`, eager or replayed, as `plan apply` gives it (planner/decide/build.py
+    `step_at`: at the plan's batch its own figure of that mode, at another its policy built again for that batch
+    and mode where it places every tensor as the plan does; else none)."""
+    step = step_at(applied, plan, batch, graph)
     return 1e6 / step if step else None
 
 
@@ -252,7 +247,7 @@ def main(argv=None) -> int:
                    steps_per_s=rate, ratio_to_loop=rate / loop_rate, same_tokens_as_loop=same,
                    floor_steps_per_s=floor if b == 1 else None, paired_eager_steps_per_s=paired.get((path, b)),
                    predicted_steps_per_s=None if path == "transformers" else
-                   predicted_steps_per_s(work, strategy, text, applied, b, graph),
+                   predicted_steps_per_s(plan, applied, b, graph),
                    gpu_bytes=applied.summary.gpu_bytes, uva_bytes=applied.summary.uva_bytes,
                    prefetch_bytes=applied.summary.prefetch_bytes)
     for h in beside.values():

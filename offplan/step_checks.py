@@ -9,38 +9,34 @@ import torch
 from planner.errors import OffplanError
 from runtime.execute import experts
 from runtime.execute.generation import CACHE_QUANTUM
+from runtime.execute.tokens import check_window
 from runtime.place.dequant import quantized
 
 
 @contextlib.contextmanager
 def capture_refused():
     """A capture's refusal (torch's RuntimeError naming the capture, or CUDA's "stream is capturing") as one error
-    naming --eager. gpt-oss is such a model: transformers' eager attention mask takes its 0 from a host scalar, a
-    copy a capture refuses."""
+    naming --eager: a model whose step copies from the host (as transformers' eager attention mask did before
+    tokens.py `replayable` registered a capturable one) cannot be replayed."""
     try:
         yield
     except RuntimeError as e:
         if "captur" not in str(e):
             raise
-        raise OffplanError(f"the decode step could not be captured in a CUDA graph ({e}): run with --eager (gpt-oss's "
-                           "eager attention builds its mask from a host scalar)") from None
+        raise OffplanError(f"the decode step could not be captured in a CUDA graph ({e}): run with --eager") from None
 
 
-def check_replays(config, tokens: int) -> None:
-    """A replayed decode step repeats the branches its capture took. transformers' static sliding-window cache
-    (StaticSlidingWindowLayer: gpt-oss, Gemma 2 and 3, Llama 4's chunks) counts its tokens in a Python int and rolls
-    its buffer once that count reaches its window: a captured step never rolls it, so past the window it would
-    attend to stale keys, silently. Below the window it never rolls. So a generation whose cache (`tokens`, rounded
-    up as generation.py does) is longer than a sliding layer's window is refused, naming --eager."""
+def check_replays(config, tokens: int, model_name: str) -> None:
+    """Before the prefill, the runtime's own refusal of a replay past a sliding window (runtime/execute/tokens.py
+    `check_window`, which the generator runs again at capture): transformers' static sliding-window cache counts its
+    tokens in a Python int that a replayed step never updates, so past the window it would attend to stale keys."""
     from transformers import StaticCache
-    cache_len = -(-tokens // CACHE_QUANTUM) * CACHE_QUANTUM
+    cache_len = -(-tokens // CACHE_QUANTUM) * CACHE_QUANTUM  # as generation.py rounds it
     cache = StaticCache(config=config, max_cache_len=cache_len)  # its tensors are made at first use: none here
-    windows = [layer.max_cache_len for layer, sliding in zip(cache.layers, cache.is_sliding) if sliding]
-    if windows and min(windows) < cache_len:
-        raise OffplanError(f"the model's sliding-window attention keeps {min(windows)} tokens, and a decode step "
-                           f"replayed from a CUDA graph cannot roll that window (transformers' static cache counts "
-                           f"it in Python): {tokens} prompt and new tokens need a cache of {cache_len}; run with "
-                           f"--eager, or keep the prompt and --max-new-tokens within {min(windows)}")
+    try:
+        check_window(cache, cache_len, model_name)
+    except ValueError as e:
+        raise OffplanError(str(e)) from None
 
 
 def check_compiles(model, handle, batch: int) -> None:

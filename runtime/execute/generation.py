@@ -31,15 +31,13 @@ work to the engine's worker, which needs the GIL (host/engine.py) that a loop
 queuing replays holds. So the loop keeps at most two steps in flight, asleep on
 a blocking event until the older one is done (a spinning wait takes a core).
 
-Greedy tokens are those of transformers' `generate` on the same model and
-prompts with a static cache of the same length, eager on the CPU
-(tests/execute/test_generation.py) and replayed on CUDA (test_generation_gpu.py).
-With a cache of another length, attention rounds otherwise, and an MoE router's
-top-k can then pick another expert some tokens later.
+Greedy tokens are those of transformers' `generate` on the same model and prompts with a static cache of the same
+length, eager on the CPU (tests/execute/test_generation.py) and replayed on CUDA (test_generation_gpu.py; gpt-oss,
+its mask and sliding cache checked by tokens.py: its own eager steps'). With a cache of another length,
+attention rounds otherwise, and an MoE router's top-k can then pick another expert some tokens later.
 
 Limits: one prompt length per batch is fastest (no mask, the kernels the
-benchmarks time); decoder-only text models; the cache's dtype is the model's.
-"""
+benchmarks time); decoder-only text models; the cache's dtype is the model's."""
 from __future__ import annotations
 
 import contextlib
@@ -50,7 +48,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .tokens import batch_prompts, hit_stop, sampler, until_stop
+from .tokens import batch_prompts, hit_stop, replayable, sampler, until_stop
 
 CACHE_QUANTUM = 128  # cache lengths are rounded up to a multiple of this, so nearby calls share a captured step
 WARMUP = 3  # eager steps before a capture (allocator, lazy kernels, compilation)
@@ -269,6 +267,8 @@ class Generator:
             return self.steps[key]
         from transformers import StaticCache
         cache = StaticCache(config=self.model.config, max_cache_len=cache_len)
+        if self.replay:
+            replayable(cache, cache_len, type(self.model).__name__)  # tokens.py: mask and cache
         step = _Step(cache, torch.zeros(batch, 1, dtype=torch.long, device=self.device),
                      torch.zeros(1, dtype=torch.long, device=self.device),
                      torch.ones(batch, cache_len, dtype=torch.long, device=self.device) if masked else None)

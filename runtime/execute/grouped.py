@@ -16,7 +16,7 @@ products are the same GEMM over the same rows, and the outputs equal the whole f
 tests, with biases, transposed experts, FP8, MXFP4 and the host's experts merged in). On CUDA, torch's grouped GEMM
 picks its kernel by the rows per group and the output width (sm90), so a chunk of cold experts may run another kernel
 than the whole forward; neither splits the inner dimension, and tests/execute/test_experts_chunks_gpu.py checks such a
-case bitwise, but has not run on a GPU yet. A chunk whose slots no pair uses (padding) stages nothing.
+case bitwise (on an H200). A chunk whose slots no pair uses (padding) stages nothing.
 
 Limits: the chunks' row ranges are read on the host (one synchronization per forward), so a forward is chunked only
 where nothing is being captured or compiled: a prefill (always eager, generation.py) and eager decode steps. A

@@ -1,5 +1,6 @@
 """Prompts in, tokens out, for generation.py: a batch of prompts left-padded to one length (with the mask of its
-real tokens), the next token picked from logits (argmax, or a seeded sample), and stop tokens."""
+real tokens), the attention mask transformers builds from it made capturable, a static cache that a replay
+would corrupt refused, the next token picked from logits (argmax, or a seeded sample), and stop tokens."""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -51,3 +52,40 @@ def until_stop(tokens: list[int], stop: Sequence[int]) -> list[int]:
         if t in stop:
             return tokens[:i + 1]
     return tokens
+
+
+def replayable(cache, cache_len: int, model_name: str) -> None:
+    """What a decode step captured in a CUDA graph needs of transformers, before its capture.
+
+    The attention mask of a model with eager attention (gpt-oss: its attention sinks need it): transformers'
+    `eager_mask` (masking_utils) casts sdpa's boolean mask to 0 and the dtype's minimum, taking its 0 from a host
+    scalar (`torch.tensor(0.0, device=...)`), a copy from pageable memory that a capture refuses. `_eager_mask`,
+    registered in its place under "eager" (AttentionMaskInterface.register, transformers' extension point for mask
+    functions), builds the same mask, bit for bit, its 0 filled on the device. The registry is process-wide: every
+    model with eager attention gets it, the same values either way.
+
+    The cache: a replay repeats the branches its capture took. transformers' sliding-window static cache layer
+    (StaticSlidingWindowLayer: Gemma 2 and 3, gpt-oss, Llama 4's chunks) counts its tokens in a Python int and rolls
+    its buffer once that count reaches its window, so a captured step never rolls it: replayed past the window, its
+    attention would read stale keys. Below the window it never rolls, and the replay is exact. So a cache longer
+    than a sliding layer's window is refused (ValueError, naming the lengths and what to do)."""
+    from transformers.masking_utils import AttentionMaskInterface
+    AttentionMaskInterface.register("eager", _eager_mask)
+    check_window(cache, cache_len, model_name)
+
+
+def check_window(cache, cache_len: int, model_name: str) -> None:
+    """`replayable`'s check of the cache alone (ValueError), which `plan apply` also runs before loading."""
+    windows = [layer.max_cache_len for layer, sliding in zip(cache.layers, cache.is_sliding) if sliding]
+    if windows and min(windows) < cache_len:
+        raise ValueError(f"{model_name}: its sliding-window attention keeps {min(windows)} tokens, and a decode step "
+                         f"replayed from a CUDA graph cannot roll that window (transformers' static sliding-window "
+                         f"cache counts in Python); this call's cache holds {cache_len} (prompt and new tokens, "
+                         f"rounded up to a multiple of 128): generate eagerly (`eager=True`, `plan apply --eager`), "
+                         f"or keep the prompt and new tokens within {min(windows)}")
+
+def _eager_mask(*args, dtype: torch.dtype = torch.float32, **kwargs) -> torch.Tensor | None:
+    from transformers.masking_utils import sdpa_mask
+    kwargs.pop("allow_is_causal_skip", None)  # as eager_mask: an eager mask is never skipped as causal
+    mask = sdpa_mask(*args, allow_is_causal_skip=False, **kwargs)
+    return None if mask is None else torch.where(mask, mask.new_zeros((), dtype=dtype), torch.finfo(dtype).min)

@@ -36,9 +36,10 @@ then dequantizes those rows only.
 On CUDA, FP8 dequantizes in one Triton kernel (reading through the zero-copy
 view for a uva weight: each quantized byte crosses the link once, so at
 prefill a uva FP8 weight is read once, not once per GEMM tile, and it is never
-staged). Elsewhere, and for MXFP4, it is plain torch arithmetic. Both round the
-same f32 product once, so outputs equal a checkpoint dequantized on the host
-with the same formula and loaded in the model's dtype, bitwise. At decode on
+staged), and MXFP4 in bf16 in another (dequant.py: each value's bits built from
+integers, exact). Elsewhere it is plain torch arithmetic. Both round the same
+f32 product once (MXFP4's is exact), so outputs equal a checkpoint dequantized
+on the host with the same formula and loaded in the model's dtype, bitwise. At decode on
 CUDA (a few rows of activations), FP8 Linears and one token's FP8 experts
 skip the dequantized copy: one kernel reads the FP8 bytes and multiplies
 (fp8_gemv.py), the same products summed in another order, so within one

@@ -96,3 +96,33 @@ def test_the_prefill_runs_the_head_on_the_last_position_only(tmp_path, checkpoin
     finally:
         hook.remove()
         handle.remove()
+
+
+@pytest.mark.parametrize("sliding", [None, 3])
+def test_the_capturable_eager_mask_is_transformers_eager_mask_bitwise(sliding):
+    """tokens.py's eager mask (a 0 filled on the device, so that a CUDA graph can capture it: gpt-oss) against
+    transformers' own, causal or sliding, with a padded row, over a static cache longer than the tokens."""
+    from transformers.masking_utils import causal_mask_function, eager_mask, sliding_window_causal_mask_function
+    from runtime.execute.tokens import _eager_mask
+    pads = torch.tensor([[1] * 12, [0, 0, 0] + [1] * 9]).bool()  # as create_causal_mask passes it
+    rule = causal_mask_function if sliding is None else sliding_window_causal_mask_function(sliding)
+    for q, offset in ((6, 0), (1, 8)):  # a prefill, then a decode step at position 8 of a cache of 12
+        kw = dict(batch_size=2, q_length=q, kv_length=12, q_offset=offset, mask_function=rule, attention_mask=pads,
+                  dtype=torch.bfloat16, device="cpu")
+        want, got = eager_mask(**kw), _eager_mask(**kw)
+        assert got.dtype == want.dtype == torch.bfloat16 and got.shape == want.shape == (2, 1, q, 12)
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+def test_a_replay_is_refused_a_cache_past_a_sliding_window():
+    """tokens.py `replayable`: transformers' sliding-window static cache rolls by a Python count, which a replayed
+    step never updates, so a cache longer than the window is refused before a capture, naming what to do."""
+    from transformers import StaticCache
+    from runtime.execute.tokens import replayable
+    from tiny_models import gpt_oss_config
+    with pytest.raises(ValueError, match=r"GptOss: its sliding-window attention keeps 8 tokens, .* holds 128 .*"
+                                         r"\(`eager=True`, `plan apply --eager`\), or keep the prompt and new tokens "
+                                         r"within 8$"):
+        replayable(StaticCache(config=gpt_oss_config(), max_cache_len=128), 128, "GptOss")
+    replayable(StaticCache(config=gpt_oss_config(sliding_window=128), max_cache_len=128), 128, "GptOss")
+    replayable(StaticCache(config=gpt_oss_config(), max_cache_len=8), 8, "GptOss")  # within the window

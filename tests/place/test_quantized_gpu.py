@@ -1,8 +1,8 @@
 """Quantized checkpoints on CUDA (marked `gpu`): the Triton FP8 dequantization reads pinned memory in place and
 equals the torch arithmetic bitwise, and the MXFP4 one builds the torch arithmetic's bits with no temporaries; FP8
 and MXFP4 loads equal the dequantized reference under every placement, eagerly, compiled without graph breaks, and
-in a replayed CUDA graph. FP8 at decode (a few rows) runs fp8_gemv.py's fused products, which sum in another order
-than the reference's GEMM: within its rounding."""
+in a replayed CUDA graph; gpt-oss decodes through the front door replayed as eagerly. FP8 at decode (a few rows)
+runs fp8_gemv.py's fused products, which sum in another order than the reference's GEMM: within its rounding."""
 from __future__ import annotations
 
 import pytest
@@ -18,6 +18,7 @@ from runtime.hf import from_pretrained  # noqa: E402
 from runtime.place import dequant
 from runtime.place.arena import PinnedArena, typed  # noqa: E402
 from test_quantized import POLICIES, gpt_oss_config  # noqa: E402
+import tiny_models  # noqa: E402
 from tiny_models import make_plan, qwen3_moe_config, reference, save_model  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -186,6 +187,31 @@ def test_compiled_and_graph_replay_equal_eager(tmp_path, checkpoints, name):
                 assert torch.equal(out, eager)
     finally:
         torch._dynamo.reset()
+        handle.remove(restore=False)
+
+
+def test_gpt_oss_decodes_through_the_front_door_replayed_as_eager(tmp_path, checkpoints):
+    """`handle.generate` replays gpt-oss's decode steps (its eager attention's mask made capturable:
+    runtime/execute/tokens.py) with the eager steps' tokens, one prompt length (no mask) and two (padded), while its
+    sliding window holds the cache (128 here); past the window (8, the MXFP4 checkpoint's) a replay could not roll
+    it, and it is refused, saying to generate eagerly, which then runs."""
+    wide = save_model(tiny_models.gpt_oss_config(sliding_window=128), tmp_path / "wide")
+    model, handle = from_pretrained(make_plan(tmp_path, wide, POLICIES["uva"]), progress=False)
+    try:
+        for prompts in ([[5, 17, 99, 3], [8, 8, 200, 31]], [[5, 17, 99, 3, 41], [9, 250]]):
+            got = handle.generate(prompts, 40)
+            assert got.mode == "graph" and got.decode_steps == 39
+            assert got.tokens == handle.generate(prompts, 40, eager=True).tokens
+    finally:
+        handle.remove(restore=False)
+    quantized, _ = checkpoints["mxfp4"]
+    model, handle = from_pretrained(make_plan(tmp_path, quantized, POLICIES["uva"], name="mx"), progress=False)
+    try:
+        with pytest.raises(ValueError, match=r"GptOssForCausalLM: its sliding-window attention keeps 8 tokens.*"
+                                             r"holds 128.*generate eagerly"):
+            handle.generate([[5, 17, 99, 3]], 12)
+        assert handle.generate([[5, 17, 99, 3]], 12, eager=True).decode_steps == 11
+    finally:
         handle.remove(restore=False)
 
 
