@@ -139,7 +139,7 @@ def annotate():
             with record_function("offplan." + name):
                 return f(*a, **k)
         setattr(mod, name, g)
-    import runtime.place.fp8_gemv as fg
+    import runtime.place.gemv as fg
     for mod, name in ((ex, "_stage"), (ex, "_grouped"), (ex, "offplan_experts_forward"), (ex, "dequantize"),
                       (ex, "gather"), (ex, "gather_many"), (ex, "route"), (dq, "_dequant_fp8"), (fg, "_fp8_linear")):
         wrap(mod, name)

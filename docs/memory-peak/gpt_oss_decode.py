@@ -1,23 +1,26 @@
 """MXFP4 experts end to end: gpt-oss-120b's shape, decode at batch 1 replayed from a CUDA graph, with each way CUDA
-has dequantized MXFP4 in turn, in one process.
+has multiplied MXFP4 experts in turn, in one process.
 
-    python3 docs/memory-peak/gpt_oss_decode.py OUT_DIR [LAYERS]    # on a GPU machine; OUT_DIR/gpt-oss-decode.jsonl
+    python3 docs/memory-peak/gpt_oss_decode.py OUT_DIR [LAYERS [VARIANTS]]  # on a GPU; OUT_DIR/gpt-oss-decode.jsonl
 
 The checkpoint is written as gpt-oss ships (`*_proj_blocks` [E, out, in/32, 16] and `*_proj_scales` [E, out, in/32],
 the rest bf16): gpt-oss-120b's shapes (GptOssConfig's defaults: 128 experts, top-4, hidden 2880) and LAYERS of its 36
 decoder layers (8 unless given), random codes under scales 2^-8 to 2^-6, random bf16 elsewhere (normal, std 0.02;
 norms ones). Two plans: every routed expert on uva (`rules: [{match: [experts], place: uva}]`), and all on the GPU.
-Both dequantize the experts a step touches (4 a layer at batch 1) after gathering them; the variants are what
-`runtime.place.dequant._dequant_mxfp4` runs for gpt-oss's transposed experts:
+The variants, for the experts a step touches (4 a layer at batch 1), gathered:
 
-- `torch`: the torch arithmetic (`_mxfp4`, then the transpose made contiguous), what CUDA ran before the kernels;
-- `flat`: `_mxfp4_flat_kernel` (one thread a stored byte), the first kernel;
-- `tiled`: `_mxfp4_tiled_kernel` (tiles stored along the output's rows), what this tree runs.
+- `torch`: dequantized by the torch arithmetic (`_mxfp4`, then the transpose made contiguous), then multiplied;
+  what CUDA ran before the kernels;
+- `flat`: dequantized by `_mxfp4_flat_kernel` (one thread a stored byte), the first kernel, then multiplied;
+- `tiled`: dequantized by `_mxfp4_tiled_kernel` (tiles stored along the output's rows), then multiplied;
+- `fused`: gemv.py's `mxfp4_pairs`, which multiplies the stored bytes in registers: what this tree runs.
 
-Each variant gets a fresh capture (the generator dropped), and the three run in turn over `ROUNDS` rounds: one line
-per (plan, round, variant) with its steps/s and whether its tokens equal the first variant's (the dequantized values
-are bitwise equal, so they must). The floor of the uva plan: the MXFP4 bytes (blocks and scales) and bf16 biases of
-the 4 experts a token touches per layer, over the UVA read rate measured in the run.
+Argument 3 picks the variants (comma-separated; `tiled,fused` unless given). Each gets a fresh capture (the
+generator dropped), and they run in turn over `ROUNDS` rounds: one line per (plan, round, variant) with its steps/s
+and whether its tokens equal the first variant's (the dequantized values are bitwise equal, so the three dequantizing
+variants' must; the fused one sums in another order, within a rounding). The floor of the uva plan: the MXFP4 bytes
+(blocks and scales) and bf16 biases of the 4 experts a token touches per layer, over the UVA read rate measured in
+the run.
 """
 import gc
 import json
@@ -31,10 +34,11 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 from harness.loops import decode_static, prompts  # noqa: E402
 from harness.plans import make_plan  # noqa: E402
-from runtime.place import dequant  # noqa: E402
+from runtime.place import dequant, gemv  # noqa: E402
 
 OUT = Path(sys.argv[1] if len(sys.argv) > 1 else "/tmp/out")
 LAYERS = int(sys.argv[2]) if len(sys.argv) > 2 else 8
+CHOSEN = (sys.argv[3] if len(sys.argv) > 3 else "tiled,fused").split(",")
 WORK = Path("/tmp/offplan-bench/gpt-oss")
 ROUNDS, NEW = 2, 32
 EXPERTS = ("experts.gate_up_proj", "experts.down_proj")
@@ -113,8 +117,9 @@ def torch_arithmetic(blocks, scales, dtype, transposed):
     return out.transpose(-2, -1).contiguous() if transposed else out
 
 
-ORIGINAL = dequant._dequant_mxfp4
-VARIANTS = {"torch": torch_arithmetic, "flat": flat_transposed, "tiled": ORIGINAL}
+ORIGINAL, FUSES = dequant._dequant_mxfp4, gemv.mxfp4_applies
+VARIANTS = {"torch": (torch_arithmetic, False), "flat": (flat_transposed, False), "tiled": (ORIGINAL, False),
+            "fused": (ORIGINAL, True)}  # (the dequantization, whether one token's experts run mxfp4_pairs)
 
 
 def main():
@@ -136,15 +141,17 @@ def main():
         model, handle = from_pretrained(plan, device="cuda", progress=False)
         first = None
         for r in range(ROUNDS):
-            for name, run in VARIANTS.items():
+            for name in CHOSEN:
+                run, fuses = VARIANTS[name]
                 for generator in handle.generators.values():
                     generator.release()
                 handle.generators.clear()
                 dequant._dequant_mxfp4 = run
+                gemv.mxfp4_applies = FUSES if fuses else lambda *_: False
                 try:
                     steps, tokens = decode_static(model, handle, ids, NEW, "graph")
                 finally:
-                    dequant._dequant_mxfp4 = ORIGINAL
+                    dequant._dequant_mxfp4, gemv.mxfp4_applies = ORIGINAL, FUSES
                 first = first or tokens
                 emit(kind="decode", plan=plan_name, round=r, variant=name, steps_per_s=steps,
                      x_floor=steps / floor if plan_name == "experts-uva" else None, same_tokens=tokens == first)

@@ -21,9 +21,9 @@ routing over E experts:
    staged experts (grouped.py; in an eager forward whose U experts' rows exceed CHUNK_BYTES, 2 GiB, steps 2
    and 3 a chunk of the U slots at a time); the same kernels on the same values, so bitwise their outputs on
    the whole parameter. These are the fastest all-GPU paths at batch 1 and from batch 8 on (H100,
-   benchmarks/RESULTS.md). The exception, an FP8 parameter at one token: fp8_gemv.py multiplies each pair by its
-   expert's FP8 rows where they lie, dequantizing in registers (batched_mm's outputs on the dequantized experts
-   within one rounding: another summing order).
+   benchmarks/RESULTS.md). The exception, a quantized parameter at one token (FP8, or MXFP4 in bf16): gemv.py
+   multiplies each pair by its expert's stored rows where they lie, dequantizing in registers (batched_mm's
+   outputs on the dequantized experts within one rounding: another summing order).
 
 The lookahead (step 2) runs in a step captured in a CUDA graph or traced by torch.compile, and on the CPU (so CI
 exercises it). An eager step on CUDA skips it: there the CPU's launches set the pace, and its launches cost more
@@ -48,8 +48,8 @@ import torch
 
 from planner.layers.groups import BATCHED_PAIRS  # pairs up to which batched_mm's arithmetic runs (1-2 tokens)
 
-from ..place import fp8_gather, fp8_gemv
-from ..place.fp8_gemv import Fp8Rows
+from ..place import fp8_gather, gemv
+from ..place.gemv import Fp8Rows, Mxfp4Rows
 from ..place.dequant import dequantize, quantized, stored
 from . import ops
 from .gather import gather, gather_many, route
@@ -103,12 +103,12 @@ def arithmetic(pairs: int) -> str:
 
 
 def _stage(module, params: list[str], order: torch.Tensor, valid: torch.Tensor, ahead: int = 0,
-           x: torch.Tensor | None = None) -> dict[str, torch.Tensor | Fp8Rows]:
+           x: torch.Tensor | None = None) -> dict[str, torch.Tensor | Fp8Rows | Mxfp4Rows]:
     """`params`' rows for the slots `order`, in HBM, in `params`' order; a quantized parameter's gathered
     quantized, then dequantized (only the touched experts: dequant.py; FP8 in one launch: fp8_gather.py).
     `ahead`: the key of the lookahead whose buffer holds some of them (lookahead.py), 0 for none. `x`: the pairs'
-    activations when `order` is one token's pairs: an FP8 parameter that fp8_gemv.py multiplies is then not
-    dequantized (`Fp8Rows`), and one held whole in HBM is not gathered either."""
+    activations when `order` is one token's pairs: a quantized parameter that gemv.py multiplies is then not
+    dequantized (`Fp8Rows`, `Mxfp4Rows`), and one held whole in HBM is not gathered either."""
     quants, out, need, one = quantized(module), {}, {}, {}  # need: param -> (its stored tensors by name, fused)
     for p in params:
         q = quants.get(p)
@@ -116,10 +116,10 @@ def _stage(module, params: list[str], order: torch.Tensor, valid: torch.Tensor, 
             need[p] = ({p: getattr(module, p)}, False)
             continue
         data, scale = stored(module, q.data), stored(module, q.scale)
-        fused = (x is not None and q.format == "fp8" and not module.is_transposed
-                 and fp8_gemv.applies(x, data, q.block, 1))
+        fused = x is not None and (gemv.mxfp4_applies(x, data, q.dtype) if q.format == "mxfp4" else
+                                   not module.is_transposed and gemv.applies(x, data, q.block, 1))
         if fused and slot_of(module, q.data) is None:  # all in HBM: read in place
-            out[p] = Fp8Rows(data, scale, order, q.block)
+            out[p] = _fused_rows(q, data, scale, order)
         elif not fused and not ahead and (source := _one_launch(module, q)) is not None:
             one[p] = source
         else:
@@ -132,8 +132,13 @@ def _stage(module, params: list[str], order: torch.Tensor, valid: torch.Tensor, 
             out[p] = rows[p]
         else:  # valid 0: padding or the host's experts, never read (quantized experts are never staged)
             data, scale = rows[q.data], rows[q.scale]
-            out[p] = Fp8Rows(data, scale, None, q.block) if fused else dequantize(q, data, scale, valid)
+            out[p] = _fused_rows(q, data, scale, None) if fused else dequantize(q, data, scale, valid)
     return {p: out[p] for p in params}
+
+
+def _fused_rows(q, data: torch.Tensor, scale: torch.Tensor, ids: torch.Tensor | None) -> Fp8Rows | Mxfp4Rows:
+    """A quantized parameter's experts for one token's pairs, as gemv.py multiplies them where they lie."""
+    return Mxfp4Rows(data, scale, ids) if q.format == "mxfp4" else Fp8Rows(data, scale, ids, q.block)
 
 
 def _one_launch(module, q) -> fp8_gather.Source | None:
@@ -180,10 +185,13 @@ def _ahead_pays(ids: torch.Tensor) -> bool:
     return not ids.is_cuda or torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing()
 
 
-def _linear(x: torch.Tensor, w: torch.Tensor | Fp8Rows, b: torch.Tensor | None, transposed: bool) -> torch.Tensor:
-    """One GEMV per pair, x [S, in], w [S, out, in] ([S, in, out] transposed) -> [S, out]; FP8 in fp8_gemv.py."""
+def _linear(x: torch.Tensor, w: torch.Tensor | Fp8Rows | Mxfp4Rows, b: torch.Tensor | None,
+            transposed: bool) -> torch.Tensor:
+    """One GEMV per pair, x [S, in], w [S, out, in] ([S, in, out] transposed) -> [S, out]; quantized in gemv.py."""
     if isinstance(w, Fp8Rows):
-        out = fp8_gemv.fp8_pairs(x, w.data, w.scale, w.ids, w.block)
+        out = gemv.fp8_pairs(x, w.data, w.scale, w.ids, w.block)
+    elif isinstance(w, Mxfp4Rows):
+        out = gemv.mxfp4_pairs(x, w.data, w.scale, w.ids)
     elif transposed:
         out = torch.bmm(x.unsqueeze(1), w).squeeze(1)
     else:
@@ -250,7 +258,7 @@ def offplan_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, 
             mine.index_select(0, ids).logical_not().to(torch.int32)  # the host's experts: not read here
         rows = _stage(self, fused_params(self), ids, valid, ahead, hidden_states)
         if use is not None:  # every gather enqueued before any GEMV; then the next module's guess read ahead
-            gathered = [r.data if isinstance(r, Fp8Rows) else r for r in rows.values()]
+            gathered = [r.data if isinstance(r, (Fp8Rows, Mxfp4Rows)) else r for r in rows.values()]
             hidden_states = ops.ahead_read(hidden_states, gathered, use.key, use.index)
         return _batched(self, hidden_states, rows, weights, k, merge=merge)
     else:

@@ -1,6 +1,6 @@
 """A forward's FP8 expert rows gathered and dequantized in one launch (experts.py, step 2, at more than one token).
 
-An FP8 experts parameter that fp8_gemv.py does not multiply in place (more
+An FP8 experts parameter that gemv.py does not multiply in place (more
 than one token, or a transposed layout) was staged in three steps: its data
 and its scales gathered (gather.py, one launch), then each parameter
 dequantized (dequant.py, one launch each). An eager decode step is bound by

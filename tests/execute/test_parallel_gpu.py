@@ -8,7 +8,7 @@ The float32 MoE runs its experts from pinned memory only: where they are all in 
 experts implementation (grouped_mm) runs, and torch's float32 grouped_mm copies to the host, which a CUDA graph
 capture refuses (seen on the H200; bf16 captures).
 Block-scaled FP8 in the published 128 x 128 blocks, in a model whose shares hold whole blocks: each GPU reads its
-FP8 share through the FP8 kernels (fp8_gemv at decode, the one-launch gather for its experts), against the same
+FP8 share through the FP8 kernels (gemv.py at decode, the one-launch gather for its experts), against the same
 checkpoint on one GPU."""
 from __future__ import annotations
 

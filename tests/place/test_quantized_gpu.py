@@ -2,7 +2,8 @@
 equals the torch arithmetic bitwise, and the MXFP4 one builds the torch arithmetic's bits with no temporaries; FP8
 and MXFP4 loads equal the dequantized reference under every placement, eagerly, compiled without graph breaks, and
 in a replayed CUDA graph; gpt-oss decodes through the front door replayed as eagerly. FP8 at decode (a few rows)
-runs fp8_gemv.py's fused products, which sum in another order than the reference's GEMM: within its rounding."""
+and MXFP4 experts at one token run gemv.py's fused products, which sum in another order than the reference's GEMM:
+within its rounding."""
 from __future__ import annotations
 
 import pytest
@@ -146,7 +147,7 @@ def test_quantized_loads_on_cuda_equal_the_dequantized_reference(tmp_path, check
             ids = torch.randint(0, 256, (batch, tokens), device="cuda")
             with torch.no_grad():
                 got, want = model(ids).logits, expected(ids).logits
-            if name == "fp8" and tokens == 1:  # fused at decode: each product within a bf16 unit (fp8_gemv.py),
+            if tokens == 1:  # FP8 and MXFP4 fused at decode: each product within a bf16 unit (gemv.py),
                 assert (got - want).abs().max() <= 2**-6 * want.abs().max()  # a few units of the largest logit
                 assert (got.argmax(-1) == want.argmax(-1)).all()
             else:

@@ -1,4 +1,5 @@
-"""FP8 block-scaled weights times a few rows of activations, in one kernel that reads each FP8 byte once.
+"""Quantized weights times a few rows of activations, in one kernel that reads each stored byte once: FP8
+block-scaled, and MXFP4 (gpt-oss's experts, one token's pairs).
 
 A module that reads an FP8 weight dequantized (dequant.py) writes the weight
 in bf16 and reads it back: 5 bytes of HBM traffic per weight element where a
@@ -33,6 +34,16 @@ GEMV / dequantize + GEMV / this kernel: 4096 x 2048 5.8 / 11.9 / 7.8 us;
 Limits: power-of-two blocks of at least 16 rows and `BK` columns (DeepSeek-V3,
 Qwen3-FP8 and Kimi-K2 use 128 x 128); CUDA with Triton. Elsewhere, and for
 more rows, modules dequantize and run the model's own GEMM.
+
+MXFP4 (`mxfp4_pairs`): a decode step of gpt-oss dequantized each touched
+expert to bf16 (dequant.py: 4 bytes written a stored byte, then read back by
+the GEMV), which set its pace. Here each program takes `MX_BN` output rows of
+one pair and reads `MX_BB` stored bytes of each a step: both codes of a byte
+are built as bf16 bits (`e2m1_bits`, dequant.py's kernels' values, exact),
+multiplied by the even and odd columns of x in f32, and summed; rounded once.
+As for FP8, within one bf16 unit of the dequantized weight's GEMV. bf16 models
+only (each value is exact in bf16, not in fp16), the stored layout ([E, N, G,
+16], out features first) whichever way the model holds the weight.
 """
 from __future__ import annotations
 
@@ -80,6 +91,50 @@ if triton is not None:
             acc = tl.dot(xt, tl.trans(wt), acc)
         tl.store(out + r[:, None].to(tl.int64) * N + n[None, :], acc.to(out.dtype.element_ty),
                  mask=rmask[:, None] & nmask[None, :])
+
+
+    @triton.jit
+    def e2m1_bits(code, s):
+        """The bf16 bits of E2M1 `code` (int32, 0-15) x 2^(s - 127), built from integers: the value is exact in
+        bf16 (a subnormal below 2^-126), so nothing rounds and nothing is flushed; +-inf past bf16's range, NaN
+        where s is 255 (E8M0's NaN). dequant.py's kernels write these bits; `_mxfp4_kernel` multiplies by them."""
+        e, m = (code >> 1) & 3, code & 1
+        frac = tl.where(e == 0, 0, m)  # 1.5 = 1.1b: the mantissa's top bit; 0.5 (e 0, m 1) is 2^-1 x 1.0
+        biased = s + tl.where(e == 0, -1, e - 1)  # the bf16 exponent field of 2^(s - 127 + its exponent)
+        normal = (biased << 7) | (frac << 6)
+        subnormal = (2 + frac) << tl.maximum(biased + 5, 0)  # 2^(biased - 127) (1 + frac / 2) in units of 2^-133
+        bits = tl.where(biased >= 255, 0x7F80, tl.where(biased <= 0, subnormal, normal))
+        bits = tl.where((e == 0) & (m == 0), 0, bits) | ((code & 8) << 12)
+        return tl.where(s == 255, 0x7FC0, bits)
+
+
+    @triton.jit
+    def _mxfp4_kernel(x, blocks, scales, ids, out, N, per_row, w_stride, s_stride, BN: tl.constexpr, BB: tl.constexpr,
+                      IDS: tl.constexpr):
+        """Program (n, p): output columns [n BN, (n + 1) BN) of pair p, with expert `ids[p]` (IDS; else expert p)
+        of `blocks` [E, N, G, 16] (two E2M1 codes a byte, low nibble first; `per_row` = 16 G) and `scales` [E, N, G].
+        Each step reads
+        BB bytes of each of the BN rows (2 BB values) and the even and odd columns of x they multiply."""
+        p = tl.program_id(1)
+        e = (tl.load(ids + p) if IDS else p).to(tl.int64)
+        n = tl.program_id(0) * BN + tl.arange(0, BN)
+        nmask = n < N
+        wp = blocks + e * w_stride + n[:, None].to(tl.int64) * per_row
+        sp = scales + e * s_stride + n[:, None].to(tl.int64) * (per_row // 16)
+        xp = x + p.to(tl.int64) * 2 * per_row
+        acc = tl.zeros((BN,), dtype=tl.float32)
+        for j0 in range(0, per_row, BB):
+            j = j0 + tl.arange(0, BB)
+            jmask = j < per_row
+            mask = nmask[:, None] & jmask[None, :]
+            b = tl.load(wp + j[None, :], mask=mask, other=0).to(tl.int32)
+            s = tl.load(sp + j[None, :] // 16, mask=mask, other=127).to(tl.int32)
+            lo = (e2m1_bits(b & 15, s) << 16).to(tl.float32, bitcast=True)  # bf16 bits, as f32's top half
+            hi = (e2m1_bits(b >> 4, s) << 16).to(tl.float32, bitcast=True)
+            xe = tl.load(xp + 2 * j, mask=jmask, other=0.0).to(tl.float32)
+            xo = tl.load(xp + 2 * j + 1, mask=jmask, other=0.0).to(tl.float32)
+            acc += tl.sum(lo * xe[None, :] + hi * xo[None, :], axis=1)
+        tl.store(out + p.to(tl.int64) * N + n, acc.to(out.dtype.element_ty), mask=nmask)
 
 
 def _power_of_two(n: int) -> bool:
@@ -170,3 +225,50 @@ class Fp8Rows:
     scale: torch.Tensor
     ids: torch.Tensor | None
     block: tuple[int, int]
+
+
+MX_BN, MX_BB = 16, 128  # `_mxfp4_kernel`'s rows and bytes a step
+
+
+def mxfp4_applies(x: torch.Tensor, blocks: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether one token's pairs `x` times MXFP4 `blocks` run `mxfp4_pairs`: CUDA with Triton, a bf16 model (each
+    value exact in bf16, as dequant.py's), bytes laid out as stored."""
+    return (triton is not None and x.is_cuda and x.dtype == dtype == torch.bfloat16
+            and blocks.dtype == torch.uint8 and blocks.stride(-1) == 1 and blocks.stride(-2) == 16
+            and blocks.stride(-3) == 16 * blocks.shape[-2])
+
+
+def _mxfp4_pairs(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor,
+                 ids: torch.Tensor | None) -> torch.Tensor:
+    x, scales = x.contiguous(), scales.contiguous()
+    n, g = blocks.shape[-3:-1]
+    out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
+    _mxfp4_kernel[(triton.cdiv(n, MX_BN), x.shape[0])](
+        x, blocks, scales, x if ids is None else ids, out, n, 16 * g, blocks.stride(0), scales.stride(0), BN=MX_BN,
+        BB=MX_BB, IDS=ids is not None, num_warps=4)
+    return out
+
+
+mxfp4_pairs_op = torch.library.custom_op("offplan::mxfp4_pairs", _mxfp4_pairs, mutates_args=())
+
+
+@mxfp4_pairs_op.register_fake
+def _(x, blocks, scales, ids):
+    return x.new_empty(x.shape[0], blocks.shape[-3])
+
+
+def mxfp4_pairs(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor, ids: torch.Tensor | None) -> torch.Tensor:
+    """x [P, 32 G], row p times expert `ids[p]` of MXFP4 `blocks` [E, N, G, 16] with `scales` [E, N, G] (None:
+    expert p) -> [P, N], as stored (out features first), whichever way the model holds the dequantized weight."""
+    run = mxfp4_pairs_op if torch.compiler.is_compiling() else _mxfp4_pairs
+    return run(x, blocks, scales, ids)
+
+
+@dataclass(frozen=True)
+class Mxfp4Rows:
+    """An MXFP4 parameter's experts for the pairs of one token, as `mxfp4_pairs` reads them where they lie (as
+    `Fp8Rows`)."""
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    ids: torch.Tensor | None
