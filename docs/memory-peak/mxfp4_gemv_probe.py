@@ -16,8 +16,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from runtime.place import dequant, gemv  # noqa: E402
 
-TILES = [(8, 128, 4), (16, 64, 4), (16, 128, 4), (16, 256, 4), (16, 128, 8), (32, 64, 4), (32, 128, 4),
-         (32, 128, 8), (64, 64, 8)]
+TILES = [(8, 128, 4), (16, 128, 4), (16, 256, 4), (16, 256, 8), (32, 128, 4), (32, 256, 8), (8, 512, 4),
+         (16, 512, 8), (64, 128, 8)]
 
 
 def timed(run) -> float:

@@ -1,8 +1,10 @@
 """Prompts in, tokens out, for generation.py: a batch of prompts left-padded to one length (with the mask of its
 real tokens), the attention mask transformers builds from it made capturable, a static cache that a replay
-would corrupt refused, the next token picked from logits (argmax, or a seeded sample), and stop tokens."""
+would corrupt refused (and its sliding layers' length counted on the device), the next token picked from logits
+(argmax, or a seeded sample), and stop tokens."""
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -67,11 +69,20 @@ def replayable(cache, cache_len: int, model_name: str) -> None:
     The cache: a replay repeats the branches its capture took. transformers' sliding-window static cache layer
     (StaticSlidingWindowLayer: Gemma 2 and 3, gpt-oss, Llama 4's chunks) counts its tokens in a Python int and rolls
     its buffer once that count reaches its window, so a captured step never rolls it: replayed past the window, its
-    attention would read stale keys. Below the window it never rolls, and the replay is exact. So a cache longer
-    than a sliding layer's window is refused (ValueError, naming the lengths and what to do)."""
+    attention would read stale keys. Below the window it never rolls. So a cache longer than a sliding layer's
+    window is refused (ValueError, naming the lengths and what to do). Below it, one more fact of the layer is kept
+    in Python: its sequence length (`get_seq_length`), the query's offset in its layers' masks, which a captured
+    mask would keep at the capture's position (the full layers' StaticLayer returns its count on the device, which
+    the replay advances: transformers 5.17). Each sliding layer is made a `_ReplayedSlidingLayer` (its class swapped,
+    as dequant.py swaps modules'), which returns that count on the device too: below the window the two counts are
+    equal, so eager forwards give the same masks, and replayed ones the replay's own."""
     from transformers.masking_utils import AttentionMaskInterface
     AttentionMaskInterface.register("eager", _eager_mask)
     check_window(cache, cache_len, model_name)
+    from transformers.cache_utils import StaticSlidingWindowLayer
+    for layer in cache.layers:
+        if type(layer) is StaticSlidingWindowLayer:
+            layer.__class__ = _replayed_sliding_layer()
 
 
 def check_window(cache, cache_len: int, model_name: str) -> None:
@@ -83,6 +94,19 @@ def check_window(cache, cache_len: int, model_name: str) -> None:
                          f"cache counts in Python); this call's cache holds {cache_len} (prompt and new tokens, "
                          f"rounded up to a multiple of 128): generate eagerly (`eager=True`, `plan apply --eager`), "
                          f"or keep the prompt and new tokens within {min(windows)}")
+
+
+@functools.cache
+def _replayed_sliding_layer() -> type:
+    """StaticSlidingWindowLayer whose sequence length is its count on the device (`replayable`): in step with its
+    Python count below its window, which `check_window` keeps a replayed cache within."""
+    from transformers.cache_utils import StaticSlidingWindowLayer
+
+    class _ReplayedSlidingLayer(StaticSlidingWindowLayer):
+        def get_seq_length(self):
+            return self.cumulative_length if self.is_initialized else 0
+    return _ReplayedSlidingLayer
+
 
 def _eager_mask(*args, dtype: torch.dtype = torch.float32, **kwargs) -> torch.Tensor | None:
     from transformers.masking_utils import sdpa_mask

@@ -70,8 +70,6 @@ except ImportError:  # the CPU build of torch
     triton = None
 
 if triton is not None:
-    from .gemv import e2m1_bits  # the bits of each MXFP4 value, as the fused GEMV builds them
-
     @triton.jit
     def _fp8_kernel(out, data, scale, valid, rows, cols, scale_rows, scale_cols, B0: tl.constexpr,
                     B1: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, SKIP: tl.constexpr):
@@ -91,6 +89,20 @@ if triton is not None:
 
 
     @triton.jit
+    def _e2m1_bits(code, s):
+        """The bf16 bits of E2M1 `code` (int32, 0-15) x 2^(s - 127), built from integers: the value is exact in
+        bf16 (a subnormal below 2^-126), so nothing rounds and nothing is flushed; +-inf past bf16's range, NaN
+        where s is 255 (E8M0's NaN)."""
+        e, m = (code >> 1) & 3, code & 1
+        frac = tl.where(e == 0, 0, m)  # 1.5 = 1.1b: the mantissa's top bit; 0.5 (e 0, m 1) is 2^-1 x 1.0
+        biased = s + tl.where(e == 0, -1, e - 1)  # the bf16 exponent field of 2^(s - 127 + its exponent)
+        normal = (biased << 7) | (frac << 6)
+        subnormal = (2 + frac) << tl.maximum(biased + 5, 0)  # 2^(biased - 127) (1 + frac / 2) in units of 2^-133
+        bits = tl.where(biased >= 255, 0x7F80, tl.where(biased <= 0, subnormal, normal))
+        bits = tl.where((e == 0) & (m == 0), 0, bits) | ((code & 8) << 12)
+        return tl.where(s == 255, 0x7FC0, bits)
+
+    @triton.jit
     def _mxfp4_flat_kernel(out, blocks, scales, n, rows, per_row, stride_m, stride_r, stride_c, BLOCK: tl.constexpr):
         """BLOCK stored bytes of [M, R, G, 16] (two codes each, low nibble first; `per_row` = 16 G bytes a row),
         each to its two values at columns c, c + 1 of row r of matrix m, through `out`'s strides (int16 bits).
@@ -101,8 +113,8 @@ if triton is not None:
         s = tl.load(scales + i // 16, mask=mask, other=127).to(tl.int32)
         row, c = i // per_row, (i % per_row) * 2
         at = (row // rows) * stride_m + (row % rows) * stride_r + c * stride_c
-        tl.store(out + at, e2m1_bits(b & 15, s).to(tl.int16), mask=mask)
-        tl.store(out + at + stride_c, e2m1_bits(b >> 4, s).to(tl.int16), mask=mask)
+        tl.store(out + at, _e2m1_bits(b & 15, s).to(tl.int16), mask=mask)
+        tl.store(out + at + stride_c, _e2m1_bits(b >> 4, s).to(tl.int16), mask=mask)
 
     @triton.jit
     def _mxfp4_tiled_kernel(out, blocks, scales, rows, per_row, stride_m, stride_r, stride_c, BR: tl.constexpr,
@@ -120,8 +132,8 @@ if triton is not None:
         b = tl.load(blocks + byte, mask=mask, other=0).to(tl.int32)
         s = tl.load(scales + byte // 16, mask=mask, other=127).to(tl.int32)
         at = m * stride_m + r[:, None].to(tl.int64) * stride_r + (2 * j[None, :]).to(tl.int64) * stride_c
-        tl.store(out + at, e2m1_bits(b & 15, s).to(tl.int16), mask=mask)
-        tl.store(out + at + stride_c, e2m1_bits(b >> 4, s).to(tl.int16), mask=mask)
+        tl.store(out + at, _e2m1_bits(b & 15, s).to(tl.int16), mask=mask)
+        tl.store(out + at + stride_c, _e2m1_bits(b >> 4, s).to(tl.int16), mask=mask)
 
 
 def _dequant_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, transposed: bool) -> torch.Tensor:

@@ -39,11 +39,13 @@ MXFP4 (`mxfp4_pairs`): a decode step of gpt-oss dequantized each touched
 expert to bf16 (dequant.py: 4 bytes written a stored byte, then read back by
 the GEMV), which set its pace. Here each program takes `MX_BN` output rows of
 one pair and reads `MX_BB` stored bytes of each a step: both codes of a byte
-are built as bf16 bits (`e2m1_bits`, dequant.py's kernels' values, exact),
-multiplied by the even and odd columns of x in f32, and summed; rounded once.
-As for FP8, within one bf16 unit of the dequantized weight's GEMV. bf16 models
-only (each value is exact in bf16, not in fp16), the stored layout ([E, N, G,
-16], out features first) whichever way the model holds the weight.
+as f32 values (`_e2m1_value`), times the even and odd columns of x, summed
+per group of 32 in f32, then times the group's scale (a power of two: exact),
+summed, and rounded once: the dequantized weight's exact products (dequant.py's
+values are exact in bf16) summed in another order, so as for FP8 within one
+bf16 unit of the dequantized weight's GEMV. bf16 models only (the values are
+not exact in fp16), the stored layout ([E, N, G, 16], out features first)
+whichever way the model holds the weight.
 """
 from __future__ import annotations
 
@@ -94,27 +96,22 @@ if triton is not None:
 
 
     @triton.jit
-    def e2m1_bits(code, s):
-        """The bf16 bits of E2M1 `code` (int32, 0-15) x 2^(s - 127), built from integers: the value is exact in
-        bf16 (a subnormal below 2^-126), so nothing rounds and nothing is flushed; +-inf past bf16's range, NaN
-        where s is 255 (E8M0's NaN). dequant.py's kernels write these bits; `_mxfp4_kernel` multiplies by them."""
-        e, m = (code >> 1) & 3, code & 1
-        frac = tl.where(e == 0, 0, m)  # 1.5 = 1.1b: the mantissa's top bit; 0.5 (e 0, m 1) is 2^-1 x 1.0
-        biased = s + tl.where(e == 0, -1, e - 1)  # the bf16 exponent field of 2^(s - 127 + its exponent)
-        normal = (biased << 7) | (frac << 6)
-        subnormal = (2 + frac) << tl.maximum(biased + 5, 0)  # 2^(biased - 127) (1 + frac / 2) in units of 2^-133
-        bits = tl.where(biased >= 255, 0x7F80, tl.where(biased <= 0, subnormal, normal))
-        bits = tl.where((e == 0) & (m == 0), 0, bits) | ((code & 8) << 12)
-        return tl.where(s == 255, 0x7FC0, bits)
-
+    def _e2m1_value(code):
+        """E2M1 `code` (int32, 0-15) as f32: 0, 0.5, 1, 1.5, 2, 3, 4 or 6, signed. Its exponent and mantissa bits
+        shifted into f32's (c << 22, rebiased by 126 << 23) give 1 to 6; 0 and 0.5 are picked out."""
+        m = code & 7
+        value = ((m << 22) + (126 << 23)).to(tl.float32, bitcast=True)
+        value = tl.where(m < 2, m.to(tl.float32) * 0.5, value)
+        return tl.where((code & 8) != 0, -value, value)
 
     @triton.jit
     def _mxfp4_kernel(x, blocks, scales, ids, out, N, per_row, w_stride, s_stride, BN: tl.constexpr, BB: tl.constexpr,
                       IDS: tl.constexpr):
         """Program (n, p): output columns [n BN, (n + 1) BN) of pair p, with expert `ids[p]` (IDS; else expert p)
         of `blocks` [E, N, G, 16] (two E2M1 codes a byte, low nibble first; `per_row` = 16 G) and `scales` [E, N, G].
-        Each step reads
-        BB bytes of each of the BN rows (2 BB values) and the even and odd columns of x they multiply."""
+        Each step reads BB bytes (BB / 16 groups) of each of the BN rows and the even and odd columns of x they
+        multiply; each group's 32 products are summed in f32, then scaled by its 2^(s - 127), exact in f32 (a power
+        of two), and summed."""
         p = tl.program_id(1)
         e = (tl.load(ids + p) if IDS else p).to(tl.int64)
         n = tl.program_id(0) * BN + tl.arange(0, BN)
@@ -126,14 +123,16 @@ if triton is not None:
         for j0 in range(0, per_row, BB):
             j = j0 + tl.arange(0, BB)
             jmask = j < per_row
-            mask = nmask[:, None] & jmask[None, :]
-            b = tl.load(wp + j[None, :], mask=mask, other=0).to(tl.int32)
-            s = tl.load(sp + j[None, :] // 16, mask=mask, other=127).to(tl.int32)
-            lo = (e2m1_bits(b & 15, s) << 16).to(tl.float32, bitcast=True)  # bf16 bits, as f32's top half
-            hi = (e2m1_bits(b >> 4, s) << 16).to(tl.float32, bitcast=True)
+            b = tl.load(wp + j[None, :], mask=nmask[:, None] & jmask[None, :], other=0).to(tl.int32)
             xe = tl.load(xp + 2 * j, mask=jmask, other=0.0).to(tl.float32)
             xo = tl.load(xp + 2 * j + 1, mask=jmask, other=0.0).to(tl.float32)
-            acc += tl.sum(lo * xe[None, :] + hi * xo[None, :], axis=1)
+            part = _e2m1_value(b & 15) * xe[None, :] + _e2m1_value(b >> 4) * xo[None, :]  # [BN, BB]
+            part = tl.sum(tl.reshape(part, (BN, BB // 16, 16)), axis=2)  # [BN, BB / 16]: a group's 32 products
+            g = j0 // 16 + tl.arange(0, BB // 16)
+            s = tl.load(sp + g[None, :], mask=nmask[:, None] & (g[None, :] < per_row // 16), other=127).to(tl.int32)
+            factor = (tl.maximum(s, 1) << 23).to(tl.float32, bitcast=True)  # 2^(s - 127); E8M0's 0 is 2^-127:
+            part = tl.where(s == 0, part * 0.5, part) * factor  # a subnormal, so halved apart; 255 is NaN
+            acc += tl.sum(tl.where(s == 255, float("nan"), part), axis=1)
         tl.store(out + p.to(tl.int64) * N + n, acc.to(out.dtype.element_ty), mask=nmask)
 
 

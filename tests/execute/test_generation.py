@@ -126,3 +126,30 @@ def test_a_replay_is_refused_a_cache_past_a_sliding_window():
         replayable(StaticCache(config=gpt_oss_config(), max_cache_len=128), 128, "GptOss")
     replayable(StaticCache(config=gpt_oss_config(sliding_window=128), max_cache_len=128), 128, "GptOss")
     replayable(StaticCache(config=gpt_oss_config(), max_cache_len=8), 8, "GptOss")  # within the window
+
+
+def test_a_replayable_cache_counts_its_sliding_layers_on_the_device_with_the_same_logits():
+    """tokens.py `replayable`: transformers' sliding-window static cache layer gives its masks' query offset from a
+    Python count, which a replayed step would keep at its capture's position; made replayable, its layers count on
+    the device (a tensor the step advances), in step with the Python count, and a prefill and decode steps of
+    gpt-oss (sliding and full layers, eager attention) give the plain cache's logits bitwise."""
+    from transformers import AutoModelForCausalLM, StaticCache
+    from transformers.cache_utils import StaticSlidingWindowLayer
+    from runtime.execute.tokens import replayable
+    from tiny_models import gpt_oss_config
+    config = gpt_oss_config(sliding_window=128)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    plain, counted = (StaticCache(config=config, max_cache_len=128) for _ in range(2))
+    replayable(counted, 128, "GptOss")
+    assert [type(layer) is StaticSlidingWindowLayer for layer in counted.layers] == [False] * 4
+    assert [isinstance(layer, StaticSlidingWindowLayer) for layer in counted.layers] == [True, False, True, False]
+    ids = torch.tensor([[5, 17, 99, 3, 41], [9, 250, 7, 7, 1]])
+    with torch.no_grad():
+        for start, step in ((0, ids), (5, ids[:, :1]), (6, ids[:, 1:2]), (7, ids[:, 2:3])):
+            pos = torch.arange(start, start + step.shape[1])
+            want = model(step, past_key_values=plain, cache_position=pos).logits
+            got = model(step, past_key_values=counted, cache_position=pos).logits
+            assert torch.equal(got, want), start
+            length = counted.get_seq_length(0)
+            assert isinstance(length, torch.Tensor) and int(length) == counted.layers[0].cumulative_length_int

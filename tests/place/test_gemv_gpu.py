@@ -74,7 +74,8 @@ def test_applies_only_where_the_kernel_fits():
 def test_mxfp4_pairs_equal_the_dequantized_product_in_place_and_gathered(n, groups):
     """Eight pairs of one token's kind (an expert twice), each times its own MXFP4 expert, read through the
     zero-copy view of pinned memory and from rows gathered in pair order, against dequant.py's values (bitwise
-    the torch arithmetic's) times x in float64; a one-hot x reads single weights back exactly."""
+    the torch arithmetic's) times x in float64; a one-hot x reads single weights back exactly, subnormal ones
+    (E8M0 scales 0 and 2) and large ones (250) too."""
     torch.manual_seed(n)
     experts = 12
     blocks = torch.randint(0, 256, (experts, n, groups, 16), dtype=torch.uint8, device="cuda")
@@ -90,10 +91,13 @@ def test_mxfp4_pairs_equal_the_dequantized_product_in_place_and_gathered(n, grou
         exact = torch.bmm(w.double(), x.double().unsqueeze(-1)).squeeze(-1)
         _close(gemv.mxfp4_pairs(x, pinned, scales, ids), exact)
         _close(gemv.mxfp4_pairs(x, blocks.index_select(0, ids), scales.index_select(0, ids), None), exact)
+        edge = scales.clone()
+        edge[:, :3] = torch.tensor([0, 2, 250], dtype=torch.uint8, device="cuda")[:, None]  # subnormal, and large
+        w = dequant_mxfp4(blocks, edge, torch.bfloat16, False).index_select(0, ids)
         one = torch.zeros(4, 32 * groups, device="cuda", dtype=torch.bfloat16)
         cols = torch.tensor([0, 1, 33, 32 * groups - 1], device="cuda")
         one[torch.arange(4), cols] = 1
-        got = gemv.mxfp4_pairs(one, blocks, scales, ids[:4])
+        got = gemv.mxfp4_pairs(one, blocks, edge, ids[:4])
         assert torch.equal(got, w[torch.arange(4), :, cols])  # each value exact (-0 reads back as +0: equal)
     finally:
         del pinned
