@@ -41,9 +41,9 @@ integers, exact). Elsewhere it is plain torch arithmetic. Both round the same
 f32 product once (MXFP4's is exact), so outputs equal a checkpoint dequantized
 on the host with the same formula and loaded in the model's dtype, bitwise. At decode on
 CUDA (a few rows of activations), FP8 Linears and one token's FP8 experts
-skip the dequantized copy: one kernel reads the FP8 bytes and multiplies
-(gemv.py), the same products summed in another order, so within one
-rounding of the dequantized model's outputs, not bitwise.
+(and MXFP4 ones, in bf16) skip the dequantized copy: one kernel reads the
+stored bytes and multiplies (gemv.py), the same products summed in another
+order, so within one rounding of the dequantized model's outputs, not bitwise.
 
 Limits: FP8 with per-tensor or per-channel scales (`weight_scale`, compressed-tensors),
 int4/AWQ/GPTQ and NVFP4 are refused by name. `apply()` on an already
