@@ -1,5 +1,5 @@
 """What `plan apply`'s decode step can run on a GPU, checked before it runs: --compile's grouped GEMMs take bf16
-only; a replayed step cannot roll a sliding-window cache; and a step that a CUDA graph capture refuses."""
+only; a replayed step cannot advance a sliding-window cache's count; and a step that a CUDA graph capture refuses."""
 from __future__ import annotations
 
 import contextlib
@@ -26,21 +26,19 @@ def capture_refused():
                            "eager attention builds its mask from a host scalar)") from None
 
 
-def check_replays(config, tokens: int) -> None:
-    """A replayed decode step repeats the branches its capture took. transformers' static sliding-window cache
-    (StaticSlidingWindowLayer: gpt-oss, Gemma 2 and 3, Llama 4's chunks) counts its tokens in a Python int and rolls
-    its buffer once that count reaches its window: a captured step never rolls it, so past the window it would
-    attend to stale keys, silently. Below the window it never rolls. So a generation whose cache (`tokens`, rounded
-    up as generation.py does) is longer than a sliding layer's window is refused, naming --eager."""
+def check_replays(config) -> None:
+    """A replayed decode step repeats what its capture computed on the host. transformers' static sliding-window
+    cache layer (StaticSlidingWindowLayer: Gemma 2 and 3, gpt-oss, Llama 4's chunks; transformers 5.17) keeps its
+    length in a Python int, which its masks take as the query's offset (`get_seq_length`) and by which it rolls its
+    window: a replay advances neither, so every replayed step would attend as at the capture's position (and past
+    the window to stale keys), silently. So a model with such a layer is refused a replay, naming --eager. The full
+    layers' StaticLayer keeps its length on the device, which a replay advances."""
     from transformers import StaticCache
-    cache_len = -(-tokens // CACHE_QUANTUM) * CACHE_QUANTUM
-    cache = StaticCache(config=config, max_cache_len=cache_len)  # its tensors are made at first use: none here
-    windows = [layer.max_cache_len for layer, sliding in zip(cache.layers, cache.is_sliding) if sliding]
-    if windows and min(windows) < cache_len:
-        raise OffplanError(f"the model's sliding-window attention keeps {min(windows)} tokens, and a decode step "
-                           f"replayed from a CUDA graph cannot roll that window (transformers' static cache counts "
-                           f"it in Python): {tokens} prompt and new tokens need a cache of {cache_len}; run with "
-                           f"--eager, or keep the prompt and --max-new-tokens within {min(windows)}")
+    cache = StaticCache(config=config, max_cache_len=CACHE_QUANTUM)  # its tensors are made at first use: none here
+    if any(cache.is_sliding):
+        raise OffplanError("the model has sliding-window attention layers, whose masks transformers' static cache "
+                           "builds from a count kept in Python: a decode step replayed from a CUDA graph would attend "
+                           "as at the position it was captured at; run with --eager")
 
 
 def check_compiles(model, handle, batch: int) -> None:

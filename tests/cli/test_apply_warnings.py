@@ -85,19 +85,18 @@ def test_the_load_line_tells_experts_on_cpu_from_uva(tmp_path, capsys):
                                                "checkpoint's on cpu, computed by the host), prefetch 0 B") in line
 
 
-def test_a_replay_past_a_sliding_window_or_a_refused_capture_is_one_error_naming_eager():
-    """offplan/step_checks.py, what `plan apply` checks before it replays decode steps on a GPU: transformers' static
-    sliding-window cache rolls by a Python count that a replay never updates (the window of 8 here), so a cache past
-    it is refused, and within it (or with no sliding layer) it runs; a capture torch refuses becomes one error."""
+def test_a_replay_of_a_sliding_window_model_or_a_refused_capture_is_one_error_naming_eager():
+    """offplan/step_checks.py, what `plan apply` checks before it replays decode steps on a GPU: a model with
+    sliding-window layers (transformers' static cache keeps their length in Python, which a replay never advances)
+    is refused, whatever its window, and one without replays; a capture torch refuses becomes one error."""
     from offplan.step_checks import capture_refused, check_replays
     from planner.errors import OffplanError
-    from tiny_models import gpt_oss_config
-    with pytest.raises(OffplanError, match=r"^the model's sliding-window attention keeps 8 tokens, .*: 20 prompt and "
-                                           r"new tokens need a cache of 128; run with --eager, or keep the prompt "
-                                           r"and --max-new-tokens within 8$"):
-        check_replays(gpt_oss_config(), 20)
-    check_replays(gpt_oss_config(sliding_window=128), 100)
-    check_replays(qwen3_moe_config(), 1000)
+    from tiny_models import gemma3_text_config, gpt_oss_config
+    for config in (gpt_oss_config(), gpt_oss_config(sliding_window=1024), gemma3_text_config()):
+        with pytest.raises(OffplanError, match=r"^the model has sliding-window attention layers, .* captured at; run "
+                                               r"with --eager$"):
+            check_replays(config)
+    check_replays(qwen3_moe_config())
     with pytest.raises(OffplanError, match=r"could not be captured in a CUDA graph \(.*during CUDA graph capture.*\)"
                                            r": run with --eager"):
         with capture_refused():
@@ -108,3 +107,25 @@ def test_a_replay_past_a_sliding_window_or_a_refused_capture_is_one_error_naming
     with pytest.raises(RuntimeError, match="out of memory"):  # anything else goes on as it was
         with capture_refused():
             raise RuntimeError("CUDA out of memory")
+
+
+def test_a_sliding_window_layers_python_count_sets_its_mask_so_a_replay_would_attend_wrongly():
+    """Why step_checks.py refuses those replays (transformers 5.17): a decode step of Gemma 3 whose sliding layers'
+    Python count stands at another position (as a replay's stays at its capture's), all its tensors right, gives
+    other logits. Once this holds no more, transformers counts on the device and the refusal can go."""
+    import torch
+    from transformers import AutoModelForCausalLM, StaticCache
+    from tiny_models import gemma3_text_config
+    config = gemma3_text_config()
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    logits = []
+    for count in (None, 6):  # the count as the step's position (3), or as a capture at position 6 left it
+        cache = StaticCache(config=config, max_cache_len=8)
+        with torch.no_grad():
+            model(torch.tensor([[5, 17, 99]]), past_key_values=cache, cache_position=torch.arange(3))
+            for layer in cache.layers:
+                if count is not None and hasattr(layer, "cumulative_length_int"):
+                    layer.cumulative_length_int = count
+            logits.append(model(torch.tensor([[41]]), past_key_values=cache, cache_position=torch.tensor([3])).logits)
+    assert not torch.equal(*logits)
