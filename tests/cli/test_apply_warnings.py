@@ -87,8 +87,9 @@ def test_the_load_line_tells_experts_on_cpu_from_uva(tmp_path, capsys):
 
 def test_a_replay_past_a_sliding_window_or_a_refused_capture_is_one_error_naming_eager():
     """offplan/step_checks.py, what `plan apply` checks before it replays decode steps on a GPU: transformers' static
-    sliding-window cache rolls by a Python count that a replay never updates (the window of 8 here), so a cache past
-    it is refused, and within it (or with no sliding layer) it runs; a capture torch refuses becomes one error."""
+    sliding-window cache rolls by a Python count that a replay never advances (the window of 8 here), so a cache
+    past it is refused, and within it (or with no sliding layer) it runs (runtime/execute/tokens.py counts those
+    layers' length on the device for their masks); a capture torch refuses becomes one error."""
     from offplan.step_checks import capture_refused, check_replays
     from planner.errors import OffplanError
     from tiny_models import gpt_oss_config
@@ -108,3 +109,26 @@ def test_a_replay_past_a_sliding_window_or_a_refused_capture_is_one_error_naming
     with pytest.raises(RuntimeError, match="out of memory"):  # anything else goes on as it was
         with capture_refused():
             raise RuntimeError("CUDA out of memory")
+
+
+def test_a_sliding_window_layers_python_count_sets_its_mask_so_a_replay_would_attend_wrongly():
+    """Why runtime/execute/tokens.py `replayable` counts sliding layers on the device (transformers 5.17): a decode
+    step of Gemma 3 whose sliding layers' Python count stands at another position (as a replay's stays at its
+    capture's), all its tensors right, gives other logits. Once this holds no more, transformers counts on the
+    device itself and the swap can go."""
+    import torch
+    from transformers import AutoModelForCausalLM, StaticCache
+    from tiny_models import gemma3_text_config
+    config = gemma3_text_config()
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    logits = []
+    for count in (None, 6):  # the count as the step's position (3), or as a capture at position 6 left it
+        cache = StaticCache(config=config, max_cache_len=8)
+        with torch.no_grad():
+            model(torch.tensor([[5, 17, 99]]), past_key_values=cache, cache_position=torch.arange(3))
+            for layer in cache.layers:
+                if count is not None and hasattr(layer, "cumulative_length_int"):
+                    layer.cumulative_length_int = count
+            logits.append(model(torch.tensor([[41]]), past_key_values=cache, cache_position=torch.tensor([3])).logits)
+    assert not torch.equal(*logits)
