@@ -22,8 +22,9 @@ routing over E experts:
    and 3 a chunk of the U slots at a time); the same kernels on the same values, so bitwise their outputs on
    the whole parameter. These are the fastest all-GPU paths at batch 1 and from batch 8 on (H100,
    benchmarks/RESULTS.md). The exception, a quantized parameter at one token (FP8, or MXFP4 in bf16): gemv.py
-   multiplies each pair by its expert's stored rows where they lie, dequantizing in registers (batched_mm's
-   outputs on the dequantized experts within one rounding: another summing order).
+   multiplies each pair by its expert's stored rows (read in place when the parameter is all in HBM, else as
+   step 2 gathered them), dequantizing in registers (batched_mm's outputs on the dequantized experts within one
+   rounding: another summing order).
 
 The lookahead (step 2) runs in a step captured in a CUDA graph or traced by torch.compile, and on the CPU (so CI
 exercises it). An eager step on CUDA skips it: there the CPU's launches set the pace, and its launches cost more

@@ -32,9 +32,10 @@ queuing replays holds. So the loop keeps at most two steps in flight, asleep on
 a blocking event until the older one is done (a spinning wait takes a core).
 
 Greedy tokens are those of transformers' `generate` on the same model and prompts with a static cache of the same
-length, eager on the CPU (tests/execute/test_generation.py) and replayed on CUDA (test_generation_gpu.py; gpt-oss,
-its mask and sliding cache checked by tokens.py: its own eager steps'). With a cache of another length,
-attention rounds otherwise, and an MoE router's top-k can then pick another expert some tokens later.
+length, eager on the CPU (tests/execute/test_generation.py) and replayed on CUDA (test_generation_gpu.py); gpt-oss's
+replayed tokens, its mask and sliding cache made replayable by tokens.py, its own eager steps' (test_quantized_gpu.py).
+With a cache of another length, attention rounds otherwise, and an MoE router's top-k can then pick another expert
+some tokens later.
 
 Limits: one prompt length per batch is fastest (no mask, the kernels the
 benchmarks time); decoder-only text models; the cache's dtype is the model's."""
@@ -48,9 +49,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .tokens import batch_prompts, hit_stop, replayable, sampler, until_stop
+from .tokens import CACHE_QUANTUM, batch_prompts, hit_stop, replayable, sampler, until_stop
 
-CACHE_QUANTUM = 128  # cache lengths are rounded up to a multiple of this, so nearby calls share a captured step
 WARMUP = 3  # eager steps before a capture (allocator, lazy kernels, compilation)
 
 

@@ -9,6 +9,8 @@ from collections.abc import Sequence
 
 import torch
 
+CACHE_QUANTUM = 128  # cache lengths are rounded up to a multiple of this, so nearby calls share a captured step
+
 
 def batch_prompts(prompts, pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor | None]:
     """([B, T] ids, left-padded to the longest prompt; [B, T] mask of the real tokens, None without pads)."""
@@ -76,24 +78,35 @@ def replayable(cache, cache_len: int, model_name: str) -> None:
     the replay advances: transformers 5.17). Each sliding layer is made a `_ReplayedSlidingLayer` (its class swapped,
     as dequant.py swaps modules'), which returns that count on the device too: below the window the two counts are
     equal, so eager forwards give the same masks, and replayed ones the replay's own."""
-    from transformers.masking_utils import AttentionMaskInterface
-    AttentionMaskInterface.register("eager", _eager_mask)
-    check_window(cache, cache_len, model_name)
     from transformers.cache_utils import StaticSlidingWindowLayer
+    from transformers.masking_utils import AttentionMaskInterface
+    check_window(cache, cache_len, model_name)
+    AttentionMaskInterface.register("eager", _eager_mask)
     for layer in cache.layers:
         if type(layer) is StaticSlidingWindowLayer:
             layer.__class__ = _replayed_sliding_layer()
 
 
 def check_window(cache, cache_len: int, model_name: str) -> None:
-    """`replayable`'s check of the cache alone (ValueError), which `plan apply` also runs before loading."""
-    windows = [layer.max_cache_len for layer, sliding in zip(cache.layers, cache.is_sliding) if sliding]
-    if windows and min(windows) < cache_len:
-        raise ValueError(f"{model_name}: its sliding-window attention keeps {min(windows)} tokens, and a decode step "
+    """`replayable`'s check of the cache alone (ValueError), which `plan apply` also runs before its prefill: no
+    sliding layer of another kind than StaticSlidingWindowLayer (a subclass, such as transformers' layers for hybrid
+    linear and sliding attention, may keep other counts in Python: not made replayable here), and none whose window
+    is shorter than the cache."""
+    from transformers.cache_utils import StaticSlidingWindowLayer
+    sliding = [layer for layer, is_sliding in zip(cache.layers, cache.is_sliding) if is_sliding]
+    eager = "generate eagerly (`eager=True`, `plan apply --eager`)"
+    known = (StaticSlidingWindowLayer, _replayed_sliding_layer())
+    if odd := sorted({type(layer).__name__ for layer in sliding if type(layer) not in known}):
+        raise ValueError(f"{model_name}: its sliding-window attention caches in transformers' {', '.join(odd)}, whose "
+                         f"state a decode step replayed from a CUDA graph could leave as at its capture: {eager}")
+    window = min((layer.max_cache_len for layer in sliding), default=cache_len)
+    if window < cache_len:
+        fits = window // CACHE_QUANTUM * CACHE_QUANTUM
+        raise ValueError(f"{model_name}: its sliding-window attention keeps {window} tokens, and a decode step "
                          f"replayed from a CUDA graph cannot roll that window (transformers' static sliding-window "
                          f"cache counts in Python); this call's cache holds {cache_len} (prompt and new tokens, "
-                         f"rounded up to a multiple of 128): generate eagerly (`eager=True`, `plan apply --eager`), "
-                         f"or keep the prompt and new tokens within {min(windows)}")
+                         f"rounded up to a multiple of {CACHE_QUANTUM}): {eager}"
+                         + (f", or keep the prompt and new tokens within {fits}" if fits else ""))
 
 
 @functools.cache

@@ -45,7 +45,9 @@ summed, and rounded once: the dequantized weight's exact products (dequant.py's
 values are exact in bf16) summed in another order, so as for FP8 within one
 bf16 unit of the dequantized weight's GEMV. bf16 models only (the values are
 not exact in fp16), the stored layout ([E, N, G, 16], out features first)
-whichever way the model holds the weight. Measured on an H200
+whichever way the model holds the weight. A value past bf16's range (a scale
+near 2^127, which no checkpoint uses) is inf in the dequantized weight, while
+its group's sum here may stay finite. Measured on an H200
 (docs/memory-peak/mxfp4_gemv_probe.py, gpt-oss-120b's 4 touched experts in
 HBM): gate_up_proj 50 us against 249 dequantized then multiplied, down_proj 30
 against 135 (700 and 590 GB/s of stored bytes); of nine tiles, this one (16

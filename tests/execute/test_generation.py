@@ -114,18 +114,28 @@ def test_the_capturable_eager_mask_is_transformers_eager_mask_bitwise(sliding):
         assert torch.equal(got.view(torch.int16), want.view(torch.int16))
 
 
-def test_a_replay_is_refused_a_cache_past_a_sliding_window():
+def test_a_replay_is_refused_a_cache_past_a_sliding_window_or_a_sliding_layer_of_another_kind():
     """tokens.py `replayable`: transformers' sliding-window static cache rolls by a Python count, which a replayed
-    step never updates, so a cache longer than the window is refused before a capture, naming what to do."""
+    step never updates, so a cache longer than the window is refused before a capture, naming what to do (a
+    length that fits, where a multiple of the cache quantum does); so is a sliding layer of a kind it does not make
+    replayable (a subclass may keep other counts in Python)."""
     from transformers import StaticCache
+    from transformers.cache_utils import StaticSlidingWindowLayer
     from runtime.execute.tokens import replayable
     from tiny_models import gpt_oss_config
     with pytest.raises(ValueError, match=r"GptOss: its sliding-window attention keeps 8 tokens, .* holds 128 .*"
-                                         r"\(`eager=True`, `plan apply --eager`\), or keep the prompt and new tokens "
-                                         r"within 8$"):
+                                         r"generate eagerly \(`eager=True`, `plan apply --eager`\)$"):
         replayable(StaticCache(config=gpt_oss_config(), max_cache_len=128), 128, "GptOss")
+    with pytest.raises(ValueError, match=r"keeps 200 tokens, .* holds 256 .*, or keep the prompt and new tokens "
+                                         r"within 128$"):
+        replayable(StaticCache(config=gpt_oss_config(sliding_window=200), max_cache_len=256), 256, "GptOss")
     replayable(StaticCache(config=gpt_oss_config(sliding_window=128), max_cache_len=128), 128, "GptOss")
     replayable(StaticCache(config=gpt_oss_config(), max_cache_len=8), 8, "GptOss")  # within the window
+    cache = StaticCache(config=gpt_oss_config(sliding_window=128), max_cache_len=128)
+    cache.layers[2].__class__ = type("HybridSlidingLayer", (StaticSlidingWindowLayer,), {})
+    with pytest.raises(ValueError, match=r"GptOss: its sliding-window attention caches in transformers' "
+                                         r"HybridSlidingLayer, .* generate eagerly"):
+        replayable(cache, 128, "GptOss")
 
 
 def test_a_replayable_cache_counts_its_sliding_layers_on_the_device_with_the_same_logits():
