@@ -31,7 +31,7 @@ twice their bytes more over HBM, taking twice that time where it gathers them fr
 recorded runs (front-door a-d: all-GPU Qwen3-30B-A3B decode at batch 1 measured 0.76x its prediction without it on
 H200s, 0.84x on H100s; 0.90x and 1.02x with it); over UVA the writes hide behind the link's reads. FP8 experts at
 more than one token are staged dequantized wherever they lie (fp8_gather.py): bf16, written and read back, 4x their
-bytes (at one token the rule above; MXFP4's dequantization is not counted).
+bytes (at one token the rule above; MXFP4's is not counted: at one token gemv.py multiplies its stored bytes).
 
 Prefill (the time to first token) of `workload.prompt_tokens` = T tokens, one sequence, over the layers that run
 in every step. Reads in place through UVA sit inside the kernels that need them (a layer's touched experts are known

@@ -11,8 +11,9 @@ from the headers, per phase, for the largest such module:
 
     decode  = U x (one expert's stored bytes + its dequantized bytes)
               U = k at batch 1 (one token's pairs); min(E, batch x k) above;
-              FP8 at batch 1 is multiplied where it lies: no dequantized copy,
-              and nothing staged where every expert is in HBM
+              FP8 and MXFP4 at batch 1 are multiplied from their stored bytes
+              (runtime/place/gemv.py): no dequantized copy, and nothing staged
+              where every expert is in HBM
     prefill = U x (the same), U = min(E, batch x prompt tokens x k): the
               batch's prompts in one forward, as the runtime's generation
               prefills them; or E in a staged layer (every expert in
@@ -132,7 +133,8 @@ class GroupFacts:
         return self._known[key]
 
     def bytes(self, group: str) -> tuple[int, int, bool, int]:
-        """(stored bytes, dequantized bytes, whether FP8, bytes read over the link but scales and biases)."""
+        """(stored bytes, dequantized bytes, whether quantized (FP8 or MXFP4: multiplied from its stored bytes at
+        one token), bytes read over the link but scales and biases)."""
         return self._get(group, _bytes)
 
     def down(self, group: str) -> tuple[int, int]:
@@ -142,7 +144,9 @@ class GroupFacts:
 
 def _bytes(infos: list[TensorInfo]) -> tuple[int, int, bool, int]:
     dtypes = set(map(_DTYPE, infos))
-    return (sum(map(_NBYTES, infos)), _dequantized(infos, dtypes), not dtypes.isdisjoint(_DEQUANTIZED),
+    quantized = not dtypes.isdisjoint(_DEQUANTIZED) or any(t.dtype == "U8" and t.name.endswith("_blocks")
+                                                           for t in infos)
+    return (sum(map(_NBYTES, infos)), _dequantized(infos, dtypes), quantized,
             sum(t.nbytes for t in infos if not _scale(t.name) and "bias" not in t.name))
 
 
@@ -173,13 +177,13 @@ def working(members: Mapping[str, tuple[str, ...]], experts: Mapping[str, int], 
         if Placement.CPU in where:  # one engine for every module: its outputs sized by the widest
             hidden, size = facts.down(group)
             host = max(host, host_tokens * k * hidden * size)
-        stored, dequantized, fp8, weights = facts.bytes(group)
+        stored, dequantized, quantized, weights = facts.bytes(group)
         dequantized //= count
         if where == {Placement.GPU} and not dequantized:
             continue  # likewise: nothing staged
         stored //= count
         slots = k if batch == 1 else min(count, batch * k)
-        if batch == 1 and fp8:  # multiplied where it lies: gathered from pinned memory, in place if all in HBM
+        if batch == 1 and quantized:  # multiplied as stored: gathered from pinned memory, in place if all in HBM
             decode = max(decode, 0 if where == {Placement.GPU} else slots * stored)
         else:
             decode = max(decode, slots * (stored + dequantized))

@@ -60,6 +60,19 @@ def test_fp8_experts_add_their_dequantized_copy_except_at_batch_1():
     assert _working(t, GPU).decode_bytes == 0  # batch 1, every expert in HBM: multiplied in place
 
 
+def test_mxfp4_experts_add_their_dequantized_copy_except_at_batch_1():
+    """gpt-oss's fused MXFP4 experts: [E, out, in/32, 16] blocks (4 bf16 bytes a stored byte dequantized) and
+    [E, out, in/32] scales; at batch 1 gemv.py multiplies them from the stored bytes, as FP8's."""
+    group = "model.layers.0.mlp.experts"
+    t = {f"{group}.{p}_{kind}": TensorInfo(f"{group}.{p}_{kind}", "U8", shape, nbytes, "s", 0)
+         for p, rows in (("gate_up_proj", 64), ("down_proj", 32))
+         for kind, shape, nbytes in (("blocks", (4, rows, 1, 16), 4 * rows * 16), ("scales", (4, rows, 1), 4 * rows))}
+    stored, dequantized = (64 + 32) * 17, (64 + 32) * 16 * 4  # one expert's
+    assert _working(t, UVA) == Working(2 * stored, 4 * (stored + dequantized), 0)  # batch 1: multiplied as stored
+    assert _working(t, UVA, batch=2) == Working(4 * (stored + dequantized), 4 * (stored + dequantized), 0)
+    assert _working(t, GPU).decode_bytes == 0
+
+
 def test_the_lookahead_is_the_runtimes():
     pytest.importorskip("torch")
     from runtime.execute import lookahead
