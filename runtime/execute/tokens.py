@@ -77,7 +77,8 @@ def replayable(cache, cache_len: int, model_name: str) -> None:
     mask would keep at the capture's position (the full layers' StaticLayer returns its count on the device, which
     the replay advances: transformers 5.17). Each sliding layer is made a `_ReplayedSlidingLayer` (its class swapped,
     as dequant.py swaps modules'), which returns that count on the device too: below the window the two counts are
-    equal, so eager forwards give the same masks, and replayed ones the replay's own."""
+    equal, so eager forwards give the same masks, and replayed ones the replay's own. A sliding layer of another
+    class (a subclass: it may keep more in Python) is refused."""
     from transformers.cache_utils import StaticSlidingWindowLayer
     from transformers.masking_utils import AttentionMaskInterface
     check_window(cache, cache_len, model_name)
