@@ -112,6 +112,42 @@ def test_experts_split_between_gpu_and_host(tmp_path, checkpoints, expected):
     handle.remove()
 
 
+@pytest.mark.parametrize("policy, gathered", [("gpu", False), ("uva", True)])
+def test_one_tokens_mxfp4_experts_reach_the_fused_product_in_place_or_gathered(tmp_path, checkpoints, monkeypatch,
+                                                                                policy, gathered):
+    """experts.py hands one token's MXFP4 experts to gemv.py's `mxfp4_pairs` (a Triton kernel on CUDA; here made to
+    apply on the CPU, its product computed in float64 from dequant.py's values): the whole stored parameter and each
+    pair's expert where the model holds it all, the rows gathered in pair order (no ids) where it is pinned; two
+    sequences dequantize instead. The logits are the dequantized reference's within bf16 rounding."""
+    from runtime.place import gemv
+    from runtime.place.dequant import dequant_mxfp4
+    calls = []
+
+    def pairs(x, blocks, scales, ids):
+        calls.append((tuple(blocks.shape), ids is None))
+        if ids is not None:
+            blocks, scales = blocks.index_select(0, ids), scales.index_select(0, ids)
+        w = dequant_mxfp4(blocks, scales, torch.bfloat16, False).double()  # [P, out, in]
+        return torch.bmm(w, x.double().unsqueeze(-1)).squeeze(-1).to(x.dtype)
+    monkeypatch.setattr(gemv, "mxfp4_applies", lambda x, blocks, dtype: dtype == x.dtype == torch.bfloat16)
+    monkeypatch.setattr(gemv, "mxfp4_pairs", pairs)
+    quantized, ref = checkpoints["mxfp4-gpt-oss"]
+    model, handle = from_pretrained(make_plan(tmp_path, quantized, POLICIES[policy]), progress=False)
+    ref_model = reference(ref)
+    try:
+        with torch.no_grad():
+            for ids in (torch.tensor([[5]]), torch.tensor([[5, 9]])):
+                got, want = model(ids).logits, ref_model(ids).logits
+                assert (got - want).abs().max() <= 2**-6 * want.abs().max()
+                assert torch.equal(got.argmax(-1), want.argmax(-1))
+    finally:
+        handle.remove()
+    k, layers = ref_model.config.num_experts_per_tok, ref_model.config.num_hidden_layers
+    rows = k if gathered else 4  # the pair's experts gathered, or all 4 held
+    expect = [(rows, 64, 2, 16), (rows, 64, 1, 16)]  # gate_up_proj [E, 2I, H/32, 16], down_proj [E, H, I/32, 16]
+    assert calls == [(shape, gathered) for _ in range(layers) for shape in expect], calls  # one token's only
+
+
 def test_a_rule_cannot_part_a_weight_from_its_scales(tmp_path, checkpoints):
     quantized, _ = checkpoints["fp8-llama"]
     with pytest.raises(PolicyError, match="apart from their scales") as e:
