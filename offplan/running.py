@@ -84,7 +84,10 @@ def apply_command(args) -> int:
     req = Request(args.plan, tuple(texts), args.batch or len(texts), args.max_new_tokens, args.eager, args.device,
                   args.json, None if sys.stderr.isatty() else False, args.compile)
     plan = load_plan(args.plan)
-    checkpoint_of(plan, Path(args.plan))  # missing: said here, naming the plan's key, before anything loads
+    where = checkpoint_of(plan, Path(args.plan))  # missing: said here, naming the plan's key, before anything loads
+    if not args.eager and args.device != "cpu" and torch.cuda.is_available():  # the decode steps will be replayed
+        from transformers import AutoConfig
+        check_replays(AutoConfig.from_pretrained(where))  # before minutes of loading
     stale = stale_but_loadable(plan, Path(args.plan))
     if stale:
         print(f"warning: {args.plan} is stale ({'; '.join(stale)}); applied as it is: rebuild it for what its "
@@ -232,8 +235,6 @@ def _generate(model, handle, texts: list[str], batch: int, max_new_tokens: int, 
     if compile:
         check_compiles(model, handle, batch)
     generator = handle.generator(eager=eager, compile=compile)
-    if generator.replay:
-        check_replays(model.config)
     with capture_refused():
         generator.prepare(prompts, max_new_tokens, pad_id=pad)  # capture the decode step, warm up the prefill
     got = generator(prompts, max_new_tokens, pad_id=pad, stop=stop)

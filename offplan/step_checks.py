@@ -15,19 +15,18 @@ from runtime.place.dequant import quantized
 @contextlib.contextmanager
 def capture_refused():
     """A capture's refusal (torch's RuntimeError naming the capture, or CUDA's "stream is capturing") as one error
-    naming --eager. gpt-oss is such a model: transformers' eager attention mask takes its 0 from a host scalar, a
-    copy a capture refuses."""
+    naming --eager."""
     try:
         yield
     except RuntimeError as e:
         if "captur" not in str(e):
             raise
-        raise OffplanError(f"the decode step could not be captured in a CUDA graph ({e}): run with --eager (gpt-oss's "
-                           "eager attention builds its mask from a host scalar)") from None
+        raise OffplanError(f"the decode step could not be captured in a CUDA graph ({e}): run with --eager") from None
 
 
 def check_replays(config) -> None:
-    """A replayed decode step repeats what its capture computed on the host. transformers' static sliding-window
+    """`plan apply` runs this before loading, where its decode steps would be replayed: a replayed decode step
+    repeats what its capture computed on the host. transformers' static sliding-window
     cache layer (StaticSlidingWindowLayer: Gemma 2 and 3, gpt-oss, Llama 4's chunks; transformers 5.17) keeps its
     length in a Python int, which its masks take as the query's offset (`get_seq_length`) and by which it rolls its
     window: a replay advances neither, so every replayed step would attend as at the capture's position (and past

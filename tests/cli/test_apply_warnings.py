@@ -109,6 +109,28 @@ def test_a_replay_of_a_sliding_window_model_or_a_refused_capture_is_one_error_na
             raise RuntimeError("CUDA out of memory")
 
 
+def test_plan_apply_refuses_a_replay_of_a_sliding_window_model_before_loading(tmp_path, capsys, monkeypatch):
+    """Where the decode steps would be replayed (a CUDA device, no --eager), a Gemma 3 plan is refused before its
+    weights load, with one error naming --eager and exit 1; with --eager it loads and runs (here on the CPU)."""
+    import torch
+
+    import offplan.running
+    from tiny_models import gemma3_text_config
+    plan = make_plan(tmp_path, save_model(gemma3_text_config(), tmp_path / "gemma"), "")
+    capsys.readouterr()  # the checkpoint writer's progress
+    loads = offplan.running.from_pretrained
+    with monkeypatch.context() as m:
+        m.setattr(torch.cuda, "is_available", lambda: True)
+        m.setattr(offplan.running, "from_pretrained", lambda *a, **k: pytest.fail("loaded before refusing"))
+        assert main(["apply", str(plan), "--max-new-tokens", "2"]) == 1
+    assert capsys.readouterr().err.strip() == (
+        "error: the model has sliding-window attention layers, whose masks transformers' static cache builds from a "
+        "count kept in Python: a decode step replayed from a CUDA graph would attend as at the position it was "
+        "captured at; run with --eager")
+    assert offplan.running.from_pretrained is loads
+    assert main(["apply", str(plan), "--max-new-tokens", "2", "--eager"]) == 0
+
+
 def test_a_sliding_window_layers_python_count_sets_its_mask_so_a_replay_would_attend_wrongly():
     """Why step_checks.py refuses those replays (transformers 5.17): a decode step of Gemma 3 whose sliding layers'
     Python count stands at another position (as a replay's stays at its capture's), all its tensors right, gives
