@@ -84,7 +84,11 @@ def apply_command(args) -> int:
     req = Request(args.plan, tuple(texts), args.batch or len(texts), args.max_new_tokens, args.eager, args.device,
                   args.json, None if sys.stderr.isatty() else False, args.compile)
     plan = load_plan(args.plan)
-    checkpoint_of(plan, Path(args.plan))  # missing: said here, naming the plan's key, before anything loads
+    where = checkpoint_of(plan, Path(args.plan))  # missing: said here, naming the plan's key, before anything loads
+    if not args.eager and args.device != "cpu" and torch.cuda.is_available():  # the decode steps will be replayed
+        from transformers import AutoConfig
+        config = AutoConfig.from_pretrained(where)  # before minutes of loading: what no cache length could replay
+        check_replays(config, 1, (getattr(config, "architectures", None) or [config.model_type])[0])
     stale = stale_but_loadable(plan, Path(args.plan))
     if stale:
         print(f"warning: {args.plan} is stale ({'; '.join(stale)}); applied as it is: rebuild it for what its "

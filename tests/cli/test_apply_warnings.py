@@ -110,6 +110,30 @@ def test_a_replay_past_a_sliding_window_or_a_refused_capture_is_one_error_naming
             raise RuntimeError("CUDA out of memory")
 
 
+def test_plan_apply_refuses_a_replay_of_a_sliding_window_model_before_loading(tmp_path, capsys, monkeypatch):
+    """Where the decode steps would be replayed (a CUDA device, no --eager), a Gemma 3 plan whose window (8) no cache
+    fits is refused before its weights load, with one error naming --eager and exit 1; with --eager it loads and runs
+    (here on the CPU)."""
+    import torch
+
+    import offplan.running
+    from tiny_models import gemma3_text_config
+    plan = make_plan(tmp_path, save_model(gemma3_text_config(), tmp_path / "gemma"), "")
+    capsys.readouterr()  # the checkpoint writer's progress
+    loads = offplan.running.from_pretrained
+    with monkeypatch.context() as m:
+        m.setattr(torch.cuda, "is_available", lambda: True)
+        m.setattr(offplan.running, "from_pretrained", lambda *a, **k: pytest.fail("loaded before refusing"))
+        assert main(["apply", str(plan), "--max-new-tokens", "2"]) == 1
+    assert capsys.readouterr().err.strip() == (
+        "error: Gemma3ForCausalLM: its sliding-window attention keeps 8 tokens, and a decode step replayed from a CUDA "
+        "graph cannot roll that window (transformers' static sliding-window cache counts in Python); this call's cache "
+        "holds 128 (prompt and new tokens, rounded up to a multiple of 128): generate eagerly (`eager=True`, `plan "
+        "apply --eager`)")
+    assert offplan.running.from_pretrained is loads
+    assert main(["apply", str(plan), "--max-new-tokens", "2", "--eager"]) == 0
+
+
 def test_a_sliding_window_layers_python_count_sets_its_mask_so_a_replay_would_attend_wrongly():
     """Why runtime/execute/tokens.py `replayable` counts sliding layers on the device (transformers 5.17): a decode
     step of Gemma 3 whose sliding layers' Python count stands at another position (as a replay's stays at its
