@@ -88,6 +88,8 @@ def render(models: dict, with_plot: bool) -> str:
              "--no-pair-eager --label h200-cli   # an H200, plan apply after this session's CLI changes (running.py)",
              "python benchmarks/front_door.py --layers 8 --strategies experts-uva experts-split --batches 1 "
              "--label h200-eager2   # an H200, an eager step calling the host engine directly (experts.py)",
+             "python benchmarks/front_door.py --layers 8 --strategies gpu gpu-fp8 experts-uva --batches 1 8 "
+             "--apply-calls 1 --label h200-h   # an H200, main at cea293b (after branch gpu-mxfp4-gemv landed)",
              "python benchmarks/moe.py --batches 1 4 8 --modes graph --baselines --transformers-baselines "
              "--host-implementations offplan --cpu-split --new-tokens 24   # all 48 layers; then: mv "
              "results/moe-qwen3-30b-a3b.jsonl results/moe-cpu-qwen3-30b-a3b-48layers-split.jsonl; with "

@@ -32,7 +32,7 @@ def test_every_recorded_graph_row_is_predicted_within_20_percent(capsys):
     out = capsys.readouterr()
     assert code == 0, out.err
     rows = [line for line in out.out.splitlines() if line.startswith("| gpu | 1 | graph |")]
-    assert len(rows) == 5  # the all-GPU plan at batch 1 in runs a-d and f1, each compared
+    assert len(rows) == 6  # the all-GPU plan at batch 1 in runs a-d, f1 and h200-h, each compared
     assert all(abs(float(row.split("|")[-2]) - 1) <= 0.2 for row in rows)
     # Llama-3.1-8B's all-GPU prefill of a short prompt is its layers' launches (cost.py)
     llama = out.out.split("prefill-llama-8b.jsonl")[1].split("\n\n")[1].splitlines()
