@@ -237,7 +237,8 @@ def _generate(model, handle, texts: list[str], batch: int, max_new_tokens: int, 
         check_compiles(model, handle, batch)
     generator = handle.generator(eager=eager, compile=compile)
     if generator.replay:
-        check_replays(model.config, max(map(len, prompts)) + max_new_tokens, type(model).__name__)
+        check_replays(model.config, max(map(len, prompts)) + max_new_tokens, type(model).__name__,
+                      len(set(map(len, prompts))) > 1)
     with capture_refused():
         generator.prepare(prompts, max_new_tokens, pad_id=pad)  # capture the decode step, warm up the prefill
     got = generator(prompts, max_new_tokens, pad_id=pad, stop=stop)

@@ -1,5 +1,6 @@
 """What `plan apply`'s decode step can run on a GPU, checked before it runs: --compile's grouped GEMMs take bf16
-only; a replayed step cannot roll a sliding-window cache; and a step that a CUDA graph capture refuses."""
+only; a replayed step's sliding-window cache (prompts of several lengths past a window); and a step that a CUDA graph
+capture refuses."""
 from __future__ import annotations
 
 import contextlib
@@ -26,15 +27,15 @@ def capture_refused():
         raise OffplanError(f"the decode step could not be captured in a CUDA graph ({e}): run with --eager") from None
 
 
-def check_replays(config, tokens: int, model_name: str) -> None:
-    """Before the prefill, the runtime's own refusal of a replay past a sliding window (runtime/execute/tokens.py
-    `check_window`, which the generator runs again at capture): transformers' static sliding-window cache counts its
-    tokens in a Python int that a replayed step never updates, so past the window it would attend to stale keys."""
+def check_replays(config, tokens: int, model_name: str, masked: bool = False) -> None:
+    """The runtime's own refusals of a replayed decode step (runtime/execute/tokens.py `check_window`, which the
+    generator runs again at capture), from the config alone: a sliding-window cache layer the runtime does not make
+    replayable, and, for prompts of several lengths (`masked`), a cache of `tokens` longer than a sliding window."""
     from transformers import StaticCache
     cache_len = -(-tokens // CACHE_QUANTUM) * CACHE_QUANTUM  # as generation.py rounds it
     cache = StaticCache(config=config, max_cache_len=cache_len)  # its tensors are made at first use: none here
     try:
-        check_window(cache, cache_len, model_name)
+        check_window(cache, cache_len, model_name, masked)
     except ValueError as e:
         raise OffplanError(str(e)) from None
 

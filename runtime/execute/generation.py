@@ -268,7 +268,7 @@ class Generator:
         from transformers import StaticCache
         cache = StaticCache(config=self.model.config, max_cache_len=cache_len)
         if self.replay:
-            replayable(cache, cache_len, type(self.model).__name__)  # tokens.py: mask and cache
+            replayable(cache, cache_len, type(self.model).__name__, masked)  # tokens.py: mask and cache
         step = _Step(cache, torch.zeros(batch, 1, dtype=torch.long, device=self.device),
                      torch.zeros(1, dtype=torch.long, device=self.device),
                      torch.ones(batch, cache_len, dtype=torch.long, device=self.device) if masked else None)

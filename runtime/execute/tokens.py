@@ -1,6 +1,6 @@
 """Prompts in, tokens out, for generation.py: a batch of prompts left-padded to one length (with the mask of its
-real tokens), the attention mask transformers builds from it made capturable, a static cache that a replay
-would corrupt refused (and its sliding layers' length counted on the device), the next token picked from logits
+real tokens), the attention mask transformers builds from it made capturable, a static cache's sliding layers
+made to count on the device (or refused where a replay could not), the next token picked from logits
 (argmax, or a seeded sample), and stop tokens."""
 from __future__ import annotations
 
@@ -58,8 +58,9 @@ def until_stop(tokens: list[int], stop: Sequence[int]) -> list[int]:
     return tokens
 
 
-def replayable(cache, cache_len: int, model_name: str) -> None:
-    """What a decode step captured in a CUDA graph needs of transformers, before its capture.
+def replayable(cache, cache_len: int, model_name: str, masked: bool = False) -> None:
+    """What a decode step captured in a CUDA graph needs of transformers, before its capture. `masked`: the batch's
+    prompts are padded (a 2D mask of their tokens goes with each step).
 
     The attention mask of a model with eager attention (gpt-oss: its attention sinks need it): transformers'
     `eager_mask` (masking_utils) casts sdpa's boolean mask to 0 and the dtype's minimum, taking its 0 from a host
@@ -68,31 +69,29 @@ def replayable(cache, cache_len: int, model_name: str) -> None:
     functions), builds the same mask, bit for bit, its 0 filled on the device. The registry is process-wide: every
     model with eager attention gets it, the same values either way.
 
-    The cache: a replay repeats the branches its capture took. transformers' sliding-window static cache layer
-    (StaticSlidingWindowLayer: Gemma 2 and 3, gpt-oss, Llama 4's chunks) counts its tokens in a Python int and rolls
-    its buffer once that count reaches its window, so a captured step never rolls it: replayed past the window, its
-    attention would read stale keys. Below the window it never rolls. So a cache longer than a sliding layer's
-    window is refused (ValueError, naming the lengths and what to do). Below it, one more fact of the layer is kept
-    in Python: its sequence length (`get_seq_length`), the query's offset in its layers' masks, which a captured
-    mask would keep at the capture's position (the full layers' StaticLayer returns its count on the device, which
-    the replay advances: transformers 5.17). Each sliding layer is made a `_ReplayedSlidingLayer` (its class swapped,
-    as dequant.py swaps modules'), which returns that count on the device too: below the window the two counts are
-    equal, so eager forwards give the same masks, and replayed ones the replay's own. A sliding layer of another
-    class (a subclass: it may keep more in Python) is refused."""
+    The cache: a replay repeats the branches its capture took, and reads no Python value again. transformers'
+    sliding-window static cache layer (StaticSlidingWindowLayer: Gemma 2 and 3, gpt-oss) counts its tokens in a
+    Python int, by which it rolls its buffer once full and sizes its masks (the query's offset, the keys' first
+    position), so a replayed step would write and attend as at its capture. Each such layer is made a
+    `_ReplayedSlidingLayer` (its class swapped, as dequant.py swaps modules'), whose one-token steps use its count
+    on the device only: the same writes, by `torch.where` over the rolled buffer, and the same masks, their offsets
+    tensors (module `_replayed_sliding_layer`). Refused (ValueError, naming what to do, `check_window`): a sliding
+    layer of another class (a subclass: it may keep more in Python), and with `masked`, a cache longer than a
+    window (transformers compares the keys' offset with the padding mask's width in Python)."""
     from transformers.cache_utils import StaticSlidingWindowLayer
     from transformers.masking_utils import AttentionMaskInterface
-    check_window(cache, cache_len, model_name)
+    check_window(cache, cache_len, model_name, masked)
     AttentionMaskInterface.register("eager", _eager_mask)
     for layer in cache.layers:
         if type(layer) is StaticSlidingWindowLayer:
             layer.__class__ = _replayed_sliding_layer()
 
 
-def check_window(cache, cache_len: int, model_name: str) -> None:
-    """`replayable`'s check of the cache alone (ValueError), which `plan apply` also runs before its prefill: no
-    sliding layer of another kind than StaticSlidingWindowLayer (a subclass, such as transformers' layers for hybrid
-    linear and sliding attention, may keep other counts in Python: not made replayable here), and none whose window
-    is shorter than the cache."""
+def check_window(cache, cache_len: int, model_name: str, masked: bool = False) -> None:
+    """`replayable`'s check of the cache alone (ValueError), which `plan apply` also runs before loading (as for one
+    prompt) and before its prefill: no sliding layer of another kind than StaticSlidingWindowLayer (a subclass, such
+    as transformers' layers for hybrid linear and sliding attention, may keep other counts in Python: not made
+    replayable here), and, for prompts of several lengths (`masked`), none whose window is shorter than the cache."""
     from transformers.cache_utils import StaticSlidingWindowLayer
     sliding = [layer for layer, is_sliding in zip(cache.layers, cache.is_sliding) if is_sliding]
     eager = "generate eagerly (`eager=True`, `plan apply --eager`)"
@@ -101,24 +100,58 @@ def check_window(cache, cache_len: int, model_name: str) -> None:
         raise ValueError(f"{model_name}: its sliding-window attention caches in transformers' {', '.join(odd)}, whose "
                          f"state a decode step replayed from a CUDA graph could leave as at its capture: {eager}")
     window = min((layer.max_cache_len for layer in sliding), default=cache_len)
-    if window < cache_len:
+    if masked and window < cache_len:
         fits = window // CACHE_QUANTUM * CACHE_QUANTUM
-        raise ValueError(f"{model_name}: its sliding-window attention keeps {window} tokens, and a decode step "
-                         f"replayed from a CUDA graph cannot roll that window (transformers' static sliding-window "
-                         f"cache counts in Python); this call's cache holds {cache_len} (prompt and new tokens, "
-                         f"rounded up to a multiple of {CACHE_QUANTUM}): {eager}"
-                         + (f", or keep the prompt and new tokens within {fits}" if fits else ""))
+        raise ValueError(f"{model_name}: its sliding-window attention keeps {window} tokens, and this call's cache "
+                         f"holds {cache_len} (prompt and new tokens, rounded up to a multiple of {CACHE_QUANTUM}) for "
+                         f"prompts of several lengths, whose padding mask transformers lines up with a rolled window "
+                         f"in Python, which a decode step replayed from a CUDA graph would not redo: give prompts of "
+                         f"one length, or {eager}" + (f", or keep the prompt and new tokens within {fits}" if fits
+                                                      else ""))
 
 
 @functools.cache
 def _replayed_sliding_layer() -> type:
-    """StaticSlidingWindowLayer whose sequence length is its count on the device (`replayable`): in step with its
-    Python count below its window, which `check_window` keeps a replayed cache within."""
+    """StaticSlidingWindowLayer whose one-token steps read no Python count (`replayable`).
+
+    transformers' layer, at one token: below its window it writes the new key at its count (already a tensor) and
+    its masks take the keys from position 0; once full it rolls its buffer left by one and writes the new key last,
+    and the keys start at count - window + 1. Both are chosen by its Python count. Here the count on the device
+    chooses: the buffer is rolled where full (`torch.where`, so a full copy of the window's keys and values each step:
+    128 KiB a layer for gpt-oss, a few MB for Gemma 3's wider windows and batches), the key written at min(count,
+    window - 1), and `get_mask_sizes` gives the keys' offset as a tensor, max(count - window + 1, 0), which the masks
+    add to their key positions (masking_utils `sdpa_mask`). The same values as transformers', bit for bit. A prompt
+    (more than one token) runs transformers' own update and sizes, eagerly, its Python count first set from the
+    device's and the device's from it after."""
     from transformers.cache_utils import StaticSlidingWindowLayer
 
     class _ReplayedSlidingLayer(StaticSlidingWindowLayer):
         def get_seq_length(self):
             return self.cumulative_length if self.is_initialized else 0
+
+        def get_mask_sizes(self, query_length: int):
+            if query_length > 1 or not self.is_initialized:  # a prompt, eager: transformers' sizes
+                self._count_in_python()
+                return super().get_mask_sizes(query_length)
+            return self.max_cache_len, (self.cumulative_length - (self.max_cache_len - 1)).clamp(min=0)
+
+        def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+            if key_states.shape[-2] > 1 or not self.is_initialized:
+                self._count_in_python()
+                out = super().update(key_states, value_states, *args, **kwargs)
+                self.cumulative_length.fill_(self.cumulative_length_int)  # its full branches leave it behind
+                return out
+            count, window = self.cumulative_length, self.max_cache_len
+            full, at = count >= window, count.clamp(max=window - 1).view(1)
+            for cached, new in ((self.keys, key_states), (self.values, value_states)):
+                cached.copy_(torch.where(full, cached.roll(-1, dims=-2), cached))
+                cached.index_copy_(2, at, new)
+            count.add_(1)
+            return self.keys, self.values
+
+        def _count_in_python(self) -> None:
+            if self.is_initialized:
+                self.cumulative_length_int = int(self.cumulative_length)  # a host sync, eager only
     return _ReplayedSlidingLayer
 
 

@@ -86,18 +86,19 @@ def test_the_load_line_tells_experts_on_cpu_from_uva(tmp_path, capsys):
 
 
 def test_a_replay_past_a_sliding_window_or_a_refused_capture_is_one_error_naming_eager():
-    """offplan/step_checks.py, what `plan apply` checks before it replays decode steps on a GPU: transformers' static
-    sliding-window cache rolls by a Python count that a replay never advances (the window of 8 here), so a cache
-    past it is refused, and within it (or with no sliding layer) it runs (runtime/execute/tokens.py counts those
-    layers' length on the device for their masks); a capture torch refuses becomes one error."""
+    """offplan/step_checks.py, what `plan apply` checks before it replays decode steps on a GPU: prompts of several
+    lengths past a sliding window (8 here) are refused (transformers lines their padding mask up with the rolled
+    window in Python), one length runs past it (runtime/execute/tokens.py counts the sliding layers on the device),
+    and so does any length without sliding layers; a capture torch refuses becomes one error."""
     from offplan.step_checks import capture_refused, check_replays
     from planner.errors import OffplanError
     from tiny_models import gpt_oss_config
-    with pytest.raises(OffplanError, match=r"^GptOss: its sliding-window attention keeps 8 tokens, .* this call's "
+    with pytest.raises(OffplanError, match=r"^GptOss: its sliding-window attention keeps 8 tokens, and this call's "
                                            r"cache holds 128 .* \(`eager=True`, `plan apply --eager`\)$"):
-        check_replays(gpt_oss_config(), 20, "GptOss")
-    check_replays(gpt_oss_config(sliding_window=128), 100, "GptOss")
-    check_replays(qwen3_moe_config(), 1000, "Qwen3Moe")
+        check_replays(gpt_oss_config(), 20, "GptOss", masked=True)
+    check_replays(gpt_oss_config(), 20, "GptOss")
+    check_replays(gpt_oss_config(sliding_window=128), 100, "GptOss", masked=True)
+    check_replays(qwen3_moe_config(), 1000, "Qwen3Moe", masked=True)
     with pytest.raises(OffplanError, match=r"could not be captured in a CUDA graph \(.*during CUDA graph capture.*\)"
                                            r": run with --eager"):
         with capture_refused():
@@ -110,26 +111,40 @@ def test_a_replay_past_a_sliding_window_or_a_refused_capture_is_one_error_naming
             raise RuntimeError("CUDA out of memory")
 
 
-def test_plan_apply_refuses_a_replay_of_a_sliding_window_model_before_loading(tmp_path, capsys, monkeypatch):
-    """Where the decode steps would be replayed (a CUDA device, no --eager), a Gemma 3 plan whose window (8) no cache
-    fits is refused before its weights load, with one error naming --eager and exit 1; with --eager it loads and runs
-    (here on the CPU)."""
+def test_plan_apply_refuses_a_replay_of_a_sliding_layer_it_cannot_count_before_loading(tmp_path, capsys, monkeypatch):
+    """Where the decode steps would be replayed (a CUDA device, no --eager), a model whose sliding layers cache in a
+    class the runtime does not make replayable (transformers' hybrid linear and sliding one, as Zaya's config asks
+    for: its config stands in for the Gemma 3 checkpoint's here) is refused before its weights load, with one error
+    naming --eager and exit 1. Gemma 3's own config (a window of 8, any length) passes that check and goes on to
+    load; with --eager it loads and runs (here on the CPU)."""
     import torch
+    from transformers import AutoConfig
 
     import offplan.running
     from tiny_models import gemma3_text_config
     plan = make_plan(tmp_path, save_model(gemma3_text_config(), tmp_path / "gemma"), "")
     capsys.readouterr()  # the checkpoint writer's progress
     loads = offplan.running.from_pretrained
+    hybrid = AutoConfig.for_model("zaya", num_hidden_layers=2, layer_types=["hybrid_sliding", "hybrid"],
+                                  sliding_window=128, architectures=["ZayaForCausalLM"])
+
+    class Loaded(Exception):
+        pass
+
+    def load(*args, **kw):
+        raise Loaded
     with monkeypatch.context() as m:
         m.setattr(torch.cuda, "is_available", lambda: True)
+        m.setattr(offplan.running, "from_pretrained", load)
+        with pytest.raises(Loaded):  # Gemma 3: past the check, to the load
+            main(["apply", str(plan), "--max-new-tokens", "2"])
+        m.setattr(AutoConfig, "from_pretrained", lambda *a, **k: hybrid)
         m.setattr(offplan.running, "from_pretrained", lambda *a, **k: pytest.fail("loaded before refusing"))
         assert main(["apply", str(plan), "--max-new-tokens", "2"]) == 1
     assert capsys.readouterr().err.strip() == (
-        "error: Gemma3ForCausalLM: its sliding-window attention keeps 8 tokens, and a decode step replayed from a CUDA "
-        "graph cannot roll that window (transformers' static sliding-window cache counts in Python); this call's cache "
-        "holds 128 (prompt and new tokens, rounded up to a multiple of 128): generate eagerly (`eager=True`, `plan "
-        "apply --eager`)")
+        "error: ZayaForCausalLM: its sliding-window attention caches in transformers' "
+        "LinearAttentionAndStaticSlidingWindowAttentionLayer, whose state a decode step replayed from a CUDA graph "
+        "could leave as at its capture: generate eagerly (`eager=True`, `plan apply --eager`)")
     assert offplan.running.from_pretrained is loads
     assert main(["apply", str(plan), "--max-new-tokens", "2", "--eager"]) == 0
 

@@ -114,35 +114,70 @@ def test_the_capturable_eager_mask_is_transformers_eager_mask_bitwise(sliding):
         assert torch.equal(got.view(torch.int16), want.view(torch.int16))
 
 
-def test_a_replay_is_refused_a_cache_past_a_sliding_window_or_a_sliding_layer_of_another_kind():
-    """tokens.py `replayable`: transformers' sliding-window static cache rolls by a Python count, which a replayed
-    step never updates, so a cache longer than the window is refused before a capture, naming what to do (a
-    length that fits, where a multiple of the cache quantum does); so is a sliding layer of a kind it does not make
-    replayable (a subclass may keep other counts in Python)."""
-    from transformers import StaticCache
-    from transformers.cache_utils import StaticSlidingWindowLayer
+def test_a_replay_is_refused_padded_prompts_past_a_sliding_window_or_a_sliding_layer_of_another_kind():
+    """tokens.py `replayable`: a cache past a sliding window is replayable for prompts of one length; for prompts of
+    several lengths (a padding mask, which transformers lines up with a rolled window in Python) it is refused
+    before a capture, naming what to do (a length that fits, where a multiple of the cache quantum does); so is a
+    sliding layer of a kind it does not make replayable (a subclass may keep other counts in Python)."""
+    from transformers import AutoConfig, StaticCache
     from runtime.execute.tokens import replayable
     from tiny_models import gpt_oss_config
     with pytest.raises(ValueError, match=r"GptOss: its sliding-window attention keeps 8 tokens, .* holds 128 .*"
-                                         r"generate eagerly \(`eager=True`, `plan apply --eager`\)$"):
-        replayable(StaticCache(config=gpt_oss_config(), max_cache_len=128), 128, "GptOss")
+                                         r"several lengths.*give prompts of one length, or generate eagerly "
+                                         r"\(`eager=True`, `plan apply --eager`\)$"):
+        replayable(StaticCache(config=gpt_oss_config(), max_cache_len=128), 128, "GptOss", masked=True)
     with pytest.raises(ValueError, match=r"keeps 200 tokens, .* holds 256 .*, or keep the prompt and new tokens "
                                          r"within 128$"):
-        replayable(StaticCache(config=gpt_oss_config(sliding_window=200), max_cache_len=256), 256, "GptOss")
-    replayable(StaticCache(config=gpt_oss_config(sliding_window=128), max_cache_len=128), 128, "GptOss")
-    replayable(StaticCache(config=gpt_oss_config(), max_cache_len=8), 8, "GptOss")  # within the window
-    cache = StaticCache(config=gpt_oss_config(sliding_window=128), max_cache_len=128)
-    cache.layers[2].__class__ = type("HybridSlidingLayer", (StaticSlidingWindowLayer,), {})
-    with pytest.raises(ValueError, match=r"GptOss: its sliding-window attention caches in transformers' "
-                                         r"HybridSlidingLayer, .* generate eagerly"):
-        replayable(cache, 128, "GptOss")
+        replayable(StaticCache(config=gpt_oss_config(sliding_window=200), max_cache_len=256), 256, "GptOss", True)
+    replayable(StaticCache(config=gpt_oss_config(), max_cache_len=128), 128, "GptOss")  # one length: past it
+    replayable(StaticCache(config=gpt_oss_config(), max_cache_len=8), 8, "GptOss", masked=True)  # within it
+    hybrid = AutoConfig.for_model("zaya", num_hidden_layers=2, layer_types=["hybrid_sliding", "hybrid"],
+                                  sliding_window=128)  # transformers' LinearAttentionAndStaticSlidingWindow... layer
+    with pytest.raises(ValueError, match=r"Zaya: its sliding-window attention caches in transformers' "
+                                         r"LinearAttentionAndStaticSlidingWindowAttentionLayer, .* generate eagerly"):
+        replayable(StaticCache(config=hybrid, max_cache_len=128), 128, "Zaya")
+
+
+@pytest.mark.parametrize("family", ["gpt_oss", "gemma3"])
+def test_a_replayable_sliding_layer_steps_past_its_window_from_its_device_count_alone(family):
+    """tokens.py `_replayed_sliding_layer`: one-token steps past the window (8) write, roll and mask from the count
+    on the device, so a replay, which runs no Python, steps right: with the layers' Python count set wrong before
+    every step (as a replay leaves it: at its capture's position), gpt-oss (eager attention, sinks) and Gemma 3
+    (sdpa) give transformers' own logits bitwise, after a prompt shorter than the window and one longer, a batch of
+    two, 14 steps; the cached keys and values are transformers' too. Then a prompt after the steps (its count first
+    set from the device's) continues as transformers' does."""
+    from transformers import AutoModelForCausalLM, StaticCache
+    from runtime.execute.tokens import replayable
+    from tiny_models import gemma3_text_config, gpt_oss_config
+    config = gpt_oss_config() if family == "gpt_oss" else gemma3_text_config()
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager" if family == "gpt_oss" else "sdpa")
+    model.eval()
+    for prompt in (5, 11):
+        plain, counted = (StaticCache(config=config, max_cache_len=32) for _ in range(2))
+        replayable(counted, 32, family)
+        sliding = [layer for layer, s in zip(counted.layers, counted.is_sliding) if s]
+        ids = torch.randint(0, 256, (2, prompt + 16))
+        with torch.no_grad():
+            steps = [(0, ids[:, :prompt])] + [(t, ids[:, t:t + 1]) for t in range(prompt, prompt + 14)]
+            for start, step in steps + [(prompt + 14, ids[:, prompt + 14:])]:  # then a prompt of two tokens
+                if step.shape[1] == 1:
+                    for layer in sliding:
+                        layer.cumulative_length_int = 3  # stale, as a replay leaves it
+                pos = torch.arange(start, start + step.shape[1])
+                want = model(step, past_key_values=plain, cache_position=pos).logits
+                got = model(step, past_key_values=counted, cache_position=pos).logits
+                assert torch.equal(got, want), (prompt, start)
+                assert int(counted.get_seq_length(0)) == start + step.shape[1]
+        for mine, theirs in zip(counted.layers, plain.layers):
+            assert torch.equal(mine.keys, theirs.keys) and torch.equal(mine.values, theirs.values)
 
 
 def test_a_replayable_cache_counts_its_sliding_layers_on_the_device_with_the_same_logits():
     """tokens.py `replayable`: transformers' sliding-window static cache layer gives its masks' query offset from a
     Python count, which a replayed step would keep at its capture's position; made replayable, its layers count on
-    the device (a tensor the step advances), in step with the Python count, and a prefill and decode steps of
-    gpt-oss (sliding and full layers, eager attention) give the plain cache's logits bitwise."""
+    the device (a tensor the step advances), and a prefill and decode steps of gpt-oss (sliding and full layers,
+    eager attention) give the plain cache's logits bitwise."""
     from transformers import AutoModelForCausalLM, StaticCache
     from transformers.cache_utils import StaticSlidingWindowLayer
     from runtime.execute.tokens import replayable
@@ -162,4 +197,4 @@ def test_a_replayable_cache_counts_its_sliding_layers_on_the_device_with_the_sam
             got = model(step, past_key_values=counted, cache_position=pos).logits
             assert torch.equal(got, want), start
             length = counted.get_seq_length(0)
-            assert isinstance(length, torch.Tensor) and int(length) == counted.layers[0].cumulative_length_int
+            assert isinstance(length, torch.Tensor) and int(length) == start + step.shape[1]

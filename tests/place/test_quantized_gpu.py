@@ -195,8 +195,9 @@ def test_gpt_oss_decodes_through_the_front_door_replayed_as_eager(tmp_path, chec
     """`handle.generate` replays gpt-oss's decode steps (its eager attention's mask made capturable, its sliding
     layers counted on the device: runtime/execute/tokens.py) with the eager steps' tokens, bf16 and MXFP4 (one
     sequence: its experts through gemv.py's fused kernel; two: dequantized), one prompt length (no mask) and two
-    (padded), while the sliding window (128) holds the cache; past a window (8) a replay could not roll it, and it
-    is refused, saying to generate eagerly, which then runs."""
+    (padded), while the sliding window (128) holds the cache; past a window (8), rolled from the device count, for
+    prompts of one length, one sequence and two; prompts of two lengths past it are refused, saying to generate
+    eagerly, which then runs."""
     wide = save_model(tiny_models.gpt_oss_config(sliding_window=128), tmp_path / "wide")
     for name, checkpoint in (("wide", wide), ("mx", checkpoints["mxfp4"][0])):
         model, handle = from_pretrained(make_plan(tmp_path, checkpoint, POLICIES["uva"], name=name), progress=False)
@@ -210,10 +211,14 @@ def test_gpt_oss_decodes_through_the_front_door_replayed_as_eager(tmp_path, chec
     narrow = save_model(tiny_models.gpt_oss_config(), tmp_path / "narrow")  # a window of 8
     model, handle = from_pretrained(make_plan(tmp_path, narrow, POLICIES["uva"], name="narrow"), progress=False)
     try:
+        for prompts in ([[5, 17, 99, 3]], [[5, 17, 99, 3], [8, 8, 200, 31]]):
+            got = handle.generate(prompts, 40)
+            assert got.mode == "graph" and got.decode_steps == 39
+            assert got.tokens == handle.generate(prompts, 40, eager=True).tokens, prompts
         with pytest.raises(ValueError, match=r"GptOssForCausalLM: its sliding-window attention keeps 8 tokens.*"
-                                             r"holds 128.*generate eagerly"):
-            handle.generate([[5, 17, 99, 3]], 12)
-        assert handle.generate([[5, 17, 99, 3]], 12, eager=True).decode_steps == 11
+                                             r"holds 128.*several lengths.*generate eagerly"):
+            handle.generate([[5, 17, 99, 3, 41], [9, 250]], 12)
+        assert handle.generate([[5, 17, 99, 3, 41], [9, 250]], 12, eager=True).decode_steps == 11
     finally:
         handle.remove(restore=False)
 
