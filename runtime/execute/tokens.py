@@ -117,8 +117,8 @@ def _replayed_sliding_layer() -> type:
     transformers' layer, at one token: below its window it writes the new key at its count (already a tensor) and
     its masks take the keys from position 0; once full it rolls its buffer left by one and writes the new key last,
     and the keys start at count - window + 1. Both are chosen by its Python count. Here the count on the device
-    chooses: the buffer is rolled where full (`torch.where`, so a full copy of the window's keys and values each step:
-    128 KiB a layer for gpt-oss, a few MB for Gemma 3's wider windows and batches), the key written at min(count,
+    chooses: the buffer is rolled where full (`torch.where`, so a copy of the window's keys and values each step: 256
+    KiB a layer and sequence for gpt-oss-120b, 8 MiB for Gemma 3 27B's window of 1024), the key written at min(count,
     window - 1), and `get_mask_sizes` gives the keys' offset as a tensor, max(count - window + 1, 0), which the masks
     add to their key positions (masking_utils `sdpa_mask`). The same values as transformers', bit for bit. A prompt
     (more than one token) runs transformers' own update and sizes, eagerly, its Python count first set from the
