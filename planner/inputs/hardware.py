@@ -23,9 +23,9 @@ from . import yamlio
 from .schema import validate
 
 
-# The host kernel's rate with host memory to itself over its rate while the GPU reads over uva: every calibration on
-# record that measured both (9 on the H100 machine, docs/calibration/; 13 on H200 machines, benchmarks/results/)
-# gave 1.09-1.40, median 1.2
+# The host kernel's rate with host memory to itself over its rate while the GPU reads over uva: the 22 calibrations
+# on record that measured both (H100 and H200 machines; docs/calibration/, benchmarks/results/) gave 1.09-1.40,
+# median 1.2
 CPU_ALONE = 1.2
 
 
