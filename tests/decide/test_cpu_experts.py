@@ -40,14 +40,11 @@ def test_a_rule_puts_experts_on_cpu_and_the_plan_counts_them_off_the_gpu_and_the
 
 
 def test_a_layer_with_experts_on_cpu_costs_the_host_its_reads_and_its_call():
-    """Without a top-k the cost model reads every expert each step: 6 MiB per layer, on the host, after the
-    layer's 1 MiB of attention read from HBM (one token). Every expert of the layer is on cpu, so the host reads
-    with memory to itself: the built-in profile, which has not measured that rate, takes its rate beside uva reads
-    times CPU_ALONE (1.2, hardware.py)."""
+    """Without a top-k the cost model reads every expert each step: 6 MiB per layer, on the host (memory to itself:
+    the built-in profile's rate x CPU_ALONE, 1.2), after the layer's 1 MiB of attention read from HBM (one token)."""
     cpu, _ = plan_of(moe_toy(3), policy(rules=[(["experts"], "cpu")]))
     gpu, _ = plan_of(moe_toy(3), policy())
-    alone = H100.cpu_expert_gbps * 1.2
-    host = (H100.moe_layer_gpu_us + MIB / (H100.hbm_read_gbps * 1e3) + 6 * MIB / (alone * 1e3)
+    host = (H100.moe_layer_gpu_us + MIB / (H100.hbm_read_gbps * 1e3) + 6 * MIB / (H100.cpu_expert_gbps * 1.2e3)
             + H100.cpu_expert_sync_us)
     assert cpu.layers[1].us == round(host) > gpu.layers[1].us
     assert [l.us for l in cpu.layers[1:4]] == [round(host)] * 3
