@@ -51,7 +51,7 @@ from harness.plans import experts_working_bytes, make_plan, offloaded_layers, pr
 from planner.decide.build import build  # noqa: E402
 from planner.inputs.checkpoint import open_checkpoint  # noqa: E402
 from planner.inputs.dtypes import nbytes  # noqa: E402
-from planner.inputs.hardware import Hardware, dumps_hardware  # noqa: E402
+from planner.inputs.hardware import H100, Hardware, dumps_hardware  # noqa: E402
 from planner.inputs.policy import load_policy  # noqa: E402
 from planner.inputs.quantized import FP8_SCALE  # noqa: E402
 from planner.plan import Placement  # noqa: E402
@@ -79,13 +79,16 @@ def checkpoints(work: Path, model: str, layers: int) -> None:
 
 def profile(recorded: dict) -> tuple[Hardware, list[str]]:
     """A run's hardware profile, and the fields its record lacks (a calibration older than they are: their defaults
-    are used, which the tables say)."""
+    are used, which the tables say). On the H100 machine those are the built-in profile's (planner/inputs/hardware.py
+    H100), which were measured there (a MoE layer's eager CPU time among them), not the dataclass's fallbacks."""
     fields = dataclasses.fields(Hardware)
     recorded = dict(recorded)
     said = re.search(r"fastest round \(the median round ([0-9.]+)x slower\)", recorded.get("measured", ""))
     if "eager_median_ratio" not in recorded and said:  # a fastest-round calibration before the field: its note
         recorded["eager_median_ratio"] = float(said.group(1))
-    hw = Hardware(**{f.name: recorded[f.name] for f in fields if f.name in recorded})
+    base = H100 if "H100" in str(recorded.get("name", "")) else None
+    hw = Hardware(**{f.name: recorded[f.name] if f.name in recorded else getattr(base, f.name)
+                     for f in fields if f.name in recorded or base is not None})
     return hw, [f.name for f in fields if f.name not in recorded and f.name != "measured"]
 
 

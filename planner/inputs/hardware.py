@@ -23,6 +23,12 @@ from . import yamlio
 from .schema import validate
 
 
+# The host kernel's rate with host memory to itself over its rate while the GPU reads over uva: the 22 calibrations
+# on record that measured both (H100 and H200 machines; docs/calibration/, benchmarks/results/) gave 1.09-1.40,
+# median 1.2
+CPU_ALONE = 1.2
+
+
 @dataclass(frozen=True)
 class Hardware:
     name: str
@@ -69,7 +75,8 @@ class Hardware:
     # uva_read_gbps x 47.0/50.3, as the H100 machine read with and without 16 cores reading beside (issue 24)
     uva_read_beside_cpu_gbps: float = 0.0
     # the host kernel's rate in a layer with no expert on uva (every one of its experts off the GPU on cpu), where
-    # the cores have host memory to themselves: 0 takes cpu_expert_gbps
+    # the cores have host memory to themselves: 0 takes cpu_expert_gbps x CPU_ALONE (profiles before `plan calibrate`
+    # measured it, and the built-in one)
     cpu_expert_alone_gbps: float = 0.0
     measured: str = ""
 
@@ -80,8 +87,8 @@ class Hardware:
 
     @property
     def cpu_alone_gbps(self) -> float:
-        """`cpu_expert_alone_gbps`, or its default: cpu_expert_gbps (the field's comment)."""
-        return self.cpu_expert_alone_gbps or self.cpu_expert_gbps
+        """`cpu_expert_alone_gbps`, or its default: cpu_expert_gbps x CPU_ALONE (the field's comment)."""
+        return self.cpu_expert_alone_gbps or self.cpu_expert_gbps * CPU_ALONE
 
     def one_of(self, gpus: int) -> "Hardware":
         """One GPU's process of `gpus` that share one host (tensor parallelism): its link copies at

@@ -39,8 +39,9 @@ def test_every_recorded_graph_row_is_predicted_within_20_percent(capsys):
     short = [line for line in llama if line.startswith(("| gpu | 128 |", "| gpu | 512 |"))]
     assert len(short) == 2 and all(abs(float(line.split("|")[-2]) - 1) <= 0.2 for line in short)
     # issue 25's count over every recorded prefill row (the older runs' all-GPU MoE rows and uva read in place
-    # at long prompts are the misses: docs/front-door/README.md)
-    assert "prefill: 89 of 122 compared rows within 1 +- 0.2 of the current prediction" in out.out
+    # at long prompts are the misses: docs/front-door/README.md); the H100 records' missing fields from the
+    # built-in H100 profile (89 with the dataclass's fallbacks)
+    assert "prefill: 92 of 122 compared rows within 1 +- 0.2 of the current prediction" in out.out
     # the B copies of one prompt route alike: no batch-8 row of a plan with experts on uva is judged
     assert "| experts-uva | 8 | graph | 69.2 | - | - | - | left out: sequences routed alike |" in out.out
     # nor of a plan with FP8 experts, staged dequantized wherever they lie (fp8_gather.py)

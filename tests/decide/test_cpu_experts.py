@@ -40,11 +40,11 @@ def test_a_rule_puts_experts_on_cpu_and_the_plan_counts_them_off_the_gpu_and_the
 
 
 def test_a_layer_with_experts_on_cpu_costs_the_host_its_reads_and_its_call():
-    """Without a top-k the cost model reads every expert each step: 6 MiB per layer, on the host, after the
-    layer's 1 MiB of attention read from HBM (one token)."""
+    """Without a top-k the cost model reads every expert each step: 6 MiB per layer, on the host (memory to itself:
+    the built-in profile's rate x CPU_ALONE, 1.2), after the layer's 1 MiB of attention read from HBM (one token)."""
     cpu, _ = plan_of(moe_toy(3), policy(rules=[(["experts"], "cpu")]))
     gpu, _ = plan_of(moe_toy(3), policy())
-    host = (H100.moe_layer_gpu_us + MIB / (H100.hbm_read_gbps * 1e3) + 6 * MIB / (H100.cpu_expert_gbps * 1e3)
+    host = (H100.moe_layer_gpu_us + MIB / (H100.hbm_read_gbps * 1e3) + 6 * MIB / (H100.cpu_expert_gbps * 1.2e3)
             + H100.cpu_expert_sync_us)
     assert cpu.layers[1].us == round(host) > gpu.layers[1].us
     assert [l.us for l in cpu.layers[1:4]] == [round(host)] * 3
@@ -231,7 +231,7 @@ def test_cpu_experts_is_read_from_the_policy_and_ignored_with_a_warning_outside_
 def test_a_profile_round_trips_the_rates_beside_and_alone(tmp_path, beside, alone):
     """uva_read_beside_cpu_gbps and cpu_expert_alone_gbps are written where they are set, read back, and valid to
     the schema; absent, the profile gets the defaults the cost model takes (uva_read_gbps x 47.0/50.3, and
-    cpu_expert_gbps)."""
+    cpu_expert_gbps x 1.2: hardware.py CPU_ALONE)."""
     from planner.inputs.hardware import dumps_hardware, load_hardware
     hw = dataclasses.replace(H100, uva_read_beside_cpu_gbps=beside, cpu_expert_alone_gbps=alone)
     (tmp_path / "hw.yaml").write_text(dumps_hardware(hw))
@@ -240,7 +240,7 @@ def test_a_profile_round_trips_the_rates_beside_and_alone(tmp_path, beside, alon
     assert ("cpu_expert_alone_gbps" in dumps_hardware(hw)) == bool(alone)
     assert (back.uva_read_beside_cpu_gbps, back.cpu_expert_alone_gbps) == (beside, alone)
     assert back.uva_beside_cpu_gbps == (beside or back.uva_read_gbps * 47.0 / 50.3)
-    assert back.cpu_alone_gbps == (alone or back.cpu_expert_gbps)
+    assert back.cpu_alone_gbps == (alone or back.cpu_expert_gbps * 1.2)
 
 
 def test_the_host_reads_at_its_own_rate_where_the_layer_reads_nothing_over_the_link():
@@ -258,7 +258,7 @@ def test_the_host_reads_at_its_own_rate_where_the_layer_reads_nothing_over_the_l
     each = 3 * MIB / 20e3  # an expert's 3 MiB at 20 GB/s, each read with chance 1/4 (top-1 of 4)
     host = H100.moe_layer_gpu_us + 4 * each / 4 + H100.cpu_expert_sync_us
     assert us[0] == round(later(gpu, host - gpu, 4 * (1 / 4) * (3 / 4) * each ** 2))
-    assert us[2] > us[0] + 100  # without the figure: at 10 GB/s
+    assert us[2] > us[0] + 100  # without the figure: at 12 GB/s (10 x CPU_ALONE)
     assert us[1] == us[3] > us[0]  # beside the link: at 10 GB/s either way
 
 
