@@ -113,7 +113,8 @@ def test_a_replay_past_a_sliding_window_or_a_refused_capture_is_one_error_naming
 def test_plan_apply_refuses_a_replay_of_a_sliding_window_model_before_loading(tmp_path, capsys, monkeypatch):
     """Where the decode steps would be replayed (a CUDA device, no --eager), a Gemma 3 plan whose window (8) no cache
     fits is refused before its weights load, with one error naming --eager and exit 1; with --eager it loads and runs
-    (here on the CPU)."""
+    (here on the CPU). With a window of 128, --max-new-tokens past it is refused before loading too (with a prompt
+    of one token at least), and within it the check lets the load begin."""
     import torch
 
     import offplan.running
@@ -132,6 +133,21 @@ def test_plan_apply_refuses_a_replay_of_a_sliding_window_model_before_loading(tm
         "apply --eager`)")
     assert offplan.running.from_pretrained is loads
     assert main(["apply", str(plan), "--max-new-tokens", "2", "--eager"]) == 0
+    wide = make_plan(tmp_path, save_model(gemma3_text_config(sliding_window=128), tmp_path / "wide"), "", name="wide")
+    capsys.readouterr()
+
+    class Loaded(Exception):
+        pass
+
+    def load(*args, **kw):
+        raise Loaded
+    with monkeypatch.context() as m:
+        m.setattr(torch.cuda, "is_available", lambda: True)
+        m.setattr(offplan.running, "from_pretrained", load)
+        assert main(["apply", str(wide), "--max-new-tokens", "200"]) == 1
+        assert "keeps 128 tokens" in capsys.readouterr().err  # no load: `load` would have raised
+        with pytest.raises(Loaded):
+            main(["apply", str(wide), "--max-new-tokens", "8"])
 
 
 def test_a_sliding_window_layers_python_count_sets_its_mask_so_a_replay_would_attend_wrongly():
