@@ -87,8 +87,10 @@ def apply_command(args) -> int:
     where = checkpoint_of(plan, Path(args.plan))  # missing: said here, naming the plan's key, before anything loads
     if not args.eager and args.device != "cpu" and torch.cuda.is_available():  # the decode steps will be replayed
         from transformers import AutoConfig
-        config = AutoConfig.from_pretrained(where)  # before minutes of loading: what no cache length could replay
-        check_replays(config, 1, (getattr(config, "architectures", None) or [config.model_type])[0])
+        config = AutoConfig.from_pretrained(where)  # before minutes of loading: a sliding layer no replay could
+        # step (a padded batch past a window needs the prompts' lengths: checked before the prefill)
+        name = (getattr(config, "architectures", None) or [config.model_type])[0]
+        check_replays(config, 1 + args.max_new_tokens, name)
     stale = stale_but_loadable(plan, Path(args.plan))
     if stale:
         print(f"warning: {args.plan} is stale ({'; '.join(stale)}); applied as it is: rebuild it for what its "
