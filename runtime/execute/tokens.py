@@ -70,12 +70,12 @@ def replayable(cache, cache_len: int, model_name: str, masked: bool = False) -> 
     model with eager attention gets it, the same values either way.
 
     The cache: a replay repeats the branches its capture took, and reads no Python value again. transformers'
-    sliding-window static cache layer (StaticSlidingWindowLayer: Gemma 2 and 3, gpt-oss) counts its tokens in a
-    Python int, by which it rolls its buffer once full and sizes its masks (the query's offset, the keys' first
-    position), so a replayed step would write and attend as at its capture. Each such layer is made a
-    `_ReplayedSlidingLayer` (its class swapped, as dequant.py swaps modules'), whose one-token steps use its count
-    on the device only: the same writes, by `torch.where` over the rolled buffer, and the same masks, their offsets
-    tensors (module `_replayed_sliding_layer`). Refused (ValueError, naming what to do, `check_window`): a sliding
+    sliding-window static cache layer (StaticSlidingWindowLayer: Gemma 2 and 3, gpt-oss, Llama 4's chunked
+    attention) counts its tokens in a Python int, by which it rolls its buffer once full and sizes its masks (the
+    query's offset, the keys' first position), so a replayed step would write and attend as at its capture. Each
+    such layer is made a `_ReplayedSlidingLayer` (its class swapped, as dequant.py swaps modules'), whose one-token
+    steps use its count on the device only: the same writes, by `torch.where` over the rolled buffer, and the same
+    masks, their offsets tensors (module `_replayed_sliding_layer`). Refused (ValueError, naming what to do, `check_window`): a sliding
     layer of another class (a subclass: it may keep more in Python), and with `masked`, a cache longer than a
     window (transformers compares the keys' offset with the padding mask's width in Python)."""
     from transformers.cache_utils import StaticSlidingWindowLayer

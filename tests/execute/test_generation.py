@@ -138,18 +138,18 @@ def test_a_replay_is_refused_padded_prompts_past_a_sliding_window_or_a_sliding_l
         replayable(StaticCache(config=hybrid, max_cache_len=128), 128, "Zaya")
 
 
-@pytest.mark.parametrize("family", ["gpt_oss", "gemma3"])
+@pytest.mark.parametrize("family", ["gpt_oss", "gemma2", "gemma3_text", "llama4_text"])
 def test_a_replayable_sliding_layer_steps_past_its_window_from_its_device_count_alone(family):
     """tokens.py `_replayed_sliding_layer`: one-token steps past the window (8) write, roll and mask from the count
     on the device, so a replay, which runs no Python, steps right: with the layers' Python count set wrong before
-    every step (as a replay leaves it: at its capture's position), gpt-oss (eager attention, sinks) and Gemma 3
-    (sdpa) give transformers' own logits bitwise, after a prompt shorter than the window and one longer, a batch of
-    two, 14 steps; the cached keys and values are transformers' too. Then a prompt after the steps (its count first
-    set from the device's) continues as transformers' does."""
+    every step (as a replay leaves it: at its capture's position), gpt-oss (eager attention, sinks), Gemma 2 and 3
+    (sdpa) and Llama 4 (chunks of 8 in the same layer class) give transformers' own logits bitwise, after a prompt
+    shorter than the window and one longer, a batch of two, 14 steps; the cached keys and values are transformers'
+    too. Then a prompt after the steps (its count first set from the device's) continues as transformers' does."""
     from transformers import AutoModelForCausalLM, StaticCache
     from runtime.execute.tokens import replayable
-    from tiny_models import gemma3_text_config, gpt_oss_config
-    config = gpt_oss_config() if family == "gpt_oss" else gemma3_text_config()
+    import tiny_models
+    config = getattr(tiny_models, f"{family}_config")()
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="eager" if family == "gpt_oss" else "sdpa")
     model.eval()
