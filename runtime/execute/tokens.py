@@ -75,16 +75,19 @@ def replayable(cache, cache_len: int, model_name: str, masked: bool = False) -> 
     query's offset, the keys' first position), so a replayed step would write and attend as at its capture. Each
     such layer is made a `_ReplayedSlidingLayer` (its class swapped, as dequant.py swaps modules'), whose one-token
     steps use its count on the device only: the same writes, by `torch.where` over the rolled buffer, and the same
-    masks, their offsets tensors (module `_replayed_sliding_layer`). Refused (ValueError, naming what to do, `check_window`): a sliding
-    layer of another class (a subclass: it may keep more in Python), and with `masked`, a cache longer than a
-    window (transformers compares the keys' offset with the padding mask's width in Python)."""
+    masks, their offsets tensors (module `_replayed_sliding_layer`). A layer whose window holds the whole cache never
+    rolls: it only counts on the device, its masks sized as transformers sizes them (Python ints, which a padding
+    mask's width is compared with: a tensor there would be a host read, refused in a capture). Refused (ValueError,
+    naming what to do, `check_window`): a sliding layer of another class (a subclass: it may keep more in Python),
+    and with `masked`, a cache longer than a window (transformers compares the keys' offset with the padding mask's
+    width in Python)."""
     from transformers.cache_utils import StaticSlidingWindowLayer
     from transformers.masking_utils import AttentionMaskInterface
     check_window(cache, cache_len, model_name, masked)
     AttentionMaskInterface.register("eager", _eager_mask)
     for layer in cache.layers:
         if type(layer) is StaticSlidingWindowLayer:
-            layer.__class__ = _replayed_sliding_layer()
+            layer.__class__ = _replayed_sliding_layer(rolls=layer.max_cache_len < cache_len)
 
 
 def check_window(cache, cache_len: int, model_name: str, masked: bool = False) -> None:
@@ -95,7 +98,7 @@ def check_window(cache, cache_len: int, model_name: str, masked: bool = False) -
     from transformers.cache_utils import StaticSlidingWindowLayer
     sliding = [layer for layer, is_sliding in zip(cache.layers, cache.is_sliding) if is_sliding]
     eager = "generate eagerly (`eager=True`, `plan apply --eager`)"
-    known = (StaticSlidingWindowLayer, _replayed_sliding_layer())
+    known = (StaticSlidingWindowLayer, _replayed_sliding_layer(False), _replayed_sliding_layer(True))
     if odd := sorted({type(layer).__name__ for layer in sliding if type(layer) not in known}):
         raise ValueError(f"{model_name}: its sliding-window attention caches in transformers' {', '.join(odd)}, whose "
                          f"state a decode step replayed from a CUDA graph could leave as at its capture: {eager}")
@@ -111,8 +114,10 @@ def check_window(cache, cache_len: int, model_name: str, masked: bool = False) -
 
 
 @functools.cache
-def _replayed_sliding_layer() -> type:
-    """StaticSlidingWindowLayer whose one-token steps read no Python count (`replayable`).
+def _replayed_sliding_layer(rolls: bool) -> type:
+    """StaticSlidingWindowLayer whose one-token steps read no Python count (`replayable`). Without `rolls` (its window
+    holds the whole cache), only its sequence length is its count on the device: below its window transformers'
+    writes already take the count on the device, and its masks' sizes never change (the window, from position 0).
 
     transformers' layer, at one token: below its window it writes the new key at its count (already a tensor) and
     its masks take the keys from position 0; once full it rolls its buffer left by one and writes the new key last,
@@ -125,10 +130,14 @@ def _replayed_sliding_layer() -> type:
     device's and the device's from it after."""
     from transformers.cache_utils import StaticSlidingWindowLayer
 
-    class _ReplayedSlidingLayer(StaticSlidingWindowLayer):
+    class _CountedSlidingLayer(StaticSlidingWindowLayer):
         def get_seq_length(self):
             return self.cumulative_length if self.is_initialized else 0
 
+    if not rolls:
+        return _CountedSlidingLayer
+
+    class _ReplayedSlidingLayer(_CountedSlidingLayer):
         def get_mask_sizes(self, query_length: int):
             if query_length > 1 or not self.is_initialized:  # a prompt, eager: transformers' sizes
                 self._count_in_python()

@@ -177,7 +177,9 @@ def test_a_replayable_cache_counts_its_sliding_layers_on_the_device_with_the_sam
     """tokens.py `replayable`: transformers' sliding-window static cache layer gives its masks' query offset from a
     Python count, which a replayed step would keep at its capture's position; made replayable, its layers count on
     the device (a tensor the step advances), and a prefill and decode steps of gpt-oss (sliding and full layers,
-    eager attention) give the plain cache's logits bitwise."""
+    eager attention) give the plain cache's logits bitwise. Its window holding the whole cache, it never rolls: its
+    masks' sizes stay Python ints, which transformers compares a padding mask's width with (a tensor there would be
+    a host read, which a capture refuses)."""
     from transformers import AutoModelForCausalLM, StaticCache
     from transformers.cache_utils import StaticSlidingWindowLayer
     from runtime.execute.tokens import replayable
@@ -198,3 +200,5 @@ def test_a_replayable_cache_counts_its_sliding_layers_on_the_device_with_the_sam
             assert torch.equal(got, want), start
             length = counted.get_seq_length(0)
             assert isinstance(length, torch.Tensor) and int(length) == start + step.shape[1]
+            sizes = counted.layers[0].get_mask_sizes(1)
+            assert sizes == (128, 0) and type(sizes[1]) is int
