@@ -160,6 +160,9 @@ def render(models: dict, with_plot: bool) -> str:
              "--transformers-baselines --host-implementations offplan --cpu-fractions 0.3 0.5 --cpu-threads 8 15   "
              "# then: mv results/moe-qwen3-30b-a3b.jsonl results/moe-cpu-qwen3-30b-a3b-run1.jsonl; run2: --batches 1 "
              "4 --cpu-threads 8, on another machine",
+             "python benchmarks/moe.py --layers 8 --batches 1 4 8 --modes graph --baselines --transformers-baselines "
+             "--host-implementations offplan --cpu-fractions 0.3 0.5 --cpu-threads 8 15 --cpu-split   # an H200, "
+             "main at b11c0ad (the native host kernel, a calibrated profile): moe-cpu-qwen3-30b-a3b-run5-h200",
              "python benchmarks/report.py",
              "```", "",
              "Random bf16 weights in the real shapes. Dense tables: HF transformers eager decode (`generate`, "
