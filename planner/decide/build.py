@@ -22,7 +22,7 @@ from ..layers.shards import collectives, find_split, local_tensors
 from ..nogc import no_gc
 from ..plan import Built, Parallel, Placement, Plan, RoutingRef, Runs
 from ..provenance import inputs_fingerprint, version
-from .notes import parallel_notes
+from .notes import WARNING, parallel_notes
 from .placement import decide
 
 
@@ -102,6 +102,21 @@ def _refuse_threadless(policy: Policy, hardware: Hardware) -> None:
                           "with more cores (`plan calibrate`), or leave the experts on uva", asks)
 
 
+def threads_warning(hardware: Hardware) -> str | None:
+    """The note of a plan with experts on cpu whose profile's cpu_threads are not the threads its host rates were
+    measured with (`cpu_rates_threads`: a calibrated profile edited after, or one written by hand that sets
+    cpu_threads over the built-in rates). The cost model reads the rates as they are: it knows no law from threads
+    to rate, and a host's is not proportional (memory bounds it)."""
+    threads, measured = hardware.cpu_threads, hardware.cpu_rates_threads
+    if threads == measured:
+        return None
+    return (f"{WARNING}experts on cpu with {threads} host threads (the hardware profile's cpu_threads), predicted "
+            f"with host rates measured with {measured} ({hardware.cpu_expert_gbps:g} GB/s beside UVA reads): a "
+            "host's rate is not proportional to its threads (8 took 1.39-1.63x the time of 15 on an H200 machine's "
+            "host, docs/host-experts/), so the plan's figures for them do not hold; use a profile calibrated with "
+            f"{threads} threads (`plan calibrate` uses the host's cores less one), or cpu_threads: {measured}")
+
+
 def build(policy: Policy, plan_dir: Path, checkpoint: Checkpoint | None = None) -> Plan:
     """Plan `policy` for a plan file that will live in `plan_dir` (paths are stored relative to it)."""
     with no_gc():
@@ -130,6 +145,7 @@ def _build(policy: Policy, plan_dir: Path, checkpoint: Checkpoint | None) -> Pla
     if policy.stacks is None:  # else the stacks are the policy's: the text model's may be none of them
         _refuse_missing_layers(graph, facts.layers, ckpt.root)
     hardware = load_hardware(policy.hardware) if policy.hardware else H100
+    threads = threads_warning(hardware)
     top_k = policy.workload.experts_per_token or facts.top_k
     routing = load_profile(policy.workload.routing) if policy.workload.routing else None
     tensors, parallel, waits = ckpt.tensors, None, None
@@ -146,6 +162,8 @@ def _build(policy: Policy, plan_dir: Path, checkpoint: Checkpoint | None) -> Pla
                             policy.gpu_budgets_bytes)
     d = decide(graph, tensors, policy, hardware, top_k, routing, ckpt.fingerprint, facts.experts, quantized, waits,
                shapes if tensors is ckpt.tensors else None)
+    if threads and d.summary.cpu_bytes:
+        d = dataclasses.replace(d, notes=(*d.notes, threads))
     if parallel is not None:
         parallel = dataclasses.replace(parallel, collectives_per_step=d.collectives[0], collectives_us=d.collectives[1])
         d = dataclasses.replace(d, notes=(*parallel_notes(policy.gpus, facts.model_type, hardware.h2d_copy_gbps,

@@ -10,7 +10,8 @@ models: 76.4 us per dense layer, 120.9 us per MoE layer, 45.9 us per step);
 the HBM and CPU figures are estimates (`plan calibrate`
 there measured 2470-2750 GB/s HBM reads and 590-1520 us of CPU time per layer,
 run to run), and so are the figures of experts on cpu, from the host's read
-rates measured there (`plan calibrate` does not measure them yet).
+rates measured there with 15 threads (`plan calibrate` measures them on its
+own machine, with its cores less one).
 """
 from __future__ import annotations
 
@@ -78,7 +79,15 @@ class Hardware:
     # the cores have host memory to themselves: 0 takes cpu_expert_gbps x CPU_ALONE (profiles before `plan calibrate`
     # measured it, and the built-in one)
     cpu_expert_alone_gbps: float = 0.0
+    # the host threads the three cpu figures above were measured with (`plan calibrate`: its cpu_threads; the built-in
+    # figures: 15). 0 at construction: cpu_threads. A profile whose cpu_threads was changed after keeps this, and a
+    # plan with experts on cpu warns (decide/build.py `threads_warning`): the rates are not those threads'
+    cpu_rates_threads: int = 0
     measured: str = ""
+
+    def __post_init__(self):
+        if not self.cpu_rates_threads:
+            object.__setattr__(self, "cpu_rates_threads", self.cpu_threads)
 
     @property
     def uva_beside_cpu_gbps(self) -> float:
@@ -102,7 +111,7 @@ class Hardware:
         threads = self.cpu_threads // gpus
         share = threads / self.cpu_threads if self.cpu_threads else 0.0
         return dataclasses.replace(self, h2d_copy_gbps=self.parallel_h2d_copy_gbps, cpu_threads=threads,
-                                   cpu_expert_gbps=self.cpu_expert_gbps * share,
+                                   cpu_rates_threads=threads, cpu_expert_gbps=self.cpu_expert_gbps * share,
                                    cpu_expert_alone_gbps=self.cpu_expert_alone_gbps * share)
 
 
@@ -148,6 +157,9 @@ def load_hardware(path: str | Path) -> Hardware:
                                                                           / H100.h2d_copy_gbps)
         if "layer_overhead_us" in given and "moe_layer_overhead_us" not in given:  # 0: a dense layer's, the given
             derived["moe_layer_overhead_us"] = 0.0
+        if "cpu_rates_threads" not in given and given.keys() & {"cpu_expert_gbps", "cpu_expert_alone_gbps",
+                                                                "cpu_expert_sync_us"}:  # the rates given: its threads'
+            derived["cpu_rates_threads"] = given.get("cpu_threads", H100.cpu_threads)
         return dataclasses.replace(H100, name=d["name"], **given, **derived, measured=measured)
     return Hardware(d["name"], float(d["h2d_copy_gbps"]), float(d["uva_read_gbps"]),
                     float(d["hbm_read_gbps"]), float(d["layer_overhead_us"]),
@@ -171,6 +183,7 @@ def load_hardware(path: str | Path) -> Hardware:
                     cpu_expert_sync_us=float(d.get("cpu_expert_sync_us", H100.cpu_expert_sync_us)),
                     uva_read_beside_cpu_gbps=float(d.get("uva_read_beside_cpu_gbps", 0.0)),
                     cpu_expert_alone_gbps=float(d.get("cpu_expert_alone_gbps", 0.0)),
+                    cpu_rates_threads=int(d.get("cpu_rates_threads", 0)),
                     measured=d.get("measured", ""))
 
 
@@ -188,6 +201,7 @@ def dumps_hardware(hw: Hardware) -> str:
             f"cpu_expert_sync_us: {hw.cpu_expert_sync_us:.1f}\n"
             + (f"uva_read_beside_cpu_gbps: {hw.uva_read_beside_cpu_gbps:.1f}\n" if hw.uva_read_beside_cpu_gbps else "")
             + (f"cpu_expert_alone_gbps: {hw.cpu_expert_alone_gbps:.1f}\n" if hw.cpu_expert_alone_gbps else "")
+            + (f"cpu_rates_threads: {hw.cpu_rates_threads}\n" if hw.cpu_rates_threads != hw.cpu_threads else "")
             + (f"eager_median_ratio: {hw.eager_median_ratio:.2f}\n" if hw.eager_median_ratio != 1.0 else "")
             + (f"prefill_token_ns: {hw.prefill_token_ns:.1f}\n" if hw.prefill_token_ns != H100.prefill_token_ns else "")
             + (f"moe_prefill_token_ns: {hw.moe_prefill_token_ns:.1f}\n"

@@ -205,7 +205,7 @@ def test_with_several_gpus_each_process_gets_its_share_of_the_host():
     of 15, and its link's rate while the other copies too; mixed plans each share with them."""
     hw = dataclasses.replace(H100, cpu_expert_alone_gbps=90.0)
     assert hw.one_of(2) == dataclasses.replace(hw, h2d_copy_gbps=hw.parallel_h2d_copy_gbps, cpu_threads=7,
-                                               cpu_expert_gbps=75.0 * 7 / 15, cpu_expert_alone_gbps=90.0 * 7 / 15)
+                                               cpu_rates_threads=7, cpu_expert_gbps=35.0, cpu_expert_alone_gbps=42.0)
     assert hw.one_of(1) is hw and dataclasses.replace(H100, cpu_threads=3).one_of(4).cpu_threads == 0
     # a host twice as fast as _mixed_cpu(4.0)'s, over 2 GPUs: the same experts on cpu, with 7 threads each
     from test_cost import HW, moe
