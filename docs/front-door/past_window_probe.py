@@ -5,11 +5,11 @@
 Until branch sliding-replay, a replayed cache longer than a window was refused, so `plan apply` of gpt-oss
 generated at most 128 tokens of prompt and output from a CUDA graph and ran longer calls eagerly. This probe times
 what a user calls: `handle.generate(prompt, NEW)` with a prompt of 16 tokens, graph (the default) and `eager=True`,
-for NEW = 100 (a cache of 128: within the window) and 300 (a cache of 384: every sliding layer rolls for 256 steps),
+for NEW = 100 (a cache of 128: within the window) and 300 (a cache of 384: 187 of the 299 decode steps past it),
 on gpt-oss-120b's shapes with LAYERS decoder layers (4 unless given; the checkpoint is gpt_oss_decode.py's: MXFP4
 experts as gpt-oss ships them, random values). Two plans: every routed expert on uva, and all on the GPU. Each row
 is the median of three calls after one that captures (or warms up) the step, with whether its tokens equal the
-eager ones.
+eager ones; `cache` in a row is the prompt and new tokens (the runtime's cache rounds it up to a multiple of 128).
 """
 import importlib.util
 import json

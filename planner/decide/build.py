@@ -113,8 +113,9 @@ def threads_warning(hardware: Hardware) -> str | None:
     return (f"{WARNING}experts on cpu with {threads} host threads (the hardware profile's cpu_threads), predicted "
             f"with host rates measured with {measured} ({hardware.cpu_expert_gbps:g} GB/s beside UVA reads): a "
             "host's rate is not proportional to its threads (8 took 1.39-1.63x the time of 15 on an H200 machine's "
-            "host, docs/host-experts/), so the plan's figures for them do not hold; use a profile calibrated with "
-            f"{threads} threads (`plan calibrate` uses the host's cores less one), or cpu_threads: {measured}")
+            "host, docs/host-experts/), so the plan's figures for them may not hold; calibrate with the threads the "
+            f"plan will run (`plan calibrate` takes the cores it may run on less one: `taskset -c 0-{threads} plan "
+            f"calibrate` gives {threads}), or give cpu_threads: {measured} where the host has the cores")
 
 
 def build(policy: Policy, plan_dir: Path, checkpoint: Checkpoint | None = None) -> Plan:
@@ -145,7 +146,7 @@ def _build(policy: Policy, plan_dir: Path, checkpoint: Checkpoint | None) -> Pla
     if policy.stacks is None:  # else the stacks are the policy's: the text model's may be none of them
         _refuse_missing_layers(graph, facts.layers, ckpt.root)
     hardware = load_hardware(policy.hardware) if policy.hardware else H100
-    threads = threads_warning(hardware)
+    threads = threads_warning(hardware)  # of the whole host's profile: each GPU's share (`one_of`) is made alike
     top_k = policy.workload.experts_per_token or facts.top_k
     routing = load_profile(policy.workload.routing) if policy.workload.routing else None
     tensors, parallel, waits = ckpt.tensors, None, None

@@ -80,8 +80,8 @@ class Hardware:
     # measured it, and the built-in one)
     cpu_expert_alone_gbps: float = 0.0
     # the host threads the three cpu figures above were measured with (`plan calibrate`: its cpu_threads; the built-in
-    # figures: 15). 0 at construction: cpu_threads. A profile whose cpu_threads was changed after keeps this, and a
-    # plan with experts on cpu warns (decide/build.py `threads_warning`): the rates are not those threads'
+    # figures: 15), written in every profile. 0 at construction: cpu_threads. A profile whose cpu_threads was changed
+    # after keeps this, and a plan with experts on cpu warns (decide/build.py `threads_warning`)
     cpu_rates_threads: int = 0
     measured: str = ""
 
@@ -157,8 +157,7 @@ def load_hardware(path: str | Path) -> Hardware:
                                                                           / H100.h2d_copy_gbps)
         if "layer_overhead_us" in given and "moe_layer_overhead_us" not in given:  # 0: a dense layer's, the given
             derived["moe_layer_overhead_us"] = 0.0
-        if "cpu_rates_threads" not in given and given.keys() & {"cpu_expert_gbps", "cpu_expert_alone_gbps",
-                                                                "cpu_expert_sync_us"}:  # the rates given: its threads'
+        if "cpu_rates_threads" not in given and "cpu_expert_gbps" in given:  # the rate given: its threads'
             derived["cpu_rates_threads"] = given.get("cpu_threads", H100.cpu_threads)
         return dataclasses.replace(H100, name=d["name"], **given, **derived, measured=measured)
     return Hardware(d["name"], float(d["h2d_copy_gbps"]), float(d["uva_read_gbps"]),
@@ -183,7 +182,10 @@ def load_hardware(path: str | Path) -> Hardware:
                     cpu_expert_sync_us=float(d.get("cpu_expert_sync_us", H100.cpu_expert_sync_us)),
                     uva_read_beside_cpu_gbps=float(d.get("uva_read_beside_cpu_gbps", 0.0)),
                     cpu_expert_alone_gbps=float(d.get("cpu_expert_alone_gbps", 0.0)),
-                    cpu_rates_threads=int(d.get("cpu_rates_threads", 0)),
+                    # absent: its cpu_threads where it gives the rate (as `plan calibrate` wrote profiles before
+                    # the key), else the built-in rate's 15
+                    cpu_rates_threads=int(d.get("cpu_rates_threads", 0 if "cpu_expert_gbps" in d
+                                                else H100.cpu_threads)),
                     measured=d.get("measured", ""))
 
 
@@ -201,7 +203,7 @@ def dumps_hardware(hw: Hardware) -> str:
             f"cpu_expert_sync_us: {hw.cpu_expert_sync_us:.1f}\n"
             + (f"uva_read_beside_cpu_gbps: {hw.uva_read_beside_cpu_gbps:.1f}\n" if hw.uva_read_beside_cpu_gbps else "")
             + (f"cpu_expert_alone_gbps: {hw.cpu_expert_alone_gbps:.1f}\n" if hw.cpu_expert_alone_gbps else "")
-            + (f"cpu_rates_threads: {hw.cpu_rates_threads}\n" if hw.cpu_rates_threads != hw.cpu_threads else "")
+            + f"cpu_rates_threads: {hw.cpu_rates_threads}\n"
             + (f"eager_median_ratio: {hw.eager_median_ratio:.2f}\n" if hw.eager_median_ratio != 1.0 else "")
             + (f"prefill_token_ns: {hw.prefill_token_ns:.1f}\n" if hw.prefill_token_ns != H100.prefill_token_ns else "")
             + (f"moe_prefill_token_ns: {hw.moe_prefill_token_ns:.1f}\n"

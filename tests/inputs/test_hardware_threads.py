@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from headeronly import moe_toy, write_policy
+from headeronly import moe_toy, tp_checkpoint, write_policy
 from offplan.cli import main
 from planner.decide.build import build
 from planner.inputs.hardware import H100, dumps_hardware, load_hardware
@@ -17,24 +17,34 @@ UVA_RULE = "rules:\n  - match: [experts]\n    place: uva\n"
 WARNS = ("warning: experts on cpu with 2 host threads (the hardware profile's cpu_threads), predicted with host "
          "rates measured with 15 (75 GB/s beside UVA reads): a host's rate is not proportional to its threads (8 "
          "took 1.39-1.63x the time of 15 on an H200 machine's host, docs/host-experts/), so the plan's figures for "
-         "them do not hold; use a profile calibrated with 2 threads (`plan calibrate` uses the host's cores less "
-         "one), or cpu_threads: 15")
+         "them may not hold; calibrate with the threads the plan will run (`plan calibrate` takes the cores it may "
+         "run on less one: `taskset -c 0-2 plan calibrate` gives 2), or give cpu_threads: 15 where the host has the "
+         "cores")
 
 
 def test_a_profile_keeps_the_threads_its_host_rates_were_measured_with(tmp_path):
     assert H100.cpu_rates_threads == H100.cpu_threads == 15
-    assert "cpu_rates_threads" not in dumps_hardware(H100)  # a calibrated profile's file as before
+    calibrated = dataclasses.replace(H100, cpu_threads=7, cpu_rates_threads=7)  # as `plan calibrate` makes it
+    text = dumps_hardware(calibrated)
+    assert "cpu_threads: 7\n" in text and "cpu_rates_threads: 7\n" in text  # in every profile written
+    (tmp_path / "hw.yaml").write_text(text)
+    assert load_hardware(tmp_path / "hw.yaml") == calibrated
+    (tmp_path / "hw.yaml").write_text(text.replace("cpu_threads: 7\n", "cpu_threads: 3\n"))  # edited by hand
+    assert (load_hardware(tmp_path / "hw.yaml").cpu_threads, load_hardware(tmp_path / "hw.yaml").cpu_rates_threads) \
+        == (3, 7)
+    (tmp_path / "hw.yaml").write_text(text.replace("cpu_rates_threads: 7\n", ""))  # written before the key
+    assert load_hardware(tmp_path / "hw.yaml").cpu_rates_threads == 7  # its cpu_threads, whose rate it gives
     edited = dataclasses.replace(H100, cpu_threads=8)  # as benchmarks/harness/host_rows.py copies a profile
     assert (edited.cpu_threads, edited.cpu_rates_threads) == (8, 15)
-    (tmp_path / "edited.yaml").write_text(dumps_hardware(edited))
-    assert "cpu_threads: 8\n" in dumps_hardware(edited) and "cpu_rates_threads: 15\n" in dumps_hardware(edited)
-    assert load_hardware(tmp_path / "edited.yaml") == edited
-    calibrated = dataclasses.replace(H100, cpu_threads=7, cpu_rates_threads=7)
-    (tmp_path / "calibrated.yaml").write_text(dumps_hardware(calibrated))
-    assert load_hardware(tmp_path / "calibrated.yaml").cpu_rates_threads == 7  # no key: its cpu_threads
-    # by hand: cpu_threads alone keeps the built-in rates, measured with 15; with a rate given, that rate's threads
+    (tmp_path / "hw.yaml").write_text(dumps_hardware(edited))
+    assert load_hardware(tmp_path / "hw.yaml") == edited
+    # by hand: without cpu_expert_gbps, the built-in rate's 15; with it, the threads given beside it
+    core = "h2d_copy_gbps: 50\nuva_read_gbps: 45\nhbm_read_gbps: 3000\nlayer_overhead_us: 500\n"
     for body, want in (("cpu_threads: 2\n", (2, 15)), ("cpu_threads: 2\ncpu_expert_gbps: 20\n", (2, 2)),
-                       ("cpu_expert_sync_us: 40\n", (15, 15)), ("cpu_threads: 2\ncpu_rates_threads: 4\n", (2, 4))):
+                       ("cpu_expert_gbps: 20\n", (15, 15)), ("cpu_threads: 4\ncpu_expert_sync_us: 40\n", (4, 15)),
+                       ("cpu_threads: 4\ncpu_expert_alone_gbps: 30\n", (4, 15)),
+                       ("cpu_threads: 2\ncpu_rates_threads: 4\n", (2, 4)), (core + "cpu_threads: 4\n", (4, 15)),
+                       (core + "cpu_threads: 4\ncpu_expert_gbps: 20\n", (4, 4))):
         (tmp_path / "hand.yaml").write_text("format_version: 1\nname: a host\n" + body)
         hw = load_hardware(tmp_path / "hand.yaml")
         assert (hw.cpu_threads, hw.cpu_rates_threads) == want, body
@@ -59,3 +69,16 @@ def test_a_plan_with_experts_on_cpu_warns_when_its_threads_are_not_its_rates(tmp
     assert main(["build", str(tmp_path / "two-cpu.policy.yaml"), "-o", str(tmp_path / "p.plan.yaml")]) == 0
     err = capsys.readouterr().err
     assert err.count(WARNS) == 1 and (tmp_path / "p.plan.yaml").is_file()
+
+
+def test_over_several_gpus_the_warning_is_of_the_whole_hosts_profile(tmp_path):
+    """Each GPU's process gets its share of the threads and rates (hardware.py `one_of`, made alike): the warning
+    is of the profile as given, before the share."""
+    tp_checkpoint(tmp_path / "ckpt")
+    (tmp_path / "hw.yaml").write_text("format_version: 1\nname: four cores\ncpu_threads: 4\n")
+    plan = build(load_policy(write_policy(tmp_path, "gpus: 2\nhardware: hw.yaml\n" + CPU_RULE)), tmp_path)
+    assert plan.cost.cpu_threads == 2
+    assert [n for n in plan.notes if n.startswith("warning: experts on cpu with 4 host threads")] == [
+        WARNS.replace("with 2 host", "with 4 host").replace("0-2 plan calibrate` gives 2", "0-4 plan calibrate` "
+                                                                                         "gives 4")]
+
