@@ -143,10 +143,8 @@ class GroupFacts:
 
 
 def _bytes(infos: list[TensorInfo]) -> tuple[int, int, bool, int]:
-    dtypes = set(map(_DTYPE, infos))
-    quantized = not dtypes.isdisjoint(_DEQUANTIZED) or any(t.dtype == "U8" and t.name.endswith("_blocks")
-                                                           for t in infos)
-    return (sum(map(_NBYTES, infos)), _dequantized(infos, dtypes), quantized,
+    dequantized = _dequantized(infos, set(map(_DTYPE, infos)))  # above 0: FP8, or MXFP4's blocks (`_per_byte`)
+    return (sum(map(_NBYTES, infos)), dequantized, dequantized > 0,
             sum(t.nbytes for t in infos if not _scale(t.name) and "bias" not in t.name))
 
 
