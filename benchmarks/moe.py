@@ -135,6 +135,7 @@ class Run:
         self.work = args.dir / f"moe-{args.model}"
         self.work.mkdir(parents=True, exist_ok=True)
         self.ckpt, self.info, self.hw = checkpoint_and_hardware(args, self.work, self.record)
+        self.host_profiles: dict[int, str] = {}  # host threads -> their profile's file (harness/host_rows.py)
         config = config_for(args.model, args.layers)
         self.layers = config.num_hidden_layers
         self.expert_bytes = 3 * config.moe_intermediate_size * config.hidden_size * 2  # gate, up, down in bf16

@@ -121,6 +121,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", metavar="PROFILE", default="hardware.yaml",
                    help="where to write the hardware profile (default: hardware.yaml); name it in a "
                         "policy as `hardware: PROFILE`")
+    p.add_argument("--cpu-threads", type=_positive, metavar="N",
+                   help="measure the host's figures for experts on cpu with N threads of the host kernel, the "
+                        "threads plans built with the profile then run (default: the cores this process may run "
+                        "on, less one for the thread that launches the GPU's work); calibrate at the threads the "
+                        "model will have where other work shares the host")
     p = cmd("apply", "load the plan's checkpoint with transformers, per the plan, and generate")
     p.add_argument("plan", metavar="PLAN")
     p.add_argument("--prompt", action="append", metavar="TEXT",

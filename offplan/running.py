@@ -253,10 +253,10 @@ def _generate(model, handle, texts: list[str], batch: int, max_new_tokens: int, 
 
 
 def calibrate_command(args) -> int:
-    """`plan calibrate -o PROFILE`: measure this GPU (runtime/measure/calibrate.py), write a hardware profile."""
+    """`plan calibrate -o PROFILE [--cpu-threads N]`: measure this GPU (runtime/measure/calibrate.py), write a hardware profile."""
     # before minutes of measuring
     refuse_to_replace(Path(args.output), "hardware profile", "choose another -o, or remove that file first")
-    cal = calibrate()
+    cal = calibrate(args.cpu_threads)
     hw = cal.hardware
     write_atomic(Path(args.output), dumps_hardware(hw), "hardware profile")
     steps = ", ".join(f"{n}: {us:.0f}" for n, us in cal.step_us_by_layers.items())

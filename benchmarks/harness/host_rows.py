@@ -66,11 +66,29 @@ def measure_split(run, host: Path, threads: int | None) -> None:
 
 
 def profile(run, threads: int | None) -> str:
-    """The run's hardware profile, or a copy of it with `threads` host threads (`cpu_threads`): its file name."""
+    """The run's hardware profile (None), or one for `threads` host threads: its file name. On CUDA the host's
+    figures are measured again with those threads (runtime/measure/host.py `host_figures`, rounds back to back,
+    recorded as a `host-calibration` row), so that each thread count's rows are predicted from its own rates (a host's
+    rate is not proportional to its threads); once per run and thread count. Without CUDA, or where the kernel is not
+    built, a copy with `cpu_threads: threads` and the run's rates, which `plan build` warns of."""
     if threads is None:
         return "hw.yaml"
-    (run.work / f"hw-t{threads}.yaml").write_text(dumps_hardware(dataclasses.replace(run.hw, cpu_threads=threads)))
-    return f"hw-t{threads}.yaml"
+    name = f"hw-t{threads}.yaml"
+    if threads not in run.host_profiles:
+        host = None
+        if run.cuda:
+            from runtime.measure.host import host_figures
+            host = host_figures(threads)
+        if host is None:
+            hw = dataclasses.replace(run.hw, cpu_threads=threads)
+        else:
+            hw = dataclasses.replace(run.hw, **host.profile_fields())
+            run.record(kind="host-calibration", **host.profile_fields(), fixed_us=round(host.fixed_us, 1),
+                       handover_us=round(host.handover_us, 1), r2=round(host.r2, 4), isa=host.isa,
+                       rounds=host.rounds, slowdown=round(host.slowdown, 2))
+        (run.work / name).write_text(dumps_hardware(hw))
+        run.host_profiles[threads] = name
+    return run.host_profiles[threads]
 
 
 class HostTiming:

@@ -114,8 +114,8 @@ def threads_warning(hardware: Hardware) -> str | None:
             f"with host rates measured with {measured} ({hardware.cpu_expert_gbps:g} GB/s beside UVA reads): a "
             "host's rate is not proportional to its threads (8 took 1.39-1.63x the time of 15 on an H200 machine's "
             "host, docs/host-experts/), so the plan's figures for them may not hold; calibrate with the threads the "
-            f"plan will run (`plan calibrate` takes the cores it may run on less one: `taskset -c 0-{threads} plan "
-            f"calibrate` gives {threads}), or give cpu_threads: {measured} where the host has the cores")
+            f"plan will run (`plan calibrate --cpu-threads {threads}`), or give cpu_threads: {measured} where the "
+            "host has the cores")
 
 
 def build(policy: Policy, plan_dir: Path, checkpoint: Checkpoint | None = None) -> Plan:

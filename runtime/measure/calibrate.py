@@ -55,8 +55,13 @@ What is measured, and how:
 - experts on cpu (host.py): the rate of the runtime's host kernel beside
   the GPU's UVA reads and alone, its fixed cost per call, and a layer's
   hand-over (`cpu_expert_gbps`, `cpu_expert_alone_gbps`,
-  `cpu_expert_sync_us`, `cpu_threads`); where the kernel
-  is not built, the built-in figures, and the profile says so.
+  `cpu_expert_sync_us`), with `cpu_threads` threads: those asked
+  (`plan calibrate --cpu-threads N`), else the cores less one. They are
+  measured in rounds, one after each of the measurements above, so that the
+  rounds span the calibration's minute and the host CPU's slow phases (which
+  last seconds) cannot take them all: each point keeps its fastest round
+  (host.py). Where the kernel is not built, the built-in figures, and the
+  profile says so.
 
 Limits: the per-layer figures are a Llama layer's and a Qwen3-MoE layer's at
 batch 1; a layer that launches more kernels (transformers' eager MoE expert
@@ -76,7 +81,7 @@ from planner.inputs.hardware import H100, Hardware
 from ..execute.host import native
 
 from .bandwidth import h2d_copy_gbps, hbm_gbps, matmul_tflops, stage_above, stage_crossover, uva_gbps, warm_up
-from .host import host_figures
+from .host import HostRounds, check_threads
 from .steps import (fit_line, generator_step_us_by_layers, replay_us_by_layers, step_us_by_layers, tiny_llama,
                     tiny_moe, tiny_moe_offloaded)
 
@@ -93,22 +98,35 @@ class Calibration:
     moe_step_us_by_layers: dict[int, float]  # eager step of the runtime's generation over the tiny MoE models
 
 
-def calibrate() -> Calibration:
+def calibrate(cpu_threads: int | None = None) -> Calibration:
+    """Measure (module doc); `cpu_threads`: the host kernel's threads (None: the cores this process may run on,
+    less one); more than those cores is an error before anything is measured."""
+    check_threads(cpu_threads)
     if not torch.cuda.is_available():
         raise OffplanError("plan calibrate measures a GPU: no CUDA device here")
     name = torch.cuda.get_device_name()
     warm_up()
+    rounds = HostRounds.start(cpu_threads)
+    host_round = rounds.round if rounds is not None else lambda: None
     h2d = h2d_copy_gbps()
+    host_round()
     uva = uva_gbps()
     hbm = hbm_gbps()
+    host_round()
     tflops = matmul_tflops()
     crossover = stage_crossover()
+    host_round()
     steps, slow = step_us_by_layers()
+    host_round()
     per_step, per_layer, r2 = fit_line(list(steps), list(steps.values()))
     moe_steps, moe_slow = generator_step_us_by_layers(tiny_moe_offloaded)
+    host_round()
     _, moe_per_layer, r2_moe_cpu = fit_line(list(moe_steps), list(moe_steps.values()))
     slowdown = max(slow, moe_slow)  # the eager rounds' median against their fastest (steps.fastest)
-    replayed = {"dense": replay_us_by_layers(tiny_llama), "moe": replay_us_by_layers(tiny_moe)}
+    replayed = {"dense": replay_us_by_layers(tiny_llama)}
+    host_round()
+    replayed["moe"] = replay_us_by_layers(tiny_moe)
+    host_round()
     gpu_step, gpu_layer, r2_dense = fit_line(list(replayed["dense"]), list(replayed["dense"].values()))
     _, gpu_moe_layer, r2_moe = fit_line(list(replayed["moe"]), list(replayed["moe"].values()))
     for what, times, fit, slope in (("eager decode step", steps, r2, per_layer),
@@ -121,13 +139,12 @@ def calibrate() -> Calibration:
                                f"count ({measured}; R^2 {fit:.3f} < {MIN_R2}); something else is loading this "
                                "machine's CPU or GPU: run `plan calibrate` again when it is idle")
     in_place = ", ".join(f"{m}: {a / b:.2f}" for m, (a, b) in crossover.items())
-    host = host_figures()
-    cpu = {} if host is None else dict(cpu_expert_gbps=round(host.gbps, 1), cpu_threads=host.threads,
-                                       cpu_expert_sync_us=round(host.fixed_us + host.handover_us, 1),
-                                       cpu_expert_alone_gbps=round(host.alone_gbps, 1))
+    host = rounds.figures() if rounds is not None else None
+    cpu = {} if host is None else host.profile_fields()
     cpu_note = (f"experts on cpu: the host kernel's {host.threads} threads ({host.isa}) read {host.gbps:.1f} GB/s "
                 f"beside UVA reads (fit R^2 {host.r2:.3f}), {host.alone_gbps:.1f} GB/s with the GPU idle, "
-                f"{host.fixed_us:.0f} us a call + {host.handover_us:.0f} us a layer's hand-over"
+                f"{host.fixed_us:.0f} us a call + {host.handover_us:.0f} us a layer's hand-over (each point's "
+                f"fastest of {host.rounds} rounds; the median round {host.slowdown:.2f}x slower)"
                 if host is not None else
                 f"experts on cpu: built-in figures ({native.why_not})")
     hw = Hardware(name, round(h2d, 1), round(uva, 1), round(hbm), round(per_layer, 1), round(max(per_step, 0.0), 1),

@@ -14,12 +14,19 @@
   all on cpu (the cost model takes it there);
 - the hand-over: a captured graph of what a decode step enqueues per layer with experts on cpu (the tokens and
   their routing copied to pinned memory, the host node, the outputs copied back), its job computing nothing
-  (no expert on cpu), replayed 200 times, five times over: the fastest of the five median replays (a median
-  moved between 33 and 62 us with the host CPU's slow phases, docs/calibration/; the fastest of five stayed
-  within 33-37 us in four processes).
+  (no expert on cpu), replayed 200 times: its median replay.
 
-`cpu_expert_sync_us` = the hand-over + the fit's fixed cost. `cpu_threads`: the cores this process may run on,
-less one for the Python thread that launches the GPU's work.
+Rounds. The host's CPU runs in phases, seconds to a minute long, in which everything it does is slower, about
+1.4-1.9x (docs/calibration/): a fit made inside one such phase moved the rates 9-17% and the fixed cost over 100%
+between calibrations. So the figures are measured in rounds (`HostRounds.round`: each point's median call beside
+UVA reads and alone, and one hand-over), which `plan calibrate` spreads between its other measurements, about a
+minute; each point (and the hand-over) keeps its fastest round, since a phase only adds time, and the fits go
+through those. The median round's slowdown against the fastest is reported, as the eager lines' is.
+
+`cpu_expert_sync_us` = the hand-over + the fit's fixed cost. `cpu_threads`: the threads the kernel ran with:
+asked (`plan calibrate --cpu-threads N`, at most the cores this process may run on), or the cores this process
+may run on less one for the Python thread that launches the GPU's work. A plan computes with the profile's
+`cpu_threads`, so a machine that will run other work beside the model calibrates at the threads it will give.
 
 Limits: one expert shape (the plan's may be larger or smaller: the rate is what matters, and it is bytes);
 the GPU's UVA reads run at full rate throughout, where a step's run only while its experts are read.
@@ -35,6 +42,8 @@ import time
 from dataclasses import dataclass
 
 import torch
+
+from planner.errors import OffplanError
 
 from ..execute.host import native
 from ..execute.host.handoff import launch_host_func
@@ -54,52 +63,122 @@ class HostFigures:
     handover_us: float  # per layer: copies, host node, copy back
     r2: float  # of the fit
     isa: str  # native.cpp's instruction set
+    rounds: int = 1  # of each point, the fastest kept (module doc)
+    slowdown: float = 1.0  # the median round's time against the fastest, the calls of 8 experts beside UVA reads
+
+    def profile_fields(self) -> dict:
+        """The hardware profile's fields these figures give (planner/inputs/hardware.py)."""
+        return dict(cpu_expert_gbps=round(self.gbps, 1), cpu_expert_alone_gbps=round(self.alone_gbps, 1),
+                    cpu_expert_sync_us=round(self.fixed_us + self.handover_us, 1), cpu_threads=self.threads,
+                    cpu_rates_threads=self.threads)
 
 
 def threads_here() -> int:
     return max(1, len(os.sched_getaffinity(0)) - 1)
 
 
-def host_figures(calls: int = 24) -> HostFigures | None:
-    """The module doc's figures; None where native.cpp is not built (`native.why_not`)."""
-    lib = native.library()
-    if lib is None:
+def check_threads(threads: int | None) -> int:
+    """The threads to measure with: `threads`, or `threads_here()` for None. More than the cores this process may
+    run on is an error (before anything is measured), naming both and how to get more."""
+    cores = len(os.sched_getaffinity(0))
+    if threads is None:
+        return threads_here()
+    if threads < 1 or threads > cores:
+        raise OffplanError(f"--cpu-threads {threads}: this process may run on {cores} cores (its CPU affinity), so "
+                           f"the host kernel can run 1 to {cores} threads; ask for at most {cores}"
+                           + (f" ({threads_here()} leaves one for the thread that launches the GPU's work)"
+                              if cores > 1 else "")
+                           + ", or widen the affinity (`taskset -c`, the container's CPU limit)")
+    return threads
+
+
+class HostRounds:
+    """The module doc's figures, measured a round at a time (`round`) and reduced once (`figures`).
+
+        rounds = HostRounds.start(threads)   # None where native.cpp is not built (`native.why_not`)
+        for ...: rounds.round()                # between other measurements, so that the rounds span time
+        figures = rounds.figures()             # and the kernel's pool is closed
+    """
+
+    def __init__(self, lib, threads: int, calls: int):
+        self.lib, self.calls = lib, calls
+        self.pool = native.Pool(lib, threads)
+        self.threads = threads
+        self.gate_up = torch.full((EXPERTS, 2 * INTER, HIDDEN), 0.01, dtype=torch.bfloat16)  # values: no matter
+        self.down = torch.full((EXPERTS, HIDDEN, INTER), 0.01, dtype=torch.bfloat16)
+        self.beside: list[list[float]] = []  # per round, per point (POINTS): the median call, us
+        self.alone: list[list[float]] = []
+        self.handovers: list[float] = []
+
+    @classmethod
+    def start(cls, threads: int | None = None, calls: int = 24) -> "HostRounds | None":
+        lib = native.library()
+        return None if lib is None else cls(lib, check_threads(threads), calls)
+
+    def round(self) -> None:
+        self.beside.append(self._points(_uva_reads()))
+        self.alone.append(self._points(contextlib.nullcontext()))
+        self.handovers.append(_handover(self.lib, self.pool))
+
+    def figures(self) -> HostFigures:
+        """Each point's fastest round, fitted (module doc); the pool closed."""
+        try:
+            isa = self.pool.isa()
+        finally:
+            self.pool.close()
+        expert_bytes = self.gate_up[0].nbytes + self.down[0].nbytes
+        return fastest_rounds(self.threads, isa, [on * expert_bytes for _, on in POINTS], self.beside, self.alone,
+                              self.handovers)
+
+    def _points(self, beside) -> list[float]:
+        """Each point's median call (us), the calls made inside the context `beside`."""
+        on_cpu = torch.zeros(EXPERTS, dtype=torch.uint8)
+        order = torch.randperm(EXPERTS, generator=torch.Generator().manual_seed(len(self.beside)))
+        medians = []
+        with beside:
+            for tokens, on in POINTS:
+                x = torch.full((tokens, HIDDEN), 0.5, dtype=torch.bfloat16)
+                y = torch.empty((tokens * TOP_K, HIDDEN), dtype=torch.bfloat16)
+                ids = torch.empty(tokens * TOP_K, dtype=torch.long)
+                job = native.job(self.pool, self.gate_up, self.down, on_cpu, x, ids, y, tokens, TOP_K)
+                took = []
+                for c in range(self.calls):  # each call's experts follow the last call's in a shuffled ring: cold
+                    first = c * tokens * TOP_K
+                    ids.copy_(order[(torch.arange(tokens * TOP_K) + first) % EXPERTS])
+                    on_cpu.zero_()[ids[:on]] = 1  # the job reads the mask where it lies
+                    start = time.perf_counter()
+                    native.run(self.lib, job)
+                    took.append(time.perf_counter() - start)
+                medians.append(1e6 * statistics.median(took[2:]))
+        return medians
+
+
+def host_figures(threads: int | None = None, rounds: int = 4) -> HostFigures | None:
+    """The module doc's figures from `rounds` rounds back to back (calibrate.py spreads them instead); None where
+    native.cpp is not built (`native.why_not`)."""
+    measuring = HostRounds.start(threads)
+    if measuring is None:
         return None
-    threads = threads_here()
-    pool = native.Pool(lib, threads)
-    try:
-        fixed, gbps, r2 = _rate(lib, pool, calls, _uva_reads())
-        alone = _rate(lib, pool, calls, contextlib.nullcontext())[1]
-        handover = min(_handover(lib, pool) for _ in range(5))  # the host's slow phases only add (module doc)
-        return HostFigures(threads, gbps, alone, fixed, handover, r2, pool.isa())
-    finally:
-        pool.close()
+    for _ in range(rounds):
+        measuring.round()
+    return measuring.figures()
 
 
-def _rate(lib, pool, calls: int, beside) -> tuple[float, float, float]:
-    """(fixed us, GB/s, R^2) of the module doc's fit, its calls made inside the context `beside`."""
-    gate_up = torch.full((EXPERTS, 2 * INTER, HIDDEN), 0.01, dtype=torch.bfloat16)  # values do not change the time
-    down = torch.full((EXPERTS, HIDDEN, INTER), 0.01, dtype=torch.bfloat16)
-    on_cpu = torch.zeros(EXPERTS, dtype=torch.uint8)
-    expert_bytes = (gate_up[0].nbytes + down[0].nbytes)
-    order = torch.randperm(EXPERTS, generator=torch.Generator().manual_seed(0))
-    points: list[tuple[float, float]] = []  # (bytes, us)
-    with beside:
-        for tokens, on in POINTS * 2:
-            x = torch.full((tokens, HIDDEN), 0.5, dtype=torch.bfloat16)
-            y = torch.empty((tokens * TOP_K, HIDDEN), dtype=torch.bfloat16)
-            ids = torch.empty(tokens * TOP_K, dtype=torch.long)
-            job = native.job(pool, gate_up, down, on_cpu, x, ids, y, tokens, TOP_K)
-            took = []
-            for c in range(calls):  # each call's experts follow the last call's in a shuffled ring: cold
-                first = c * tokens * TOP_K
-                ids.copy_(order[(torch.arange(tokens * TOP_K) + first) % EXPERTS])
-                on_cpu.zero_()[ids[:on]] = 1  # the job reads the mask where it lies
-                start = time.perf_counter()
-                native.run(lib, job)
-                took.append(time.perf_counter() - start)
-            points.append((on * expert_bytes, 1e6 * statistics.median(took[2:])))
-    x, us = [p[0] for p in points], [p[1] for p in points]
+def fastest_rounds(threads: int, isa: str, nbytes: list[float], beside: list[list[float]], alone: list[list[float]],
+                   handovers: list[float]) -> HostFigures:
+    """The figures from rounds of measurements: per round, each point's median call (us) beside UVA reads and
+    alone, the points' bytes `nbytes`; a hand-over per round. Each point and the hand-over keep their fastest round
+    (a slow phase only adds time), and the fits go through those; `slowdown` is the median round of the calls of
+    8 experts (POINTS' (1, 8)) against their fastest, beside UVA reads."""
+    fixed, gbps, r2 = _fit(nbytes, [min(r[i] for r in beside) for i in range(len(nbytes))])
+    alone_gbps = _fit(nbytes, [min(r[i] for r in alone) for i in range(len(nbytes))])[1]
+    eight = [r[POINTS.index((1, 8))] for r in beside]
+    return HostFigures(threads, gbps, alone_gbps, fixed, min(handovers), r2, isa, len(beside),
+                       statistics.median(eight) / min(eight))
+
+
+def _fit(x: list[float], us: list[float]) -> tuple[float, float, float]:
+    """(fixed us, GB/s, R^2) of `us` = fixed + bytes / rate over the points' bytes `x`."""
     slope, fixed = statistics.linear_regression(x, us)
     mean = statistics.fmean(us)
     r2 = 1 - sum((u - slope * b - fixed) ** 2 for b, u in zip(x, us)) / max(sum((u - mean) ** 2 for u in us), 1e-12)

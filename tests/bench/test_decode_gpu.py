@@ -8,7 +8,7 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from decode_bench import load_benchmark, run_decode  # noqa: E402
-from planner.inputs.hardware import H100, dumps_hardware  # noqa: E402
+from planner.inputs.hardware import H100, dumps_hardware, load_hardware  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -151,6 +151,12 @@ def test_moe_benchmark_measures_experts_on_cpu_replayed_and_eager(tmp_path):
     assert all(r["steps_per_s"] > 0 and r["host_mean_us"] > 0 and r["host_kernel"].startswith("native ")
                and r["kernel_misses"] == 0 and r["cpu_threads"] == 2 for r in host.values())
     assert all(r["host_decode_calls"] >= 2 * 3 for r in host.values())  # 2 layers x the 3 timed steps at least
+    # the 2 threads' rows are predicted from the host's figures measured with 2 threads, once in the run
+    calibrated = [r for r in rows if r["kind"] == "host-calibration"]
+    assert [(r["cpu_threads"], r["cpu_rates_threads"]) for r in calibrated] == [(2, 2)]
+    assert calibrated[0]["cpu_expert_gbps"] > 0 and calibrated[0]["rounds"] == 4
+    hw2 = load_hardware(tmp_path / "work" / "moe-tiny" / "hw-t2.yaml")
+    assert (hw2.cpu_threads, hw2.cpu_rates_threads, hw2.cpu_expert_gbps) == (2, 2, calibrated[0]["cpu_expert_gbps"])
 
 
 def test_memory_benchmark_measures_every_plan_against_its_footprint(tmp_path):

@@ -61,6 +61,20 @@ def test_calibrate_refuses_an_output_that_is_no_hardware_profile_before_measurin
     assert snapshot(work) == before
 
 
+def test_calibrate_refuses_more_host_threads_than_the_process_may_use_before_measuring(work, capsys):
+    cores = len(os.sched_getaffinity(0))
+    before = snapshot(work)
+    assert main(["calibrate", "-o", "measured.yaml", "--cpu-threads", str(cores + 1)]) == 1  # on any machine, GPU or not
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --cpu-threads {cores + 1}: this process may run on {cores} cores (its CPU "
+                          f"affinity), so the host kernel can run 1 to {cores} threads; ask for at most {cores}")
+    assert err.endswith("or widen the affinity (`taskset -c`, the container's CPU limit)\n") and err.count("\n") == 1
+    assert snapshot(work) == before
+    assert main(["calibrate", "-o", "measured.yaml", "--cpu-threads", "0"]) == 1  # not a count: a usage error
+    assert "--cpu-threads: must be at least 1" in capsys.readouterr().err
+    assert snapshot(work) == before
+
+
 def test_rebuilding_over_the_previous_plan_is_allowed(work, capsys):
     before = (work / "p.plan.yaml").read_bytes()
     assert main(["build", "p.policy.yaml", "-o", "./p.plan.yaml"]) == 0

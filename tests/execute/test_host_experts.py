@@ -217,7 +217,8 @@ def test_more_threads_than_the_process_may_use_is_refused_before_loading(tmp_pat
     cores = len(os.sched_getaffinity(0))
     plan = make_plan(tmp_path, qwen, SPLIT + hardware(tmp_path, threads=cores + 1))
     with pytest.raises(OffplanError, match=f"with {cores + 1} host threads \\(cost.cpu_threads\\), but this process "
-                                           f"may run on {cores} cores: rebuild it with `cpu_threads: {cores}`"):
+                                           f"may run on {cores} cores: rebuild it with a hardware profile measured at "
+                                           f"those \\(`plan calibrate --cpu-threads {cores}`\\)"):
         from_pretrained(plan, progress=False, device="cpu")
 
 

@@ -178,8 +178,8 @@ def test_more_threads_in_all_than_the_host_has_is_refused_by_every_process(tmp_p
     (tmp_path / "hw.yaml").write_text(dumps_hardware(dataclasses.replace(H100, cpu_threads=host + 2)))
     plan = make_plan(tmp_path, checkpoints["moe"], POLICIES["cpu"], name="oversubscribed")
     want = (f"the plan computes experts on cpu with {each} host threads (cost.cpu_threads) in each of its 2 processes,"
-            f" {2 * each} in all, but this host has {host} cores: rebuild it with `cpu_threads: {host}` in the "
-            "hardware profile")
+            f" {2 * each} in all, but this host has {host} cores: rebuild it with a hardware profile measured at "
+            f"`plan calibrate --cpu-threads {host}`")
     assert run_ranks(load_error, 2, str(plan), device="cpu") == [want, want]
 
 

@@ -17,9 +17,8 @@ UVA_RULE = "rules:\n  - match: [experts]\n    place: uva\n"
 WARNS = ("warning: experts on cpu with 2 host threads (the hardware profile's cpu_threads), predicted with host "
          "rates measured with 15 (75 GB/s beside UVA reads): a host's rate is not proportional to its threads (8 "
          "took 1.39-1.63x the time of 15 on an H200 machine's host, docs/host-experts/), so the plan's figures for "
-         "them may not hold; calibrate with the threads the plan will run (`plan calibrate` takes the cores it may "
-         "run on less one: `taskset -c 0-2 plan calibrate` gives 2), or give cpu_threads: 15 where the host has the "
-         "cores")
+         "them may not hold; calibrate with the threads the plan will run (`plan calibrate --cpu-threads 2`), or "
+         "give cpu_threads: 15 where the host has the cores")
 
 
 def test_a_profile_keeps_the_threads_its_host_rates_were_measured_with(tmp_path):
@@ -79,6 +78,5 @@ def test_over_several_gpus_the_warning_is_of_the_whole_hosts_profile(tmp_path):
     plan = build(load_policy(write_policy(tmp_path, "gpus: 2\nhardware: hw.yaml\n" + CPU_RULE)), tmp_path)
     assert plan.cost.cpu_threads == 2
     assert [n for n in plan.notes if n.startswith("warning: experts on cpu with 4 host threads")] == [
-        WARNS.replace("with 2 host", "with 4 host").replace("0-2 plan calibrate` gives 2", "0-4 plan calibrate` "
-                                                                                         "gives 4")]
+        WARNS.replace("with 2 host", "with 4 host").replace("--cpu-threads 2", "--cpu-threads 4")]
 

@@ -55,14 +55,15 @@ def check(plan: Plan, targets: list[Target], quantized: dict, uva: bool, device:
     cores = len(os.sched_getaffinity(0))
     if threads > cores:
         raise OffplanError(f"the plan computes experts on cpu with {threads} host threads (cost.cpu_threads), but "
-                           f"this process may run on {cores} cores: rebuild it with `cpu_threads: {cores}` in the "
-                           "hardware profile (`plan calibrate` measures it)")
+                           f"this process may run on {cores} cores: rebuild it with a hardware profile measured "
+                           f"at those (`plan calibrate --cpu-threads {cores}`), or run it where it has {threads}")
     gpus, host = plan.parallel.gpus if plan.parallel is not None else 1, os.cpu_count() or cores
     if threads * gpus > host:  # every process of a tensor-parallel plan runs on this one host (each may be bound
         # to its own cores: each checked its own above)
         raise OffplanError(f"the plan computes experts on cpu with {threads} host threads (cost.cpu_threads) in "
                            f"each of its {gpus} processes, {threads * gpus} in all, but this host has {host} cores: "
-                           + (f"rebuild it with `cpu_threads: {host}` in the hardware profile" if host >= gpus else
+                           + (f"rebuild it with a hardware profile measured at `plan calibrate --cpu-threads "
+                              f"{host}`" if host >= gpus else
                               "place the experts on uva (rebuild the plan)"))
 
 
