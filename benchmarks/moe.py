@@ -22,13 +22,11 @@ safetensors checkpoint (harness/checkpoints.py `make_checkpoint`, a layer at a t
 3. every expert in pinned host memory (a rule puts `experts` on uva), read
    through offplan's experts implementation (runtime/execute/experts.py), and, for
    comparison, the same placement read by transformers' `batched_mm`;
-4. the floor per batch: the bytes of the unique experts that routing touches
-   in a decode step (counted in an untimed pass over the same prompts, all on
-   the GPU with `grouped_mm`, whose arithmetic offplan reproduces above 16
-   (token, expert) pairs, while one token's k experts are k in any arithmetic;
-   its prefill holds no weight copy per pair, which at 48 layers and batch 32
-   would not fit the H100), over the UVA read bandwidth of step 1. Nothing can
-   read them faster.
+4. the floor per batch: the bytes of the unique experts that routing touches in a decode step (counted in an
+   untimed pass over the same prompts, all on the GPU with `grouped_mm`, whose arithmetic offplan reproduces above
+   16 (token, expert) pairs, while one token's k experts are k in any arithmetic; its prefill holds no weight copy
+   per pair, which at 48 layers and batch 32 would not fit the H100), over the UVA read bandwidth of step 1.
+   Nothing can read them faster.
 
 With `--cpu-fractions F...` (and `--cpu-threads N...`), rows with the first F of every layer's experts on cpu,
 the rest on uva; with `--cpu-split`, the plan's own split at each batch (harness/host_rows.py).
