@@ -5,11 +5,13 @@
   taking experts the calls just before it did not: cold, as a decode step's are), while a thread of ours keeps the
   GPU reading a pinned buffer over UVA (a replayed graph of GEMVs, again and again): one token with 1, 2, 4 or all
   8 of its top-8 experts on cpu (as a split layer's calls have a few), then 2, 4 and 8 tokens with all on cpu;
-  each call's time against its touched experts' bytes, fitted by least squares to `fixed + bytes / rate`. Host
-  memory feeds the link and the cores at once, each slower than alone, so the rate is the one a split plan gets.
-  The calls of one to four experts pin the fixed cost: fitted over 8 to 64 experts only, it came out anywhere
-  from 11 to 265 us on the same H100 machine (a small error in the slope, 75 MB from zero), where the decode's
-  calls measured none beyond their bytes at the rate;
+  each call's time beyond the fixed cost against its touched experts' bytes, fitted by least squares to
+  `bytes / rate`. Host memory feeds the link and the cores at once, each slower than alone, so the rate is the one
+  a split plan gets;
+- the fixed cost of a call: calls of one token to one tiny expert, which wake the kernel's workers and meet at
+  its barrier as a decode step's do, with nothing to read. An intercept fitted instead moved from 11 to 265 us
+  over 8 to 64 experts (a small error in the slope, 75 MB from zero), and 0-29 us over 1 to 64 experts between
+  three calibrations in a row (docs/calibration/);
 - `cpu_expert_alone_gbps`: the same calls with the GPU idle, the rate of a layer whose experts off the GPU are
   all on cpu (the cost model takes it there);
 - the hand-over: a captured graph of what a decode step enqueues per layer with experts on cpu (the tokens and
@@ -19,11 +21,12 @@
 Rounds. The host's CPU runs in phases, seconds to a minute long, in which everything it does is slower, about
 1.4-1.9x (docs/calibration/): a fit made inside one such phase moved the rates 9-17% and the fixed cost over 100%
 between calibrations. So the figures are measured in rounds (`HostRounds.round`: each point's median call beside
-UVA reads and alone, and one hand-over), which `plan calibrate` spreads between its other measurements, about a
-minute; each point (and the hand-over) keeps its fastest round, since a phase only adds time, and the fits go
-through those. The median round's slowdown against the fastest is reported, as the eager lines' is.
+UVA reads and alone, one hand-over and the fixed cost), which `plan calibrate` spreads between its other
+measurements, about a minute; each point (and the hand-over, and the fixed cost) keeps its fastest round, since a
+phase only adds time, and the fits go through those. The median round's slowdown against the fastest is reported,
+as the eager lines' is.
 
-`cpu_expert_sync_us` = the hand-over + the fit's fixed cost. `cpu_threads`: the threads the kernel ran with:
+`cpu_expert_sync_us` = the hand-over + the fixed cost. `cpu_threads`: the threads the kernel ran with:
 asked (`plan calibrate --cpu-threads N`, at most the cores this process may run on), or the cores this process
 may run on less one for the Python thread that launches the GPU's work. A plan computes with the profile's
 `cpu_threads`, so a machine that will run other work beside the model calibrates at the threads it will give.
@@ -59,9 +62,9 @@ class HostFigures:
     threads: int
     gbps: float  # the touched experts' bytes per second, beside the GPU's UVA reads
     alone_gbps: float  # the same, with the GPU idle
-    fixed_us: float  # per call, the fit's intercept
+    fixed_us: float  # per call: a call of a tiny expert (`_fixed_call`)
     handover_us: float  # per layer: copies, host node, copy back
-    r2: float  # of the fit
+    r2: float  # of the rate's line
     isa: str  # native.cpp's instruction set
     rounds: int = 1  # of each point, the fastest kept (module doc)
     slowdown: float = 1.0  # the median round's time against the fastest, the calls of 8 experts beside UVA reads
@@ -109,6 +112,7 @@ class HostRounds:
         self.beside: list[list[float]] = []  # per round, per point (POINTS): the median call, us
         self.alone: list[list[float]] = []
         self.handovers: list[float] = []
+        self.fixed: list[float] = []  # per round: a call of a tiny expert, us (`_fixed_call`)
 
     @classmethod
     def start(cls, threads: int | None = None, calls: int = 24) -> "HostRounds | None":
@@ -119,6 +123,7 @@ class HostRounds:
         self.beside.append(self._points(_uva_reads()))
         self.alone.append(self._points(contextlib.nullcontext()))
         self.handovers.append(_handover(self.lib, self.pool))
+        self.fixed.append(_fixed_call(self.lib, self.pool))
 
     def figures(self) -> HostFigures:
         """Each point's fastest round, fitted (module doc); the pool closed."""
@@ -128,7 +133,7 @@ class HostRounds:
             self.pool.close()
         expert_bytes = self.gate_up[0].nbytes + self.down[0].nbytes
         return fastest_rounds(self.threads, isa, [on * expert_bytes for _, on in POINTS], self.beside, self.alone,
-                              self.handovers)
+                              self.handovers, self.fixed)
 
     def _points(self, beside) -> list[float]:
         """Each point's median call (us), the calls made inside the context `beside`."""
@@ -165,24 +170,46 @@ def host_figures(threads: int | None = None, rounds: int = 4) -> HostFigures | N
 
 
 def fastest_rounds(threads: int, isa: str, nbytes: list[float], beside: list[list[float]], alone: list[list[float]],
-                   handovers: list[float]) -> HostFigures:
+                   handovers: list[float], fixed_calls: list[float]) -> HostFigures:
     """The figures from rounds of measurements: per round, each point's median call (us) beside UVA reads and
-    alone, the points' bytes `nbytes`; a hand-over per round. Each point and the hand-over keep their fastest round
-    (a slow phase only adds time), and the fits go through those; `slowdown` is the median round of the calls of
-    8 experts (POINTS' (1, 8)) against their fastest, beside UVA reads."""
-    fixed, gbps, r2 = _fit(nbytes, [min(r[i] for r in beside) for i in range(len(nbytes))])
-    alone_gbps = _fit(nbytes, [min(r[i] for r in alone) for i in range(len(nbytes))])[1]
+    alone, the points' bytes `nbytes`, a hand-over and a call of a tiny expert (the fixed cost). Each keeps its
+    fastest round (a slow phase only adds time); the rates are the points' time beyond the fixed cost over their
+    bytes (a line through the origin), since an intercept fitted from 9 MB to 600 MB moved 0-29 us between
+    calibrations (docs/calibration/); `slowdown` is the median round of the calls of 8 experts (POINTS' (1, 8))
+    against their fastest, beside UVA reads."""
+    fixed = min(fixed_calls)
+    gbps, r2 = _rate(nbytes, [min(r[i] for r in beside) - fixed for i in range(len(nbytes))])
+    alone_gbps = _rate(nbytes, [min(r[i] for r in alone) - fixed for i in range(len(nbytes))])[0]
     eight = [r[POINTS.index((1, 8))] for r in beside]
     return HostFigures(threads, gbps, alone_gbps, fixed, min(handovers), r2, isa, len(beside),
                        statistics.median(eight) / min(eight))
 
 
-def _fit(x: list[float], us: list[float]) -> tuple[float, float, float]:
-    """(fixed us, GB/s, R^2) of `us` = fixed + bytes / rate over the points' bytes `x`."""
-    slope, fixed = statistics.linear_regression(x, us)
+def _rate(x: list[float], us: list[float]) -> tuple[float, float]:
+    """(GB/s, R^2) of `us` = bytes / rate over the points' bytes `x`: least squares through the origin."""
+    slope = sum(b * u for b, u in zip(x, us)) / sum(b * b for b in x)
     mean = statistics.fmean(us)
-    r2 = 1 - sum((u - slope * b - fixed) ** 2 for b, u in zip(x, us)) / max(sum((u - mean) ** 2 for u in us), 1e-12)
-    return max(fixed, 0.0), 1 / slope / 1e3, r2
+    r2 = 1 - sum((u - slope * b) ** 2 for b, u in zip(x, us)) / max(sum((u - mean) ** 2 for u in us), 1e-12)
+    return 1 / slope / 1e3, r2
+
+
+def _fixed_call(lib, pool, repeat: int = 200) -> float:
+    """A call's fixed cost (us): the median of `repeat` calls of one token to one tiny expert (64 x 32 weights:
+    no time to read), which wake the pool's workers, deal out their chunks and meet at the barrier as a decode
+    step's calls do."""
+    hidden, inter = 64, 16
+    gate_up = torch.full((1, 2 * inter, hidden), 0.01, dtype=torch.bfloat16)
+    down = torch.full((1, hidden, inter), 0.01, dtype=torch.bfloat16)
+    on_cpu = torch.ones(1, dtype=torch.uint8)
+    x, ids = torch.full((1, hidden), 0.5, dtype=torch.bfloat16), torch.zeros(1, dtype=torch.long)
+    y = torch.empty((1, hidden), dtype=torch.bfloat16)
+    job = native.job(pool, gate_up, down, on_cpu, x, ids, y, 1, 1)
+    took = []
+    for _ in range(repeat + 10):
+        start = time.perf_counter()
+        native.run(lib, job)
+        took.append(time.perf_counter() - start)
+    return 1e6 * statistics.median(took[10:])
 
 
 class _uva_reads:
