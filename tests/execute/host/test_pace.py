@@ -39,11 +39,12 @@ def test_the_probe_reads_each_chosen_expert_once_and_sets_it_against_the_plan(tm
     try:
         engine = handle.host_experts
         calls = engine.host_calls
-        got = pace.probe(engine, 75.0, 100.0, experts=6, min_bytes=0)
+        got = pace.probe(engine, 1.0, 1000.0, experts=6, min_bytes=0)
         expert = 3 * 256 * 128 * 2
-        assert got.nbytes == 6 * expert and got.planned_us == pytest.approx(6 * expert / 75e3 + 100.0)
+        assert got.nbytes == 6 * expert and got.planned_us == pytest.approx(6 * expert / 1e3 + 1000.0)
         assert 0 < got.measured_us and got.slower == got.measured_us / got.planned_us
-        # a host that reads 1 MiB in well under a millisecond is not slower than 75 GB/s + 100 us
+        # figures any host meets (1.2 MB at 1 GB/s + 1 ms: 2.2 ms), so no warning; not a timing of this host, which
+        # on a 2-core VM took 232-419 us, at times over twice a 75 GB/s + 100 us plan's 116 us
         assert got.slower < pace.SLOWER, got.message()
         assert engine.host_calls == calls  # the probe's calls are not the model's
         assert pace.probe(engine, 75.0, 100.0) is None  # 1.5 MiB: under MIN_BYTES, the caches would answer
