@@ -170,6 +170,9 @@ def repredict_prefill(records: list[dict], work: Path) -> tuple[list[dict], list
     return rows, lacks
 
 
+HOST_FIELDS = ("cpu_expert_gbps", "cpu_expert_alone_gbps", "cpu_expert_sync_us", "cpu_threads", "cpu_rates_threads")
+
+
 def repredict_host(records: list[dict], work: Path) -> tuple[list[dict], list[str]]:
     """One row per replayed decode row of a moe.py run with experts on cpu (harness/host_rows.py): the first
     `cpu_fraction` of every layer's experts on cpu and the rest on uva, on the row's host threads; or the plan's own
@@ -184,20 +187,28 @@ def repredict_host(records: list[dict], work: Path) -> tuple[list[dict], list[st
     head, experts = "format_version: 1\ncheckpoint: ckpt\nhardware: hw.yaml\n", config_for(model, layers).num_experts
     budget = load_plan(make_plan(work, "experts-host", head + host_rows.UVA_REST.replace("  -", "rules:\n  -", 1))
                        ).summary.gpu_footprint_bytes / 2**30
+    # runs since host_rows.py measured the host at each --cpu-threads: those threads' own figures
+    by_threads = {c["cpu_threads"]: dataclasses.replace(hw, **{k: c[k] for k in HOST_FIELDS})
+                  for c in records if c["kind"] == "host-calibration"}
+    for threads, calibrated in by_threads.items():
+        (work / f"hw-t{threads}.yaml").write_text(dumps_hardware(calibrated))
     rows = []
     for r in records:
         if r["kind"] != "decode" or r.get("cpu_fraction") is None or r["mode"] not in ("graph", "compiled-graph"):
             continue
         row = {"name": r["name"], "batch": r["batch"], "mode": r["mode"], "steps_per_s": r["steps_per_s"],
                "then": r["predicted_steps_per_s"], "left_out": ""}
+        own = r.get("cpu_threads") in by_threads
         if r.get("split_by_plan"):
-            d = build(load_policy(write(work / f"split-{r['batch']}.policy.yaml", head + (
+            d = build(load_policy(write(work / f"split-{r['batch']}.policy.yaml", (
+                head.replace("hw.yaml", f"hw-t{r['cpu_threads']}.yaml") if own else head) + (
                 f"backend: mixed\ncpu_experts: true\nbudget_gib: {budget!r}\n"
                 f"workload: {{batch_size: {r['batch']}, cuda_graphs: true}}\n"))), work)
             row["now"], row["left_out"] = 1e6 / d.summary.predicted_step_us, "" if same_plan(d.summary, r) else \
                 "not the run's plan"
         else:
-            threads = dataclasses.replace(hw, cpu_threads=r["cpu_threads"] or hw.cpu_threads)
+            threads = by_threads[r["cpu_threads"]] if own else dataclasses.replace(
+                hw, cpu_threads=r["cpu_threads"] or hw.cpu_threads)
             count = round(r["cpu_fraction"] * experts)  # a plan file per count: predicted_us caches by path
             plan = make_plan(work, f"cpu-{count}", head + host_rows.cpu_rules(count, experts))
             row["now"] = 1e6 / predicted_us(plan, threads, r["batch"], graphs=True)
