@@ -163,6 +163,10 @@ def render(models: dict, with_plot: bool) -> str:
              "python benchmarks/moe.py --layers 8 --batches 1 4 8 --modes graph --baselines --transformers-baselines "
              "--host-implementations offplan --cpu-fractions 0.3 0.5 --cpu-threads 8 15 --cpu-split   # an H200, "
              "main at b11c0ad (the native host kernel, a calibrated profile): moe-cpu-qwen3-30b-a3b-run5-h200",
+             "python benchmarks/moe.py --layers 8 --batches 1 4 8 --modes graph --baselines --transformers-baselines "
+             "--host-implementations offplan --cpu-fractions 0.3 0.5 0.7 --cpu-threads 8 15 --cpu-split   # an H200, "
+             "branch host-threads at 2218318, not on main (the host's figures measured at each --cpu-threads in the "
+             "run, the split at 8 threads; docs/host-experts/): moe-cpu-qwen3-30b-a3b-run6-h200",
              "python benchmarks/report.py",
              "```", "",
              "Random bf16 weights in the real shapes. Dense tables: HF transformers eager decode (`generate`, "

@@ -23,8 +23,15 @@ def host_experts_tables() -> list[str]:
                 "module forward (median over the timed call's forwards, its prefill's included, in older runs; the "
                 "mean over the decode steps' forwards where the kernel column names it) counts whatever runs "
                 "around the kernel in the host's thread; the prediction is the plan's.", "",
-                "- " + run_header(path, rows), "",
-                "| experts on cpu | threads | mode | batch | steps/s | x uva | x floor | host ms per module | "
+                "- " + run_header(path, rows)]
+        hw = next(r for r in rows if r["kind"] == "hardware")
+        per_threads = [r for r in rows if r["kind"] == "host-calibration"]  # measured at each --cpu-threads
+        out += [f"- the host's figures, {', '.join(host_figures(r) for r in per_threads)}: each thread count's rows "
+                "and plans take their own" if per_threads else
+                f"- the host's figures in the profile: {host_figures(hw)}"
+                + ("; the rows at other threads took these rates" if any(
+                    r.get("cpu_threads") not in (None, hw["cpu_threads"]) for r in decoded) else "")]
+        out += ["", "| experts on cpu | threads | mode | batch | steps/s | x uva | x floor | host ms per module | "
                 "predicted steps/s | kernel |", "|---|---|---|---|---|---|---|---|---|---|"]
         for r in (r for r in decoded if "cpu_fraction" in r):
             base, median = uva.get((r["mode"], r["batch"])), r.get("host_mean_us", r.get("host_median_us"))
@@ -36,3 +43,10 @@ def host_experts_tables() -> list[str]:
                        f"{fmt(r.get('predicted_steps_per_s'), '.1f')} | {r.get('host_kernel', 'compiled')} |")
         out.append("")
     return out
+
+
+def host_figures(r: dict) -> str:
+    """A profile's (or a `host-calibration` row's) host figures for experts on cpu, in words."""
+    return (f"{r['cpu_threads']} threads: {r['cpu_expert_gbps']:g} GB/s beside UVA reads"
+            + (f", {r['cpu_expert_alone_gbps']:g} alone" if r.get("cpu_expert_alone_gbps") else "")
+            + f", {r['cpu_expert_sync_us']:g} us a call and hand-over")

@@ -176,7 +176,9 @@ HOST_FIELDS = ("cpu_expert_gbps", "cpu_expert_alone_gbps", "cpu_expert_sync_us",
 def repredict_host(records: list[dict], work: Path) -> tuple[list[dict], list[str]]:
     """One row per replayed decode row of a moe.py run with experts on cpu (harness/host_rows.py): the first
     `cpu_fraction` of every layer's experts on cpu and the rest on uva, on the row's host threads; or the plan's own
-    split (`backend: mixed` with `cpu_experts: true` under the all-uva plan's footprint, per batch)."""
+    split (`backend: mixed` with `cpu_experts: true` under the all-uva plan's footprint, per batch). Where the run
+    measured the host at the row's threads (a `host-calibration` row, run6 on), the plan is predicted with those
+    figures; else with the profile's rates, whatever the row's threads."""
     checkpoint = next((r for r in records if r["kind"] == "checkpoint"), None)
     if checkpoint is None or checkpoint["model"] not in SHAPES:
         return [], []
