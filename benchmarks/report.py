@@ -10,6 +10,7 @@ the one measured on a CPU machine: planning needs no GPU.
 """
 from __future__ import annotations
 
+import argparse
 import sys
 
 from planner.files import write_atomic
@@ -26,7 +27,9 @@ from reporting.quantized import quantized_tables
 from reporting.records import HERE
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    argparse.ArgumentParser(description="write benchmarks/RESULTS.md (and decode.png, with matplotlib) from "
+                            "benchmarks/results/*.jsonl").parse_args(argv)
     models = load()
     plotted = plot(models, HERE / "decode.png")
     write_atomic(HERE / "RESULTS.md", render(models, plotted or (HERE / "decode.png").is_file()), "results")
@@ -165,7 +168,7 @@ def render(models: dict, with_plot: bool) -> str:
              "main at b11c0ad (the native host kernel, a calibrated profile): moe-cpu-qwen3-30b-a3b-run5-h200",
              "python benchmarks/moe.py --layers 8 --batches 1 4 8 --modes graph --baselines --transformers-baselines "
              "--host-implementations offplan --cpu-fractions 0.3 0.5 0.7 --cpu-threads 8 15 --cpu-split   # an H200, "
-             "branch host-threads at 2218318, not on main (the host's figures measured at each --cpu-threads in the "
+             "branch host-threads at 2218318, since landed (the host's figures measured at each --cpu-threads in the "
              "run, the split at 8 threads; docs/host-experts/): moe-cpu-qwen3-30b-a3b-run6-h200",
              "python benchmarks/report.py",
              "```", "",

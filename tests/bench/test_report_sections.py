@@ -1,11 +1,13 @@
 """benchmarks/reporting/front_door.py, parallel.py and memory.py: their RESULTS.md sections, from synthetic records in a
 scratch results folder (each run's eager rows against its own all-GPU eager rate; batch-8 rows of plans with host
 experts not set against a prediction that assumes other routing; each GPU count against the floor and one GPU; a
-tensor-parallel memory run said to be per GPU)."""
+tensor-parallel memory run said to be per GPU); report.py's --help writes nothing."""
 from __future__ import annotations
 
 import json
 import sys
+
+import pytest
 
 from decode_bench import ROOT
 
@@ -119,3 +121,12 @@ def test_the_memory_section_says_when_its_figures_are_each_gpus(tmp_path, monkey
                            "Not run: experts-cpu (experts on cpu are one GPU's only).", ""]
     assert lines[10] == "## qwen3-30b-a3b: does the GPU budget hold?" and "Tensor parallel" not in lines[12]
     assert not any(line.startswith("Not run") for line in lines[10:])
+
+
+def test_report_py_help_prints_its_usage_and_writes_nothing(capsys, monkeypatch):
+    import report
+    written = []
+    monkeypatch.setattr(report, "write_atomic", lambda *a, **k: written.append(a))
+    with pytest.raises(SystemExit) as exit_:
+        report.main(["--help"])
+    assert exit_.value.code == 0 and "RESULTS.md" in capsys.readouterr().out and not written
