@@ -27,7 +27,8 @@ benchmark recorded none there before). `--check` judges the front-door runs' rep
 prediction rests on the run's calibrated launch overheads, which vary between calibrations by up to 2x (issue 25's
 calibration item), and a long prompt's on one GEMM rate for every shape (docs/front-door/README.md); the moe-cpu
 runs' oldest profiles come from calibrations since replaced, and their first two runs from a host kernel since
-replaced.
+replaced. The last lines count, per kind of run, the compared rows (eager ones too) within 1 +- 0.2 of the current
+prediction (1 +- TOLERANCE with `--check`).
 """
 from __future__ import annotations
 
@@ -258,6 +259,13 @@ def off(rows: list[dict], tolerance: float) -> list[dict]:
             and abs(r["steps_per_s"] / r["now_steps_per_s"] - 1) > tolerance]
 
 
+def tally(within: dict, kind: str, pairs: list[tuple[float, float]], tolerance: float | None) -> None:
+    """Add a run's compared rows, (measured, predicted now), to `within[kind]`: [rows within 1 +- tolerance
+    (default 0.2) of measured / predicted, rows]. Rates and times alike: the ratio's distance from 1 is the test."""
+    got = [abs(measured / now - 1) <= (tolerance or 0.2) for measured, now in pairs]
+    within[kind] = [a + b for a, b in zip(within.get(kind, (0, 0)), (sum(got), len(got)))]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -284,11 +292,11 @@ def main(argv: list[str] | None = None) -> int:
             print("\n".join(table(f"{path.name} (experts on cpu{lacking(lacks)})", ["plan", "batch", "mode"], "steps/s",
                                    [([r["name"], r["batch"], r["mode"]], r["steps_per_s"], r["then"], r["now"],
                                      r["left_out"]) for r in rows])))
+            tally(within, kind, [(r["steps_per_s"], r["now"]) for r in rows if not r["left_out"]], args.check)
         elif kind == "prefill":
             print("\n".join(table(f"{path.name} (time to first token{lacking(lacks)})", ["plan", "tokens"], "ms", [
                 ([r["strategy"], r["tokens"]], r["ms"], r["then_ms"], r["now_ms"], r["left_out"]) for r in rows])))
-            got = [abs(r["ms"] / r["now_ms"] - 1) <= (args.check or 0.2) for r in rows if not r["left_out"]]
-            within["prefill"] = [a + b for a, b in zip(within.get("prefill", (0, 0)), (sum(got), len(got)))]
+            tally(within, kind, [(r["ms"], r["now_ms"]) for r in rows if not r["left_out"]], args.check)
         elif rows:
             run = records[0]
             title = f"{path.name} ({run['device']}, {run['layers']} layers{lacking(lacks)})"
@@ -298,6 +306,8 @@ def main(argv: list[str] | None = None) -> int:
                                     for r in rows])))
             bad += [f"{path.name}: {r['strategy']} batch {r['batch']}: "
                     f"{r['steps_per_s'] / r['now_steps_per_s']:.2f}" for r in off(rows, args.check or 0)]
+            tally(within, kind, [(r["steps_per_s"], r["now_steps_per_s"]) for r in rows if not r["left_out"]],
+                  args.check)
     for kind, (good, compared) in within.items():
         print(f"{kind}: {good} of {compared} compared rows within 1 +- {args.check or 0.2} of the current prediction")
     if args.check is not None and bad:
