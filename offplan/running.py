@@ -253,7 +253,8 @@ def _generate(model, handle, texts: list[str], batch: int, max_new_tokens: int, 
 
 
 def calibrate_command(args) -> int:
-    """`plan calibrate -o PROFILE [--cpu-threads N]`: measure this GPU (runtime/measure/calibrate.py), write a hardware profile."""
+    """`plan calibrate -o PROFILE [--cpu-threads N]`: measure this GPU (runtime/measure/calibrate.py), write a
+    hardware profile."""
     # before minutes of measuring
     refuse_to_replace(Path(args.output), "hardware profile", "choose another -o, or remove that file first")
     cal = calibrate(args.cpu_threads)

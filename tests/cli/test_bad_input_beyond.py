@@ -64,7 +64,8 @@ def test_calibrate_refuses_an_output_that_is_no_hardware_profile_before_measurin
 def test_calibrate_refuses_more_host_threads_than_the_process_may_use_before_measuring(work, capsys):
     cores = len(os.sched_getaffinity(0))
     before = snapshot(work)
-    assert main(["calibrate", "-o", "measured.yaml", "--cpu-threads", str(cores + 1)]) == 1  # on any machine, GPU or not
+    # on any machine, GPU or not: refused before anything is measured
+    assert main(["calibrate", "-o", "measured.yaml", "--cpu-threads", str(cores + 1)]) == 1
     err = capsys.readouterr().err
     assert err.startswith(f"error: --cpu-threads {cores + 1}: this process may run on {cores} cores (its CPU "
                           f"affinity), so the host kernel can run 1 to {cores} threads; ask for at most {cores}")
