@@ -14,6 +14,7 @@ from runtime.execute.generation import CACHE_QUANTUM  # noqa: E402
 from runtime.hf import from_pretrained  # noqa: E402
 from tiny_models import make_plan, save_models, transformers_greedy  # noqa: E402
 
+
 class _NoHostReads(torch.overrides.TorchFunctionMode):
     """Fails on a tensor's value read on the host (`bool`, `item`, `int`, ...): on CUDA a host sync, which a CUDA
     graph capture refuses (how a padded batch's first replay failed on an H200), so a one-token step has none."""
@@ -156,10 +157,11 @@ def test_a_replay_is_refused_padded_prompts_past_a_sliding_window_or_a_sliding_l
 def test_a_replayable_sliding_layer_steps_past_its_window_from_its_device_count_alone(family):
     """tokens.py `_replayed_sliding_layer`: one-token steps past the window (8) write, roll and mask from the count
     on the device, so a replay, which runs no Python, steps right: with the layers' Python count set wrong before
-    every step (as a replay leaves it: at its prefill's length, below or past the window), gpt-oss (eager attention, sinks), Gemma 2 and 3
-    (sdpa) and Llama 4 (chunks of 8 in the same layer class) give transformers' own logits bitwise, after a prompt
-    shorter than the window and one longer, a batch of two, 14 steps; the cached keys and values are transformers'
-    too. Then a prompt after the steps (its count first set from the device's) continues as transformers' does."""
+    every step (as a replay leaves it: at its prefill's length, below or past the window), gpt-oss (eager
+    attention, sinks), Gemma 2 and 3 (sdpa) and Llama 4 (chunks of 8 in the same layer class) give transformers' own
+    logits bitwise, after a prompt shorter than the window and one longer, a batch of two, 14 steps; the cached
+    keys and values are transformers' too. Then a prompt after the steps (its count first set from the device's)
+    continues as transformers' does."""
     from transformers import AutoModelForCausalLM, StaticCache
     from runtime.execute.tokens import replayable
     import tiny_models
