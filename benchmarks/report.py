@@ -89,6 +89,9 @@ def render(models: dict, with_plot: bool) -> str:
              "--label h200-split-again   # another H200 lease: is h200-guess's split apply at batch 8 (0.86x) noise?",
              "python benchmarks/front_door.py --layers 8 --strategies experts-uva experts-split --batches 1 "
              "--no-pair-eager --label h200-cli   # an H200, plan apply after this session's CLI changes (running.py)",
+             "python benchmarks/front_door.py --layers 8 --strategies experts-split --batches 1 --apply-calls 3 "
+             "--no-pair-eager --label h200-split-apply   # an H200, main at 9f09c49: is h200-split-again's apply at "
+             "batch 1 (0.85x the loop) noise?",
              "python benchmarks/front_door.py --layers 8 --strategies experts-uva experts-split --batches 1 "
              "--label h200-eager2   # an H200, an eager step calling the host engine directly (experts.py)",
              "python benchmarks/front_door.py --layers 8 --strategies gpu gpu-fp8 experts-uva --batches 1 8 "
