@@ -125,6 +125,10 @@ def render(models: dict, with_plot: bool) -> str:
              "experts-cpu --tokens 2048 8192 --new-tokens 16   # then: mv results/prefill-qwen3-30b-a3b-spread2.jsonl "
              "results/prefill-qwen3-30b-a3b-spread2-cpu.jsonl",
              "python benchmarks/prefill.py --model qwen3-30b-a3b --layers 8 --spread 2 --strategies experts-host "
+             "experts-cpu --tokens 2048 8192 --new-tokens 16   # on an H200, main at 9f09c49 (the H100 row above at "
+             "8192: 1.16x); then: mv results/prefill-qwen3-30b-a3b-spread2.jsonl "
+             "results/prefill-qwen3-30b-a3b-spread2-cpu-h200.jsonl",
+             "python benchmarks/prefill.py --model qwen3-30b-a3b --layers 8 --spread 2 --strategies experts-host "
              "--hardware H200.yaml   # on an H200, at 98ebed3 (its all-GPU experts without grouped_mm's masks, "
              "as main's since 4822f74: docs/moe-prefill/), with a profile `plan calibrate` wrote there "
              "earlier; then: mv results/prefill-qwen3-30b-a3b-spread2.jsonl "
