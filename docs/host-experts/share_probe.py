@@ -11,7 +11,7 @@ This probe measures both sides together, for each host thread count:
   in a shuffled ring of 128 (cold, as runtime/measure/host.py's points), on a loop thread, bytes over time;
 - both at once: the loop thread computing while this thread replays the GEMVs; each side's rate, and their sum.
 
-    python docs/host-experts/share_probe.py OUT.json [THREADS...]     # on a GPU machine, offplan installed
+    PYTHONPATH=.:$PYTHONPATH python docs/host-experts/share_probe.py OUT.json [THREADS...]   # on a GPU machine
 """
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ probe times each of Llama-3.1-8B's weight shapes, for T tokens, read in place (`
 zero-copy view) against copied first and then multiplied, as stage_crossover does; passes = the in-place time over
 one GEMV's (T = 1) time, which reads each byte once.
 
-    python docs/prefill-inplace/inplace_shapes.py OUT.json      # on a GPU machine, offplan installed
+    PYTHONPATH=.:$PYTHONPATH python docs/prefill-inplace/inplace_shapes.py OUT.json   # on a GPU machine
 """
 from __future__ import annotations
 
