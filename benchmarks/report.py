@@ -110,6 +110,10 @@ def render(models: dict, with_plot: bool) -> str:
              "replayed and compiled-then-replayed: -48layers-split-compiled-h200; with --modes compiled-graph alone, "
              "on an H100, the checkpoint written, synced and the page cache dropped first: "
              "-48layers-split-compiled-h100",
+             "python benchmarks/moe.py --batches 1 --modes graph compiled-graph --baselines --transformers-baselines "
+             "--host-implementations offplan --cpu-split --new-tokens 24   # all 48 layers, an H200, main at f18e95a: "
+             "-48layers-split-compiled-h200-r2; then on the same machine, its checkpoint kept, --modes compiled-graph "
+             "--host-implementations --cpu-fractions 1.0 in place of theirs: -48layers-all-compiled-h200",
              "python benchmarks/moe.py --batches 1 4 8 --modes graph --baselines --transformers-baselines "
              "--host-implementations --cpu-fractions 0.5 0.7 1 --lookahead-ab --new-tokens 24   # all 48 layers: "
              "-48layers-lookahead (an H100); with --cpu-fractions 0.7 1: -48layers-lookahead-h200",
