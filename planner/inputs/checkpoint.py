@@ -122,7 +122,7 @@ class _Digest:
     of 2 KiB or more, so the headers hash on another core while this thread parses them (DeepSeek-V3's 21 MB took
     0.11 s of a 0.65 s `plan build` on a 2-CPU VM, Kimi-K2's 32 MB 0.18 s of 0.96). With nothing else to do
     meanwhile, the hand-overs cost more than they save (`fingerprint` took 1.5x as long): `threaded=False` hashes in
-    the caller's thread. `close` ends the thread (`open_checkpoint` holds it in `contextlib.closing`: on an error too)."""
+    the caller's thread. `close` ends the thread (`open_checkpoint` holds it in `contextlib.closing`: an error too)."""
 
     def __init__(self, threaded: bool = True):
         self._hash, self._pieces = hashlib.sha256(), queue.SimpleQueue()
